@@ -1,0 +1,285 @@
+"""Backbones: load a real Qwen-VL checkpoint, or build the embedded tiny default.
+
+Both paths end in the same objects: a `transformers` model and a `VLProcessor`
+(tokenizer + image processor + the token ids the model needs). Scripts never care which.
+
+    model, proc = load_backbone("/path/to/Qwen2.5-VL-3B-Instruct")   # real checkpoint
+    model, proc = load_backbone("tiny-dense")                        # committed tiny default
+    batch = proc.encode(examples, train=True)                        # labels on the answer only
+    out = model(**batch)
+
+The tiny defaults are real `transformers` architectures (Qwen3-VL dense, Qwen3-VL-MoE),
+built here with a byte-level BPE tokenizer and a Qwen2-VL image processor, pretrained by
+`python -m common.pretrain` and saved with `save_pretrained` under `common/tiny/`.
+"""
+import json
+import os
+import random
+
+import torch
+
+TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+TINY = {"tiny-dense": os.path.join(TINY_DIR, "dense"), "tiny-moe": os.path.join(TINY_DIR, "moe")}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SUPPORTED_VLMS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+class BackboneError(ValueError):
+    """A checkpoint cannot be used; the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------- tokenizer / images
+
+def build_tokenizer(vocab_size=400, seed=0):
+    """Byte-level BPE tokenizer trained in memory on shapes-world text (any text encodes:
+    unknown words fall back to bytes), with the Qwen special tokens and a chat template.
+    Returns a `Qwen2Tokenizer`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from common import data
+    rng, corpus = random.Random(seed), []
+    for _ in range(3000):
+        scene, family, q, a = data.sample_example(rng)
+        corpus += [q, data.target_text(scene, a)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    m = json.loads(bpe.to_str())["model"]
+    tok = Qwen2Tokenizer(vocab=m["vocab"], merges=[tuple(x) for x in m["merges"]], unk_token="<|endoftext|>",
+                         eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_image_processor(image_size=84):
+    """Qwen2-VL image processor with patch 14 / merge 2 that keeps `image_size` images as they are."""
+    from transformers import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": max(image_size, 112) ** 2},
+                                    patch_size=14, temporal_patch_size=2, merge_size=2)
+
+
+# ----------------------------------------------------------------------------- processor
+
+class VLProcessor:
+    """Tokenizer + image processor + the model's special-token ids, and the one place that
+    turns (image, question[, answer]) examples into model inputs.
+
+    Prompt format (Qwen chat, no system turn):
+        <|im_start|>user\\n<|vision_start|><|image_pad|>*n<|vision_end|>{question}<|im_end|>\\n
+        <|im_start|>assistant\\n{answer}<|im_end|>
+    """
+
+    def __init__(self, tokenizer, image_processor, config):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.image_token_id = config.image_token_id
+        self.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
+        self.merge = image_processor.merge_size
+        self._ids = {}
+
+    def _tok(self, text):
+        if text not in self._ids:  # prompts/templates repeat: cache their ids
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(self._ids) > 100_000:
+                self._ids.clear()
+            self._ids[text] = ids
+        return self._ids[text]
+
+    def images(self, images):
+        """list of PIL images -> (pixel_values [sum patches, C*T*p*p], image_grid_thw [N,3])."""
+        out = self.image_processor(images=images, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def prompt_ids(self, question, n_image_tokens):
+        ids = self._tok("<|im_start|>user\n<|vision_start|>") + [self.image_token_id] * n_image_tokens
+        return ids + self._tok("<|vision_end|>" + question) + self._tok("<|im_end|>\n<|im_start|>assistant\n")
+
+    def encode(self, images, questions, answers=None, padding_side=None, pixels=None):
+        """Batch inputs for the model.
+
+        images: list of PIL images (or None with `pixels=(pixel_values, image_grid_thw)` given);
+        questions: list[str]; answers: list[str] or None.
+        With answers (training): right padding, `labels` = -100 except on the answer + <|im_end|>.
+        Without (generation): left padding, so every row's last token is its prompt's end.
+        Always returns input_ids, attention_mask, mm_token_type_ids (1 at image tokens; the
+        model silently falls back to 1-D positions without it), pixel_values, image_grid_thw.
+        Raises ValueError if all labels would be masked (empty answers)."""
+        pixel_values, grid = pixels if pixels is not None else self.images(images)
+        n_img = (grid.prod(-1) // self.merge ** 2).tolist()
+        rows, labels = [], []
+        for i, q in enumerate(questions):
+            p = self.prompt_ids(q, n_img[i])
+            if answers is None:
+                rows.append(p)
+                continue
+            a = self._tok(answers[i]) + [self.eos_token_id]
+            rows.append(p + a)
+            labels.append([-100] * len(p) + a)
+        side = padding_side or ("right" if answers is not None else "left")
+        L = max(map(len, rows))
+        pad = lambda r, v: (r + [v] * (L - len(r))) if side == "right" else ([v] * (L - len(r)) + r)
+        input_ids = torch.tensor([pad(r, self.pad_token_id) for r in rows])
+        mask = torch.tensor([pad([1] * len(r), 0) for r in rows])
+        batch = {"input_ids": input_ids, "attention_mask": mask,
+                 "mm_token_type_ids": (input_ids == self.image_token_id).long() * mask,
+                 "pixel_values": pixel_values, "image_grid_thw": grid}
+        if answers is not None:
+            batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
+        return batch
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def save_pretrained(self, path):
+        self.tokenizer.save_pretrained(path)
+        self.image_processor.save_pretrained(path)
+
+
+def patchify(images_uint8, patch=14, temporal=2, merge=2, mean=(0.48145466, 0.4578275, 0.40821073),
+             std=(0.26862954, 0.26130258, 0.27577711)):
+    """Qwen2-VL patch layout in torch, for a batch of same-size images that need no resize.
+
+    images_uint8: [N, H, W, 3] uint8 with H, W multiples of patch*merge.
+    Returns (pixel_values [N*gh*gw, 3*temporal*patch*patch], image_grid_thw [N, 3]); equal
+    to `Qwen2VLImageProcessorPil` output (tested) at a fraction of the cost."""
+    N, H, W, _ = images_uint8.shape
+    x = (images_uint8.float() / 255 - torch.tensor(mean)) / torch.tensor(std)  # N H W C
+    x = x.permute(0, 3, 1, 2).unsqueeze(1).expand(N, temporal, 3, H, W)  # N T C H W
+    gh, gw = H // patch, W // patch
+    x = x.reshape(N, 1, temporal, 3, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)  # N t gh/m gw/m m m C T p p
+    pv = x.reshape(N * gh * gw, 3 * temporal * patch * patch)
+    return pv, torch.tensor([[1, gh, gw]] * N)
+
+
+# ----------------------------------------------------------------------------- tiny configs
+
+def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2):
+    """Config of a tiny VLM of a real transformers architecture.
+
+    arch: "qwen3_vl" (dense, the default base), "qwen3_vl_moe" (MoE, `experts` top-`top_k`),
+    or "qwen2_5_vl" (for tests / method code on the papers' architecture; rope_theta=3 with
+    mrope_section [2,7,7] so height/width get usable rotary frequencies, see NOTES).
+    Raises ValueError on an unknown arch."""
+    from transformers import AutoConfig
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    vocab = len(tokenizer)
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                tie_word_embeddings=False)
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [6, 5, 5],
+                                   "mrope_interleaved": True}
+        if arch == "qwen3_vl_moe":
+            text.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=hidden,
+                        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01)
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden,
+                      num_position_embeddings=36, deepstack_visual_indexes=[1])
+    elif arch == "qwen2_5_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 3.0, "mrope_section": [2, 7, 7]}
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, window_size=112,
+                      fullatt_block_indexes=[1])
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose qwen3_vl, qwen3_vl_moe or qwen2_5_vl")
+    return AutoConfig.for_model(arch, text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+def build_tiny(arch="qwen3_vl", seed=0, **kw):
+    """Randomly initialised tiny VLM + its VLProcessor (nothing downloaded)."""
+    from transformers import AutoModelForImageTextToText
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(tiny_config(arch, tok, **kw))
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, VLProcessor(tok, build_image_processor(), model.config)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def resolve(path):
+    """'tiny-dense' / 'tiny-moe' -> committed directory; anything else unchanged."""
+    return TINY.get(path, path)
+
+
+def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, device_map=None):
+    """Load a VLM + VLProcessor from a local directory (or hub id, where the hub is reachable).
+
+    path: directory holding config.json + *.safetensors + tokenizer + preprocessor config,
+    or "tiny-dense" / "tiny-moe" for the committed defaults.
+    dtype: torch dtype or None (the checkpoint's own); device: "cpu", "cuda", ...;
+    trust_remote_code: off unless the user asks (it executes code shipped with the checkpoint).
+    Raises BackboneError for a missing directory, a directory without config.json, or an
+    architecture outside SUPPORTED_VLMS."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    path = resolve(path)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise BackboneError(f"{path} has no config.json: not a save_pretrained checkpoint directory "
+                                f"(point --model at the folder that holds config.json and *.safetensors)")
+    elif os.path.sep in path or path.startswith("."):
+        if path in TINY.values():
+            raise BackboneError(f"{path} missing: the committed tiny checkpoint is gone; restore it with git "
+                                f"or rebuild it with `python -m common.pretrain`")
+        raise BackboneError(f"{path}: no such checkpoint directory")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if config.model_type not in SUPPORTED_VLMS and not trust_remote_code:
+        raise BackboneError(f"{path}: architecture {config.model_type!r} is not supported; supported VLMs: "
+                            f"{', '.join(SUPPORTED_VLMS)}")
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, use_safetensors=True)
+    if device_map is None:
+        model.to(device)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    improc = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model.eval(), VLProcessor(tok, improc, model.config)
+
+
+def save_backbone(model, proc, path):
+    """save_pretrained model + tokenizer + image processor into `path` atomically
+    (written to a temp dir, then renamed over)."""
+    import shutil
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    proc.save_pretrained(tmp)
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def text_model(model):
+    """The decoder of a VLM (`model.model.language_model`) or of a causal LM (`model.model`)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+@torch.no_grad()
+def generate(model, proc, images, questions, max_new_tokens=48, pixels=None, **gen_kw):
+    """Batched greedy generation (left padding). Returns (texts, n_generated_tokens list).
+    Bounded by `max_new_tokens` even if the model never emits <|im_end|>."""
+    batch = proc.encode(images, questions, pixels=pixels)
+    batch = {k: v.to(model.device) for k, v in batch.items()}
+    gen_kw.setdefault("do_sample", False)
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=proc.eos_token_id,
+                         pad_token_id=proc.pad_token_id, **gen_kw)
+    new = out[:, batch["input_ids"].shape[1]:]
+    texts, lens = [], []
+    for row in new.tolist():
+        n = row.index(proc.eos_token_id) + 1 if proc.eos_token_id in row else len(row)
+        texts.append(proc.decode(row[:n]))
+        lens.append(n)
+    return texts, lens

@@ -1,0 +1,269 @@
+"""The synthetic "shapes" world and the LLaVA-format reader every script uses.
+
+An image is a 3x3 grid of 28x28 cells (84x84 px, black background). With patch 14 and
+2x2 spatial merge each cell is exactly one merged visual token, so the tiny models can
+learn the world from scratch on CPU (see README, "How the tiny base models learn").
+Each of 1-4 objects (circle / square / triangle, 4 colours, 2 sizes) sits in its own cell.
+
+Five question families mirror the papers' benchmarks:
+
+    existence  yes/no     "Is there a red circle?"      (POPE-like; half the negatives adversarial)
+    count      number     "How many circles are there?"
+    colour     open word  "What colour is the square?"  (the asked shape is unique)
+    spatial    yes/no     "Is the red circle to the left of the blue square?"
+    mc         letter     "Which object is at the top left? A. ... B. ... C. ... D. ..."
+
+Answers "look, then answer": the target first lists every cell (the scene), then the answer:
+    "tl red circle, tc empty, ..., br empty. Answer: yes"
+`common.data.final_answer` extracts the part after "Answer:". Records are written as
+images + LLaVA-style conversation JSON, the format real instruction data uses, so
+`read_llava_json` serves both.
+"""
+import argparse
+import json
+import os
+import random
+from dataclasses import dataclass
+
+from PIL import Image, ImageDraw
+
+COLOURS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240), "yellow": (235, 220, 40)}
+SHAPES = ("circle", "square", "triangle")
+ROWS, COLS = ("top", "middle", "bottom"), ("left", "center", "right")
+CELL_TAGS = [r[0] + c[0] for r in ROWS for c in COLS]  # tl tc tr ml mc mr bl bc br
+CELL = 28
+GRID = 3
+IMAGE_SIZE = CELL * GRID
+FAMILIES = ("existence", "count", "colour", "spatial", "mc")
+ANSWER_TYPE = {"existence": "yesno", "count": "number", "colour": "word", "spatial": "yesno", "mc": "letter"}
+LETTERS = "ABCD"
+
+
+@dataclass(frozen=True)
+class Obj:
+    cell: int  # 0..8, raster order
+    colour: str
+    shape: str
+    size: int  # half-extent in px
+
+    @property
+    def name(self):
+        return f"{self.colour} {self.shape}"
+
+    @property
+    def row(self):
+        return self.cell // GRID
+
+    @property
+    def col(self):
+        return self.cell % GRID
+
+
+def sample_scene(rng, min_objects=1, max_objects=4):
+    """Random scene: a list of `Obj` in distinct cells, sorted by cell."""
+    n = rng.randint(min_objects, max_objects)
+    cells = sorted(rng.sample(range(GRID * GRID), n))
+    return [Obj(c, rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice((10, 13))) for c in cells]
+
+
+def render(scene):
+    """Draw a scene -> RGB PIL image of IMAGE_SIZE x IMAGE_SIZE."""
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (0, 0, 0))
+    d = ImageDraw.Draw(img)
+    for o in scene:
+        cx, cy, s = o.col * CELL + CELL // 2, o.row * CELL + CELL // 2, o.size
+        fill = COLOURS[o.colour]
+        if o.shape == "circle":
+            d.ellipse([cx - s, cy - s, cx + s, cy + s], fill=fill)
+        elif o.shape == "square":
+            d.rectangle([cx - s + 2, cy - s + 2, cx + s - 2, cy + s - 2], fill=fill)
+        else:
+            d.polygon([(cx, cy - s), (cx - s, cy + s - 1), (cx + s, cy + s - 1)], fill=fill)
+    return img
+
+
+def describe(scene):
+    """The scene as text, every cell in raster order: 'tl red circle, tc empty, ...'."""
+    by_cell = {o.cell: o.name for o in scene}
+    return ", ".join(f"{CELL_TAGS[c]} {by_cell.get(c, 'empty')}" for c in range(GRID * GRID))
+
+
+def _unique(scene, key):
+    counts = {}
+    for o in scene:
+        counts[key(o)] = counts.get(key(o), 0) + 1
+    return [o for o in scene if counts[key(o)] == 1]
+
+
+def make_question(rng, scene, family):
+    """One (question, answer) of `family` about `scene`, or None if the scene cannot host it."""
+    names = {o.name for o in scene}
+    if family == "existence":
+        if rng.random() < 0.5:
+            o = rng.choice(scene)
+            return f"Is there a {o.name}?", "yes"
+        if rng.random() < 0.5:  # adversarial: a present shape in an absent colour or vice versa
+            o = rng.choice(scene)
+            cands = [f"{c} {o.shape}" for c in COLOURS] + [f"{o.colour} {s}" for s in SHAPES]
+        else:
+            cands = [f"{c} {s}" for c in COLOURS for s in SHAPES]
+        cands = [c for c in cands if c not in names]
+        return (f"Is there a {rng.choice(cands)}?", "no") if cands else None
+    if family == "count":
+        if rng.random() < 0.5:
+            s = rng.choice(SHAPES)
+            return f"How many {s}s are there?", str(sum(o.shape == s for o in scene))
+        c = rng.choice(list(COLOURS))
+        return f"How many {c} shapes are there?", str(sum(o.colour == c for o in scene))
+    if family == "colour":
+        u = _unique(scene, lambda o: o.shape)
+        if not u:
+            return None
+        o = rng.choice(u)
+        return f"What colour is the {o.shape}?", o.colour
+    if family == "spatial":
+        u = _unique(scene, lambda o: o.name)
+        if len(u) < 2:
+            return None
+        a, b = rng.sample(u, 2)
+        if rng.random() < 0.5:
+            if a.col == b.col:
+                return None
+            return f"Is the {a.name} to the left of the {b.name}?", "yes" if a.col < b.col else "no"
+        if a.row == b.row:
+            return None
+        return f"Is the {a.name} above the {b.name}?", "yes" if a.row < b.row else "no"
+    if family == "mc":
+        o = rng.choice(scene)
+        others = [f"{c} {s}" for c in COLOURS for s in SHAPES if f"{c} {s}" != o.name]
+        opts = rng.sample(others, 3) + [o.name]
+        rng.shuffle(opts)
+        listed = " ".join(f"{L}. {t}" for L, t in zip(LETTERS, opts))
+        q = f"Which object is at the {ROWS[o.row]} {COLS[o.col]}? {listed} Answer with the letter."
+        return q, LETTERS[opts.index(o.name)]
+    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+
+
+def target_text(scene, answer):
+    """The assistant turn the base models are trained on: scene, then the answer."""
+    return f"{describe(scene)}. Answer: {answer}"
+
+
+def final_answer(text):
+    """Short answer from a generated turn: the text after the last 'Answer:' (stripped of
+    trailing punctuation / JSON quotes), or the whole text if there is none."""
+    t = text.rsplit("Answer", 1)[-1] if "Answer" in text else text
+    return t.lstrip("\":' ").split("\"")[0].split("\n")[0].strip().rstrip(".}\"' ")
+
+
+def sample_example(rng, families=FAMILIES):
+    """(scene, family, question, answer) with a uniformly chosen family; resamples scenes
+    until the family fits (spatial needs two uniquely named objects, etc.)."""
+    family = rng.choice(families)
+    while True:
+        scene = sample_scene(rng, 2 if family == "spatial" else 1)
+        qa = make_question(rng, scene, family)
+        if qa is not None:
+            return scene, family, qa[0], qa[1]
+
+
+SPLIT_SEEDS = {"train": 0, "val": 1, "test": 2}
+
+
+def generate_split(out_dir, split, n, seed=None):
+    """Write `n` examples of `split` to out_dir/{split}.json + out_dir/images/{split}_*.png.
+
+    Seeded: the same (split, n, seed) gives the same files. Written atomically
+    (temp file + rename). Returns the list of records."""
+    rng = random.Random(SPLIT_SEEDS[split] * 1_000_003 + (seed or 0))
+    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    records = []
+    for i in range(n):
+        scene, family, q, a = sample_example(rng)
+        name = f"images/{split}_{i:06d}.png"
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            render(scene).save(path + ".tmp.png")
+            os.replace(path + ".tmp.png", path)
+        records.append({
+            "id": f"{split}_{i:06d}", "image": name, "family": family, "answer": a,
+            "scene": describe(scene),
+            "conversations": [{"from": "human", "value": f"<image>\n{q}"},
+                              {"from": "gpt", "value": target_text(scene, a)}],
+        })
+    atomic_write_text(os.path.join(out_dir, f"{split}.json"), json.dumps(records, indent=1))
+    return records
+
+
+def atomic_write_text(path, text):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class DataError(ValueError):
+    """A record or image in a dataset file is unusable; the message names the record."""
+
+
+def read_llava_json(path, image_root=None, check_images=True):
+    """Read LLaVA-style conversation JSON (a list) or JSONL into a list of dicts
+    {id, image (absolute path), question, answer, family, conversations}.
+
+    Raises DataError naming the file/record for malformed records, missing answer turns,
+    and missing image files."""
+    if not os.path.exists(path):
+        raise DataError(f"{path}: file not found; generate data with `python -m common.data --out DIR`")
+    with open(path) as f:
+        text = f.read()
+    try:
+        records = json.loads(text) if text.lstrip().startswith("[") else [
+            json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON/JSONL ({e}); expected a list of LLaVA records") from None
+    root = image_root or os.path.dirname(os.path.abspath(path))
+    out = []
+    for i, r in enumerate(records):
+        rid = r.get("id", f"#{i}") if isinstance(r, dict) else f"#{i}"
+        conv = r.get("conversations") if isinstance(r, dict) else None
+        if not isinstance(conv, list) or not conv or not all(isinstance(t, dict) and "value" in t for t in conv):
+            raise DataError(f"{path}: record {rid} has no valid 'conversations' list of {{'from','value'}} turns")
+        humans = [t["value"] for t in conv if t.get("from") == "human"]
+        gpts = [t["value"] for t in conv if t.get("from") == "gpt"]
+        if not humans or not gpts:
+            raise DataError(f"{path}: record {rid} needs a 'human' turn and a 'gpt' (answer) turn")
+        image = None
+        if r.get("image"):
+            image = r["image"] if os.path.isabs(r["image"]) else os.path.join(root, r["image"])
+            if check_images and not os.path.exists(image):
+                raise DataError(f"{path}: record {rid}: image {image} not found (set image_root / --image-root)")
+        q = humans[0].replace("<image>\n", "").replace("<image>", "").strip()
+        out.append({"id": rid, "image": image, "question": q, "target": gpts[0],
+                    "answer": r.get("answer", final_answer(gpts[0])), "family": r.get("family", "all"),
+                    "conversations": conv})
+    return out
+
+
+def load_image(path, rid="?"):
+    """Open an image as RGB; raises DataError naming the record when unreadable."""
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise DataError(f"record {rid}: cannot read image {path} ({e.__class__.__name__}: {e})") from None
+
+
+def main():
+    p = argparse.ArgumentParser(description="Generate the synthetic shapes dataset (images + LLaVA JSON).")
+    p.add_argument("--out", default="out/data", help="output directory")
+    p.add_argument("--n-train", type=int, default=2000, help="training examples")
+    p.add_argument("--n-val", type=int, default=500, help="validation examples")
+    p.add_argument("--n-test", type=int, default=500, help="test examples")
+    a = p.parse_args()
+    for split, n in (("train", a.n_train), ("val", a.n_val), ("test", a.n_test)):
+        generate_split(a.out, split, n)
+        print(f"wrote {n} {split} examples to {a.out}/{split}.json")
+
+
+if __name__ == "__main__":
+    main()
