@@ -1,0 +1,147 @@
+"""Routing helpers shared by the MoE methods (MoD, MoLE, RoleMerge diagnostics).
+
+Everything here is a small pure function on tensors:
+
+    probs, idx, gates = topk_gates(logits, k)            # fp32 softmax, top-k, renormalised gates
+    aux = load_balance_loss(probs, idx, mask)            # Mixtral/top-k convention: = k at uniform routing
+    zl = z_loss(logits, mask)                            # mean logsumexp^2
+    x_route = window_mean(x, W, mask)                    # causal mean of the last W non-pad tokens
+    x_route = region_mean(x, W, mask)                    # causal mean inside blocks of W non-pad tokens
+    rate = switch_rate(top1, mask)                       # fraction of adjacent pairs whose top-1 differs
+
+Masks are bool (or 0/1) tensors with True = real token, False = padding. Padding never
+contributes to a mean, a count or a loss. Window and region positions are counted in
+*non-pad* tokens, so a left-padded row gets exactly the routing inputs of the same row
+without padding (what batched generation needs).
+"""
+import torch
+
+
+def topk_gates(logits, k, noise_std=0.0, training=False):
+    """Top-k routing with renormalised gates (MoD eq. 3-4; the usual top-k MoE router).
+
+    logits: [..., E] (any dtype; the softmax runs in fp32).
+    k: experts kept per token (1 <= k <= E).
+    noise_std: std of Gaussian noise added to the logits, only when `training` is True.
+    Returns probs fp32 [..., E] (softmax over all experts), idx long [..., k] (ranked,
+    largest first), gates fp32 [..., k] = probs[idx] / sum(probs[idx]) (sum to 1).
+    Raises ValueError if k is out of range."""
+    E = logits.shape[-1]
+    if not 1 <= k <= E:
+        raise ValueError(f"top-k needs 1 <= k <= E, got k={k}, E={E}")
+    logits = logits.float()
+    if training and noise_std > 0:
+        logits = logits + noise_std * torch.randn_like(logits)
+    probs = logits.softmax(-1)
+    top, idx = probs.topk(k, dim=-1)  # softmax is monotone: same order as the logits
+    gates = top / top.sum(-1, keepdim=True)
+    return probs, idx, gates
+
+
+def _flat_mask(mask, n, device):
+    if mask is None:
+        return torch.ones(n, dtype=torch.bool, device=device)
+    return mask.reshape(-1).to(device=device).bool()
+
+
+def load_balance_loss(probs, idx, mask=None):
+    """Top-k load-balancing loss, Mixtral convention: E * sum_i f_i * P_i.
+
+    f_i = fraction of (non-pad) tokens that have expert i among their top-k (so sum_i f_i = k),
+    P_i = mean router probability of expert i over (non-pad) tokens. At uniform routing
+    (P_i = 1/E, every expert chosen equally often) the value is exactly k; the Switch
+    Transformer convention (divide by k) would give 1. f carries no gradient (argmax),
+    the gradient flows through P.
+    probs: [N, E] (or [..., E], flattened); idx: [N, k] long; mask: [N] bool or None.
+    Returns a scalar fp32 tensor (0 if every token is padding)."""
+    E = probs.shape[-1]
+    probs, idx = probs.reshape(-1, E).float(), idx.reshape(-1, idx.shape[-1])
+    m = _flat_mask(mask, probs.shape[0], probs.device)
+    n = m.sum().clamp(min=1)
+    chosen = torch.zeros_like(probs).scatter_(1, idx, 1.0)  # [N, E] one-hot of the top-k
+    f = (chosen * m[:, None]).sum(0) / n  # [E]
+    P = (probs * m[:, None]).sum(0) / n  # [E]
+    return E * (f * P).sum()
+
+
+def z_loss(logits, mask=None):
+    """Router z-loss (ST-MoE): mean over (non-pad) tokens of logsumexp(logits)^2, in fp32.
+
+    logits: [..., E]; mask: [...] bool or None. Returns a scalar (0 if all padding)."""
+    lse = torch.logsumexp(logits.float(), dim=-1).reshape(-1)
+    m = _flat_mask(mask, lse.shape[0], lse.device)
+    return (lse.square() * m).sum() / m.sum().clamp(min=1)
+
+
+def _rank_sums(x, mask):
+    """Shared machinery of window/region means.
+
+    Returns (rank [B,T] long = number of non-pad tokens up to and including t,
+    S [B,T+1,D] fp32 with S[:, j] = sum of the first j non-pad inputs)."""
+    B, T, D = x.shape
+    m = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask.to(x.device).bool()
+    xf = x.float() * m[..., None]
+    cs = xf.cumsum(1)  # [B,T,D] running sum over positions
+    rank = m.long().cumsum(1)  # [B,T]
+    # S[:, rank[t]] = cs[:, t] at non-pad t (the sum after that many real tokens); S[:, 0] = 0.
+    # Pad positions write to the slot T (a dump slot) so they never overwrite a real entry.
+    slot = torch.where(m, rank, torch.full_like(rank, T + 1))
+    S = x.new_zeros(B, T + 2, D, dtype=torch.float32)
+    S.scatter_(1, slot[..., None].expand(B, T, D), cs)
+    return rank, S[:, :T + 1]
+
+
+def _ranged_mean(S, rank, lo, dtype):
+    """Mean of the non-pad inputs with rank in (lo, rank]: (S[rank] - S[lo]) / (rank - lo)."""
+    D = S.shape[-1]
+    hi_sum = S.gather(1, rank[..., None].expand(*rank.shape, D))
+    lo_sum = S.gather(1, lo[..., None].expand(*lo.shape, D))
+    return ((hi_sum - lo_sum) / (rank - lo).clamp(min=1)[..., None]).to(dtype)
+
+
+def window_mean(x, W, mask=None):
+    """Causal sliding-window mean (MoD "momentum switching", x_route of eq. 2).
+
+    x_route[b, t] = mean of the last W non-pad inputs x[b, s], s <= t (fewer at the start).
+    Computed with cumulative sums in O(T): no loop over positions or window offsets.
+    x: [B, T, D]; W: window size >= 1 (W = 1 returns x at non-pad positions);
+    mask: [B, T] bool/0-1 or None. At a pad position the value is the mean of the window
+    ending at the previous real token (zeros before the first one); it is never used.
+    Returns [B, T, D] in x's dtype (sums in fp32). Raises ValueError if W < 1."""
+    if W < 1:
+        raise ValueError(f"window size W must be >= 1, got {W}")
+    rank, S = _rank_sums(x, mask)
+    return _ranged_mean(S, rank, (rank - W).clamp(min=0), x.dtype)
+
+
+def region_mean(x, W, mask=None, offset=None):
+    """Causal mean inside fixed blocks of W non-pad tokens (MoD "region" granularity).
+
+    Non-pad tokens are numbered 0, 1, 2, ... (plus `offset`); block j holds numbers
+    [jW, (j+1)W). x_route at a token is the mean of the tokens of its block up to and
+    including itself, so the mean resets at every block start.
+    x: [B, T, D]; W >= 1; mask: [B, T] or None; offset: [B] long or int, the number of
+    non-pad tokens that came before x[:, 0] (cached decoding; the earlier tokens of the
+    current block must then be included in x, marked real). Returns [B, T, D]."""
+    if W < 1:
+        raise ValueError(f"region size W must be >= 1, got {W}")
+    rank, S = _rank_sums(x, mask)
+    off = torch.as_tensor(0 if offset is None else offset, device=x.device).long().reshape(-1, 1)
+    absolute = rank - 1 + off  # number of the token (of the last real token at pad positions)
+    start = absolute.clamp(min=0) - absolute.clamp(min=0) % W  # first number of its block
+    lo = (start - off).clamp(min=0)  # as a local rank
+    return _ranged_mean(S, rank, torch.minimum(lo, rank), x.dtype)
+
+
+def switch_rate(top1, mask=None):
+    """Fraction of adjacent token pairs (both non-pad) whose top-1 expert differs.
+
+    top1: [B, T] long; mask: [B, T] or None. Returns a Python float (0.0 if no pair)."""
+    same_valid = torch.ones_like(top1[:, 1:], dtype=torch.bool)
+    if mask is not None:
+        m = mask.bool()
+        same_valid = m[:, 1:] & m[:, :-1]
+    n = same_valid.sum().item()
+    if n == 0:
+        return 0.0
+    return ((top1[:, 1:] != top1[:, :-1]) & same_valid).sum().item() / n
