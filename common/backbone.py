@@ -173,13 +173,14 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2):
     ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in [
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
-    vocab = len(tokenizer)
+    vocab, half = len(tokenizer), hidden // 8  # half of head_dim: the rotary pairs M-RoPE splits
     text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                 tie_word_embeddings=False)
     if arch in ("qwen3_vl", "qwen3_vl_moe"):
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [6, 5, 5],
+        hw = 5 * half // 16  # Qwen3-VL's [24, 20, 20] split, scaled to the tiny head_dim
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [half - 2 * hw, hw, hw],
                                    "mrope_interleaved": True}
         if arch == "qwen3_vl_moe":
             text.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=hidden,
@@ -188,7 +189,8 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2):
                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden,
                       num_position_embeddings=36, deepstack_visual_indexes=[1])
     elif arch == "qwen2_5_vl":
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 3.0, "mrope_section": [2, 7, 7]}
+        hw = (half - 2) // 2
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 3.0, "mrope_section": [2, hw, hw]}
         vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, window_size=112,
                       fullatt_block_indexes=[1])

@@ -1,0 +1,7 @@
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(min(2, torch.get_num_threads()))

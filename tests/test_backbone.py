@@ -1,0 +1,92 @@
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from common import backbone as bb
+from common import data
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return bb.build_tiny("qwen2_5_vl", hidden=64, layers=2)
+
+
+def _examples(n, seed=0):
+    rng = random.Random(seed)
+    ex = [data.sample_example(rng) for _ in range(n)]
+    return [data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex], [data.target_text(s, a) for s, _, _, a in ex]
+
+
+def test_tokenizer_is_byte_level_and_round_trips():
+    tok = bb.build_tokenizer()
+    for s in ["tl red circle, tc empty. Answer: yes", "Unseen wörds 123 ✓"]:
+        assert tok.decode(tok(s)["input_ids"]) == s
+    assert len(tok("tl red circle")["input_ids"]) <= 4  # BPE merged the world's words
+
+
+def test_patchify_equals_image_processor(tiny):
+    _, proc = tiny
+    imgs, _, _ = _examples(3)
+    pv, grid = proc.images(imgs)
+    pv2, grid2 = bb.patchify(torch.from_numpy(np.stack([np.asarray(i) for i in imgs])))
+    assert torch.equal(grid, grid2) and grid.tolist() == [[1, 6, 6]] * 3
+    assert torch.allclose(pv, pv2, atol=1e-6)
+
+
+def test_encode_masks_labels_to_answer_and_pads(tiny):
+    _, proc = tiny
+    imgs, qs, ans = _examples(4)
+    b = proc.encode(imgs, qs, ans)
+    assert (b["mm_token_type_ids"].sum(1) == 9).all()  # 3x3 merged visual tokens each
+    assert b["attention_mask"][:, 0].all()  # right padding for training
+    for i in range(4):
+        lab = b["labels"][i][b["labels"][i] != -100]
+        assert proc.decode(lab.tolist()) == ans[i]  # answer (+ <|im_end|>, a special token) only
+        assert lab[-1].item() == proc.eos_token_id
+    g = proc.encode(imgs, qs)
+    assert "labels" not in g and g["attention_mask"][:, -1].all()  # left padding for generation
+
+
+def test_save_load_round_trip_same_logits(tiny, tmp_path):
+    model, proc = tiny
+    path = str(tmp_path / "ckpt")
+    bb.save_backbone(model, proc, path)
+    assert os.path.exists(os.path.join(path, "config.json"))
+    model2, proc2 = bb.load_backbone(path)
+    imgs, qs, ans = _examples(2)
+    b1, b2 = proc.encode(imgs, qs, ans), proc2.encode(imgs, qs, ans)
+    assert torch.equal(b1["input_ids"], b2["input_ids"])
+    with torch.no_grad():
+        assert torch.equal(model.eval()(**b1).logits, model2(**b2).logits)
+
+
+def test_left_padded_batch_generation_equals_single(tiny):
+    model, proc = tiny
+    model.eval()
+    imgs, qs, _ = _examples(3, seed=5)
+    qs[1] = qs[1] + " Please answer carefully and look at every cell."  # force unequal lengths
+    batch, _ = bb.generate(model, proc, imgs, qs, max_new_tokens=6)
+    singles = [bb.generate(model, proc, [imgs[i]], [qs[i]], max_new_tokens=6)[0][0] for i in range(3)]
+    assert batch == singles
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(bb.BackboneError, match="no config.json"):
+        bb.load_backbone(str(tmp_path))
+    with pytest.raises(bb.BackboneError, match="no such checkpoint"):
+        bb.load_backbone(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+def test_committed_tiny_models_load_and_answer(name):
+    if not os.path.exists(os.path.join(bb.TINY[name], "config.json")):
+        pytest.fail(f"committed checkpoint {bb.TINY[name]} missing: run python -m common.pretrain (README)")
+    model, proc = bb.load_backbone(name)
+    rng = random.Random(7)
+    ex = [data.sample_example(rng) for _ in range(8)]
+    texts, _ = bb.generate(model, proc, [data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex])
+    # the pretrained bases describe the scene before answering: most scenes come out exactly right
+    assert sum(t.startswith(data.describe(s)) for t, (s, _, _, _) in zip(texts, ex)) >= 6

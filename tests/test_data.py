@@ -1,0 +1,96 @@
+import json
+import random
+
+import pytest
+
+from common import data
+
+
+def test_splits_are_seeded_and_distinct(tmp_path):
+    a = data.generate_split(tmp_path / "a", "val", 20)
+    b = data.generate_split(tmp_path / "b", "val", 20)
+    c = data.generate_split(tmp_path / "c", "test", 20)
+    strip = lambda rs: [(r["conversations"], r["family"]) for r in rs]
+    assert strip(a) == strip(b)
+    assert strip(a) != strip(c)
+    assert (tmp_path / "a" / "images" / "val_000000.png").read_bytes() == \
+        (tmp_path / "b" / "images" / "val_000000.png").read_bytes()
+
+
+def test_describe_and_answers_are_consistent():
+    scene = [data.Obj(0, "red", "circle", 10), data.Obj(4, "blue", "square", 13), data.Obj(8, "red", "square", 10)]
+    assert data.describe(scene) == ("tl red circle, tc empty, tr empty, ml empty, mc blue square, mr empty, "
+                                    "bl empty, bc empty, br red square")
+    rng = random.Random(0)
+    for _ in range(50):
+        q, a = data.make_question(rng, scene, "count")
+        if "squares" in q:
+            assert a == "2"
+        elif "circles" in q:
+            assert a == "1"
+        elif "triangles" in q:
+            assert a == "0"
+    for _ in range(20):
+        q, a = data.make_question(rng, scene, "colour")  # circle is the only unique shape
+        assert (q, a) == ("What colour is the circle?", "red")
+        q, a = data.make_question(rng, scene, "spatial") or ("", "")
+        if q == "Is the red circle to the left of the blue square?":
+            assert a == "yes"
+        if q == "Is the red square above the red circle?":
+            assert a == "no"
+
+
+def test_existence_has_adversarial_negatives_and_is_balanced():
+    rng = random.Random(1)
+    answers, adversarial = [], 0
+    for _ in range(2000):
+        scene = data.sample_scene(rng)
+        q, a = data.make_question(rng, scene, "existence")
+        answers.append(a)
+        asked = q[len("Is there a "):-1]
+        if a == "no":
+            assert asked not in {o.name for o in scene}
+            colour, shape = asked.split()
+            adversarial += any(o.colour == colour or o.shape == shape for o in scene)
+    assert 0.45 < answers.count("yes") / len(answers) < 0.6
+    assert adversarial > 300
+
+
+def test_mc_has_four_lettered_options_one_correct():
+    rng = random.Random(2)
+    for _ in range(100):
+        scene = data.sample_scene(rng)
+        q, a = data.make_question(rng, scene, "mc")
+        assert all(f"{L}. " in q for L in "ABCD") and a in "ABCD"
+        chosen = q.split(f"{a}. ")[1].split(" ")[:2]
+        assert " ".join(chosen) in {o.name for o in scene}
+
+
+def test_final_answer():
+    assert data.final_answer("tl red circle, tc empty. Answer: yes") == "yes"
+    assert data.final_answer('{"Reasoning": "x", "Answer": "B"}') == "B"
+    assert data.final_answer("3") == "3"
+
+
+def test_reader_errors_name_the_record(tmp_path):
+    (tmp_path / "images").mkdir()
+    good = {"id": "r1", "image": "images/x.png", "conversations": [
+        {"from": "human", "value": "<image>\nQ?"}, {"from": "gpt", "value": "A"}]}
+    data.render([]).save(tmp_path / "images" / "x.png")
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps([good]))
+    r = data.read_llava_json(str(p))[0]
+    assert (r["question"], r["answer"]) == ("Q?", "A")
+
+    p.write_text(json.dumps([good, {"id": "r2", "conversations": [{"from": "human", "value": "Q"}]}]))
+    with pytest.raises(data.DataError, match="r2.*'gpt'"):
+        data.read_llava_json(str(p))
+    p.write_text(json.dumps([{**good, "id": "r3", "image": "images/missing.png"}]))
+    with pytest.raises(data.DataError, match="r3.*not found"):
+        data.read_llava_json(str(p))
+    p.write_text("[{not json")
+    with pytest.raises(data.DataError, match="not valid JSON"):
+        data.read_llava_json(str(p))
+    (tmp_path / "images" / "bad.png").write_bytes(b"\x89PNG garbage")
+    with pytest.raises(data.DataError, match="r9.*cannot read image"):
+        data.load_image(str(tmp_path / "images" / "bad.png"), "r9")
