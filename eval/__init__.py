@@ -1,0 +1,1 @@
+"""Evaluation: benchmark readers, answer extraction and metrics, batched evaluation, toy reproductions, quickstart."""

@@ -1,0 +1,247 @@
+"""Answer extraction and metrics: accuracy, POPE precision/recall/F1, ANLS, bootstrap CIs.
+
+Pure functions over strings and 0/1 vectors; no model code. Used by `eval.evaluate` and the
+toy reproductions of each paper.
+
+    extract("tl red circle, ... Answer: (B)", "letter")   -> "B"
+    is_correct("... Answer: three", "3", "count")          -> True
+    bootstrap_ci([1, 0, 1, 1])                             -> (lo, hi)   95% percentile CI
+    paired_bootstrap(correct_a, correct_b)                 -> {"diff", "ci_low", "ci_high", "n"}
+
+Answer types (`common.data.ANSWER_TYPE` maps each shapes family to one):
+    letter  option letter A-D        "B", "(B)", "B. cat", "Answer: B", '{"Answer": "B"}'
+    yesno   "yes" / "no"             first standalone yes/no word
+    number  canonical digits         first number, digits or a word zero..ten ("three" -> "3")
+    word    normalised short text    lower case, punctuation and articles removed
+    text    same as word (free-form answers; ANLS is the softer metric for those)
+"""
+import json
+import re
+import string
+
+import numpy as np
+
+from common.data import ANSWER_TYPE, final_answer
+
+ANSWER_TYPES = ("letter", "yesno", "number", "word", "text")
+NUMBER_WORDS = {w: str(i) for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten".split())}
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|\b(?:" + "|".join(NUMBER_WORDS) + r")\b")
+_PUNCT = re.compile("[" + re.escape(string.punctuation) + "]")
+
+
+# ----------------------------------------------------------------------------- extraction
+
+def short_answer(text):
+    """The answer part of a generated turn.
+
+    A JSON object with an "Answer"/"answer" key (the debate format
+    '{"Reasoning": ..., "Answer": ...}', optionally in a ``` fence) gives that value;
+    otherwise `common.data.final_answer`: the text after the last "Answer" (leading
+    ':"' and trailing '.}"' stripped), or the whole first line if there is none."""
+    t = text.strip()
+    if t.startswith("```"):
+        t = t.strip("`").removeprefix("json").strip()
+    if t.startswith("{"):
+        try:
+            obj = json.loads(t)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                if k.lower() == "answer":
+                    return str(v).strip()
+    return final_answer(text)
+
+
+def normalize(text):
+    """SQuAD-style normalisation: lower case, punctuation -> space, articles (a/an/the)
+    dropped, whitespace collapsed. 'The Red circle.' -> 'red circle'."""
+    words = _PUNCT.sub(" ", text.lower()).split()
+    return " ".join(w for w in words if w not in ("a", "an", "the"))
+
+
+def extract(text, answer_type):
+    """Normalised short answer of `answer_type` from a model output (or a gold answer).
+
+    Always starts from `short_answer(text)` (the part after the last "Answer"). Then:
+      letter: a leading option letter "B", "(B)", "B. cat", "B)" (capital, or a lone
+              lower-case "b"); else "(B)" anywhere; else "answer/option is B"; -> "B".
+      yesno:  the first standalone "yes" or "no" (case-insensitive) -> "yes" / "no".
+      number: the first number, digits ("3", "1,000", "2.0" -> "2") or a word zero..ten.
+      word / text: `normalize`.
+    When nothing of the type is found the normalised text is returned, so a wrong-format
+    answer simply does not match. Raises ValueError on an unknown answer_type."""
+    if answer_type not in ANSWER_TYPES:
+        raise ValueError(f"unknown answer_type {answer_type!r}; choose one of {ANSWER_TYPES}")
+    t = short_answer(text)
+    if answer_type == "letter":
+        m = (re.match(r"\(?([A-D])(?=$|[\s.):,])", t) or re.fullmatch(r"\(?([a-d])\)?\.?", t)
+             or re.search(r"\(([A-D])\)", t) or re.search(r"(?:[Aa]nswer|[Oo]ption)(?: is)?:?\s*\(?([A-D])\b", t))
+        return m.group(1).upper() if m else normalize(t)
+    if answer_type == "yesno":
+        m = re.search(r"\b(yes|no)\b", t.lower())
+        return m.group(1) if m else normalize(t)
+    if answer_type == "number":
+        m = _NUMBER.search(t.lower())
+        if not m:
+            return normalize(t)
+        s = m.group(0)
+        if s in NUMBER_WORDS:
+            return NUMBER_WORDS[s]
+        x = float(s.replace(",", ""))
+        return str(int(x)) if x == int(x) else str(x)
+    return normalize(t)
+
+
+def answer_type_of(family):
+    """Answer type of a family (`common.data.ANSWER_TYPE`); "text" for unknown families."""
+    return ANSWER_TYPE.get(family, "text")
+
+
+def is_correct(pred_text, gold, family):
+    """True if the extracted answer of `pred_text` equals the extracted gold answer, both
+    read with the family's answer type (unknown family -> normalised exact match)."""
+    t = answer_type_of(family)
+    return extract(pred_text, t) == extract(str(gold), t)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def accuracy(correct):
+    """Mean of a 0/1 (or bool) sequence; 0.0 for an empty one."""
+    return float(np.mean(np.asarray(correct, dtype=np.float64))) if len(correct) else 0.0
+
+
+def pope_prf(preds, golds):
+    """POPE metrics with "yes" as the positive class.
+
+    preds, golds: sequences of extracted answers ("yes"/"no"). A prediction other than
+    "yes" counts as a negative (unlike the official POPE script, which maps any answer
+    without "no"/"not" to yes; we extract first, see `extract(.., "yesno")`).
+        precision = TP / (TP + FP)   recall = TP / (TP + FN)   F1 = 2PR / (P + R)
+        yes_ratio = share of "yes" predictions (POPE reports it to expose yes-bias)
+    Returns dict(precision, recall, f1, accuracy, yes_ratio, n); 0.0 where a denominator is 0.
+    Raises ValueError on length mismatch."""
+    if len(preds) != len(golds):
+        raise ValueError(f"pope_prf: {len(preds)} predictions vs {len(golds)} gold answers")
+    p = np.array([x == "yes" for x in preds])
+    g = np.array([x == "yes" for x in golds])
+    tp, fp, fn = int((p & g).sum()), int((p & ~g).sum()), int((~p & g).sum())
+    prec = tp / (tp + fp) if tp + fp else 0.0
+    rec = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * prec * rec / (prec + rec) if prec + rec else 0.0
+    acc = float((p == g).mean()) if len(p) else 0.0
+    return {"precision": prec, "recall": rec, "f1": f1, "accuracy": acc,
+            "yes_ratio": float(p.mean()) if len(p) else 0.0, "n": len(p)}
+
+
+def levenshtein(a, b):
+    """Edit distance (insert / delete / substitute, each cost 1) between two strings."""
+    if len(a) < len(b):
+        a, b = b, a
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def anls_score(pred, golds, threshold=0.5):
+    """ANLS of one answer (ST-VQA, Biten et al. 2019; DocVQA):
+        NL(g, p) = levenshtein(g, p) / max(|g|, |p|)     (strings lower-cased, spaces collapsed)
+        s = max over gold answers g of (1 - NL if NL < threshold else 0)
+    golds: a string or a list of acceptable answers. threshold 0.5 is the standard tau."""
+    golds = [golds] if isinstance(golds, str) else list(golds)
+    p = " ".join(pred.lower().split())
+    best = 0.0
+    for g in golds:
+        g = " ".join(str(g).lower().split())
+        nl = levenshtein(g, p) / max(len(g), len(p)) if (g or p) else 0.0
+        best = max(best, 1.0 - nl if nl < threshold else 0.0)
+    return best
+
+
+def anls(preds, golds, threshold=0.5):
+    """Mean `anls_score` over items; golds[i] is a string or a list of strings."""
+    if len(preds) != len(golds):
+        raise ValueError(f"anls: {len(preds)} predictions vs {len(golds)} gold answers")
+    return float(np.mean([anls_score(p, g, threshold) for p, g in zip(preds, golds)])) if preds else 0.0
+
+
+# ----------------------------------------------------------------------------- bootstrap
+
+def _resampled_means(x, n_resamples, seed, chunk_elems=4_000_000):
+    """Means of `n_resamples` bootstrap resamples (rows drawn with replacement) of x [n].
+    Vectorised in chunks of resamples so memory stays ~chunk_elems indices. -> [n_resamples]."""
+    n = len(x)
+    rng = np.random.default_rng(seed)
+    per = max(1, chunk_elems // max(n, 1))
+    out = []
+    for start in range(0, n_resamples, per):
+        idx = rng.integers(0, n, size=(min(per, n_resamples - start), n))  # [b, n]
+        out.append(x[idx].mean(axis=1))
+    return np.concatenate(out)
+
+
+def bootstrap_ci(correct, n_resamples=10_000, seed=0, level=0.95):
+    """Percentile bootstrap CI of the mean of `correct` (0/1 per item).
+
+    Draws n_resamples resamples of size n with replacement (numpy, seeded), takes each
+    resample's mean, returns the (1-level)/2 and (1+level)/2 percentiles as (lo, hi).
+    An empty input gives (0.0, 0.0)."""
+    x = np.asarray(correct, dtype=np.float64)
+    if not len(x):
+        return 0.0, 0.0
+    m = _resampled_means(x, n_resamples, seed)
+    a = (1 - level) / 2 * 100
+    return float(np.percentile(m, a)), float(np.percentile(m, 100 - a))
+
+
+def paired_bootstrap(correct_a, correct_b, n_resamples=10_000, seed=0, level=0.95):
+    """Paired bootstrap of the accuracy difference of system A over system B on the same items.
+
+    d_i = a_i - b_i; the same resampled item indices are used for both systems (that is the
+    pairing), so the CI is the percentile CI of mean(d) over resamples. A CI that excludes 0
+    means the difference is significant at 1 - level.
+    Returns dict(diff = mean(a) - mean(b), ci_low, ci_high, n). Raises ValueError on a
+    length mismatch."""
+    a = np.asarray(correct_a, dtype=np.float64)
+    b = np.asarray(correct_b, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"paired_bootstrap: {a.shape} vs {b.shape}; both systems must score the same items")
+    d = a - b
+    lo, hi = bootstrap_ci(d, n_resamples, seed, level)
+    return {"diff": float(d.mean()) if len(d) else 0.0, "ci_low": lo, "ci_high": hi, "n": len(d)}
+
+
+# ----------------------------------------------------------------------------- per-family tables
+
+def by_family(results, key="correct"):
+    """{family: [result[key], ...]} in first-seen order, plus "all" (every result) last."""
+    out = {}
+    for r in results:
+        out.setdefault(r["family"], []).append(r[key])
+    out["all"] = [r[key] for r in results]
+    return out
+
+
+def format_table(rows, metric="accuracy"):
+    """Markdown table of report rows ({"model","family","metric","value","ci_low","ci_high","n"}):
+    one line per family, one column per model, "value [ci_low, ci_high]" cells."""
+    rows = [r for r in rows if r["metric"] == metric]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fams = list(dict.fromkeys(r["family"] for r in rows))
+    fams = [f for f in fams if f != "all"] + (["all"] if "all" in fams else [])
+    cell = {(r["model"], r["family"]): r for r in rows}
+    lines = ["| family | n | " + " | ".join(models) + " |", "|---|---:|" + "---:|" * len(models)]
+    for f in fams:
+        n = next(cell[m, f]["n"] for m in models if (m, f) in cell)
+        vals = []
+        for m in models:
+            r = cell.get((m, f))
+            vals.append("" if r is None else f"{r['value']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+        lines.append(f"| {f} | {n} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
