@@ -1,0 +1,345 @@
+"""RoleMerge as pure functions on routing-count tensors (paper §3-4, App. A-B).
+
+Everything here works on the phase-separated hard routing counts of ONE MoE layer,
+
+    counts [B, N]   counts[b, e] = how often expert e was among the top-k of a token of phase b
+                    (B = 3 buckets image / question / answer for a VLM, 2 for a text-only LM)
+
+and returns groupings (lists of expert indices) plus diagnostics. No model weights, no
+transformers: `rolemerge/merge.py` turns a grouping into a smaller checkpoint.
+
+Pipeline for one layer (App. B.3):
+    p      = phase_distributions(counts)          # p_{l,b}(e), each phase row sums to 1
+    P, q   = role_profiles(p)                     # P(e) and the RRP q_e(b)        (§3.3)
+    d      = normalise_by_max(pair_loss(P, q))    # d_EP(i,j) / max d_EP            (§3.4, §4.3)
+    tau    = collision_scale(p_ans)               # median positive singleton dR  (App. B.2)
+    groups = agglomerate(d, p_ans, K, lam, tau)   # greedy on J = d_role + lam dR / tau
+    w      = merge_weights(counts.sum(0), groups) # pooled-count weights inside each group
+
+All maths in float64; ties are exact float comparisons, broken by a fixed key, so a grouping
+is a deterministic function of the counts.
+"""
+import math
+
+import torch
+
+PHASES = ("image", "question", "answer")  # bucket order of every count tensor (text-only: question, answer)
+EPS = 1e-12          # the eps of R(G) (eq. for R_ans): keeps R finite for zero-mass groups
+KAPPA_FLOOR = 1e-3   # the eps of lambda_l ∝ max(kappa_l, eps); the paper leaves its value open
+LINKAGES = ("single", "average", "complete")
+
+
+# ----------------------------------------------------------------------------- phase statistics
+
+def phase_distributions(counts):
+    """counts [B, N] (any non-negative numbers) -> p [B, N] float64, each non-empty phase row
+    normalised over experts (p_{l,b}(e) of §3.2); an all-zero row stays zero."""
+    c = torch.as_tensor(counts, dtype=torch.float64)
+    tot = c.sum(-1, keepdim=True)
+    return torch.where(tot > 0, c / tot.clamp_min(1e-300), torch.zeros_like(c))
+
+
+def role_profiles(p):
+    """Balanced joint and Routing Role Profiles (§3.3).
+
+    p [B, N] phase distributions. With the uniform phase prior pi(b) = 1/B:
+    P(e, b) = p[b, e] / B, P(e) = sum_b P(e, b), q_e(b) = P(e, b) / P(e) (zero vector if P(e) = 0).
+    Returns (P_e [N], q [N, B]), float64."""
+    B = p.shape[0]
+    joint = p.T / B                              # [N, B] = P(e, b)
+    P_e = joint.sum(-1)                          # [N]
+    q = torch.where(P_e[:, None] > 0, joint / P_e.clamp_min(1e-300)[:, None], torch.zeros_like(joint))
+    return P_e, q
+
+
+def _xlogy_ratio(a, b):
+    """a * log(a / b) with 0 log 0 = 0 (elementwise, float64)."""
+    return torch.where(a > 0, a * (a.clamp_min(1e-300).log() - b.clamp_min(1e-300).log()), torch.zeros_like(a))
+
+
+def pair_loss(P_e, q):
+    """Pairwise expert-phase information loss d_EP(i, j) (§3.4):
+
+        m_ij = (P(i) q_i + P(j) q_j) / (P(i) + P(j))
+        d_EP(i, j) = P(i) KL(q_i || m_ij) + P(j) KL(q_j || m_ij)
+
+    P_e [N], q [N, B] -> d [N, N] float64, symmetric, zero diagonal. A zero-mass expert
+    contributes zero (App. B.1); a pair of zero-mass experts has d = 0."""
+    Pi, Pj = P_e[:, None, None], P_e[None, :, None]
+    qi, qj = q[:, None, :], q[None, :, :]                         # [N, 1, B], [1, N, B]
+    tot = Pi + Pj
+    m = torch.where(tot > 0, (Pi * qi + Pj * qj) / tot.clamp_min(1e-300), torch.zeros_like(Pi * qi))  # [N, N, B]
+    d = (Pi[..., 0] * _xlogy_ratio(qi, m).sum(-1) + Pj[..., 0] * _xlogy_ratio(qj, m).sum(-1))
+    d = d.clamp_min(0.0)                                          # KL >= 0; remove -1e-17 round-off
+    d.fill_diagonal_(0.0)
+    return d
+
+
+def normalise_by_max(d):
+    """d [N, N] -> d / max_{u != v} d (§4.3, d_role's denominator); an all-zero matrix stays zero."""
+    N = d.shape[0]
+    off = d[~torch.eye(N, dtype=torch.bool)]
+    mx = off.max() if off.numel() else torch.tensor(0.0, dtype=d.dtype)
+    return d / mx if mx > 0 else torch.zeros_like(d)
+
+
+def mutual_information(P_e, q, groups=None):
+    """I_P(S; B) (groups None) or I_P(C; B) for a grouping (§3.4, App. A.2), in nats.
+
+    P_e [N], q [N, B]; groups: list of lists of expert indices covering the experts to keep.
+    I = sum_G P(G) KL(q_G || P(B)), q_G = sum_{e in G} P(e) q_e / P(G)."""
+    joint = P_e[:, None] * q                                       # [N, B]
+    if groups is not None:
+        joint = torch.stack([joint[list(g)].sum(0) for g in groups])
+    PB = joint.sum(0, keepdim=True)                                # [1, B]
+    PG = joint.sum(1, keepdim=True)                                # [G, 1]
+    return float(_xlogy_ratio(joint, PG * PB).sum())
+
+
+# ----------------------------------------------------------------------------- answer-aware collision
+
+def answer_concentration(p_ans):
+    """kappa_l = 1 - H(p_ans) / log N (§4.3). p_ans [N]; 0 for N = 1 or an empty distribution."""
+    N = p_ans.numel()
+    if N < 2 or float(p_ans.sum()) <= 0:
+        return 0.0
+    H = -float(_xlogy_ratio(p_ans, torch.ones_like(p_ans)).sum())
+    return 1.0 - H / math.log(N)
+
+
+def layer_lambdas(kappas, lam=0.03, floor=KAPPA_FLOOR):
+    """lambda_l ∝ max(kappa_l, floor), rescaled so that their mean over the merged layers is
+    `lam` (§4.3). kappas: list of floats -> list of floats (all zero if lam == 0)."""
+    k = [max(x, floor) for x in kappas]
+    mean = sum(k) / len(k)
+    return [lam * x / mean for x in k]
+
+
+def collision(p_ans, group, eps=EPS):
+    """R_ans(G) = [sum_{e in G} p_ans(e) / (max_{e in G} p_ans(e) + eps) - 1]_+ (§4.3).
+    p_ans [N]; group: iterable of expert indices. 0 for singletons and zero-mass groups."""
+    v = p_ans[list(group)]
+    return max(float(v.sum() / (v.max() + eps)) - 1.0, 0.0)
+
+
+def collision_increment(p_ans, G, H, eps=EPS):
+    """Delta R(G, H) = R(G u H) - R(G) - R(H) (the signed collision adjustment of J, §4.3)."""
+    return collision(p_ans, list(G) + list(H), eps) - collision(p_ans, G, eps) - collision(p_ans, H, eps)
+
+
+def _pair_collision(s_i, s_j, m_i, m_j, r_i, r_j, eps=EPS):
+    """Vectorised Delta R for all group pairs from per-group (sum, max, R) of p_ans."""
+    r_u = ((s_i + s_j) / (torch.maximum(m_i, m_j) + eps) - 1.0).clamp_min(0.0)
+    return r_u - r_i - r_j
+
+
+def collision_scale(p_ans, eps=EPS):
+    """tau_l = median of the strictly positive singleton-pair increments Delta R({i}, {j}),
+    i < j; 1 if there are none (App. B.2). p_ans [N] -> float. (torch.median of an even count
+    takes the lower middle value; we average the two middle values, the usual median.)"""
+    N = p_ans.numel()
+    z = torch.zeros_like(p_ans)
+    dR = _pair_collision(p_ans[:, None], p_ans[None, :], p_ans[:, None], p_ans[None, :], z[:, None], z[None, :], eps)
+    iu = torch.triu_indices(N, N, 1)
+    v = dR[iu[0], iu[1]]
+    v = v[v > 0].sort().values
+    if v.numel() == 0:
+        return 1.0
+    n = v.numel()
+    return float(v[n // 2]) if n % 2 else float((v[n // 2 - 1] + v[n // 2]) / 2)
+
+
+# ----------------------------------------------------------------------------- grouping
+
+def agglomerate(d_norm, p_ans, K, lam=0.0, tau=1.0, linkage="single"):
+    """Greedy answer-aware agglomeration (§4.3, App. B.2).
+
+    d_norm [N, N]: max-normalised d_EP; p_ans [N]: answer-phase distribution; K: groups to keep;
+    lam: lambda_l of this layer (0 = the lambda=0 control); tau: collision scale;
+    linkage: "single" (paper default, d_role = min over member pairs), "average" or "complete".
+    At each step merges the pair (G, H) minimising
+        J(G, H) = d_role(G, H) + lam * Delta R(G, H) / tau,
+    exact ties broken lexicographically by (d_role, Delta R, |G|+|H|, sorted expert indices).
+    Returns K groups, each a sorted list of expert indices, ordered by their smallest index.
+    Raises ValueError for K outside [1, N] or an unknown linkage."""
+    N = d_norm.shape[0]
+    if not 1 <= K <= N:
+        raise ValueError(f"K={K} must be in [1, N={N}]")
+    if linkage not in LINKAGES:
+        raise ValueError(f"unknown linkage {linkage!r}; choose from {LINKAGES}")
+    D = d_norm.clone().to(torch.float64)             # group-to-group d_role, indexed by group id
+    p = torch.as_tensor(p_ans, dtype=torch.float64)
+    s, m, r = p.clone(), p.clone(), torch.zeros(N, dtype=torch.float64)   # per-group sum, max, R of p_ans
+    size = torch.ones(N, dtype=torch.float64)
+    members = {i: [i] for i in range(N)}
+    active = torch.ones(N, dtype=torch.bool)
+    upper = torch.triu(torch.ones(N, N, dtype=torch.bool), 1)
+    for _ in range(N - K):
+        dR = _pair_collision(s[:, None], s[None, :], m[:, None], m[None, :], r[:, None], r[None, :])
+        J = D + (lam / tau) * dR
+        ok = upper & active[:, None] & active[None, :]
+        Jm = torch.where(ok, J, torch.full_like(J, math.inf))
+        best = Jm.min()
+        cand = (Jm == best).nonzero().tolist()       # exact ties only
+        a, b = min(cand, key=lambda ij: (float(D[ij[0], ij[1]]), float(dR[ij[0], ij[1]]),
+                                         len(members[ij[0]]) + len(members[ij[1]]),
+                                         tuple(sorted(members[ij[0]] + members[ij[1]]))))
+        # Lance-Williams update of the linkage from the merged group u = a (b retires)
+        if linkage == "single":
+            row = torch.minimum(D[a], D[b])
+        elif linkage == "complete":
+            row = torch.maximum(D[a], D[b])
+        else:
+            row = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
+        D[a], D[:, a] = row, row
+        D[a, a] = 0.0
+        members[a] = sorted(members[a] + members.pop(b))
+        s[a], m[a], size[a] = s[a] + s[b], torch.maximum(m[a], m[b]), size[a] + size[b]
+        r[a] = ((s[a] / (m[a] + EPS)) - 1.0).clamp_min(0.0)
+        active[b] = False
+    return sorted(members.values())
+
+
+def kmeans_groups(x, K, seed=0, iters=50):
+    """k-means++ control (App. F.3): cluster the rows of x [N, F] (we use the RRPs q_e) into
+    exactly K non-empty groups with squared Euclidean distance. Seeded k-means++ init
+    (torch.Generator), Lloyd iterations; an emptied cluster is re-seeded with the point farthest
+    from its centre. Returns sorted groups like `agglomerate`."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    N = x.shape[0]
+    if not 1 <= K <= N:
+        raise ValueError(f"K={K} must be in [1, N={N}]")
+    g = torch.Generator().manual_seed(seed)
+    centres = [int(torch.randint(N, (1,), generator=g))]
+    for _ in range(K - 1):
+        d2 = torch.cdist(x, x[centres]).pow(2).min(1).values
+        d2[centres] = 0.0
+        if float(d2.sum()) <= 0:   # duplicates only: take the lowest unused index
+            nxt = next(i for i in range(N) if i not in centres)
+        else:
+            nxt = int(torch.multinomial(d2 / d2.sum(), 1, generator=g))
+        centres.append(nxt)
+    C = x[centres].clone()
+    assign = None
+    for _ in range(iters):
+        dist = torch.cdist(x, C).pow(2)
+        new = dist.argmin(1)
+        for k in range(K):             # keep every cluster non-empty
+            if not bool((new == k).any()):
+                far = int(dist.gather(1, new[:, None])[:, 0].argmax())
+                new[far] = k
+        if assign is not None and bool((new == assign).all()):
+            break
+        assign = new
+        C = torch.stack([x[assign == k].mean(0) for k in range(K)])
+    return sorted(sorted(int(i) for i in (assign == k).nonzero()[:, 0]) for k in range(K))
+
+
+def frequency_groups(freq, router, K):
+    """Global-frequency merging baseline (M-SMoE / HC-SMoE style, phase-blind): the K most
+    used experts (pooled over all tokens; ties by index) become group anchors, every other
+    expert joins the anchor whose router row is most cosine-similar (ties: lower anchor).
+    freq [N], router [N, H] -> K sorted groups."""
+    freq = torch.as_tensor(freq, dtype=torch.float64)
+    N = freq.numel()
+    order = sorted(range(N), key=lambda e: (-float(freq[e]), e))
+    anchors = sorted(order[:K])
+    w = torch.nn.functional.normalize(torch.as_tensor(router, dtype=torch.float64), dim=-1)
+    sim = w @ w[anchors].T                                         # [N, K]
+    groups = {a: [a] for a in anchors}
+    for e in range(N):
+        if e not in groups:
+            groups[anchors[int(sim[e].argmax())]].append(e)
+    return sorted(sorted(g) for g in groups.values())
+
+
+def prune_groups(freq, K):
+    """Frequency pruning baseline (REAP-style operator, with the calibration frequency as the
+    saliency): keep the K most used experts as singleton groups, drop the rest (ties by index)."""
+    freq = torch.as_tensor(freq, dtype=torch.float64)
+    keep = sorted(range(freq.numel()), key=lambda e: (-float(freq[e]), e))[:K]
+    return [[e] for e in sorted(keep)]
+
+
+def merge_weights(mass, groups):
+    """Within-group merge weights (§4.4, App. B.2): omega_e = mass_e / sum_{e' in G} mass_e',
+    uniform only when the whole group has zero mass. mass [N] pooled counts -> list of lists of
+    floats aligned with `groups` (each sums to 1)."""
+    mass = torch.as_tensor(mass, dtype=torch.float64)
+    out = []
+    for g in groups:
+        m = mass[list(g)]
+        tot = float(m.sum())
+        out.append([float(x) / tot for x in m] if tot > 0 else [1.0 / len(g)] * len(g))
+    return out
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+def acr(p_ans_record, groups):
+    """Answer-Carrier Recoverability of one task-layer record (§4.3, App. A.3):
+    ACR_r = sum_G max_{e in G} p^A_r(e). p_ans_record [N] (normalised); 1.0 = nothing lost."""
+    p = torch.as_tensor(p_ans_record, dtype=torch.float64)
+    return float(sum(p[list(g)].max() for g in groups))
+
+
+def mi_retention(record_counts, groups):
+    """Expert-phase MI of the grouping over that of the experts, I(C;B) / I(S;B), summed over
+    records (App. A.4 'EP ret.'). record_counts: list of [B, N] count tensors (task-layer
+    records) -> float (1.0 when no record carries phase information)."""
+    num = den = 0.0
+    for c in record_counts:
+        P_e, q = role_profiles(phase_distributions(c))
+        den += mutual_information(P_e, q)
+        num += mutual_information(P_e, q, groups)
+    return num / den if den > 0 else 1.0
+
+
+# ----------------------------------------------------------------------------- whole-model plan
+
+METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune")
+
+
+def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None):
+    """Groupings for every MoE layer.
+
+    counts [L, B, N]: phase-separated counts summed over sources; K: experts kept per layer;
+    method: "rolemerge" (paper), controls "no_phase_split" (buckets pooled before grouping,
+    so every RRP is the same and only the collision term on the pooled distribution acts),
+    "lambda0", "permuted" (RRPs and p_ans shuffled across expert identities, seeded),
+    "kmeans" (k-means++ on RRPs, seeded), baselines "frequency" (needs routers: list of
+    [N, H] router weights) and "prune"; linkage applies to the agglomerative methods.
+    Returns (groups: list over layers of list of groups, info: list of per-layer dicts)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    counts = torch.as_tensor(counts, dtype=torch.float64)
+    L, B, N = counts.shape
+    mass = counts.sum(1)                                           # [L, N] pooled over phases
+    grouping_counts = counts
+    if method == "no_phase_split":
+        grouping_counts = mass[:, None, :].expand(L, B, N)
+    elif method == "permuted":
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+        grouping_counts = counts[:, :, perm]
+    ans = B - 1                                                    # the answer bucket is always last
+    p_all = [phase_distributions(grouping_counts[l]) for l in range(L)]
+    kappas = [answer_concentration(p[ans]) for p in p_all]
+    lams = layer_lambdas(kappas, 0.0 if method == "lambda0" else lam)
+    groups, info = [], []
+    for l in range(L):
+        p = p_all[l]
+        P_e, q = role_profiles(p)
+        tau = collision_scale(p[ans])
+        if method == "kmeans":
+            g = kmeans_groups(q, K, seed=seed)
+        elif method == "frequency":
+            if routers is None:
+                raise ValueError("method 'frequency' needs the router weights (routers=[...])")
+            g = frequency_groups(mass[l], routers[l], K)
+        elif method == "prune":
+            g = prune_groups(mass[l], K)
+        else:
+            g = agglomerate(normalise_by_max(pair_loss(P_e, q)), p[ans], K, lams[l], tau, linkage)
+        groups.append(g)
+        info.append({"kappa": kappas[l], "lambda": lams[l], "tau": tau})
+    return groups, info
