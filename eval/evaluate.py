@@ -1,0 +1,266 @@
+"""Evaluate a VLM on a benchmark file: batched greedy generation, per-family accuracy with
+bootstrap CIs next to the best-constant-answer baseline, and multiple choice also scored by
+option log-likelihood.
+
+    python -m eval.evaluate --model tiny-dense --data out/data/val.json
+    python -m eval.evaluate --model /path/to/Qwen2.5-VL-3B-Instruct --data bench.jsonl --limit 200
+
+prints a table (model vs "majority", value [95% CI]) and writes out/eval/<model>_<data>.json:
+{"model", "data", "rows": [report rows], "pope": {...}, "anls": {...}, "results": [...],
+"loglik": [...], "wall_s"}. Report rows are {"model","family","metric","value","ci_low",
+"ci_high","n"}, one per family plus "all", the format the quickstart report uses.
+
+Multiple-choice log-likelihood (lm-eval-harness style, as for ARC / MMLU): for each option
+the summed log-probability of its continuation given the context is computed in one
+teacher-forced forward, and the argmax option is the prediction. Our models answer with the
+option *letter* ("... Answer: B"), so the continuation is " B" (MMLU-style), not the option
+text (ARC-style, for models that answer in words). The context is the prompt plus the
+model's own greedy output up to its last "Answer:" (the shapes models first describe the
+scene, then answer; scoring the letter right after the prompt would skip that look step
+and be off-distribution). When the output has no "Answer:", the letter is scored at the
+start of the assistant turn, as for an instruct model that replies with just the letter.
+Single-letter continuations make length normalisation (acc_norm) moot.
+"""
+import argparse
+import json
+import os
+import re
+import time
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+
+from common.backbone import generate, load_backbone
+from common.data import DataError, atomic_write_text, load_image
+from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table,
+                          is_correct, pope_prf, short_answer)
+from eval.readers import parse_options, read_any
+
+
+def _images(batch):
+    for r in batch:
+        if not r.get("image"):
+            raise DataError(f"record {r['id']}: no image; the evaluators expect one image per record")
+    return [load_image(r["image"], r["id"]) for r in batch]
+
+
+@torch.no_grad()
+def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"):
+    """Greedy generation on every record, scored with `is_correct` by family.
+
+    records: dicts from `eval.readers.read_any` / `common.data.read_llava_json`.
+    Returns one dict per record, in order: {id, family, pred (generated text), extracted
+    (the answer read from it), answer (gold), correct (bool), n_tokens (generated, incl. the
+    end token)}. Raises DataError for records without a readable image."""
+    was_training = model.training
+    model.eval()
+    results = []
+    bar = tqdm(total=len(records), desc=desc, unit="ex", leave=False)
+    for i in range(0, len(records), batch_size):
+        batch = records[i:i + batch_size]
+        texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens)
+        for r, t, n in zip(batch, texts, lens):
+            results.append({"id": r["id"], "family": r["family"], "pred": t,
+                            "extracted": extract(t, answer_type_of(r["family"])), "answer": r["answer"],
+                            "correct": is_correct(t, r["answer"], r["family"]), "n_tokens": n})
+        bar.update(len(batch))
+    bar.close()
+    model.train(was_training)
+    return results
+
+
+# ----------------------------------------------------------------------------- multiple choice
+
+def options_of(record):
+    """[(letter, text), ...] of a multiple-choice record: its "options" field (canonical
+    JSONL), else the lettered options listed in a letter-type family's question; [] if none."""
+    if record.get("options"):
+        return list(record["options"])
+    return parse_options(record["question"]) if answer_type_of(record["family"]) == "letter" else []
+
+
+def loglik_prefix(generated):
+    """Assistant-turn context for option scoring: the generated text up to and including its
+    last "Answer:", or "" when there is none (see module docstring)."""
+    m = list(re.finditer(r"Answer:", generated))
+    return generated[:m[-1].end()] if m else ""
+
+
+@torch.no_grad()
+def score_options(model, proc, records, prefixes=None, batch_size=32, desc="options"):
+    """Multiple choice by option log-likelihood.
+
+    For record i with options [(L, text)] and assistant prefix p_i (prefixes[i], default ""),
+    context = prompt(image, question) + p_i and each continuation c = " L" (or "L" when p_i
+    is empty or ends in whitespace). Context and continuation are tokenised separately and
+    concatenated (as lm-eval-harness does), one row per (record, option), right padded:
+        score(L) = sum_t log softmax(logits[t-1])[ids[t]]   over the continuation positions t
+    pred = argmax_L score(L). Returns per record {id, family, scores (list, option order),
+    pred (letter), answer (gold letter), correct}. Raises DataError for a record without options."""
+    was_training = model.training
+    model.eval()
+    prefixes = prefixes if prefixes is not None else [""] * len(records)
+    tok = lambda s: proc.tokenizer(s, add_special_tokens=False)["input_ids"] if s else []
+    rows = []  # (record index, context ids, continuation ids), image pixels attached below
+    for i, r in enumerate(records):
+        opts = options_of(r)
+        if not opts:
+            raise DataError(f"record {r['id']}: no options to score (needs 'options' or lettered options "
+                            f"'A. .. B. ..' in the question of a letter-type family)")
+        sep = "" if not prefixes[i] or prefixes[i][-1].isspace() else " "
+        for L, _ in opts:
+            rows.append((i, tok(prefixes[i]), tok(sep + L)))
+    scores = [[] for _ in records]
+    bar = tqdm(total=len(rows), desc=desc, unit="opt", leave=False)
+    for s in range(0, len(rows), batch_size):
+        chunk = rows[s:s + batch_size]
+        uniq = list(dict.fromkeys(i for i, _, _ in chunk))
+        pv, grid = proc.images(_images([records[i] for i in uniq]))
+        n_patch = grid.prod(-1)
+        start = torch.cumsum(n_patch, 0) - n_patch
+        where = {i: k for k, i in enumerate(uniq)}
+        ks = [where[i] for i, _, _ in chunk]
+        pixel_values = torch.cat([pv[start[k]:start[k] + n_patch[k]] for k in ks])
+        image_grid_thw = grid[ks]
+        ids = [proc.prompt_ids(records[i]["question"], int(n_patch[where[i]]) // proc.merge ** 2) + c + o
+               for i, c, o in chunk]
+        T = max(map(len, ids))
+        input_ids = torch.tensor([x + [proc.pad_token_id] * (T - len(x)) for x in ids])
+        mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in ids])
+        dev = model.device
+        out = model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
+                    mm_token_type_ids=((input_ids == proc.image_token_id).long() * mask).to(dev),
+                    pixel_values=pixel_values.to(dev), image_grid_thw=image_grid_thw.to(dev))
+        logp = torch.log_softmax(out.logits.float(), dim=-1)  # [R, T, V]
+        for row, (i, _, o) in enumerate(chunk):
+            end = len(ids[row])
+            pos = torch.arange(end - len(o), end, device=logp.device)  # continuation positions t
+            tgt = input_ids[row, end - len(o):end].to(logp.device)
+            scores[i].append(float(logp[row, pos - 1, tgt].sum()))  # token t predicted at t-1
+        bar.update(len(chunk))
+    bar.close()
+    model.train(was_training)
+    results = []
+    for r, sc in zip(records, scores):
+        letters = [L for L, _ in options_of(r)]
+        pred = letters[max(range(len(sc)), key=sc.__getitem__)]
+        gold = extract(str(r["answer"]), "letter")
+        results.append({"id": r["id"], "family": r["family"], "scores": sc, "pred": pred, "answer": gold,
+                        "correct": pred == gold})
+    return results
+
+
+# ----------------------------------------------------------------------------- report rows
+
+def family_rows(model_name, results, metric="accuracy", n_resamples=10_000, seed=0):
+    """Report rows {"model","family","metric","value","ci_low","ci_high","n"}: accuracy of
+    results[*]["correct"] per family (first-seen order) and "all", with the 95% percentile
+    bootstrap CI (`eval.metrics.bootstrap_ci`, 10,000 resamples, seeded)."""
+    rows = []
+    for fam, correct in by_family(results).items():
+        lo, hi = bootstrap_ci(correct, n_resamples, seed)
+        rows.append({"model": model_name, "family": fam, "metric": metric, "value": accuracy(correct),
+                     "ci_low": lo, "ci_high": hi, "n": len(correct)})
+    return rows
+
+
+def majority_answers(records):
+    """{family: (constant answer, [correct per record])}: for each family the constant answer
+    (gold answers normalised with the family's answer type) that maximises accuracy on these
+    records, i.e. the most frequent gold answer; ties go to the alphabetically first."""
+    golds = {}
+    for r in records:
+        golds.setdefault(r["family"], []).append(extract(str(r["answer"]), answer_type_of(r["family"])))
+    out = {}
+    for fam, g in golds.items():
+        counts = Counter(g)
+        best = max(sorted(counts), key=counts.__getitem__)
+        out[fam] = (best, [x == best for x in g])
+    return out
+
+
+def majority_rows(records, n_resamples=10_000, seed=0):
+    """Best-constant-answer baseline as report rows with model "majority": per family the
+    accuracy of its best constant answer on these records (the evaluated split, a stricter
+    bar than the training-set majority), and "all" = every family answered with its own
+    constant."""
+    best = majority_answers(records)
+    results = [{"family": r["family"],
+                "correct": extract(str(r["answer"]), answer_type_of(r["family"])) == best[r["family"]][0]}
+               for r in records]
+    return family_rows("majority", results, n_resamples=n_resamples, seed=seed)
+
+
+def extra_metrics(results):
+    """POPE precision/recall/F1/yes-ratio for yes/no families and ANLS for word/text
+    families -> ({family: pope dict}, {family: anls})."""
+    pope, soft = {}, {}
+    for fam in dict.fromkeys(r["family"] for r in results):
+        rs = [r for r in results if r["family"] == fam]
+        t = answer_type_of(fam)
+        if t == "yesno":
+            pope[fam] = pope_prf([r["extracted"] for r in rs], [extract(str(r["answer"]), t) for r in rs])
+        elif t in ("word", "text"):
+            soft[fam] = anls([short_answer(r["pred"]) for r in rs], [str(r["answer"]) for r in rs])
+    return pope, soft
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
+                                            "JSONL): per-family accuracy vs the best constant answer.")
+    p.add_argument("--model", required=True,
+                   help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-moe")
+    p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")
+    p.add_argument("--image-root", default=None, help="folder image paths are relative to (default: the data file's)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
+    p.add_argument("--batch-size", type=int, default=64, help="records per generation batch")
+    p.add_argument("--max-new-tokens", type=int, default=48,
+                   help="generation budget (the shapes models need ~40 tokens: scene, then answer)")
+    p.add_argument("--loglik", action=argparse.BooleanOptionalAction, default=True,
+                   help="also score multiple-choice records by option log-likelihood")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype (auto: the checkpoint's own)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow checkpoint-shipped code (off by default: it executes code from the checkpoint)")
+    p.add_argument("--out", default=None, help="output JSON (default out/eval/<model>_<data>.json)")
+    a = p.parse_args(argv)
+
+    t0 = time.time()
+    records = read_any(a.data, image_root=a.image_root)[:a.limit]
+    name = os.path.basename(os.path.normpath(a.model))
+    dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
+    model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
+    results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}")
+    rows = family_rows(name, results) + majority_rows(records)
+    loglik = []
+    if a.loglik:
+        mc = [(r, res) for r, res in zip(records, results) if options_of(r)]
+        if mc:
+            loglik = score_options(model, proc, [r for r, _ in mc], [loglik_prefix(res["pred"]) for _, res in mc],
+                                   batch_size=a.batch_size)
+            rows += family_rows(name, loglik, metric="accuracy_loglik")
+    pope, soft = extra_metrics(results)
+    wall = time.time() - t0
+
+    print(f"{name} on {a.data}: {len(records)} records, {wall:.1f} s, "
+          f"{sum(r['n_tokens'] for r in results) / max(len(results), 1):.1f} tokens/answer")
+    print(format_table(rows))
+    if loglik:
+        print("\nmultiple choice by option log-likelihood:\n" + format_table(rows, "accuracy_loglik"))
+    for fam, m in pope.items():
+        print(f"POPE {fam}: precision {m['precision']:.3f} recall {m['recall']:.3f} F1 {m['f1']:.3f} "
+              f"yes-ratio {m['yes_ratio']:.3f}")
+    for fam, v in soft.items():
+        print(f"ANLS {fam}: {v:.3f}")
+    out = a.out or os.path.join("out", "eval", f"{name}_{os.path.splitext(os.path.basename(a.data))[0]}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    atomic_write_text(out, json.dumps({"model": a.model, "data": a.data, "rows": rows, "pope": pope, "anls": soft,
+                                       "wall_s": wall, "results": results, "loglik": loglik}, indent=1))
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
