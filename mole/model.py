@@ -1,0 +1,416 @@
+"""MoLE: Mixture of Latent Experts (paper 002, section 3), on a `transformers` Qwen-VL.
+
+The decoder input becomes (paper: [V; Q; Z_vis; Z_sum; Y])
+
+    <|im_start|>user\\n<|vision_start|> V <|vision_end|> Q | Z_vis (E) | Z_sum (S) | <|im_end|>\\n<|im_start|>assistant\\n Y
+
+Z_vis are E latent *visual experts*, Z_sum S latent *summary experts*: new special tokens
+whose embeddings are trainable parameters here (ids past the embedding table, so the LM
+head can never emit them). At every decoder layer l:
+
+  * a router W_R[l] (E x d) reads the hidden state of each visual token entering the layer,
+    keeps its top-K experts; expert e may attend to token v only if e is among v's top-K;
+  * router prior steering: rho = router probs renormalised over the K kept experts,
+    b = alpha * log(K * rho + eps) is added to the attention logit of the pair (e, v);
+  * ESVA: the value that expert e reads from v is u~ = u + gamma_e * MLP_e(u), with
+    u = W_V h_v flattened over heads, MLP_e a two-layer GELU MLP, gamma_e initialised to 0;
+  * topology: Z_vis see the prompt text, themselves and their routed visual tokens, never
+    another Z_vis; Z_sum see prompt, all Z_vis and earlier Z_sum; answers see everything
+    the stage allows. Stage 1 blocks prompt-text, Z_sum and answer rows from V; stage 2
+    lifts that block.
+
+How it plugs into transformers (see NOTES-transformers.md):
+  * `mole_attention` is registered with `AttentionInterface` (and `sdpa_mask` with
+    `AttentionMaskInterface`, else padding masks silently vanish) under the name "mole".
+    All rows go through the standard SDPA kernel with the boolean 4D topology mask; only
+    the E Z_vis rows are then recomputed (routed mask + prior + ESVA values) and written over.
+  * The per-forward context (`MoLEPass`: token types, Z_vis positions, routing, aux losses)
+    travels through the model's **kwargs as `mole=...`: transformers hands unknown kwargs
+    to every decoder layer and attention call.
+  * Routing runs in a forward pre-hook on each decoder layer (it needs the hidden state
+    *entering* the layer, which the attention function never sees).
+  * With a 4D mask, M-RoPE position ids must be passed explicitly (`get_rope_index`).
+
+    mole = MoLE(model, proc, MoLEConfig())
+    batch = mole.encode(images, questions, answers)        # right padding, labels on answers
+    out = mole(batch, stage=1)                              # dict: logits, loss, ce, balance, z, div
+"""
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from common.backbone import text_model
+from common.routing import load_balance_loss, topk_gates, z_loss
+
+# token types
+PAD, TEXT, VIS, ZVIS, ZSUM = 0, 1, 2, 3, 4
+
+
+@dataclass
+class MoLEConfig:
+    """Everything that defines a MoLE variant (saved with every checkpoint).
+
+    n_vis (E), n_sum (S), top_k (K): paper section 3; the paper's main model uses E=S=4.
+    alpha, eps: router prior b = alpha * log(K * rho + eps).
+    router: False = every visual token visible to every visual expert, no prior ("w/o router").
+    esva: False = shared value projection only ("w/o ESVA").
+    esva_hidden: MLP_e hidden width (0 = the flattened value width Hkv * head_dim).
+    latent_mixing: "topological" (no Z_vis <-> Z_vis attention) or "causal" (ablation).
+    lambda_*: loss weights of balance, z-loss and diversity.
+    The LIVR-like plain-latent baseline is router=False, esva=False, latent_mixing="causal",
+    n_sum=0: plain causal latent tokens under the same two-stage bottleneck."""
+    n_vis: int = 4
+    n_sum: int = 4
+    top_k: int = 2
+    alpha: float = 1.0
+    eps: float = 1e-4
+    router: bool = True
+    esva: bool = True
+    esva_hidden: int = 0
+    latent_mixing: str = "topological"
+    lambda_balance: float = 0.01
+    lambda_z: float = 0.001
+    lambda_div: float = 0.01
+
+    def __post_init__(self):
+        if self.n_vis < 1 or self.n_sum < 0:
+            raise ValueError(f"need n_vis >= 1 and n_sum >= 0, got {self.n_vis}, {self.n_sum}")
+        if not 1 <= self.top_k <= self.n_vis:
+            raise ValueError(f"need 1 <= top_k <= n_vis, got top_k={self.top_k}, n_vis={self.n_vis}")
+        if self.latent_mixing not in ("topological", "causal"):
+            raise ValueError(f"latent_mixing must be 'topological' or 'causal', got {self.latent_mixing!r}")
+
+    @property
+    def special(self):
+        """True if Z_vis rows need the MoLE path (routing or ESVA); else plain SDPA is exact."""
+        return self.router or self.esva
+
+
+PLAIN_LATENT = dict(router=False, esva=False, latent_mixing="causal")  # + n_vis = budget, n_sum = 0
+
+
+# ----------------------------------------------------------------------------- masks
+
+def topology_mask(types, stage, cfg):
+    """Boolean attention mask of the MoLE sequence (True = may attend).
+
+    types: [B, L] long (PAD/TEXT/VIS/ZVIS/ZSUM); stage: 1 (visual bottleneck) or 2.
+    Returns [B, 1, L, L] bool. Z_vis -> V edges are left False when the router is on: the
+    attention function adds the routed ones per layer. Every row may attend to itself, so
+    pad rows never produce NaN. Raises ValueError for another stage."""
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage}")
+    B, L = types.shape
+    row, col = types[:, :, None], types[:, None, :]  # [B,L,1], [B,1,L]
+    eye = torch.eye(L, dtype=torch.bool, device=types.device)[None]
+    allowed = torch.ones(L, L, dtype=torch.bool, device=types.device).tril()[None] & (col != PAD)
+    if cfg.router:
+        allowed &= ~((row == ZVIS) & (col == VIS))  # only routed edges, added per layer
+    if cfg.latent_mixing == "topological":
+        allowed &= ~((row == ZVIS) & (col == ZVIS))  # no visual expert reads another (eye re-added below)
+    if stage == 1:
+        allowed &= ~(((row == TEXT) | (row == ZSUM)) & (col == VIS))  # the visual attention bottleneck
+    return (allowed | eye)[:, None]
+
+
+def column_mask(types, stage):
+    """Which cached columns a later text row (answer token) may attend to: [B, Lk] bool.
+    Used for cached decoding, where the new row is an answer token."""
+    keep = types != PAD
+    if stage == 1:
+        keep &= types != VIS
+    return keep
+
+
+# ----------------------------------------------------------------------------- per-forward context
+
+class MoLEPass:
+    """What one forward pass of MoLE hands to the routing hooks and the attention function.
+
+    types [B,L], zpos [B,E] (position of each Z_vis token), is_vis [B,L];
+    route[layer] = (sel [B,L,E] bool, prior [B,L,E] fp32); per-layer aux losses;
+    record: keep each layer's Z_vis attention probs [B,H,E,L] in `attn` (diagnostics)."""
+
+    def __init__(self, mole, types, zpos, record=False):
+        self.mole, self.types, self.zpos, self.record = mole, types, zpos, record
+        self.is_vis = types == VIS
+        self.route, self.attn = {}, {}
+        self.balance, self.z, self.div = [], [], []
+
+
+def mole_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention function registered as "mole".
+
+    query [B,H,Q,D], key/value [B,Hkv,K,D] (GQA not repeated), attention_mask [B,1,Q,K] bool.
+    Returns (out [B,Q,H,D], None). Without a `mole` kwarg (plain calls, cached decoding of
+    answer tokens) this is exactly SDPA. With one, every row goes through SDPA and the
+    Z_vis rows are then replaced by `MoLE.latent_attention` (routed mask, prior, ESVA)."""
+    st = kwargs.pop("mole", None)
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                    scaling=scaling, **kwargs)
+    if st is None or not (st.mole.cfg.special or st.record):
+        return out, None
+    if query.shape[2] != key.shape[2]:
+        raise RuntimeError("MoLE Z_vis rows must be computed in a full (uncached) prefill")
+    zout = st.mole.latent_attention(module.layer_idx, query, key, value, attention_mask, scaling, st)  # [B,H,E,D]
+    B, H, E, D = zout.shape
+    idx = st.zpos[:, :, None, None].expand(B, E, H, D)
+    out = out.scatter(1, idx, zout.transpose(1, 2).to(out.dtype))
+    return out, None
+
+
+AttentionInterface.register("mole", mole_attention)
+AttentionMaskInterface.register("mole", sdpa_mask)
+
+
+# ----------------------------------------------------------------------------- modules
+
+class ESVA(nn.Module):
+    """Expert-specific value adapters of one layer: E two-layer GELU MLPs on the flattened
+    value u [.., d_v] (d_v = Hkv * head_dim), batched over experts, and residual scales gamma.
+
+    delta(u) -> [.., E, d_v] = MLP_e(u); the routed value is u + gamma_e * MLP_e(u)."""
+
+    def __init__(self, E, d_v, hidden):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, d_v, hidden) / math.sqrt(d_v))
+        self.b1 = nn.Parameter(torch.zeros(E, hidden))
+        self.w2 = nn.Parameter(torch.randn(E, hidden, d_v) / math.sqrt(hidden))
+        self.b2 = nn.Parameter(torch.zeros(E, d_v))
+        self.gamma = nn.Parameter(torch.zeros(E))  # start from the shared value projection
+
+    def delta(self, u):
+        h = F.gelu(torch.einsum("bld,edh->bleh", u, self.w1.to(u.dtype)) + self.b1.to(u.dtype))
+        return torch.einsum("bleh,ehd->bled", h, self.w2.to(u.dtype)) + self.b2.to(u.dtype)
+
+
+def diversity_loss(delta, sel, is_vis):
+    """Mean pairwise squared cosine between the ESVA deltas of the experts that the same
+    visual token selected (paper: L_div; 0 when K = 1 since no pair exists).
+
+    delta: [B,L,E,d] (MLP_e(u); squared cosine is scale-free, so gamma drops out and the
+    loss stays defined at gamma = 0); sel: [B,L,E] bool top-K selection; is_vis: [B,L] bool.
+    Returns a scalar fp32 (0 if no pair)."""
+    d = F.normalize(delta.float(), dim=-1)
+    cos2 = torch.einsum("blie,blje->blij", d, d).square()  # [B,L,E,E]
+    E = sel.shape[-1]
+    upper = torch.ones(E, E, dtype=torch.bool, device=sel.device).triu(1)
+    pair = sel[..., :, None] & sel[..., None, :] & upper & is_vis[..., None, None]
+    n = pair.sum()
+    return (cos2 * pair).sum() / n.clamp(min=1)
+
+
+class MoLE(nn.Module):
+    """A VLM with MoLE latent experts. Owns the new parameters (latent embeddings, routers,
+    ESVAs); the wrapped `model` is used as is (its own parameters are frozen or LoRA'd by
+    the trainer). Registers "mole" attention on the text model and one routing pre-hook per
+    decoder layer."""
+
+    def __init__(self, model, proc, cfg=None):
+        super().__init__()
+        self.cfg = cfg = cfg or MoLEConfig()
+        self.model, self.proc = model, proc
+        tcfg = model.config.get_text_config()
+        layers = text_model(model).layers
+        d, E, n_lat = tcfg.hidden_size, cfg.n_vis, cfg.n_vis + cfg.n_sum
+        head_dim = getattr(tcfg, "head_dim", None) or d // tcfg.num_attention_heads
+        d_v = tcfg.num_key_value_heads * head_dim
+        emb = model.get_input_embeddings().weight.detach().float()
+        self.vocab = emb.shape[0]  # latent ids start here: past the table, never generated
+        g = torch.Generator().manual_seed(0)
+        self.latent = nn.Parameter((emb.mean(0) + emb.std() * torch.randn(n_lat, d, generator=g)).to(emb.dtype))
+        self.routers = nn.ModuleList(nn.Linear(d, E, bias=False) for _ in layers) if cfg.router else None
+        if self.routers is not None:
+            for r in self.routers:
+                nn.init.normal_(r.weight, std=d ** -0.5)
+        self.esva = nn.ModuleList(ESVA(E, d_v, cfg.esva_hidden or d_v) for _ in layers) if cfg.esva else None
+        self.to(device=model.device)
+        vision_impl = getattr(model.config.vision_config, "_attn_implementation", None) or "sdpa"
+        model.set_attn_implementation({"text_config": "mole", "vision_config": vision_impl})
+        self._hooks = [layer.register_forward_pre_hook(self._route_hook(i), with_kwargs=True)
+                       for i, layer in enumerate(layers)] if cfg.router else []
+        tok = proc.tokenizer
+        self.tail_ids = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        self.latent_ids = list(range(self.vocab, self.vocab + n_lat))
+
+    # ------------------------------------------------------------------ inputs
+
+    def encode(self, images, questions, answers=None, padding_side=None, pixels=None):
+        """Like `VLProcessor.encode`, with the latent tokens inserted before the assistant
+        header: head (image + question) | Z_vis | Z_sum | tail (assistant header) | answer.
+
+        Returns input_ids [B,L] (latent ids >= self.vocab), attention_mask, mm_token_type_ids,
+        pixel_values, image_grid_thw, labels (answers given; -100 outside answer + <|im_end|>).
+        Right padding with answers, left padding without (generation)."""
+        proc = self.proc
+        pixel_values, grid = pixels if pixels is not None else proc.images(images)
+        n_img = (grid.prod(-1) // proc.merge ** 2).tolist()
+        T = len(self.tail_ids)
+        rows, labels = [], []
+        for i, q in enumerate(questions):
+            p = proc.prompt_ids(q, n_img[i])
+            assert p[-T:] == self.tail_ids, "prompt does not end with the assistant header"
+            r = p[:-T] + self.latent_ids + self.tail_ids
+            if answers is not None:
+                a = proc.tokenizer(answers[i], add_special_tokens=False)["input_ids"] + [proc.eos_token_id]
+                labels.append([-100] * len(r) + a)
+                r = r + a
+            rows.append(r)
+        side = padding_side or ("right" if answers is not None else "left")
+        L = max(map(len, rows))
+        pad = lambda r, v: (r + [v] * (L - len(r))) if side == "right" else ([v] * (L - len(r)) + r)
+        input_ids = torch.tensor([pad(r, proc.pad_token_id) for r in rows])
+        mask = torch.tensor([pad([1] * len(r), 0) for r in rows])
+        batch = {"input_ids": input_ids, "attention_mask": mask,
+                 "mm_token_type_ids": (input_ids == proc.image_token_id).long() * mask,
+                 "pixel_values": pixel_values, "image_grid_thw": grid}
+        if answers is not None:
+            batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
+        return batch
+
+    def token_types(self, input_ids, attention_mask):
+        """[B,L] PAD/TEXT/VIS/ZVIS/ZSUM from ids (latent id vocab+j: Z_vis for j < E)."""
+        t = torch.full_like(input_ids, TEXT)
+        t[input_ids == self.proc.image_token_id] = VIS
+        j = input_ids - self.vocab
+        t[(j >= 0) & (j < self.cfg.n_vis)] = ZVIS
+        t[j >= self.cfg.n_vis] = ZSUM
+        t[attention_mask == 0] = PAD
+        return t
+
+    def zvis_positions(self, input_ids):
+        """[B,E] position of Z_vis token e in each row (every row holds all of them)."""
+        B, L = input_ids.shape
+        j = input_ids - self.vocab
+        is_z = (j >= 0) & (j < self.cfg.n_vis)
+        slot = torch.where(is_z, j, torch.full_like(j, self.cfg.n_vis))  # non-latents -> dump slot E
+        pos = torch.arange(L, device=input_ids.device).expand(B, L)
+        return torch.zeros(B, self.cfg.n_vis + 1, dtype=torch.long, device=input_ids.device).scatter_(
+            1, slot, pos)[:, :self.cfg.n_vis]
+
+    def embed(self, input_ids):
+        """Token embeddings with the trainable latent rows: [B,L,d]."""
+        table = self.model.get_input_embeddings()
+        lat = input_ids >= self.vocab
+        x = table(torch.where(lat, torch.full_like(input_ids, self.proc.pad_token_id), input_ids))
+        j = (input_ids - self.vocab).clamp(min=0, max=self.latent.shape[0] - 1)
+        return torch.where(lat[..., None], self.latent.to(x.dtype)[j], x)
+
+    def positions(self, batch):
+        """Explicit M-RoPE position ids [3,B,L] (needed with a 4D mask: transformers would
+        index the 4D mask as 2D inside get_rope_index)."""
+        ids = batch["input_ids"].clamp(max=self.vocab - 1)  # latents count as text tokens
+        pos, _ = self.model.model.get_rope_index(ids, batch["mm_token_type_ids"],
+                                                 image_grid_thw=batch["image_grid_thw"],
+                                                 attention_mask=batch["attention_mask"])
+        return pos
+
+    # ------------------------------------------------------------------ routing
+
+    def _route_hook(self, layer_idx):
+        def hook(module, args, kwargs):
+            st = kwargs.get("mole")
+            if st is not None:
+                h = args[0] if args else kwargs["hidden_states"]
+                self.route(layer_idx, h, st)
+        return hook
+
+    def route(self, layer_idx, h, st):
+        """Per-layer routing of visual tokens (paper: r = softmax(W_R h), top-K, prior b).
+
+        h: [B,L,d] hidden states entering the layer. Stores in st.route[layer_idx]
+        (sel [B,L,E] bool, prior [B,L,E] fp32; both zero off visual tokens) and appends the
+        layer's load-balance (Mixtral convention E * sum_e sg(f_e) P_e, = K at uniform
+        routing; f has no gradient since it counts top-K choices) and z-loss over visual tokens."""
+        cfg = self.cfg
+        logits = self.routers[layer_idx](h.to(self.routers[layer_idx].weight.dtype)).float()  # [B,L,E]
+        probs, idx, rho = topk_gates(logits, cfg.top_k)  # rho: probs renormalised over the top-K
+        vis = st.is_vis
+        sel = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, idx, True) & vis[..., None]
+        b = cfg.alpha * torch.log(cfg.top_k * rho + cfg.eps)  # eq. prior: ~0 when rho = 1/K
+        prior = torch.zeros_like(probs).scatter_(-1, idx, b) * vis[..., None]
+        st.route[layer_idx] = (sel, prior)
+        st.balance.append(load_balance_loss(probs, idx, vis))
+        st.z.append(z_loss(logits, vis))
+
+    # ------------------------------------------------------------------ Z_vis attention
+
+    def latent_attention(self, layer_idx, query, key, value, mask, scaling, st):
+        """Attention output of the E Z_vis rows at one layer.
+
+        query [B,H,L,D], key/value [B,Hkv,L,D], mask [B,1,L,L] bool (topology), st: MoLEPass.
+        logit(e, j) = q_e . k_j * scaling (+ b[v=j, e] on routed visual columns);
+        allowed(e, j) = mask row of Z_vis e | (j visual and e in top-K(j));
+        value(e, j) = u_j (+ gamma_e * MLP_e(u_j) if j is visual: ESVA).
+        Returns [B,H,E,D]; appends the layer's diversity loss; records probs if st.record."""
+        cfg = self.cfg
+        B, H, L, D = query.shape
+        Hkv, E = key.shape[1], cfg.n_vis
+        G = H // Hkv
+        zpos = st.zpos
+        qz = query.gather(2, zpos[:, None, :, None].expand(B, H, E, D)).view(B, Hkv, G, E, D)
+        logits = torch.einsum("bkged,bkld->bkgel", qz.float(), key.float()) * scaling  # [B,Hkv,G,E,L]
+        allowed = mask[:, 0].gather(1, zpos[:, :, None].expand(B, E, L))  # [B,E,L]
+        if cfg.router:
+            sel, prior = st.route[layer_idx]
+            allowed = allowed | sel.transpose(1, 2)
+            logits = logits + prior.transpose(1, 2)[:, None, None]
+        p = logits.masked_fill(~allowed[:, None, None], float("-inf")).softmax(-1)
+        out = torch.einsum("bkgel,bkld->bkged", p, value.float())
+        if cfg.esva:
+            u = value.transpose(1, 2).reshape(B, L, Hkv * D)  # flattened value projection
+            esva = self.esva[layer_idx]
+            delta = esva.delta(u)  # [B,L,E,d_v]
+            routed = delta * (esva.gamma.to(delta.dtype)[:, None] * st.is_vis[..., None, None])
+            out = out + torch.einsum("bkgel,blekd->bkged", p, routed.view(B, L, E, Hkv, D).float())
+            if cfg.router and cfg.top_k > 1:
+                st.div.append(diversity_loss(delta, sel, st.is_vis))
+        if st.record:
+            st.attn[layer_idx] = p.reshape(B, H, E, L).detach()
+        return out.reshape(B, H, E, D)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, batch, stage, cache=None, record=False, hidden=False):
+        """One full (prefill / training) pass.
+
+        batch: from `encode` (labels optional); stage: 1 or 2; cache: a transformers Cache
+        to fill (generation prefill) or None; record: keep Z_vis attention probs;
+        hidden: also return the last hidden states.
+        Returns dict(logits [B,L,V] fp32-able, types, positions, pass, and with labels:
+        loss = ce + lambda_balance*balance + lambda_z*z + lambda_div*div, plus each term)."""
+        ids, am = batch["input_ids"], batch["attention_mask"]
+        types = self.token_types(ids, am)
+        st = MoLEPass(self, types, self.zvis_positions(ids), record=record)
+        pos = self.positions(batch)
+        out = self.model(inputs_embeds=self.embed(ids), attention_mask=topology_mask(types, stage, self.cfg),
+                         position_ids=pos, pixel_values=batch["pixel_values"],
+                         image_grid_thw=batch["image_grid_thw"], cache=cache, use_cache=cache is not None,
+                         output_hidden_states=hidden, mole=st)
+        res = {"logits": out.logits, "types": types, "positions": pos, "pass": st}
+        if hidden:
+            res["hidden"] = out.hidden_states[-1]
+        zero = out.logits.new_zeros((), dtype=torch.float32)
+        mean = lambda xs: torch.stack(xs).mean() if xs else zero
+        res.update(balance=mean(st.balance), z=mean(st.z), div=mean(st.div))
+        if "labels" in batch:
+            lab = batch["labels"][:, 1:]
+            ce = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, out.logits.shape[-1]), lab.reshape(-1),
+                                 ignore_index=-100)
+            c = self.cfg
+            res["ce"] = ce
+            res["loss"] = ce + c.lambda_balance * res["balance"] + c.lambda_z * res["z"] + c.lambda_div * res["div"]
+        return res
+
+    def trainable_state(self):
+        """The MoLE-owned parameters (latents, routers, ESVAs) as a state dict."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("model.")}
+
+    def config_dict(self):
+        return asdict(self.cfg)
