@@ -1,0 +1,343 @@
+"""Mixture of Debaters (MoD) adapters on a frozen VLM, and the LoRA / MoE-LoRA baselines.
+
+Paper: "Mixture of Debaters" (../shared/papers/000_*), §3.1, eq. 1-6 and 9-10, Algorithm 1.
+
+Every target `nn.Linear` (q/k/v/o of the language model by default) becomes
+
+    h = W0 x + (alpha / r) * h_MoD(x)                                         # eq. 6
+
+    x_route = mean of the last W inputs (causal, padding excluded)           # eq. 1, "momentum switching"
+    l_A = W_A x_route,  l_B = W_B x_route                                     # eq. 2, dual routers
+    I_A = topk(l_A, r), I_B = topk(l_B, r)                                    # eq. 3
+    g_A = softmax(l_A)[I_A] / sum(...), g_B likewise                         # eq. 4, fp32
+    g = sqrt(g_A * g_B)                                                       # eq. 5 (pairs j-th A with j-th B)
+    h_MoD = sum_j g_j * (A[I_A_j] . x) * B[I_B_j]                            # rank-1 experts A [E,in], B [E,out]
+
+computed without a loop over experts: z = x @ A.T ([..,E]), gather the top-r entries,
+scale by g, scatter-add them into an [.., E] weight at the B indices, multiply by B.
+
+Usage:
+    model, proc = load_backbone("tiny-dense")
+    attach(model, AdapterConfig(method="mod"))           # freezes the base, wraps q/k/v/o
+    out = model(**batch); loss = out.loss + cfg.aux_coef * aux_loss(model)
+    save_adapters(model, "out/mod/adapter"); load_adapters(fresh_model, "out/mod/adapter")
+
+Cached decoding: a routing context, shared by all adapter layers of one model, is filled by a
+forward pre-hook on the model with the current tokens' padding mask and whether this call
+continues a KV-cached sequence. Each routed layer keeps the last W-1 (non-pad) routing
+inputs, so x_route during `generate` equals x_route of a full forward (tested). Beam search
+reorders the batch and is not supported by that cache (greedy and sampling are).
+"""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+from common.routing import load_balance_loss, region_mean, topk_gates, window_mean
+
+METHODS = ("mod", "lora", "moelora")
+GRANULARITIES = ("token", "region", "window")
+COMBINES = ("sqrt_product", "product", "mean")
+CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass
+class AdapterConfig:
+    """Adapter hyper-parameters (peft names where they mean the same thing).
+
+    method: "mod" (decoupled rank-1 pools, dual routers), "lora" (rank r), "moelora"
+      (num_experts coupled rank-`expert_rank` LoRA experts, one router, top-r).
+    r: top-r experts per token for mod/moelora (mod's effective rank), LoRA rank for lora.
+    lora_alpha: output scale alpha / r (eq. 6).
+    num_experts: E of each pool. window: W of the routing input. granularity: token
+      (x_route = x), region (mean inside blocks of W), window (sliding mean of the last W).
+    combine: how g_A and g_B combine (eq. 5 default sqrt_product). shared_router: one router,
+      I_A = I_B. noise_std: Gaussian router-logit noise in training. router_init_std: std of
+      the router init. aux_coef: lambda of eq. 7 (used by the training loop).
+    """
+    method: str = "mod"
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    r: int = 4
+    lora_alpha: float = 8.0
+    num_experts: int = 8
+    expert_rank: int = 1
+    window: int = 16
+    granularity: str = "window"
+    combine: str = "sqrt_product"
+    shared_router: bool = False
+    noise_std: float = 0.0
+    router_init_std: float = 0.02
+    aux_coef: float = 0.01
+
+    def __post_init__(self):
+        if isinstance(self.target_modules, str):
+            self.target_modules = [s.strip() for s in self.target_modules.split(",") if s.strip()]
+        checks = [(self.method in METHODS, f"method must be one of {METHODS}"),
+                  (self.granularity in GRANULARITIES, f"granularity must be one of {GRANULARITIES}"),
+                  (self.combine in COMBINES, f"combine must be one of {COMBINES}"),
+                  (self.r >= 1 and self.window >= 1 and self.expert_rank >= 1, "r, window, expert_rank must be >= 1"),
+                  (self.method == "lora" or self.r <= self.num_experts, "top-r must not exceed num_experts")]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"AdapterConfig: {msg} (got {self})")
+
+    @property
+    def route_window(self):
+        return 1 if self.granularity == "token" else self.window
+
+
+class RoutingContext:
+    """State shared by the adapter layers of one model for the current forward call.
+
+    mask: [B, T] bool of the current tokens (None = no padding); continuing: True when the
+    call extends a KV-cached sequence (use the per-layer token caches); aux: per-layer
+    load-balance losses of this forward (training only); record: if True, layers append
+    (name, top1_A [B,T], top1_B [B,T], mask) to `trace` for diagnostics."""
+
+    def __init__(self):
+        self.mask, self.continuing, self.aux, self.record, self.trace = None, False, [], False, []
+
+
+def _model_pre_hook(ctx):
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        emb = kwargs.get("inputs_embeds")
+        T = (ids if ids is not None else emb).shape[1]
+        past = kwargs.get("cache", kwargs.get("past_key_values"))
+        past_len = past.get_seq_length() if past is not None and hasattr(past, "get_seq_length") else 0
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            past_len = max(past_len, mask.shape[1] - T)
+            mask = mask[:, -T:].bool()
+        else:
+            mask = None  # 4-D custom masks: no padding information we can use
+        ctx.mask, ctx.continuing, ctx.aux = mask, past_len > 0, []
+    return hook
+
+
+class RoutedInput(nn.Module):
+    """x_route (eq. 1) with the W-1 token cache for cached decoding. Holds no parameters."""
+
+    def __init__(self, cfg, ctx):
+        super().__init__()
+        self.W, self.granularity, self.ctx = cfg.route_window, cfg.granularity, ctx
+        self.cache = None  # (buf [B, W-1, D], buf_mask [B, W-1], n_seen [B]) or None
+
+    def forward(self, x):
+        """x: [B, T, D] -> x_route [B, T, D] (x's dtype)."""
+        if self.W == 1:
+            return x
+        B, T, _ = x.shape
+        mask = self.ctx.mask if self.ctx.mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        if self.ctx.continuing and self.cache is not None:
+            buf, buf_mask, n_seen = self.cache
+            if buf.shape[0] != B:
+                raise RuntimeError(f"routing cache holds {buf.shape[0]} rows but the batch has {B} "
+                                   f"(beam search / batch reordering is not supported)")
+            xc, mc = torch.cat([buf.to(x.dtype), x], 1), torch.cat([buf_mask, mask], 1)
+            offset = n_seen - buf_mask.sum(1)
+        else:
+            xc, mc = x, mask
+            n_seen = torch.zeros(B, dtype=torch.long, device=x.device)
+            offset = n_seen
+        if self.granularity == "region":
+            xr = region_mean(xc, self.W, mc, offset=offset)[:, -T:]
+        else:
+            xr = window_mean(xc, self.W, mc)[:, -T:]
+        self._update_cache(xc.detach(), mc, n_seen + mask.sum(1))
+        return xr
+
+    def _update_cache(self, xc, mc, n_seen):
+        # keep the last W-1 real positions (pads sort first, order preserved): no host sync
+        L = xc.shape[1]
+        key = torch.where(mc, torch.arange(L, device=xc.device).expand_as(mc), torch.full_like(mc, -1, dtype=torch.long))
+        keep = min(self.W - 1, L)
+        pos = key.sort(dim=1).values[:, -keep:]  # real positions are distinct, pads (-1) first
+        valid = pos >= 0
+        pos = pos.clamp(min=0)
+        buf = xc.gather(1, pos[..., None].expand(-1, -1, xc.shape[-1]))
+        self.cache = (buf, valid, n_seen)
+
+
+class MoDLinear(nn.Module):
+    """Frozen nn.Linear + MoD adapter (eq. 1-6), or the LoRA / MoE-LoRA baselines.
+
+    forward(x [B, T, in]) -> [B, T, out] = base(x) + (lora_alpha / r) * adapter(x).
+    Parameters: mod: A [E, in], B [E, out], router_A [E, in], router_B [E, in] (absent with
+    shared_router); lora: lora_A [r, in], lora_B [out, r]; moelora: lora_A [E*k, in],
+    lora_B [out, E*k] (k = expert_rank, expert e owns rows/columns e*k..e*k+k-1), router [E, in].
+    Init as LoRA: A Kaiming-uniform, B zeros (the wrapped model starts equal to the base),
+    routers N(0, router_init_std)."""
+
+    def __init__(self, base, cfg, ctx):
+        super().__init__()
+        self.base_layer, self.cfg, self.ctx = base, cfg, ctx
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.scaling = cfg.lora_alpha / cfg.r
+        E, din, dout = cfg.num_experts, base.in_features, base.out_features
+        dev, dt = base.weight.device, base.weight.dtype
+        new = lambda *shape: nn.Parameter(torch.zeros(*shape, device=dev, dtype=dt))
+        if cfg.method == "mod":
+            self.A, self.B = new(E, din), new(E, dout)
+            self.router_A = new(E, din)
+            self.router_B = None if cfg.shared_router else new(E, din)
+        elif cfg.method == "lora":
+            self.lora_A, self.lora_B = new(cfg.r, din), new(dout, cfg.r)
+        else:
+            self.lora_A, self.lora_B = new(E * cfg.expert_rank, din), new(dout, E * cfg.expert_rank)
+            self.router = new(E, din)
+        self.routed_input = RoutedInput(cfg, ctx) if cfg.method != "lora" else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        for name, p in self.named_parameters(recurse=False):
+            if name in ("A", "lora_A"):
+                nn.init.kaiming_uniform_(p, a=math.sqrt(5))  # peft's LoRA A init
+            elif name.startswith("router"):
+                nn.init.normal_(p, std=self.cfg.router_init_std)
+            else:
+                nn.init.zeros_(p)  # B, lora_B: start at the base model
+
+    def _route(self, weight, x_route):
+        """logits [B,T,E] -> (probs fp32, idx [B,T,r], gates fp32 [B,T,r]) (eq. 2-4)."""
+        logits = x_route @ weight.T
+        return topk_gates(logits, self.cfg.r, self.cfg.noise_std, self.training)
+
+    def forward(self, x):
+        out = self.base_layer(x)
+        cfg = self.cfg
+        if cfg.method == "lora":
+            return out + self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
+        x_route = self.routed_input(x)
+        if cfg.method == "moelora":
+            probs, idx, gates = self._route(self.router, x_route)
+            w = torch.zeros_like(probs).scatter_(-1, idx, gates).to(x.dtype)  # [B,T,E] gate per expert
+            z = (x @ self.lora_A.T).unflatten(-1, (cfg.num_experts, cfg.expert_rank))  # [B,T,E,k]
+            h = (z * w[..., None]).flatten(-2) @ self.lora_B.T  # [B,T,out]
+            self._bookkeeping(probs, idx, probs, idx)
+            return out + self.scaling * h
+        pa, ia, ga = self._route(self.router_A, x_route)
+        pb, ib, gb = (pa, ia, ga) if cfg.shared_router else self._route(self.router_B, x_route)
+        if cfg.combine == "sqrt_product":
+            g = (ga * gb).clamp_min(1e-30).sqrt()  # eq. 5; the clamp keeps sqrt's gradient finite at 0
+        elif cfg.combine == "product":
+            g = ga * gb
+        else:
+            g = 0.5 * (ga + gb)
+        z = x @ self.A.T  # [B,T,E]: every A expert's projection (rank 1 each)
+        coef = z.gather(-1, ia) * g.to(x.dtype)  # [B,T,r]: g_j * (A[I_A_j] . x)
+        w = torch.zeros_like(z).scatter_add(-1, ib, coef)  # [B,T,E] weight of each B expert
+        self._bookkeeping(pa, ia, pb, ib)
+        return out + self.scaling * (w @ self.B)  # eq. 6
+
+    def _bookkeeping(self, pa, ia, pb, ib):
+        ctx = self.ctx
+        if self.training:  # eq. 9 per layer: E/2 sum_i (f_A P_A + f_B P_B), probabilities for P
+            ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask) + load_balance_loss(pb, ib, ctx.mask)))
+        if ctx.record:
+            ctx.trace.append((self.name, ia[..., 0].detach(), ib[..., 0].detach(), ctx.mask))
+
+
+# ----------------------------------------------------------------------------- attach / utilities
+
+def _matches(name, suffixes):
+    return any(name == s or name.endswith("." + s) for s in suffixes)
+
+
+def attach(model, cfg):
+    """Wrap every nn.Linear of the language model whose name ends with one of
+    `cfg.target_modules` and freeze everything else. Returns the list of wrapped names.
+
+    Only the decoder from `common.backbone.text_model(model)` is searched (never the vision
+    tower or lm_head). Raises ValueError if nothing matches or adapters are already attached."""
+    from common.backbone import text_model
+    if getattr(model, "_adapter", None) is not None:
+        raise ValueError("adapters already attached to this model")
+    lm = text_model(model)
+    names = [n for n, m in lm.named_modules() if isinstance(m, nn.Linear) and _matches(n, cfg.target_modules)]
+    if not names:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"target_modules {cfg.target_modules} match no nn.Linear of the language model; "
+                         f"available suffixes: {linear}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ctx = RoutingContext()
+    for n in names:
+        parent_name, _, child = n.rpartition(".")
+        parent = lm.get_submodule(parent_name) if parent_name else lm
+        layer = MoDLinear(getattr(parent, child), cfg, ctx)
+        layer.name = n
+        setattr(parent, child, layer)
+    hook = model.register_forward_pre_hook(_model_pre_hook(ctx), with_kwargs=True)
+    model._adapter = {"config": cfg, "ctx": ctx, "names": names, "hook": hook}
+    return names
+
+
+def adapter_layers(model):
+    """[(name, MoDLinear)] in model order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoDLinear)]
+
+
+def adapter_state_dict(model):
+    """Trainable adapter tensors only (names relative to the model)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def num_trainable(model):
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def aux_loss(model):
+    """Mean over adapter layers of the per-layer load-balance loss of the last forward
+    (eq. 9 normalised by the number of layers); 0 if none was recorded (eval mode, lora)."""
+    aux = model._adapter["ctx"].aux
+    if not aux:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return torch.stack(aux).mean()
+
+
+def routing_context(model):
+    return model._adapter["ctx"]
+
+
+def save_adapters(model, path):
+    """Write path/adapter_config.json + path/adapter_model.safetensors (adapter tensors only)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    cfg = model._adapter["config"]
+    state = {k: v.contiguous().cpu() for k, v in adapter_state_dict(model).items()}
+    tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
+    save_file(state, tmp)
+    os.replace(tmp, os.path.join(path, WEIGHTS_NAME))
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(asdict(cfg), f, indent=2)
+
+
+def load_config(path):
+    with open(os.path.join(path, CONFIG_NAME)) as f:
+        return AdapterConfig(**json.load(f))
+
+
+def load_adapters(model, path):
+    """Attach the adapters saved in `path` to a fresh base model and load their weights.
+    Raises ValueError on missing/unexpected tensors (wrong base model)."""
+    from safetensors.torch import load_file
+    cfg = load_config(path)
+    attach(model, cfg)
+    state = load_file(os.path.join(path, WEIGHTS_NAME))
+    own = dict(model.named_parameters())
+    missing = [k for k, p in own.items() if p.requires_grad and k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit this base model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for k, v in state.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
+            own[k].copy_(v)
+    return cfg
