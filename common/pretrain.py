@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from common import backbone as bb
 from common import data
+from common.checkpoint import load_train_state, save_train_state
 
 
 def make_batch(proc, step, batch_size, seed):
@@ -65,31 +66,6 @@ def lr_at(step, steps, lr, warmup):
     return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def save_ckpt(path, model, opt, step, log):
-    """Atomic training checkpoint: weights (safetensors) + optimizer + step, then rename."""
-    from safetensors.torch import save_file
-    tmp = path + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(tmp, "model.safetensors"))
-    torch.save(opt.state_dict(), os.path.join(tmp, "optim.pt"))
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump({"step": step, "log": log}, f)
-    if os.path.exists(path):
-        os.replace(path, path + ".old")
-    os.replace(tmp, path)
-    import shutil
-    shutil.rmtree(path + ".old", ignore_errors=True)
-
-
-def load_ckpt(path, model, opt):
-    from safetensors.torch import load_file
-    model.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
-    opt.load_state_dict(torch.load(os.path.join(path, "optim.pt"), weights_only=True))
-    with open(os.path.join(path, "state.json")) as f:
-        st = json.load(f)
-    return st["step"], st["log"]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"],
@@ -115,8 +91,10 @@ def main():
     is_moe = a.arch.endswith("moe")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.98), weight_decay=0.01)
     ckpt, step, log = a.out.rstrip("/") + ".ckpt", 0, []
-    if os.path.exists(os.path.join(ckpt, "state.json")):
-        step, log = load_ckpt(ckpt, model, opt)
+    tensors, state = load_train_state(ckpt, opt)
+    if tensors is not None:
+        model.load_state_dict(tensors)
+        step, log = state["step"], state["log"]
         print(f"resumed from {ckpt} at step {step}")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{a.arch}: {n_params / 1e6:.2f} M parameters, {a.steps} steps of {a.batch_size}")
@@ -144,7 +122,7 @@ def main():
             tqdm.write(f"step {step} loss {loss.item():.3f} " + " ".join(
                 f"{f}={v['answer']:.2f}/{v['full']:.2f}" for f, v in ev.items()))
         if step % a.ckpt_every == 0 or step == a.steps:
-            save_ckpt(ckpt, model, opt, step, log)
+            save_train_state(ckpt, model.state_dict(), opt, {"step": step, "log": log})
     bar.close()
     model.eval()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
