@@ -1,0 +1,159 @@
+"""Batched greedy generation with MoLE's latent prefix and the KV cache, plus the paper's
+latent interventions (random / shuffled latent values, latent KV masked from the answer).
+
+    python -m mole.infer --ckpt out/mole/mole.pt --data out/data/test.json --n 200
+
+Prefill runs in two parts: (1) image + question + Z_vis + Z_sum through the MoLE path
+(routing, ESVA, topology), (2) the assistant header as ordinary text rows. Between the two
+the latents' cached keys/values can be intervened on. Decoding then feeds one answer token
+at a time through plain SDPA with an explicit boolean mask (stage 1: no visual columns)
+and explicit M-RoPE positions (last position + 1). Tested equal to one uncached forward.
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+from transformers import DynamicCache
+
+from mole.model import ZSUM, ZVIS, column_mask, topology_mask
+
+INTERVENTIONS = ("none", "random", "shuffle", "mask")
+
+
+def _intervene(cache, cols, kind, gen):
+    """Replace the cached K and V of the latent columns `cols` (list of ints) in every layer.
+    random: Gaussian with the latents' own per-layer mean/std; shuffle: permute the entries
+    within each latent vector (heads x head_dim flattened), a fresh permutation per vector."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # [B,Hkv,L,D]
+            z = t[:, :, cols].transpose(1, 2)  # [B,n,Hkv,D]
+            B, n, Hk, D = z.shape
+            flat = z.reshape(B, n, Hk * D)
+            if kind == "random":
+                new = flat.mean() + flat.std() * torch.randn(flat.shape, generator=gen).to(flat)
+            else:
+                perm = torch.rand(B, n, Hk * D, generator=gen).argsort(-1).to(flat.device)
+                new = flat.gather(-1, perm)
+            t = t.clone()
+            t[:, :, cols] = new.view(B, n, Hk, D).transpose(1, 2)
+            setattr(layer, name, t)
+
+
+@torch.no_grad()
+def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, intervention="none", seed=0,
+             stop_at_eos=True, return_logits=False):
+    """Greedy answers for a batch (left padding).
+
+    images: PIL list (or None with pixels=(pixel_values, image_grid_thw)); stage: 1 or 2
+    (which attention the answer rows get); intervention: one of INTERVENTIONS.
+    Returns (texts, n_generated_tokens) and, with return_logits, also the per-step logits
+    [B, steps, V] and the full token ids [B, L + steps] (for the cache test)."""
+    if intervention not in INTERVENTIONS:
+        raise ValueError(f"intervention must be one of {INTERVENTIONS}, got {intervention!r}")
+    dev = mole.model.device
+    batch = {k: v.to(dev) for k, v in mole.encode(images, questions, pixels=pixels).items()}
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    B, L = ids.shape
+    T = len(mole.tail_ids)
+    cut = L - T  # left padding: every row ends with the same assistant header
+    types = mole.token_types(ids, am)
+    latent = (types == ZVIS) | (types == ZSUM)
+    pos = mole.positions(batch)
+    cache = DynamicCache(config=mole.model.config.get_text_config())
+
+    # 1. prefill head + latents through the MoLE path
+    head = dict(batch, input_ids=ids[:, :cut], attention_mask=am[:, :cut], mm_token_type_ids=batch["mm_token_type_ids"][:, :cut])
+    mole(head, stage, cache=cache)
+    if intervention in ("random", "shuffle"):
+        cols = latent[0].nonzero().flatten().tolist()  # same columns in every row (left padding)
+        _intervene(cache, cols, intervention, torch.Generator().manual_seed(seed))
+
+    # 2. the assistant header, then one token at a time: plain text rows
+    keep = column_mask(types, stage)  # [B,L] columns later text rows may read
+    if intervention == "mask":
+        keep &= ~latent
+    mask = topology_mask(types, stage, mole.cfg)[:, :, cut:]  # [B,1,T,L]
+    if intervention == "mask":
+        mask = mask & ~latent[:, None, None]
+    out = mole.model(input_ids=ids[:, cut:], attention_mask=mask, position_ids=pos[:, :, cut:], cache=cache,
+                     use_cache=True)
+    last = pos[:, :, -1:]  # [3,B,1]
+    steps, tokens = [], []
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    for t in range(max_new_tokens):
+        logit = out.logits[:, -1].float()
+        steps.append(logit)
+        nxt = logit.argmax(-1)
+        tokens.append(nxt)
+        done |= nxt == mole.proc.eos_token_id
+        if (stop_at_eos and bool(done.all())) or t == max_new_tokens - 1:
+            break
+        keep = torch.cat([keep, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
+        last = last + 1
+        out = mole.model(input_ids=nxt[:, None], attention_mask=keep[:, None, None], position_ids=last,
+                         cache=cache, use_cache=True)
+    new = torch.stack(tokens, 1)
+    texts, lens = [], []
+    for row in new.tolist():
+        n = row.index(mole.proc.eos_token_id) + 1 if mole.proc.eos_token_id in row else len(row)
+        texts.append(mole.proc.decode(row[:n]))
+        lens.append(n)
+    if return_logits:
+        return texts, lens, torch.stack(steps, 1), torch.cat([ids, new], 1)
+    return texts, lens
+
+
+def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervention="none", desc="mole"):
+    """Greedy answers for LLaVA records (common.data.read_llava_json) -> list of dicts
+    {id, family, pred, answer, correct, n_tokens}. Correct = extracted final answer equals
+    the gold answer (common.data.final_answer, case-insensitive)."""
+    from tqdm import tqdm
+    from common import data
+    res = []
+    for i in tqdm(range(0, len(records), batch_size), desc=desc, leave=False):
+        chunk = records[i:i + batch_size]
+        imgs = [data.load_image(r["image"], r["id"]) for r in chunk]
+        texts, lens = generate(mole, imgs, [r["question"] for r in chunk], stage=stage,
+                               max_new_tokens=max_new_tokens, intervention=intervention, seed=i)
+        for r, t, n in zip(chunk, texts, lens):
+            pred = data.final_answer(t)
+            res.append({"id": r["id"], "family": r["family"], "pred": pred, "answer": r["answer"],
+                        "correct": pred.strip().lower() == str(r["answer"]).strip().lower(), "n_tokens": n})
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="MoLE checkpoint written by mole.train")
+    p.add_argument("--data", required=True, help="LLaVA-format JSON (e.g. out/data/test.json)")
+    p.add_argument("--n", type=int, default=0, help="evaluate only the first n records (0 = all)")
+    p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="generation length limit")
+    p.add_argument("--intervention", default="none", choices=INTERVENTIONS, help="latent intervention")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--out", default="", help="write per-example predictions to this JSON file")
+    a = p.parse_args(argv)
+    from common import data
+    from mole.train import load_mole
+    mole, stage = load_mole(a.ckpt, device=a.device)
+    recs = data.read_llava_json(a.data)
+    recs = recs[: a.n] if a.n else recs
+    t = time.time()
+    res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                   intervention=a.intervention)
+    acc = sum(r["correct"] for r in res) / max(len(res), 1)
+    print(f"accuracy {acc:.3f} on {len(res)} ({time.time() - t:.1f} s, intervention={a.intervention})")
+    for fam in sorted({r["family"] for r in res}):
+        sub = [r["correct"] for r in res if r["family"] == fam]
+        print(f"  {fam:10s} {sum(sub) / len(sub):.3f} (n={len(sub)})")
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""MoLE (mole/model.py, mole/infer.py) on tiny randomly initialised Qwen3-VL / Qwen2.5-VL."""
+import random
+
+import pytest
+import torch
+
+from common import data
+from common.backbone import build_tiny
+from mole.infer import generate
+from mole.model import PAD, TEXT, VIS, ZSUM, ZVIS, MoLE, MoLEConfig, MoLEPass, diversity_loss, topology_mask
+
+
+def examples(n, seed=0):
+    rng = random.Random(seed)
+    ex = [data.sample_example(rng) for _ in range(n)]
+    return ([data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex],
+            [data.target_text(s, a)[-12:] for s, _, _, a in ex])  # short answers keep tests fast
+
+
+def make(arch="qwen3_vl", layers=2, seed=0, **cfg):
+    model, proc = build_tiny(arch, seed=seed, layers=layers)
+    mole = MoLE(model.eval(), proc, MoLEConfig(**cfg))
+    if mole.esva is not None:  # gamma starts at 0; make ESVA matter in the tests
+        g = torch.Generator().manual_seed(1)
+        for e in mole.esva:
+            e.gamma.data = torch.randn(e.gamma.shape, generator=g)
+    return mole
+
+
+def answer_rows(mole, batch):
+    """Rows after the latents (assistant header + answer)."""
+    t = mole.token_types(batch["input_ids"], batch["attention_mask"])
+    last_latent = ((t == ZVIS) | (t == ZSUM)).long().cumsum(1)
+    return (last_latent == last_latent[:, -1:]) & (t == TEXT) & ~((t == ZVIS) | (t == ZSUM))
+
+
+@torch.no_grad()
+def test_stage1_bottleneck_blocks_visual_tokens_stage2_does_not():
+    # one decoder layer: answer rows can then depend on the image only through direct attention
+    # to V (the latents' keys/values at layer 0 come from their embeddings alone)
+    mole = make(layers=1)
+    imgs, qs, ans = examples(2)
+    b = mole.encode(imgs, qs, ans)
+    b2 = dict(b, pixel_values=b["pixel_values"] + torch.randn_like(b["pixel_values"]))
+    rows = answer_rows(mole, b)
+    for stage, same in ((1, True), (2, False)):
+        l1, l2 = mole(b, stage)["logits"], mole(b2, stage)["logits"]
+        assert torch.allclose(l1[rows], l2[rows], atol=1e-5) == same
+    # Z_vis rows do read the image in stage 1
+    zv = mole.token_types(b["input_ids"], b["attention_mask"]) == ZVIS
+    assert not torch.allclose(mole(b, 1)["logits"][zv], mole(b2, 1)["logits"][zv], atol=1e-5)
+
+
+def test_topology_mask_blocks():
+    cfg = MoLEConfig(n_vis=2, n_sum=2)
+    types = torch.tensor([[TEXT, VIS, VIS, TEXT, ZVIS, ZVIS, ZSUM, ZSUM, TEXT, TEXT, PAD]])
+    m1, m2 = topology_mask(types, 1, cfg)[0, 0], topology_mask(types, 2, cfg)[0, 0]
+    vis = types[0] == VIS
+    for r in (3, 6, 7, 8, 9):  # question, Z_sum, answer rows
+        assert not m1[r, vis].any() and m2[r, vis].all()
+    assert not m1[4:6, 1:3].any() and not m2[4:6, 1:3].any()  # Z_vis -> V only through routing
+    assert not m1[5, 4] and m1[5, 5] and m1[5, 3]  # no Z_vis <-> Z_vis; self and prompt yes
+    assert m1[6, 4] and m1[6, 5] and m1[7, 6] and not m1[6, 7]  # Z_sum: all Z_vis, causal Z_sum
+    assert not m1[:10, 10].any() and m1[10, 10]  # padding column: only its own row (no NaN)
+
+
+def _random_pass(mole, B=2, L=10, seed=0):
+    """A hand-built MoLEPass: text, 4 visual tokens, E Z_vis, text; fixed random routing."""
+    g = torch.Generator().manual_seed(seed)
+    E = mole.cfg.n_vis
+    types = torch.tensor([[TEXT] + [VIS] * 4 + [ZVIS] * E + [TEXT] * (L - 5 - E)] * B)
+    st = MoLEPass(mole, types, torch.arange(5, 5 + E).expand(B, E))
+    logits = torch.randn(B, L, E, generator=g)
+    idx = logits.topk(mole.cfg.top_k, -1).indices
+    sel = torch.zeros(B, L, E, dtype=torch.bool).scatter_(-1, idx, True) & st.is_vis[..., None]
+    st.route[0] = (sel, torch.randn(B, L, E, generator=g) * sel)
+    return st, types, g
+
+
+@torch.no_grad()
+def test_expert_output_ignores_unrouted_visual_tokens():
+    mole = make()
+    st, types, g = _random_pass(mole)
+    B, L, H, Hkv, D = 2, types.shape[1], 4, 2, 32
+    q, k, v = (torch.randn(B, h, L, D, generator=g) for h in (H, Hkv, Hkv))
+    mask = topology_mask(types, 1, mole.cfg)
+    out = mole.latent_attention(0, q, k, v, mask, D ** -0.5, st)  # [B,H,E,D]
+    sel = st.route[0][0]
+    checked = 0
+    for b in range(B):
+        for j in range(1, 5):  # each visual token
+            k2, v2 = k.clone(), v.clone()
+            k2[b, :, j] += 3.0
+            v2[b, :, j] += 3.0
+            out2 = mole.latent_attention(0, q, k2, v2, mask, D ** -0.5, st)
+            for e in range(mole.cfg.n_vis):
+                same = torch.allclose(out[b, :, e], out2[b, :, e], atol=1e-6)
+                assert same == (not bool(sel[b, j, e]))
+                checked += 1
+    assert checked == B * 4 * mole.cfg.n_vis
+
+
+@torch.no_grad()
+def test_gamma0_alpha0_reduce_to_shared_values():
+    mole = make(alpha=0.0)
+    for e in mole.esva:
+        e.gamma.data.zero_()
+    st, types, g = _random_pass(mole)
+    st.route[0] = (st.route[0][0], torch.zeros_like(st.route[0][1]))  # alpha = 0: zero prior
+    B, L, H, Hkv, D = 2, types.shape[1], 4, 2, 32
+    q, k, v = (torch.randn(B, h, L, D, generator=g) for h in (H, Hkv, Hkv))
+    mask = topology_mask(types, 2, mole.cfg)
+    out = mole.latent_attention(0, q, k, v, mask, D ** -0.5, st)
+    # reference: plain softmax attention with the routed edges and the shared values
+    allowed = mask[:, 0, 5:5 + mole.cfg.n_vis] | st.route[0][0].transpose(1, 2)  # [B,E,L]
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = (q[:, :, 5:5 + mole.cfg.n_vis] @ kr.transpose(-1, -2)) * D ** -0.5
+    ref = s.masked_fill(~allowed[:, None], float("-inf")).softmax(-1) @ vr
+    assert torch.allclose(out, ref, atol=1e-5)
+    # and in the whole model: ESVA at gamma=0 with alpha=0 == no ESVA with alpha=0
+    imgs, qs, ans = examples(2)
+    a = make(alpha=0.0)
+    for e in a.esva:
+        e.gamma.data.zero_()
+    bmod = make(alpha=0.0, esva=False)
+    bmod.latent.data, bmod.routers = a.latent.data.clone(), a.routers
+    batch = a.encode(imgs, qs, ans)
+    assert torch.allclose(a(batch, 1)["logits"], bmod(batch, 1)["logits"], atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mixing", ["topological", "causal"])
+def test_no_information_flow_between_visual_experts(mixing):
+    mole = make(layers=3, latent_mixing=mixing)
+    imgs, qs, ans = examples(2)
+    b = mole.encode(imgs, qs, ans)
+    zv = mole.token_types(b["input_ids"], b["attention_mask"]) == ZVIS
+    h1 = mole(b, 2, hidden=True)["hidden"]
+    mole.latent.data[0] += 5.0  # expert 0 (first Z_vis) changes
+    h2 = mole(b, 2, hidden=True)["hidden"]
+    first = zv & (zv.long().cumsum(1) == 1)
+    others = zv & ~first
+    assert not torch.allclose(h1[first], h2[first], atol=1e-5)
+    assert torch.allclose(h1[others], h2[others], atol=1e-5) == (mixing == "topological")
+
+
+@torch.no_grad()
+def test_padding_does_not_change_results():
+    mole = make()
+    imgs, qs, ans = examples(3, seed=3)
+    qs[1] = qs[1] + " Please answer carefully."  # different lengths -> padding
+    batch = mole.encode(imgs, qs, ans)
+    out = mole(batch, 2)
+    for i in range(3):
+        single = mole.encode(imgs[i:i + 1], qs[i:i + 1], ans[i:i + 1])
+        o = mole(single, 2)
+        n = single["input_ids"].shape[1]
+        assert torch.allclose(out["logits"][i, :n], o["logits"][0], atol=1e-4)
+    t_batch, _ = generate(mole, imgs, qs, stage=2, max_new_tokens=5)
+    for i in range(3):
+        t_one, _ = generate(mole, imgs[i:i + 1], qs[i:i + 1], stage=2, max_new_tokens=5)
+        assert t_one[0] == t_batch[i]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch,stage", [("qwen3_vl", 1), ("qwen3_vl", 2), ("qwen2_5_vl", 2)])
+def test_cached_generation_equals_uncached_forward(arch, stage):
+    mole = make(arch)
+    imgs, qs, _ = examples(3, seed=5)
+    qs[0] = qs[0] + " (short)"
+    texts, lens, steps, full = generate(mole, imgs, qs, stage=stage, max_new_tokens=6, stop_at_eos=False,
+                                        return_logits=True)
+    prompt = mole.encode(imgs, qs)
+    L = prompt["input_ids"].shape[1]
+    n = steps.shape[1]
+    am = torch.cat([prompt["attention_mask"], torch.ones(3, n - 1, dtype=torch.long)], 1)
+    fb = dict(prompt, input_ids=full[:, : L + n - 1], attention_mask=am,
+              mm_token_type_ids=torch.cat([prompt["mm_token_type_ids"], torch.zeros(3, n - 1, dtype=torch.long)], 1))
+    logits = mole(fb, stage)["logits"][:, L - 1:].float()
+    assert torch.allclose(logits, steps, atol=1e-4), (logits - steps).abs().max()
+
+
+@torch.no_grad()
+def test_interventions_change_answers_path():
+    mole = make()
+    imgs, qs, _ = examples(2, seed=7)
+    base = generate(mole, imgs, qs, max_new_tokens=3, stop_at_eos=False, return_logits=True)[2]
+    for kind in ("random", "shuffle", "mask"):
+        other = generate(mole, imgs, qs, max_new_tokens=3, stop_at_eos=False, return_logits=True,
+                         intervention=kind)[2]
+        assert not torch.allclose(base[:, 0], other[:, 0], atol=1e-4), kind
+
+
+def test_diversity_loss_hand_value_and_k1():
+    # one visual token, E=3, selected experts 0 and 2: cos^2 between [1,0] and [1,1] = 0.5
+    delta = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]]])  # [B=1,L=1,E=3,d=2]
+    sel = torch.tensor([[[True, False, True]]])
+    assert torch.allclose(diversity_loss(delta, sel, torch.tensor([[True]])), torch.tensor(0.5))
+    sel3 = torch.tensor([[[True, True, True]]])  # pairs (0,1)=0, (0,2)=0.5, (1,2)=0.5
+    assert torch.allclose(diversity_loss(delta, sel3, torch.tensor([[True]])), torch.tensor(1 / 3))
+    mole = make(top_k=1)
+    imgs, qs, ans = examples(2)
+    out = mole(mole.encode(imgs, qs, ans), 1)
+    assert out["div"].item() == 0.0 and out["balance"].item() > 0
+
+
+def test_losses_and_gradients():
+    mole = make()
+    for r in mole.routers:  # uniform routing: load balance (Mixtral convention) equals K
+        r.weight.data.zero_()
+    imgs, qs, ans = examples(2)
+    out = mole(mole.encode(imgs, qs, ans), 1)
+    assert abs(out["balance"].item() - mole.cfg.top_k) < 1e-5
+    assert abs(out["z"].item() - torch.log(torch.tensor(float(mole.cfg.n_vis))).item() ** 2) < 1e-4
+    mole = make()
+    out = mole(mole.encode(imgs, qs, ans), 1)
+    out["loss"].backward()
+    assert mole.latent.grad.abs().sum() > 0 and mole.routers[0].weight.grad.abs().sum() > 0
+    assert mole.esva[0].gamma.grad.abs().sum() > 0
+
+
+@torch.no_grad()
+def test_plain_calls_are_sdpa():
+    # "mole" attention registered together with a mask builder: padding masks survive
+    model, proc = build_tiny("qwen3_vl", layers=2)
+    imgs, qs, _ = examples(2, seed=9)
+    qs[0] += " with extra words"
+    batch = proc.encode(imgs, qs)
+    ref = model(**batch).logits
+    MoLE(model, proc)
+    assert model.config.get_text_config()._attn_implementation == "mole"
+    assert torch.allclose(model(**batch).logits, ref, atol=1e-5)
