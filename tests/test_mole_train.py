@@ -1,0 +1,51 @@
+"""mole/train.py: two-stage schedule, trainable set, exact resume across the stage boundary."""
+import torch
+
+from common import backbone as bb
+from common import data
+from mole import train as mt
+
+
+def _setup(tmp_path):
+    model, proc = bb.build_tiny("qwen3_vl", layers=2)
+    bb.save_backbone(model, proc, str(tmp_path / "base"))
+    data.generate_split(str(tmp_path / "data"), "train", 32)
+    return ["--base", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--batch-size", "8",
+            "--stage1-epochs", "1", "--stage2-epochs", "1", "--quiet", "--device", "cpu"]
+
+
+def test_two_stage_resume_is_exact_and_trainable_set(tmp_path):
+    base = _setup(tmp_path)
+    full, log = mt.main(base + ["--out", str(tmp_path / "a.pt")])
+    assert [r["stage"] for r in log] == [1] * 4 + [2] * 4
+    assert all(r["balance"] > 0 and r["div"] >= 0 for r in log)
+    # stop inside stage 1 (step 3 of 4), then resume across the boundary into stage 2
+    mt.main(base + ["--out", str(tmp_path / "b.pt"), "--max-steps", "3"])
+    mt.main(base + ["--out", str(tmp_path / "b.pt"), "--resume"])
+    a = torch.load(tmp_path / "a.pt", weights_only=False)
+    b = torch.load(tmp_path / "b.pt", weights_only=False)
+    assert a["step"] == b["step"] == 8
+    assert a["trainable"].keys() == b["trainable"].keys()
+    for k in a["trainable"]:
+        assert torch.equal(a["trainable"][k], b["trainable"][k]), k
+    names = list(a["trainable"])
+    assert any("lora_A" in n for n in names) and "latent" in names and any(n.startswith("routers") for n in names)
+    assert any(n.startswith("esva") for n in names) and not any("visual" in n for n in names)
+    # the checkpoint reloads to the same model
+    net, stage = mt.load_mole(str(tmp_path / "a.pt"))
+    assert stage == 2
+    for n, p in net.named_parameters():
+        if n in a["trainable"]:
+            assert torch.equal(p.detach(), a["trainable"][n])
+
+
+def test_sft_and_full_finetune(tmp_path):
+    base = _setup(tmp_path)
+    _, log = mt.main(base + ["--out", str(tmp_path / "s.pt"), "--method", "sft", "--stage1-epochs", "0"])
+    assert len(log) == 4 and log[-1]["ce"] < log[0]["ce"] + 1.0
+    ck = torch.load(tmp_path / "s.pt", weights_only=False)
+    assert all("lora_" in n for n in ck["trainable"])
+    mt.main(base + ["--out", str(tmp_path / "f.pt"), "--train", "full", "--max-steps", "1"])
+    ck = torch.load(tmp_path / "f.pt", weights_only=False)
+    assert any(n.endswith("layers.0.mlp.up_proj.weight") for n in ck["trainable"])
+    assert not any("visual" in n for n in ck["trainable"])
