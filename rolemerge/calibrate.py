@@ -1,0 +1,371 @@
+"""Phase-separated routing statistics of an MoE (VL)M (paper §4.2, App. B.1).
+
+    python -m rolemerge.calibrate --model tiny-moe --data out/data/val.json --out out/rolemerge/stats.safetensors
+
+Runs greedy decoding (temperature 0) on every calibration example and records, at every MoE
+layer, the hard top-k expert assignments of every token into phase buckets:
+
+    image    = visual-token positions of the prompt prefill   (VLMs only)
+    question = the other prompt positions
+    answer   = positions fed back during decoding (the generated tokens)
+
+Counts n[l, b, e] are summed over the examples of a source (one data file = one source, e.g.
+one calibration task) and kept per source, so merging can sum all sources and ACR can be
+computed per task-layer record. Every run checks assignment conservation
+(sum_e n[l,b,e] = k * tokens[b] for every layer) and, at the end, that no bucket is empty.
+
+Routers are observed with forward hooks: in transformers 5 every MoE router
+(`*TopKRouter`, `DeepseekV2TopkRouter`, ...) returns (logits, scores, top-k indices).
+The file written is a safetensors file (counts/<source> [L, B, N] and tokens/<source> [B],
+int64) whose metadata holds the model id, family, MoE layer names, top-k, expert count and a
+router fingerprint; a readable .json summary is written next to it.
+"""
+import argparse
+import hashlib
+import json
+import os
+import re
+
+import torch
+
+# model_type -> family name; the text decoder of every one holds `mlp.gate` + `mlp.experts`
+SUPPORTED = {
+    "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE", "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3",
+    "deepseek_ocr2": "DeepSeek-OCR-2 (DeepSeek MoE-VLM)",
+}
+VLM_TYPES = ("qwen3_vl_moe",)          # calibrated with image / question / answer buckets
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+META_KEY = "rolemerge"
+
+
+class CalibrationError(ValueError):
+    """Calibration cannot run or its statistics are inconsistent; the message says why."""
+
+
+# ----------------------------------------------------------------------------- model structure
+
+def check_supported(config):
+    """Raise CalibrationError unless `config.model_type` is a supported MoE family."""
+    if config.model_type not in SUPPORTED:
+        raise CalibrationError(
+            f"model_type {config.model_type!r} is not a supported MoE family (no routed experts RoleMerge "
+            f"knows how to merge). Supported: {', '.join(f'{v} [{k}]' for k, v in SUPPORTED.items())}")
+
+
+def moe_blocks(model):
+    """[(name, block)] of the routed-expert blocks of a model, in layer order: modules with a
+    router `.gate` (weight [N, H]) and fused `.experts` (gate_up_proj [N, 2I, H], down_proj).
+    Shared experts, dense layers and vision towers are not returned."""
+    out = []
+    for name, mod in model.named_modules():
+        gate, experts = getattr(mod, "gate", None), getattr(mod, "experts", None)
+        if (gate is not None and experts is not None and hasattr(gate, "weight")
+                and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)):
+            out.append((name, mod))
+    return out
+
+
+def layer_index(name):
+    """Decoder layer index in a module or tensor name ('...layers.12.mlp...' -> 12)."""
+    m = re.search(r"layers\.(\d+)\.", name + ".")
+    if m is None:
+        raise CalibrationError(f"cannot find a layer index in {name!r}")
+    return int(m.group(1))
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def expert_count_field(config):
+    """Name of the routed-expert-count field of a (text) config."""
+    d = text_config(config).to_dict()
+    for f in EXPERT_FIELDS:
+        if f in d:
+            return f
+    raise CalibrationError(f"config {config.model_type!r} has none of the expert-count fields {EXPERT_FIELDS}")
+
+
+def router_fingerprint(weight):
+    """Short hash of a router weight [N, H], rounded to bf16 so fp32 / bf16 loads of one
+    checkpoint agree. Used to refuse statistics recorded on a different model."""
+    w = weight.detach().float().cpu().to(torch.bfloat16).contiguous().view(torch.int16)
+    return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
+
+
+def model_info(model, model_id):
+    """Metadata stats are stamped with (and checked against at merge time)."""
+    check_supported(model.config)
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise CalibrationError(f"{model_id}: no routed-expert blocks found")
+    tc = text_config(model.config)
+    return {"model_id": str(model_id), "model_type": model.config.model_type,
+            "layer_names": [n for n, _ in blocks], "layers": [layer_index(n) for n, _ in blocks],
+            "num_experts": int(blocks[0][1].gate.weight.shape[0]), "top_k": int(tc.num_experts_per_tok),
+            "fingerprint": router_fingerprint(blocks[0][1].gate.weight)}
+
+
+# ----------------------------------------------------------------------------- recording
+
+class RouterRecorder:
+    """Forward hooks on every router; collects the top-k indices of each forward call.
+
+    calls[l] is a list of LongTensor [T, k] (T = batch * positions of that call)."""
+
+    def __init__(self, model):
+        self.blocks = moe_blocks(model)
+        self.calls = [[] for _ in self.blocks]
+        self.handles = [b.gate.register_forward_hook(self._hook(i)) for i, (_, b) in enumerate(self.blocks)]
+
+    def _hook(self, i):
+        def fn(module, args, out):
+            self.calls[i].append(out[2].detach().reshape(-1, out[2].shape[-1]).cpu())
+        return fn
+
+    def reset(self):
+        self.calls = [[] for _ in self.blocks]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def record_batch(model, rec, inputs, image_mask, eos_id, pad_id, max_new_tokens, n_buckets):
+    """Greedy-decode one left-padded batch and count its routing per phase bucket.
+
+    inputs: model kwargs with input_ids [B, L0] and attention_mask [B, L0];
+    image_mask [B, L0] bool (visual positions) or None for text-only models.
+    Returns (counts [n_layers, n_buckets, N] int64, tokens [n_buckets] int64, texts ids list).
+    Raises CalibrationError if prefill was not one call or conservation fails."""
+    rec.reset()
+    ids, attn = inputs["input_ids"], inputs["attention_mask"].bool().cpu()
+    Bsz, L0 = ids.shape
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id,
+                         pad_token_id=pad_id)
+    new = out[:, L0:].cpu()
+    # phase of every prefill position: 0 image, 1 question (text-only: 0 question), -1 padding
+    q_bucket = n_buckets - 2
+    prefill = torch.full((Bsz, L0), q_bucket, dtype=torch.long)
+    if image_mask is not None:
+        prefill[image_mask.cpu().bool()] = 0
+    prefill[~attn] = -1
+    # generated token j of row i is fed back (and routed) iff j < n_i - 1, n_i = tokens up to EOS
+    n_gen = []
+    for row in new.tolist():
+        n_gen.append(row.index(eos_id) + 1 if eos_id in row else len(row))
+    n_steps = new.shape[1] - 1
+    N, k = rec.blocks[0][1].gate.weight.shape[0], None
+    counts = torch.zeros(len(rec.blocks), n_buckets, N, dtype=torch.long)
+    for l, calls in enumerate(rec.calls):
+        if len(calls) != 1 + n_steps or calls[0].shape[0] != Bsz * L0:
+            raise CalibrationError(f"layer {rec.blocks[l][0]}: expected one prefill call of {Bsz * L0} tokens and "
+                                   f"{n_steps} decode calls, got {len(calls)} calls "
+                                   f"(first {calls[0].shape[0] if calls else 0} tokens); chunked prefill?")
+        k = calls[0].shape[1]
+        bucket = [prefill.reshape(-1)]
+        for s in range(n_steps):
+            bucket.append(torch.tensor([n_buckets - 1 if s < n - 1 else -1 for n in n_gen]))
+        bucket = torch.cat(bucket)                                  # [T_total]
+        idx = torch.cat(calls)                                      # [T_total, k]
+        keep = bucket >= 0
+        flat = (bucket[keep, None] * N + idx[keep]).reshape(-1)
+        counts[l] = torch.bincount(flat, minlength=n_buckets * N).reshape(n_buckets, N)
+    tokens = torch.stack([(prefill == b).sum() for b in range(n_buckets - 1)] +
+                         [torch.tensor(sum(max(n - 1, 0) for n in n_gen))])
+    bad = (counts.sum(-1) != k * tokens[None]).nonzero()
+    if len(bad):
+        l, b = bad[0].tolist()
+        raise CalibrationError(f"assignment conservation failed at layer {rec.blocks[l][0]} bucket {b}: "
+                               f"{int(counts[l, b].sum())} assignments != k={k} x {int(tokens[b])} tokens")
+    return counts, tokens, new
+
+
+def text_inputs(tokenizer, questions):
+    """Left-padded prompts for a text-only LM: its chat template (generation prompt) when it
+    has one, the raw question otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True) for q in questions]
+    else:
+        prompts = list(questions)
+    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    L = max(map(len, rows))
+    ids = torch.tensor([[pad] * (L - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows])
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, model_id="model", progress=True):
+    """Phase-separated routing statistics of `model` over calibration sources.
+
+    model: a supported MoE model (eval mode); proc_or_tok: `common.backbone.VLProcessor` for a
+    VLM (3 buckets), the tokenizer for a text-only LM (2 buckets: question, answer);
+    sources: {name: list of records {question[, image]}} (records from common.data.read_llava_json).
+    Returns a stats dict: model info + buckets + sources {name: {counts [L,B,N], tokens [B], examples}}.
+    Raises CalibrationError for an unsupported model or an empty bucket."""
+    from tqdm import tqdm
+    info = model_info(model, model_id)
+    vlm = model.config.model_type in VLM_TYPES
+    buckets = ["image", "question", "answer"] if vlm else ["question", "answer"]
+    if vlm:
+        from common import data
+        eos, pad = proc_or_tok.eos_token_id, proc_or_tok.pad_token_id
+    else:
+        eos = proc_or_tok.eos_token_id
+        pad = proc_or_tok.pad_token_id if proc_or_tok.pad_token_id is not None else eos
+    rec = RouterRecorder(model)
+    out = {}
+    try:
+        for name, records in sources.items():
+            counts = torch.zeros(len(rec.blocks), len(buckets), info["num_experts"], dtype=torch.long)
+            tokens = torch.zeros(len(buckets), dtype=torch.long)
+            for i in tqdm(range(0, len(records), batch_size), desc=f"calibrate {name}", disable=not progress):
+                chunk = records[i:i + batch_size]
+                qs = [r["question"] for r in chunk]
+                if vlm:
+                    ims = [data.load_image(r["image"], r.get("id", "?")) for r in chunk]
+                    inputs = proc_or_tok.encode(ims, qs)
+                    image_mask = inputs["input_ids"] == proc_or_tok.image_token_id
+                else:
+                    inputs, image_mask = text_inputs(proc_or_tok, qs), None
+                inputs = {k: v.to(model.device) for k, v in inputs.items()}
+                c, t, _ = record_batch(model, rec, inputs, image_mask, eos, pad, max_new_tokens, len(buckets))
+                counts += c
+                tokens += t
+            out[name] = {"counts": counts, "tokens": tokens, "examples": len(records)}
+    finally:
+        rec.remove()
+    stats = dict(info, buckets=buckets, sources=out)
+    check_nonempty(stats)
+    return stats
+
+
+def check_nonempty(stats):
+    """Raise CalibrationError if a phase bucket received no token over all sources."""
+    tot = sum(s["tokens"] for s in stats["sources"].values())
+    for b, n in zip(stats["buckets"], tot.tolist()):
+        if n == 0:
+            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources "
+                                   f"(e.g. no image tokens or max_new_tokens too small)")
+
+
+# ----------------------------------------------------------------------------- files
+
+def save_stats(stats, path):
+    """Write stats to `path` (safetensors: counts/<src>, tokens/<src>; metadata JSON) and a
+    readable `path` with .json suffix next to it."""
+    from safetensors.torch import save_file
+    meta = {k: v for k, v in stats.items() if k != "sources"}
+    meta["examples"] = {n: s["examples"] for n, s in stats["sources"].items()}
+    tensors = {}
+    for n, s in stats["sources"].items():
+        tensors[f"counts/{n}"] = s["counts"].contiguous()
+        tensors[f"tokens/{n}"] = s["tokens"].contiguous()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(tensors, path, metadata={META_KEY: json.dumps(meta)})
+    summary = dict(meta, tokens={n: dict(zip(stats["buckets"], s["tokens"].tolist()))
+                                 for n, s in stats["sources"].items()})
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+def load_stats(paths):
+    """Read and combine one or more stats files of the same model. Sources with the same name
+    in several files are summed. Raises CalibrationError for files of different models."""
+    from safetensors import safe_open
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    stats = None
+    for p in paths:
+        if not os.path.exists(p):
+            raise CalibrationError(f"{p}: stats file not found (run python -m rolemerge.calibrate first)")
+        with safe_open(p, "pt") as f:
+            md = f.metadata() or {}
+            if META_KEY not in md:
+                raise CalibrationError(f"{p}: not a RoleMerge stats file (no '{META_KEY}' metadata)")
+            meta = json.loads(md[META_KEY])
+            sources = {n: {"counts": f.get_tensor(f"counts/{n}"), "tokens": f.get_tensor(f"tokens/{n}"),
+                           "examples": e} for n, e in meta.pop("examples").items()}
+        if stats is None:
+            stats = dict(meta, sources=sources)
+            continue
+        for key in ("model_type", "layer_names", "num_experts", "top_k", "fingerprint", "buckets"):
+            if stats[key] != meta[key]:
+                raise CalibrationError(f"{p}: {key} differs from {paths[0]} ({meta[key]} vs {stats[key]}): "
+                                       f"stats of different models cannot be combined")
+        for n, s in sources.items():
+            if n in stats["sources"]:
+                t = stats["sources"][n]
+                stats["sources"][n] = {"counts": t["counts"] + s["counts"], "tokens": t["tokens"] + s["tokens"],
+                                       "examples": t["examples"] + s["examples"]}
+            else:
+                stats["sources"][n] = s
+    return stats
+
+
+def total_counts(stats):
+    """counts [L, B, N] summed over all sources."""
+    return sum(s["counts"] for s in stats["sources"].values())
+
+
+# ----------------------------------------------------------------------------- loading models
+
+def load_model(path, dtype=None, device="cpu", device_map=None, trust_remote_code=False):
+    """Load any supported MoE checkpoint with its processor (VLM) or tokenizer (LM).
+    device_map="auto" spreads a model over devices (needs the optional `accelerate`).
+    Raises CalibrationError for unsupported families, with the list of supported ones."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from common import backbone as bb
+    if device_map is not None:
+        import importlib.util
+        if importlib.util.find_spec("accelerate") is None:
+            raise CalibrationError("--device-map needs the optional package accelerate (pip install accelerate)")
+    path = bb.resolve(path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CalibrationError(f"{path}: no config.json (not a save_pretrained checkpoint directory)")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    check_supported(config)
+    if config.model_type in VLM_TYPES:
+        model, proc = bb.load_backbone(path, dtype=dtype, device=device, device_map=device_map,
+                                       trust_remote_code=trust_remote_code)
+        return model, proc
+    cls = AutoModelForImageTextToText if config.model_type == "deepseek_ocr2" else AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
+    if device_map is None:
+        model.to(device)
+    return model.eval(), AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def main(argv=None):
+    from common import data
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="calibration files (LLaVA JSON/JSONL); each file is one source (task)")
+    p.add_argument("--out", required=True, help="stats file to write (.safetensors; a .json summary goes next to it)")
+    p.add_argument("--n", type=int, default=128, help="examples per source (the first n of each file)")
+    p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (left-padded greedy decoding)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens decoded per example")
+    p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"], help="load dtype")
+    p.add_argument("--device", default="cpu", help="device (cpu, cuda, ...)")
+    p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
+    a = p.parse_args(argv)
+    dtype = getattr(torch, a.dtype) if a.dtype else None
+    model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
+    sources = {}
+    for path in a.data:
+        name = os.path.splitext(os.path.basename(path))[0]
+        sources[name] = data.read_llava_json(path)[:a.n]
+    stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
+    save_stats(stats, a.out)
+    tot = sum(s["tokens"] for s in stats["sources"].values())
+    print(f"wrote {a.out}: {len(stats['layer_names'])} MoE layers x {stats['num_experts']} experts, tokens "
+          + ", ".join(f"{b}={n}" for b, n in zip(stats["buckets"], tot.tolist())))
+
+
+if __name__ == "__main__":
+    main()
