@@ -95,7 +95,7 @@ class RoutingContext:
     mask: [B, T] bool of the current tokens (None = no padding); continuing: True when the
     call extends a KV-cached sequence (use the per-layer token caches); aux: per-layer
     load-balance losses of this forward (training only); record: if True, layers append
-    (name, top1_A [B,T], top1_B [B,T], mask) to `trace` for diagnostics."""
+    (name, idx_A [B,T,r], idx_B [B,T,r], mask) to `trace` for diagnostics."""
 
     def __init__(self):
         self.mask, self.continuing, self.aux, self.record, self.trace = None, False, [], False, []
@@ -240,7 +240,7 @@ class MoDLinear(nn.Module):
         if self.training:  # eq. 9 per layer: E/2 sum_i (f_A P_A + f_B P_B), probabilities for P
             ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask) + load_balance_loss(pb, ib, ctx.mask)))
         if ctx.record:
-            ctx.trace.append((self.name, ia[..., 0].detach(), ib[..., 0].detach(), ctx.mask))
+            ctx.trace.append((self.name, ia.detach(), ib.detach(), ctx.mask))
 
 
 # ----------------------------------------------------------------------------- attach / utilities

@@ -1,0 +1,193 @@
+"""Viewpoint-shift data synthesis (MoD paper §3.2, App. B.2) and the debate prompts.
+
+For every training question (image V, question Q, gold answer A*):
+  1. sample K responses from the frozen base model (temperature sampling),
+  2. split them into a correct pool P+ and an incorrect pool P- (answers checked with
+     `eval.metrics.is_correct`), every response rewritten in the debate format
+     {"Reasoning": <scene description>, "Answer": <short answer>},
+  3. build single-turn samples: the human turn holds Q, the debate prompt D and R prior
+     responses; the target (gpt turn) is always drawn from P+. Three categories:
+        T_pos  every prior is correct (R = 0 gives plain single-round SFT)
+        T_rev  every prior is wrong: the target identifies the error and shifts its view
+        T_rob  correct and wrong priors interleaved: the target keeps the right answer
+               despite the misleading ones
+     mixed by `--ratios pos,rev,rob` (categories a question cannot form are skipped and
+     the ratio renormalised over the ones it can).
+
+The paper's base models are strong, so P+ is rarely empty; a tiny base model is often wrong
+on every sample. Then P+ receives the ground-truth response (scene description + gold
+answer) so the target stays correct; how often that happened is printed and stored.
+
+    python -m mod.data --model tiny-dense --data out/data/train.json --out out/mod/data/train_vs.json
+"""
+import argparse
+import json
+import os
+import random
+from collections import Counter
+
+import torch
+from tqdm import tqdm
+
+from common.data import atomic_write_text, final_answer, load_image
+
+DEBATE_PROMPT = "Review the following responses from other assistants and determine your final answer."
+JSON_INSTRUCTION = 'Reply in JSON with the keys "Reasoning" and "Answer".'
+CATEGORIES = ("pos", "rev", "rob")
+
+
+def is_correct(text, gold, family):
+    """`eval.metrics.is_correct` (answer-type aware) when present, else exact match of
+    `common.data.final_answer`."""
+    try:
+        from eval.metrics import is_correct as ev
+    except ImportError:
+        return final_answer(text).lower() == str(gold).lower()
+    return ev(text, gold, family)
+
+
+def to_json_response(text):
+    """A response in the debate format. Base-model outputs 'scene. Answer: X' become
+    {"Reasoning": "scene", "Answer": "X"}; text already in that JSON form is normalised;
+    anything else keeps its text as reasoning with `final_answer` as the answer."""
+    t = text.strip()
+    if t.startswith("{"):
+        try:
+            obj = json.loads(t)
+            if isinstance(obj, dict) and "Answer" in obj:
+                return json.dumps({"Reasoning": str(obj.get("Reasoning", "")), "Answer": str(obj["Answer"])})
+        except json.JSONDecodeError:
+            pass
+    reasoning = t.rsplit("Answer", 1)[0].strip().rstrip(".").strip() if "Answer" in t else t
+    return json.dumps({"Reasoning": reasoning, "Answer": final_answer(t)})
+
+
+def gold_response(record):
+    """The ground-truth debate response of a shapes record (scene + gold answer)."""
+    scene = record.get("scene") or record["target"].rsplit("Answer", 1)[0].strip().rstrip(".")
+    return json.dumps({"Reasoning": scene, "Answer": str(record["answer"])})
+
+
+def single_prompt(question):
+    """Round-0 prompt (MoD-Single, LoRA, MoE-LoRA): the question and the JSON instruction."""
+    return f"{question}\n{JSON_INSTRUCTION}"
+
+
+def debate_prompt(question, responses):
+    """Q + D + prior responses (eq. 8 context; Alg. 2 line 9). No responses -> single_prompt."""
+    if not responses:
+        return single_prompt(question)
+    listed = "\n".join(f"Response {i + 1}: {r}" for i, r in enumerate(responses))
+    return f"{question}\n{DEBATE_PROMPT}\n{listed}\n{JSON_INSTRUCTION}"
+
+
+# ----------------------------------------------------------------------------- sampling
+
+@torch.no_grad()
+def sample_responses(model, proc, records, k=4, temperature=1.0, batch_size=64, max_new_tokens=64, seed=0):
+    """K temperature samples of the base model per record, on the plain question.
+    Returns list (per record) of K generated texts."""
+    from common.backbone import generate
+    torch.manual_seed(seed)
+    flat = [r for r in records for _ in range(k)]
+    texts = []
+    for i in tqdm(range(0, len(flat), batch_size), desc="sample K", leave=False):
+        b = flat[i:i + batch_size]
+        out, _ = generate(model, proc, [load_image(r["image"], r["id"]) for r in b], [r["question"] for r in b],
+                          max_new_tokens, do_sample=True, temperature=temperature)
+        texts += out
+    return [texts[i * k:(i + 1) * k] for i in range(len(records))]
+
+
+def build_pools(records, samples):
+    """-> list of (P+, P-) per record: deduplicated debate-format responses. An empty P+
+    gets the gold response. Returns (pools, n_gold_filled)."""
+    pools, n_gold = [], 0
+    for r, texts in zip(records, samples):
+        pos, neg = [], []
+        for t in texts:
+            (pos if is_correct(t, r["answer"], r["family"]) else neg).append(to_json_response(t))
+        pos, neg = list(dict.fromkeys(pos)), list(dict.fromkeys(neg))
+        if not pos:
+            pos, n_gold = [gold_response(r)], n_gold + 1
+        pools.append((pos, neg))
+    return pools, n_gold
+
+
+def _fewest_priors(category, min_priors):
+    return {"pos": min_priors, "rev": max(1, min_priors), "rob": max(2, min_priors)}[category]
+
+
+def feasible(category, neg, min_priors, max_priors):
+    """Can a question with incorrect pool `neg` form a sample of `category`?"""
+    return _fewest_priors(category, min_priors) <= max_priors and (category == "pos" or bool(neg))
+
+
+def make_sample(rng, category, pos, neg, min_priors, max_priors):
+    """(prior responses, target) of one (feasible) category; R uniform in its allowed range."""
+    R = rng.randint(_fewest_priors(category, min_priors), max_priors)
+    if category == "pos":
+        priors = [rng.choice(pos) for _ in range(R)]
+    elif category == "rev":
+        priors = [rng.choice(neg) for _ in range(R)]
+    else:  # interleaved, starting with either side: both kinds present
+        first = rng.random() < 0.5
+        priors = [rng.choice(pos if (j % 2 == 0) == first else neg) for j in range(R)]
+    return priors, rng.choice(pos)
+
+
+def synthesize(records, pools, n_per_question=2, ratios=(1.0, 1.0, 1.0), min_priors=0, max_priors=2, seed=0):
+    """LLaVA-format training records with the debate prompt and a JSON target.
+
+    ratios: relative weights of (pos, rev, rob). Returns (records, Counter of categories)."""
+    rng, out, counts = random.Random(seed), [], Counter()
+    for r, (pos, neg) in zip(records, pools):
+        for j in range(n_per_question):
+            cats = [c for c, w in zip(CATEGORIES, ratios) if w > 0 and feasible(c, neg, min_priors, max_priors)]
+            if not cats:
+                continue
+            cat = rng.choices(cats, weights=[ratios[CATEGORIES.index(c)] for c in cats])[0]
+            priors, target = make_sample(rng, cat, pos, neg, min_priors, max_priors)
+            counts[cat] += 1
+            out.append({"id": f"{r['id']}_vs{j}", "image": r["image"], "family": r["family"], "answer": r["answer"],
+                        "category": cat, "n_priors": len(priors),
+                        "conversations": [{"from": "human", "value": "<image>\n" + debate_prompt(r["question"], priors)},
+                                          {"from": "gpt", "value": target}]})
+    return out, counts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="MoD viewpoint-shift data synthesis (§3.2).")
+    p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
+    p.add_argument("--data", required=True, help="training questions (LLaVA JSON/JSONL with answer + family)")
+    p.add_argument("--out", required=True, help="output LLaVA JSON (image paths stay absolute)")
+    p.add_argument("--k", type=int, default=4, help="samples per question from the base model (K)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--ratios", default="1,1,1", help="relative weights of T_pos,T_rev,T_rob")
+    p.add_argument("--min-priors", type=int, default=0, help="fewest prior responses R in a prompt")
+    p.add_argument("--max-priors", type=int, default=2, help="most prior responses R in a prompt")
+    p.add_argument("--n-per-question", type=int, default=2, help="training samples built per question")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N questions (0 = all)")
+    p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="length cap of each sampled response")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling and mixing")
+    args = p.parse_args(argv)
+    from common.backbone import load_backbone
+    from common.data import read_llava_json
+    records = read_llava_json(args.data)[:args.limit or None]
+    model, proc = load_backbone(args.model)
+    samples = sample_responses(model, proc, records, args.k, args.temperature, args.batch_size,
+                               args.max_new_tokens, args.seed)
+    pools, n_gold = build_pools(records, samples)
+    ratios = tuple(float(x) for x in args.ratios.split(","))
+    if len(ratios) != 3:
+        raise SystemExit("--ratios needs three comma-separated weights (pos,rev,rob)")
+    out, counts = synthesize(records, pools, args.n_per_question, ratios, args.min_priors, args.max_priors, args.seed)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    atomic_write_text(args.out, json.dumps(out, indent=1))
+    print(f"wrote {len(out)} samples to {args.out}: " + ", ".join(f"T_{c} {counts[c]}" for c in CATEGORIES)
+          + f"; questions with no correct base sample (gold target used): {n_gold}/{len(records)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Self-debate inference with MoD (paper Alg. 2, App. B.5) and the external baselines.
+
+    MoD-Single   one round: question + JSON instruction
+    MoD-Multi    K debate rounds: round k sees the question, the debate prompt and the
+                 model's own responses of rounds 0..k-1 (Alg. 2), final answer = last round
+    MAD          multi-agent debate on the base model: 2 debaters (sampled) answer, then
+                 see each other's latest response for `rounds` rounds; a judge (greedy)
+                 reads both and decides (Liang et al. 2024 style, B.4)
+    SC           self-correction on the base model: answer, then review the own answer
+
+Every method returns per-question results {id, family, pred, correct, n_tokens} and the
+wall time; `n_tokens` sums all generated tokens of all calls for that question.
+Answers are read with `eval.metrics.is_correct`, which parses the JSON and falls back to
+the text after the last "Answer" when the JSON is malformed.
+
+    python -m mod.infer --model tiny-dense --adapter out/mod/toy/mod --data out/data/test.json --rounds 1
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from common.backbone import generate
+from mod.data import DEBATE_PROMPT, debate_prompt, is_correct, single_prompt
+from mod.train import Batcher
+
+
+def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
+    pixels = batcher.pixels(recs)
+    images = None if pixels is not None else [batcher.images[batcher.slot[r["image"]]] for r in recs]
+    return generate(model, proc, images, questions, max_new_tokens, pixels=pixels, **kw)
+
+
+def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=96, sample_kw=None):
+    """Generic multi-call driver. prompt_fns: list of functions (record, history) -> prompt,
+    one per call; each call's output is appended to that record's history.
+    sample_kw: per-call generation kwargs list (None = greedy). Returns (histories, tokens)."""
+    batcher = Batcher(proc, records)
+    hist = [[] for _ in records]
+    toks = [0] * len(records)
+    for c, fn in enumerate(prompt_fns):
+        kw = (sample_kw or [{}] * len(prompt_fns))[c]
+        for i in range(0, len(records), batch_size):
+            recs = records[i:i + batch_size]
+            qs = [fn(r, hist[i + j]) for j, r in enumerate(recs)]
+            texts, lens = _generate(model, proc, batcher, recs, qs, max_new_tokens, **kw)
+            for j, (t, n) in enumerate(zip(texts, lens)):
+                hist[i + j].append(t)
+                toks[i + j] += n
+    return hist, toks
+
+
+def _results(records, finals, toks):
+    return [{"id": r["id"], "family": r["family"], "pred": f, "answer": r["answer"],
+             "correct": bool(is_correct(f, r["answer"], r["family"])), "n_tokens": n}
+            for r, f, n in zip(records, finals, toks)]
+
+
+@torch.no_grad()
+def mod_debate(model, proc, records, rounds=0, batch_size=64, max_new_tokens=96):
+    """MoD-Single (rounds=0) or MoD-Multi (rounds=K >= 1), Alg. 2. Returns (results, wall_s)."""
+    t0 = time.time()
+    fns = [lambda r, h: single_prompt(r["question"])]
+    fns += [lambda r, h: debate_prompt(r["question"], h)] * rounds
+    hist, toks = run_rounds(model, proc, records, fns, batch_size, max_new_tokens)
+    return _results(records, [h[-1] for h in hist], toks), time.time() - t0
+
+
+@torch.no_grad()
+def plain(model, proc, records, batch_size=64, max_new_tokens=96, json_prompt=False):
+    """One greedy round on the plain question (the base model's own format) or with the JSON
+    instruction (adapters trained on debate data). Returns (results, wall_s)."""
+    t0 = time.time()
+    fn = (lambda r, h: single_prompt(r["question"])) if json_prompt else (lambda r, h: r["question"])
+    hist, toks = run_rounds(model, proc, records, [fn], batch_size, max_new_tokens)
+    return _results(records, [h[-1] for h in hist], toks), time.time() - t0
+
+
+@torch.no_grad()
+def self_correction(model, proc, records, batch_size=64, max_new_tokens=96):
+    """Answer, then "review your previous answer" (one correction round). Returns (results, wall_s)."""
+    t0 = time.time()
+    review = (lambda r, h: f"{r['question']}\nYour previous answer: {h[0]}\n"
+              "Review your previous answer, find any mistakes and give your final answer.")
+    hist, toks = run_rounds(model, proc, records, [lambda r, h: r["question"], review], batch_size, max_new_tokens)
+    return _results(records, [h[-1] for h in hist], toks), time.time() - t0
+
+
+@torch.no_grad()
+def multi_agent_debate(model, proc, records, rounds=1, temperature=0.7, batch_size=64, max_new_tokens=96, seed=0):
+    """MAD: debaters 1 and 2 (temperature sampling) answer; for `rounds` rounds each sees the
+    other's latest response with the debate prompt; a greedy judge reads both final responses.
+    History layout: [d1_0, d2_0, d1_1, d2_1, ..., judge]. Returns (results, wall_s)."""
+    t0 = time.time()
+    torch.manual_seed(seed)
+    fns = [lambda r, h: r["question"]] * 2
+    for k in range(rounds):
+        for me in (0, 1):  # debater `me` reads the other's response of the previous round
+            fns.append(lambda r, h, k=k, me=me: f"{r['question']}\n{DEBATE_PROMPT}\n"
+                       f"Response 1: {h[2 * k + 1 - me]}\nYour previous response: {h[2 * k + me]}")
+    fns.append(lambda r, h: f"{r['question']}\nYou are the judge. {DEBATE_PROMPT}\n"
+               f"Response 1: {h[-2]}\nResponse 2: {h[-1]}")
+    sample = {"do_sample": True, "temperature": temperature}
+    kw = [sample] * (len(fns) - 1) + [{}]
+    hist, toks = run_rounds(model, proc, records, fns, batch_size, max_new_tokens, kw)
+    return _results(records, [h[-1] for h in hist], toks), time.time() - t0
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+@torch.no_grad()
+def routing_trace(model, proc, records, batch_size=64, max_new_tokens=96):
+    """Greedy MoD-Single generation with routing recorded.
+
+    Returns {"switch_rate": mean over layers of the fraction of adjacent *generated* tokens
+    whose top-1 A expert differs, "switch_rate_B": same for router B,
+    "share_A"/"share_B": [layers][E] share of top-r selections per expert over generated
+    tokens, "by_family_A"/"by_family_B": {family: [E] share averaged over layers}}."""
+    from common.routing import switch_rate
+    from mod.model import adapter_layers, routing_context
+    ctx = routing_context(model)
+    E, names = model._adapter["config"].num_experts, [m.name for _, m in adapter_layers(model)]
+    batcher = Batcher(proc, records)
+    counts = {s: torch.zeros(len(names), E) for s in "AB"}
+    fam_counts = {s: {} for s in "AB"}
+    sw = {s: [] for s in "AB"}
+    for i in range(0, len(records), batch_size):
+        recs = records[i:i + batch_size]
+        ctx.record, ctx.trace = True, []
+        try:
+            texts, lens = _generate(model, proc, batcher, recs, [single_prompt(r["question"]) for r in recs],
+                                    max_new_tokens)
+        finally:
+            ctx.record = False
+        steps = [t for t in ctx.trace if t[1].shape[1] == 1]  # decoding steps: one token each
+        # decoding step s feeds generated token s: real while s < the row's generated length
+        n_layers = len(names)
+        for li, name in enumerate(names):
+            mine = [t for t in steps if t[0] == name]
+            if not mine:
+                continue
+            ia = torch.cat([t[1] for t in mine], 1)  # [B, steps, r]
+            ib = torch.cat([t[2] for t in mine], 1)
+            valid = torch.arange(ia.shape[1])[None] < torch.tensor(lens)[:, None]
+            for s, idx in (("A", ia), ("B", ib)):
+                sw[s].append(switch_rate(idx[..., 0], valid))
+                onehot = torch.zeros(*idx.shape[:2], E).scatter_(-1, idx, 1.0) * valid[..., None]
+                counts[s][li] += onehot.sum((0, 1))
+                for j, r in enumerate(recs):
+                    fam_counts[s].setdefault(r["family"], torch.zeros(E)).add_(onehot[j].sum(0) / n_layers)
+    share = {s: (counts[s] / counts[s].sum(-1, keepdim=True).clamp(min=1)).tolist() for s in "AB"}
+    fam = {s: {f: (c / c.sum().clamp(min=1)).tolist() for f, c in fam_counts[s].items()} for s in "AB"}
+    mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0
+    return {"switch_rate": mean(sw["A"]), "switch_rate_B": mean(sw["B"]), "share_A": share["A"],
+            "share_B": share["B"], "by_family_A": fam["A"], "by_family_B": fam["B"]}
+
+
+def usage_entropy(share):
+    """Mean over layers of the normalised entropy (0 = one expert, 1 = uniform) of expert shares."""
+    import math
+    ents = []
+    for row in share:
+        h = -sum(p * math.log(p) for p in row if p > 0)
+        ents.append(h / math.log(len(row)))
+    return sum(ents) / len(ents) if ents else 0.0
+
+
+def heatmap_png(by_family, path, cell=28):
+    """Per-category expert-activation heatmap (rows: families, columns: experts), Pillow only.
+    Darker = larger share; the share (in %) is written in each cell."""
+    from PIL import Image, ImageDraw
+    fams = sorted(by_family)
+    E = len(next(iter(by_family.values()))) if fams else 0
+    left, top = 80, 20
+    img = Image.new("RGB", (left + E * cell + 10, top + len(fams) * cell + 10), "white")
+    d = ImageDraw.Draw(img)
+    vmax = max((max(v) for v in by_family.values()), default=1) or 1
+    for e in range(E):
+        d.text((left + e * cell + 8, 4), f"e{e}", fill="black")
+    for i, f in enumerate(fams):
+        d.text((4, top + i * cell + 8), f[:11], fill="black")
+        for e, v in enumerate(by_family[f]):
+            g = int(255 * (1 - v / vmax))
+            x, y = left + e * cell, top + i * cell
+            d.rectangle([x, y, x + cell - 1, y + cell - 1], fill=(g, g, 255))
+            d.text((x + 3, y + 8), f"{100 * v:.0f}", fill="black" if g > 120 else "white")
+    img.save(path)
+    return path
+
+
+def summarize(name, results, wall_s):
+    acc = sum(r["correct"] for r in results) / max(1, len(results))
+    toks = sum(r["n_tokens"] for r in results) / max(1, len(results))
+    return {"method": name, "accuracy": acc, "tokens_per_q": toks, "wall_s": wall_s, "n": len(results)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
+    p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
+    p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")
+    p.add_argument("--data", required=True, help="questions (LLaVA JSON/JSONL or canonical JSONL)")
+    p.add_argument("--methods", default="single,multi,mad,sc",
+                   help="comma list of: base, single, multi (need --adapter), mad, sc (base model)")
+    p.add_argument("--rounds", type=int, default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
+    p.add_argument("--limit", type=int, default=0, help="first N questions only (0 = all)")
+    p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="cap per generated response")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
+    p.add_argument("--heatmap", default="", help="write a per-family router-A heatmap PNG here (needs --adapter)")
+    p.add_argument("--out", default="", help="write summaries + per-question results as JSON here")
+    args = p.parse_args(argv)
+    from common.backbone import load_backbone
+    from mod.model import load_adapters
+    try:
+        from eval.readers import read_any as read
+    except ImportError:
+        from common.data import read_llava_json as read
+    records = read(args.data)[:args.limit or None]
+    base, proc = load_backbone(args.model, device=args.device)
+    tuned = None
+    if args.adapter:
+        tuned, _ = load_backbone(args.model, device=args.device)
+        load_adapters(tuned, args.adapter)
+        tuned.eval()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not tuned and {"single", "multi"} & set(methods):
+        raise SystemExit("MoD-Single / MoD-Multi need --adapter (train one with mod.train)")
+    run = {"base": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens),
+           "single": lambda: mod_debate(tuned, proc, records, 0, args.batch_size, args.max_new_tokens),
+           "multi": lambda: mod_debate(tuned, proc, records, args.rounds, args.batch_size, args.max_new_tokens),
+           "mad": lambda: multi_agent_debate(base, proc, records, args.rounds, batch_size=args.batch_size,
+                                             max_new_tokens=args.max_new_tokens),
+           "sc": lambda: self_correction(base, proc, records, args.batch_size, args.max_new_tokens)}
+    out = {"summaries": [], "results": {}}
+    print(f"{'method':8s} {'acc':>6s} {'tok/q':>7s} {'wall s':>7s}")
+    for m in methods:
+        if m not in run:
+            raise SystemExit(f"unknown method {m!r}; choose from {sorted(run)}")
+        res, wall = run[m]()
+        s = summarize(m, res, wall)
+        out["summaries"].append(s)
+        out["results"][m] = res
+        print(f"{m:8s} {s['accuracy']:6.3f} {s['tokens_per_q']:7.1f} {s['wall_s']:7.1f}")
+    if args.heatmap and tuned is not None:
+        diag = routing_trace(tuned, proc, records, args.batch_size, args.max_new_tokens)
+        heatmap_png(diag["by_family_A"], args.heatmap)
+        print(f"switch rate {diag['switch_rate']:.3f}; heatmap {args.heatmap}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
