@@ -1,7 +1,7 @@
 """Batched greedy generation with MoLE's latent prefix and the KV cache, plus the paper's
 latent interventions (random / shuffled latent values, latent KV masked from the answer).
 
-    python -m mole.infer --ckpt out/mole/mole.pt --data out/data/test.json --n 200
+    python -m mole.infer --ckpt out/mole/mole --data out/data/test.json --n 200
 
 Prefill runs in two parts: (1) image + question + Z_vis + Z_sum through the MoLE path
 (routing, ESVA, topology), (2) the assistant header as ordinary text rows. Between the two
@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from mole.model import ZSUM, ZVIS, column_mask, topology_mask
+from mole.model import ZSUM, ZVIS, MoLE, column_mask, topology_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
 
@@ -108,10 +108,11 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
 
 def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervention="none", desc="mole"):
     """Greedy answers for LLaVA records (common.data.read_llava_json) -> list of dicts
-    {id, family, pred, answer, correct, n_tokens}. Correct = extracted final answer equals
-    the gold answer (common.data.final_answer, case-insensitive)."""
+    {id, family, pred, answer, correct, n_tokens}, scored with `eval.metrics.is_correct`
+    (the same scorer as `eval.evaluate`)."""
     from tqdm import tqdm
     from common import data
+    from eval.metrics import is_correct
     res = []
     for i in tqdm(range(0, len(records), batch_size), desc=desc, leave=False):
         chunk = records[i:i + batch_size]
@@ -119,15 +120,14 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
         texts, lens = generate(mole, imgs, [r["question"] for r in chunk], stage=stage,
                                max_new_tokens=max_new_tokens, intervention=intervention, seed=i)
         for r, t, n in zip(chunk, texts, lens):
-            pred = data.final_answer(t)
-            res.append({"id": r["id"], "family": r["family"], "pred": pred, "answer": r["answer"],
-                        "correct": pred.strip().lower() == str(r["answer"]).strip().lower(), "n_tokens": n})
+            res.append({"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"],
+                        "correct": is_correct(t, r["answer"], r["family"]), "n_tokens": n})
     return res
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="MoLE checkpoint written by mole.train")
+    p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
     p.add_argument("--data", required=True, help="LLaVA-format JSON (e.g. out/data/test.json)")
     p.add_argument("--n", type=int, default=0, help="evaluate only the first n records (0 = all)")
     p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
@@ -138,12 +138,16 @@ def main(argv=None):
     a = p.parse_args(argv)
     from common import data
     from mole.train import load_mole
-    mole, stage = load_mole(a.ckpt, device=a.device)
+    mole, proc, stage = load_mole(a.ckpt, device=a.device)
     recs = data.read_llava_json(a.data)
     recs = recs[: a.n] if a.n else recs
     t = time.time()
-    res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
-                   intervention=a.intervention)
+    if isinstance(mole, MoLE):
+        res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                       intervention=a.intervention)
+    else:  # an SFT checkpoint: the plain VLM, standard generation
+        from eval.evaluate import evaluate as plain_evaluate
+        res = plain_evaluate(mole, proc, recs, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
     acc = sum(r["correct"] for r in res) / max(len(res), 1)
     print(f"accuracy {acc:.3f} on {len(res)} ({time.time() - t:.1f} s, intervention={a.intervention})")
     for fam in sorted({r["family"] for r in res}):

@@ -1,7 +1,7 @@
 """Train MoLE (or the baselines it is compared with) on LLaVA-format data, two stages.
 
-    python -m mole.train --data out/data --out out/mole/mole.pt                # MoLE, tiny dense base
-    python -m mole.train --data out/data --out out/mole/sft.pt --method sft   # SFT control
+    python -m mole.train --data out/data --out out/mole/mole                # MoLE, tiny dense base
+    python -m mole.train --data out/data --out out/mole/sft --method sft   # SFT control
     python -m mole.train ... --n-vis 8 --n-sum 0 --no-router --no-esva --latent-mixing causal   # LIVR-like
     torchrun --nproc_per_node 8 -m mole.train --base /ckpt/Qwen2.5-VL-7B-Instruct --data ... --compile
 
@@ -13,7 +13,7 @@ stage boundary exactly where an uninterrupted one would.
 
 Trainable set: LoRA on the language model (`--train lora`, default) or the whole language
 model (`--train full`), plus MoLE's latent embeddings, routers and ESVAs. The vision tower
-and projector stay frozen. Checkpoints hold only what was trained (+ optimizer, step, RNG)
+and projector stay frozen. Checkpoints hold only what was trained (+ optimizer, step, args, log)
 and are written atomically (temp file, then rename).
 """
 import argparse
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from common import backbone as bb
 from common import data
+from common.checkpoint import load_train_state, save_train_state
 from mole.lora import add_lora
 from mole.model import MoLE, MoLEConfig
 
@@ -39,7 +40,7 @@ def get_parser():
     p.add_argument("--data", default="out/data", help="directory with train.json (LLaVA format) + images")
     p.add_argument("--split", default="train", help="which <split>.json to train on")
     p.add_argument("--n-train", type=int, default=0, help="use only the first n training records (0 = all)")
-    p.add_argument("--out", default="out/mole/mole.pt", help="checkpoint path (written atomically)")
+    p.add_argument("--out", default="out/mole/mole", help="checkpoint directory (written atomically)")
     p.add_argument("--method", default="mole", choices=("mole", "sft"),
                    help="mole: latent experts; sft: the same trainer on the plain VLM (data-matched control)")
     # MoLE architecture (defaults: paper's E = S = 4, K = 2)
@@ -109,28 +110,30 @@ def build(a, device):
 
 
 def load_mole(path, device="cpu"):
-    """Rebuild a trained model from a checkpoint of this script. Returns (net, stage) where
-    stage is the attention stage to run inference with (2 unless stage 2 never ran)."""
-    ck = torch.load(path, map_location="cpu", weights_only=False)
-    a = argparse.Namespace(**ck["args"])
-    net, _, params = build(a, device)
-    missing = set(params) - set(ck["trainable"])
+    """Rebuild a trained model from a checkpoint directory of this script. Returns
+    (net, proc, stage): net is a MoLE (or the plain VLM for --method sft); stage is the attention stage for inference (2 unless stage 2 never ran).
+    Raises FileNotFoundError / ValueError for a missing or incomplete checkpoint."""
+    tensors, state = load_train_state(path)
+    if state is None:
+        raise FileNotFoundError(f"{path}: no checkpoint (expected a directory written by mole.train)")
+    a = argparse.Namespace(**state["args"])
+    net, proc, params = build(a, device)
+    missing = set(params) - set(tensors)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks trainable tensors {sorted(missing)[:3]}...")
     with torch.no_grad():
         for n, p in params.items():
-            p.copy_(ck["trainable"][n])
-    return net.eval(), (2 if a.stage2_epochs > 0 else 1)
+            p.copy_(tensors[n])
+    return net.eval(), proc, (2 if a.stage2_epochs > 0 else 1)
 
 
 def save_ckpt(path, a, params, opt, step, log):
-    """Atomic checkpoint: trainable tensors, optimizer, step, RNG, args, log."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    ck = {"args": vars(a), "trainable": {n: p.detach().cpu() for n, p in params.items()},
-          "opt": opt.state_dict(), "step": step, "log": log, "rng": torch.get_rng_state()}
-    tmp = path + ".tmp"
-    torch.save(ck, tmp)
-    os.replace(tmp, path)
+    """Atomic checkpoint directory (common.checkpoint): trainable tensors (safetensors),
+    optimizer, and state.json with args, step and log. Nothing in the loop draws random
+    numbers (batches are seeded by step, no dropout), so no RNG state is needed to resume."""
+    os.makedirs(os.path.dirname(path.rstrip("/")) or ".", exist_ok=True)
+    save_train_state(path, {n: p.detach().cpu() for n, p in params.items()}, opt,
+                     {"args": vars(a), "step": step, "log": log})
 
 
 class Loader:
@@ -178,14 +181,13 @@ def train(a):
     total = s1 + round(a.stage2_epochs * loader.steps_per_epoch)
     opt = torch.optim.AdamW(list(params.values()), lr=a.lr, betas=(0.9, 0.98), weight_decay=a.weight_decay)
     step, log = 0, []
-    if a.resume and os.path.exists(a.out):
-        ck = torch.load(a.out, map_location="cpu", weights_only=False)
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(ck["trainable"][n])
-        opt.load_state_dict(ck["opt"])
-        step, log = ck["step"], ck["log"]
-        torch.set_rng_state(ck["rng"])
+    if a.resume:
+        tensors, state = load_train_state(a.out, opt)
+        if state is not None:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(tensors[n])
+            step, log = state["step"], state["log"]
     fwd = torch.compile(net) if a.compile else net  # compile before DDP; save from `net`
     if ddp:
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=True)

@@ -3,6 +3,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common.checkpoint import load_train_state
 from mole import train as mt
 
 
@@ -16,36 +17,36 @@ def _setup(tmp_path):
 
 def test_two_stage_resume_is_exact_and_trainable_set(tmp_path):
     base = _setup(tmp_path)
-    full, log = mt.main(base + ["--out", str(tmp_path / "a.pt")])
+    full, log = mt.main(base + ["--out", str(tmp_path / "a")])
     assert [r["stage"] for r in log] == [1] * 4 + [2] * 4
     assert all(r["balance"] > 0 and r["div"] >= 0 for r in log)
     # stop inside stage 1 (step 3 of 4), then resume across the boundary into stage 2
-    mt.main(base + ["--out", str(tmp_path / "b.pt"), "--max-steps", "3"])
-    mt.main(base + ["--out", str(tmp_path / "b.pt"), "--resume"])
-    a = torch.load(tmp_path / "a.pt", weights_only=False)
-    b = torch.load(tmp_path / "b.pt", weights_only=False)
-    assert a["step"] == b["step"] == 8
-    assert a["trainable"].keys() == b["trainable"].keys()
-    for k in a["trainable"]:
-        assert torch.equal(a["trainable"][k], b["trainable"][k]), k
-    names = list(a["trainable"])
+    mt.main(base + ["--out", str(tmp_path / "b"), "--max-steps", "3"])
+    mt.main(base + ["--out", str(tmp_path / "b"), "--resume"])
+    ta, sa = load_train_state(str(tmp_path / "a"))
+    tb, sb = load_train_state(str(tmp_path / "b"))
+    assert sa["step"] == sb["step"] == 8
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    names = list(ta)
     assert any("lora_A" in n for n in names) and "latent" in names and any(n.startswith("routers") for n in names)
     assert any(n.startswith("esva") for n in names) and not any("visual" in n for n in names)
     # the checkpoint reloads to the same model
-    net, stage = mt.load_mole(str(tmp_path / "a.pt"))
+    net, _, stage = mt.load_mole(str(tmp_path / "a"))
     assert stage == 2
     for n, p in net.named_parameters():
-        if n in a["trainable"]:
-            assert torch.equal(p.detach(), a["trainable"][n])
+        if n in ta:
+            assert torch.equal(p.detach(), ta[n])
 
 
 def test_sft_and_full_finetune(tmp_path):
     base = _setup(tmp_path)
-    _, log = mt.main(base + ["--out", str(tmp_path / "s.pt"), "--method", "sft", "--stage1-epochs", "0"])
+    _, log = mt.main(base + ["--out", str(tmp_path / "s"), "--method", "sft", "--stage1-epochs", "0"])
     assert len(log) == 4 and log[-1]["ce"] < log[0]["ce"] + 1.0
-    ck = torch.load(tmp_path / "s.pt", weights_only=False)
-    assert all("lora_" in n for n in ck["trainable"])
-    mt.main(base + ["--out", str(tmp_path / "f.pt"), "--train", "full", "--max-steps", "1"])
-    ck = torch.load(tmp_path / "f.pt", weights_only=False)
-    assert any(n.endswith("layers.0.mlp.up_proj.weight") for n in ck["trainable"])
-    assert not any("visual" in n for n in ck["trainable"])
+    ck, _ = load_train_state(str(tmp_path / "s"))
+    assert all("lora_" in n for n in ck)
+    mt.main(base + ["--out", str(tmp_path / "f"), "--train", "full", "--max-steps", "1"])
+    ck, _ = load_train_state(str(tmp_path / "f"))
+    assert any(n.endswith("layers.0.mlp.up_proj.weight") for n in ck)
+    assert not any("visual" in n for n in ck)
