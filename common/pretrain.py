@@ -26,12 +26,24 @@ from common.checkpoint import load_train_state, save_train_state
 
 
 def make_batch(proc, step, batch_size, seed):
-    """Training batch for `step` (deterministic in (seed, step))."""
+    """Training batch for `step` (deterministic in (seed, step)), plus `answer_mask` [B, L]:
+    True at the label positions of the final short answer and <|im_end|> (after "Answer:")."""
     rng = random.Random(seed * 1_000_003 + step)
     ex = [data.sample_example(rng) for _ in range(batch_size)]
     imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
-    return proc.encode(None, [q for _, _, q, _ in ex], [data.target_text(s, a) for s, _, _, a in ex],
-                       pixels=bb.patchify(imgs))
+    batch = proc.encode(None, [q for _, _, q, _ in ex], [data.target_text(s, a) for s, _, _, a in ex],
+                        pixels=bb.patchify(imgs))
+    ends = (batch["labels"] != -100).long().cumsum(1).max(1).values  # label tokens per row
+    n_ans = torch.tensor([len(proc._tok(" " + a)) + 1 for _, _, _, a in ex])  # " yes" + <|im_end|>
+    rank = (batch["labels"] != -100).long().cumsum(1)
+    answer_mask = (batch["labels"] != -100) & (rank > (ends - n_ans)[:, None])
+    return batch, answer_mask
+
+
+def answer_ce(logits, labels, answer_mask):
+    """Mean next-token cross-entropy over the answer positions only (fp32)."""
+    lg, lab, m = logits[:, :-1], labels[:, 1:], answer_mask[:, 1:]
+    return torch.nn.functional.cross_entropy(lg[m].float(), lab[m])
 
 
 @torch.no_grad()
@@ -79,6 +91,8 @@ def main():
     p.add_argument("--layers", type=int, default=4, help="text decoder layers")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer (MoE arch)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (MoE arch)")
+    p.add_argument("--answer-weight", type=float, default=1.0,
+                   help="weight of the extra CE term on the short answer after 'Answer:' (0 = plain CE)")
     p.add_argument("--seed", type=int, default=0, help="init + data seed")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
@@ -104,9 +118,11 @@ def main():
     while step < a.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a.steps, a.lr, warmup)
-        batch = make_batch(proc, step, a.batch_size, a.seed)
+        batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed)
         out = model(**batch, output_router_logits=is_moe)
-        loss = out.loss  # includes router_aux_loss_coef * aux for the MoE
+        # out.loss: mean CE over all answer-turn tokens (+ router_aux_loss_coef * aux for the MoE).
+        # The scene is ~32 of ~36 target tokens, so the short answer gets its own weighted term.
+        loss = out.loss + a.answer_weight * answer_ce(out.logits, batch["labels"], answer_mask)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss at step {step}; last good checkpoint kept in {ckpt}")
         loss.backward()
