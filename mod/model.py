@@ -16,6 +16,11 @@ Every target `nn.Linear` (q/k/v/o of the language model by default) becomes
 computed without a loop over experts: z = x @ A.T ([..,E]), gather the top-r entries,
 scale by g, scatter-add them into an [.., E] weight at the B indices, multiply by B.
 
+x_route itself is never materialised: the routers are linear, so W_g x_route equals the
+window mean of the per-token logits W_g x (same cumulative-sum window, padding excluded).
+Averaging E (or 2E) logits instead of `in_features` inputs makes momentum switching almost
+free and shrinks the decoding cache to the last W-1 tokens' router logits per layer.
+
 Usage:
     model, proc = load_backbone("tiny-dense")
     attach(model, AdapterConfig(method="mod"))           # freezes the base, wraps q/k/v/o
@@ -24,8 +29,9 @@ Usage:
 
 Cached decoding: a routing context, shared by all adapter layers of one model, is filled by a
 forward pre-hook on the model with the current tokens' padding mask and whether this call
-continues a KV-cached sequence. Each routed layer keeps the last W-1 (non-pad) routing
-inputs, so x_route during `generate` equals x_route of a full forward (tested). Beam search
+continues a KV-cached sequence. Each routed layer keeps the routing inputs (router logits)
+of the last W-1 non-pad tokens, so routing during `generate` equals routing in a full
+forward (tested). Beam search
 reorders the batch and is not supported by that cache (greedy and sampling are).
 """
 import json
@@ -118,8 +124,10 @@ def _model_pre_hook(ctx):
     return hook
 
 
-class RoutedInput(nn.Module):
-    """x_route (eq. 1) with the W-1 token cache for cached decoding. Holds no parameters."""
+class RoutingWindow(nn.Module):
+    """Momentum switching (eq. 1) applied to per-token router logits, with the W-1 token
+    cache for cached decoding. By linearity window_mean(x) @ W_g.T == window_mean(x @ W_g.T).
+    Holds no parameters."""
 
     def __init__(self, cfg, ctx):
         super().__init__()
@@ -127,7 +135,7 @@ class RoutedInput(nn.Module):
         self.cache = None  # (buf [B, W-1, D], buf_mask [B, W-1], n_seen [B]) or None
 
     def forward(self, x):
-        """x: [B, T, D] -> x_route [B, T, D] (x's dtype)."""
+        """x: [B, T, C] per-token values (router logits) -> their window / region mean [B, T, C]."""
         if self.W == 1:
             return x
         B, T, _ = x.shape
@@ -190,7 +198,7 @@ class MoDLinear(nn.Module):
         else:
             self.lora_A, self.lora_B = new(E * cfg.expert_rank, din), new(dout, E * cfg.expert_rank)
             self.router = new(E, din)
-        self.routed_input = RoutedInput(cfg, ctx) if cfg.method != "lora" else None
+        self.window = RoutingWindow(cfg, ctx) if cfg.method != "lora" else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -203,9 +211,19 @@ class MoDLinear(nn.Module):
             else:
                 nn.init.zeros_(p)  # B, lora_B: start at the base model
 
-    def _route(self, weight, x_route):
-        """logits [B,T,E] -> (probs fp32, idx [B,T,r], gates fp32 [B,T,r]) (eq. 2-4)."""
-        logits = x_route @ weight.T
+    def router_logits(self, x):
+        """Routing logits of eq. 2 for every token: W_g x_route, [B, T, E] per router
+        (A and B concatenated on the last axis for dual routing: [B, T, 2E])."""
+        if self.cfg.method == "moelora":
+            w = self.router
+        elif self.router_B is None:
+            w = self.router_A
+        else:
+            w = torch.cat([self.router_A, self.router_B])
+        return self.window(x @ w.T)  # window mean of W_g x == W_g x_route (linearity)
+
+    def _route(self, logits):
+        """logits [B,T,E] -> (probs fp32, idx [B,T,r], gates fp32 [B,T,r]) (eq. 3-4)."""
         return topk_gates(logits, self.cfg.r, self.cfg.noise_std, self.training)
 
     def forward(self, x):
@@ -213,16 +231,16 @@ class MoDLinear(nn.Module):
         cfg = self.cfg
         if cfg.method == "lora":
             return out + self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
-        x_route = self.routed_input(x)
+        logits = self.router_logits(x)
         if cfg.method == "moelora":
-            probs, idx, gates = self._route(self.router, x_route)
+            probs, idx, gates = self._route(logits)
             w = torch.zeros_like(probs).scatter_(-1, idx, gates).to(x.dtype)  # [B,T,E] gate per expert
             z = (x @ self.lora_A.T).unflatten(-1, (cfg.num_experts, cfg.expert_rank))  # [B,T,E,k]
             h = (z * w[..., None]).flatten(-2) @ self.lora_B.T  # [B,T,out]
             self._bookkeeping(probs, idx, probs, idx)
             return out + self.scaling * h
-        pa, ia, ga = self._route(self.router_A, x_route)
-        pb, ib, gb = (pa, ia, ga) if cfg.shared_router else self._route(self.router_B, x_route)
+        pa, ia, ga = self._route(logits[..., :cfg.num_experts])
+        pb, ib, gb = (pa, ia, ga) if cfg.shared_router else self._route(logits[..., cfg.num_experts:])
         if cfg.combine == "sqrt_product":
             g = (ga * gb).clamp_min(1e-30).sqrt()  # eq. 5; the clamp keeps sqrt's gradient finite at 0
         elif cfg.combine == "product":

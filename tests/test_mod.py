@@ -134,7 +134,7 @@ def test_cached_decoding_needs_the_token_cache(tiny, monkeypatch):
     model, proc, batch, _ = wrapped(tiny, "qwen3_vl", window=8)
     randomise(model)
     from mod import model as mm
-    monkeypatch.setattr(mm.RoutedInput, "_update_cache", lambda self, *a: None)
+    monkeypatch.setattr(mm.RoutingWindow, "_update_cache", lambda self, *a: None)
     seq, gen = generate_logits(model, proc, batch)
     monkeypatch.undo()
     assert (gen - full_forward_logits(model, batch, seq)).abs().max() > 1e-3
