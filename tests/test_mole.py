@@ -230,3 +230,19 @@ def test_plain_calls_are_sdpa():
     MoLE(model, proc)
     assert model.config.get_text_config()._attn_implementation == "mole"
     assert torch.allclose(model(**batch).logits, ref, atol=1e-5)
+
+
+def test_diagnostics_hand_values_and_run(tmp_path):
+    from mole.diagnostics import latent_stats, pairwise_kl, pairwise_sq_cos
+    h = torch.tensor([[[1.0, 0.0], [1.0, 1.0], [0.0, 2.0]]])  # pairs: 0.5, 0, 0.5
+    assert torch.allclose(pairwise_sq_cos(h), torch.tensor([1 / 3]))
+    p = torch.tensor([[[1.0, 1.0], [1.0, 1.0]]])
+    assert pairwise_kl(p).abs().item() < 1e-7  # identical patterns
+    q = torch.tensor([[[0.75, 0.25], [0.25, 0.75]]])
+    kl = 0.75 * torch.log(torch.tensor(3.0)) + 0.25 * torch.log(torch.tensor(1 / 3))
+    assert torch.allclose(pairwise_kl(q, eps=0.0), kl[None], atol=1e-6)
+    recs = data.generate_split(str(tmp_path), "test", 3)
+    for r in recs:
+        r.update(image=str(tmp_path / r["image"]), question=r["conversations"][0]["value"].split("\n", 1)[1])
+    sim, kl = latent_stats(make(), recs, stage=2)
+    assert 0 <= sim <= 100 and kl > 0

@@ -1,0 +1,67 @@
+"""Latent diagnostics (paper, "Do the latents become more complementary?" and "Are the
+latents used for answer generation?").
+
+    sim, kl = latent_stats(mole, records, stage=2)      # both x100, averaged over examples
+    res = mole.infer.evaluate(mole, records, intervention="mask")   # interventions live in infer
+
+* latent similarity: mean pairwise squared cosine between the final-layer hidden states of
+  the latent tokens (all E + S), x100. Lower = less redundant.
+* attention-pattern KL: for each layer and each latent visual expert, its attention over
+  the visual tokens (mean over heads, renormalised over the visual columns, smoothed by
+  eps so sparse routed patterns give finite values), then KL(p_i || p_j) averaged over
+  ordered pairs i != j and layers, x100. Higher = more diverse. The paper's exact
+  formulation (its App. A.6) is not in our copy of the paper; this is the plain reading.
+"""
+import torch
+
+from common import data
+from mole.model import ZSUM, ZVIS
+
+
+def pairwise_sq_cos(h):
+    """h: [B, n, d] -> [B] mean over pairs i < j of cos^2(h_i, h_j) (0 if n < 2)."""
+    n = h.shape[1]
+    if n < 2:
+        return h.new_zeros(h.shape[0])
+    u = torch.nn.functional.normalize(h.float(), dim=-1)
+    c2 = (u @ u.transpose(1, 2)).square()
+    iu = torch.triu_indices(n, n, 1)
+    return c2[:, iu[0], iu[1]].mean(-1)
+
+
+def pairwise_kl(p, eps=1e-4):
+    """p: [B, n, V] non-negative attention over V visual tokens (rows need not sum to 1).
+    Rows are renormalised, smoothed p <- (p + eps) / (1 + V eps), and KL(p_i || p_j) is
+    averaged over ordered pairs i != j. Returns [B] (0 if n < 2)."""
+    B, n, V = p.shape
+    if n < 2:
+        return p.new_zeros(B)
+    p = p.float() / p.float().sum(-1, keepdim=True).clamp(min=1e-12)
+    p = (p + eps) / (1 + V * eps)
+    logp = p.log()
+    kl = (p[:, :, None] * (logp[:, :, None] - logp[:, None, :])).sum(-1)  # [B,n,n]
+    return kl.sum((1, 2)) / (n * (n - 1))
+
+
+@torch.no_grad()
+def latent_stats(mole, records, stage=2, batch_size=64):
+    """(similarity x100, attention KL x100) of a MoLE model over `records` (LLaVA records
+    with images). Runs the prefill with Z_vis attention recorded in every layer."""
+    sims, kls = [], []
+    for i in range(0, len(records), batch_size):
+        chunk = records[i:i + batch_size]
+        imgs = [data.load_image(r["image"], r["id"]) for r in chunk]
+        batch = {k: v.to(mole.model.device) for k, v in mole.encode(imgs, [r["question"] for r in chunk]).items()}
+        out = mole(batch, stage, record=True, hidden=True)
+        types, st = out["types"], out["pass"]
+        lat = (types == ZVIS) | (types == ZSUM)
+        B, n = lat.shape[0], int(lat[0].sum())
+        sims.append(pairwise_sq_cos(out["hidden"][lat].view(B, n, -1)))
+        vis = st.is_vis
+        nv = int(vis[0].sum())
+        per_layer = []
+        for layer, p in sorted(st.attn.items()):  # p: [B,H,E,L]
+            pv = p.mean(1).transpose(1, 2)[vis].view(B, nv, -1).transpose(1, 2)  # [B,E,nv]
+            per_layer.append(pairwise_kl(pv))
+        kls.append(torch.stack(per_layer).mean(0))
+    return 100 * torch.cat(sims).mean().item(), 100 * torch.cat(kls).mean().item()
