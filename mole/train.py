@@ -162,8 +162,8 @@ def lr_at(step, total, lr, warmup):
 
 
 def train(a):
-    """Run the schedule in `a` (an argparse Namespace). Returns (net, log) with log a list
-    of per-step dicts {step, stage, loss, ce, balance, z, div, lr, s}."""
+    """Run the schedule in `a` (an argparse Namespace). Returns (net, proc, log) with log a
+    list of per-step dicts {step, stage, loss, ce, balance, z, div, lr, s}."""
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank, world = 0, 1
     device = a.device
@@ -232,19 +232,19 @@ def train(a):
         save_ckpt(a.out, a, params, opt, step, log)
     if ddp:
         dist.destroy_process_group()
-    return net.eval(), log
+    return net.eval(), proc, log
 
 
 def main(argv=None):
     a = get_parser().parse_args(argv)
     if not os.path.exists(os.path.join(a.data, f"{a.split}.json")):
         raise SystemExit(f"{a.data}/{a.split}.json not found: generate data with `python -m common.data` first")
-    net, log = train(a)
+    net, proc, log = train(a)
     if log:
         last = log[-1]
         print(f"done: step {last['step']}, stage {last['stage']}, loss {last['loss']:.4f}, "
               f"{sum(r['s'] for r in log):.1f} s train time -> {a.out}")
-    return net, log
+    return net, proc, log
 
 
 if __name__ == "__main__":

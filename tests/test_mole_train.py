@@ -17,7 +17,7 @@ def _setup(tmp_path):
 
 def test_two_stage_resume_is_exact_and_trainable_set(tmp_path):
     base = _setup(tmp_path)
-    full, log = mt.main(base + ["--out", str(tmp_path / "a")])
+    _, _, log = mt.main(base + ["--out", str(tmp_path / "a")])
     assert [r["stage"] for r in log] == [1] * 4 + [2] * 4
     assert all(r["balance"] > 0 and r["div"] >= 0 for r in log)
     # stop inside stage 1 (step 3 of 4), then resume across the boundary into stage 2
@@ -42,7 +42,7 @@ def test_two_stage_resume_is_exact_and_trainable_set(tmp_path):
 
 def test_sft_and_full_finetune(tmp_path):
     base = _setup(tmp_path)
-    _, log = mt.main(base + ["--out", str(tmp_path / "s"), "--method", "sft", "--stage1-epochs", "0"])
+    _, _, log = mt.main(base + ["--out", str(tmp_path / "s"), "--method", "sft", "--stage1-epochs", "0"])
     assert len(log) == 4 and log[-1]["ce"] < log[0]["ce"] + 1.0
     ck, _ = load_train_state(str(tmp_path / "s"))
     assert all("lora_" in n for n in ck)
