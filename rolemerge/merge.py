@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import torch
@@ -75,11 +76,11 @@ def check_stats(stats, info):
                              f"checkpoint {info[key]!r}; stats model {stats['model_id']!r}); recalibrate on this one")
 
 
-def check_k_family(config, K):
-    """DeepSeek group-limited routing splits experts into n_group equal groups: K must divide."""
-    tc = cal.text_config(config)
-    grouped = config.model_type == "deepseek_v3" or getattr(tc, "topk_method", None) == "group_limited_greedy"
-    n_group = getattr(tc, "n_group", None) or 1
+def check_k_family(model_type, tc, K):
+    """DeepSeek group-limited routing splits experts into n_group equal groups: K must divide.
+    tc: the text config as a dict."""
+    grouped = model_type == "deepseek_v3" or tc.get("topk_method") == "group_limited_greedy"
+    n_group = tc.get("n_group") or 1
     if grouped and K % n_group:
         raise MergeError(f"K={K} is not a multiple of n_group={n_group} (group-limited routing of this model)")
 
@@ -115,9 +116,9 @@ def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, 
 def weighted_sum(tensors, weights, dtype):
     """sum_i w_i t_i accumulated in float32 in the given order, cast to dtype. The one place
     both paths merge tensors, so their outputs agree bit for bit."""
-    acc = torch.zeros(tensors[0].shape, dtype=torch.float32)
-    for t, w in zip(tensors, weights):
-        acc.add_(t.to(torch.float32), alpha=w)
+    acc = tensors[0].to(torch.float32) * weights[0]
+    for t, w in zip(tensors[1:], weights[1:]):
+        acc.add_(t, alpha=w)                     # promotes t to float32 inside the kernel
     return acc.to(dtype)
 
 
@@ -345,8 +346,14 @@ def merge_streaming(src, dst, plan):
         with open(os.path.join(dst, s), "wb") as f:
             f.write(len(hb).to_bytes(8, "little"))
             f.write(hb)
-            for n in names:
-                _write_one(f, src, headers, where, out[s][n])
+            specs = [out[s][n] for n in names]
+            with ThreadPoolExecutor(1) as pool:      # read tensor i+1 while merging / writing tensor i
+                nxt = pool.submit(_read_inputs, src, headers, where, specs[0])
+                for i, spec in enumerate(specs):
+                    inputs = nxt.result()
+                    if i + 1 < len(specs):
+                        nxt = pool.submit(_read_inputs, src, headers, where, specs[i + 1])
+                    _write_one(f, src, headers, where, spec, inputs)
     # --- config, index, side files
     sub = _expert_config(config)
     sub[next(f for f in cal.EXPERT_FIELDS if f in sub)] = K
@@ -358,7 +365,19 @@ def merge_streaming(src, dst, plan):
     copy_side_files(src, dst)
 
 
-def _write_one(f, src, headers, where, spec):
+def _read_inputs(src, headers, where, spec):
+    """The expert tensors one output tensor is merged from (None for a byte copy).
+    Runs in the prefetch thread, so reading overlaps merging and writing."""
+    prod = spec[2]
+    if prod[0] == "copy":
+        return None
+    rd = lambda k, e=None: read_tensor(os.path.join(src, where[k]), headers[where[k]][1], headers[where[k]][0][k], e)
+    if prod[0] == "sum":
+        return [rd(k) for k in prod[1]]
+    return [[rd(prod[1], e) for e in g] for g in prod[2]]   # fused: rows of one [N, ...] tensor
+
+
+def _write_one(f, src, headers, where, spec, inputs):
     dt, shape, prod = spec
     if prod[0] == "copy":
         k = prod[1]
@@ -367,15 +386,11 @@ def _write_one(f, src, headers, where, spec):
         copy_bytes(os.path.join(src, where[k]), f, start + a, b - a)
         return
     if prod[0] == "sum":
-        _, keys, w = prod
-        t = weighted_sum([read_tensor(os.path.join(src, where[k]), headers[where[k]][1], headers[where[k]][0][k])
-                          for k in keys], w, DTYPES[dt])
-    else:                                        # fused: rows of one [N, ...] tensor
-        _, k, groups, weights = prod
-        path, (entries, start) = os.path.join(src, where[k]), headers[where[k]]
-        t = torch.stack([weighted_sum([read_tensor(path, start, entries[k], e) for e in g], w, DTYPES[dt])
-                         for g, w in zip(groups, weights)])
-    f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        t = weighted_sum(inputs, prod[2], DTYPES[dt])
+    else:
+        t = torch.stack([weighted_sum(x, w, DTYPES[dt]) for x, w in zip(inputs, prod[3])])
+    if t.numel():
+        f.write(t.contiguous().view(torch.uint8).numpy())
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -401,8 +416,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         info = streaming_info(src, config)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
-        from transformers import AutoConfig
-        check_k_family(AutoConfig.from_pretrained(src), K)
+        check_k_family(config["model_type"], _expert_config(config), K)
 
         def routers():
             headers, where, layers = scan_checkpoint(src)
@@ -418,7 +432,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         info = cal.model_info(model, model_path)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
-        check_k_family(model.config, K)
+        check_k_family(model.config.model_type, cal.text_config(model.config).to_dict(), K)
         plan = make_plan(stats, K, method, lam, linkage, seed,
                          lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)])
         merge_model(model, plan)

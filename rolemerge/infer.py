@@ -1,0 +1,128 @@
+"""Run a (merged) MoE checkpoint on data: answers, accuracy per family, and the efficiency
+numbers the paper reports (§5.5, App. G): parameters, checkpoint bytes, load time, time to
+first token, decode tokens/s.
+
+    python -m rolemerge.infer --model out/rolemerge/tiny-moe-rho0.5 --data out/data/test.json --n 200
+
+A merged checkpoint is an ordinary transformers checkpoint: nothing here is specific to
+merging, which is the point (it loads with `from_pretrained` alone).
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from rolemerge import calibrate as cal
+
+
+def checkpoint_bytes(path):
+    """Bytes of the weight files (*.safetensors) of a checkpoint directory."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def param_count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def _inputs(model, proc, records):
+    """Left-padded generation inputs for a batch of records (VLM: image + question)."""
+    if model.config.model_type in cal.VLM_TYPES:
+        from common import data
+        return proc.encode([data.load_image(r["image"], r.get("id", "?")) for r in records],
+                           [r["question"] for r in records])
+    return cal.text_inputs(proc, [r["question"] for r in records])
+
+
+def _ids(model, proc):
+    eos = proc.eos_token_id
+    pad = proc.pad_token_id if proc.pad_token_id is not None else eos
+    return eos, pad
+
+
+@torch.no_grad()
+def predict(model, proc, records, batch_size=32, max_new_tokens=48, progress=True):
+    """Batched greedy answers. records: dicts with question[, image, answer, family, id].
+    Returns a list of {id, family, pred, answer, correct (None without a gold answer), n_tokens}."""
+    from tqdm import tqdm
+    from eval.metrics import is_correct
+    eos, pad = _ids(model, proc)
+    out = []
+    for i in tqdm(range(0, len(records), batch_size), desc="predict", disable=not progress):
+        chunk = records[i:i + batch_size]
+        batch = {k: v.to(model.device) for k, v in _inputs(model, proc, chunk).items()}
+        gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=pad)
+        for r, row in zip(chunk, gen[:, batch["input_ids"].shape[1]:].tolist()):
+            n = row.index(eos) + 1 if eos in row else len(row)
+            text = proc.decode(row[:n]) if hasattr(proc, "image_processor") else \
+                proc.decode(row[:n], skip_special_tokens=True)           # VLProcessor / plain tokenizer
+            gold = r.get("answer")
+            out.append({"id": r.get("id"), "family": r.get("family", "all"), "pred": text, "answer": gold,
+                        "correct": None if gold is None else bool(is_correct(text, gold, r.get("family", "all"))),
+                        "n_tokens": n})
+    return out
+
+
+@torch.no_grad()
+def speed(model, proc, records, n=8, decode_tokens=32):
+    """Batch-1 latency on `n` records: median time to first token (prefill + 1 token, s) and
+    decode throughput (decode_tokens - 1) / (t_decode_tokens - t_first) in tokens/s, with
+    EOS suppressed so every run decodes exactly `decode_tokens` tokens. One warm-up run."""
+    eos, pad = _ids(model, proc)
+    ttft, tfull = [], []
+    for j, r in enumerate([records[0]] + list(records[:n])):
+        batch = {k: v.to(model.device) for k, v in _inputs(model, proc, [r]).items()}
+        times = []
+        for m in (1, decode_tokens):
+            t = time.perf_counter()
+            model.generate(**batch, max_new_tokens=m, min_new_tokens=m, do_sample=False, eos_token_id=eos,
+                           pad_token_id=pad)
+            times.append(time.perf_counter() - t)
+        if j:                                  # j = 0 is the warm-up
+            ttft.append(times[0])
+            tfull.append(times[1])
+    t1, tn = statistics.median(ttft), statistics.median(tfull)
+    return {"ttft_s": t1, "decode_tok_s": (decode_tokens - 1) / max(tn - t1, 1e-9)}
+
+
+def load_timed(path, dtype=None):
+    """(model, processor-or-tokenizer, load seconds) through rolemerge.calibrate.load_model."""
+    t = time.perf_counter()
+    model, proc = cal.load_model(path, dtype=dtype)
+    return model, proc, time.perf_counter() - t
+
+
+def main(argv=None):
+    from common import backbone as bb
+    from common import data
+    from eval.metrics import accuracy, by_family
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
+    p.add_argument("--data", required=True, help="LLaVA JSON/JSONL with questions (and answers for accuracy)")
+    p.add_argument("--n", type=int, default=200, help="examples to run (the first n)")
+    p.add_argument("--batch-size", type=int, default=32, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
+    p.add_argument("--speed", action="store_true", help="also measure batch-1 time to first token and decode tok/s")
+    p.add_argument("--out", default=None, help="write predictions + summary JSON here")
+    a = p.parse_args(argv)
+    model, proc, load_s = load_timed(a.model)
+    records = data.read_llava_json(a.data)[:a.n]
+    preds = predict(model, proc, records, a.batch_size, a.max_new_tokens)
+    summary = {"model": a.model, "params": param_count(model), "checkpoint_bytes": checkpoint_bytes(bb.resolve(a.model)),
+               "load_s": load_s, "n": len(preds)}
+    scored = [r for r in preds if r["correct"] is not None]
+    if scored:
+        summary["accuracy"] = {f: accuracy(c) for f, c in by_family(scored).items()}
+    if a.speed:
+        summary.update(speed(model, proc, records))
+    print(json.dumps(summary, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"summary": summary, "predictions": preds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
