@@ -55,17 +55,17 @@ def to_json_response(text):
         try:
             obj = json.loads(t)
             if isinstance(obj, dict) and "Answer" in obj:
-                return json.dumps({"Reasoning": str(obj.get("Reasoning", "")), "Answer": str(obj["Answer"])})
+                return json.dumps({"Reasoning": str(obj.get("Reasoning", "")), "Answer": str(obj["Answer"])}, ensure_ascii=False)
         except json.JSONDecodeError:
             pass
     reasoning = t.rsplit("Answer", 1)[0].strip().rstrip(".").strip() if "Answer" in t else t
-    return json.dumps({"Reasoning": reasoning, "Answer": final_answer(t)})
+    return json.dumps({"Reasoning": reasoning, "Answer": final_answer(t)}, ensure_ascii=False)
 
 
 def gold_response(record):
     """The ground-truth debate response of a shapes record (scene + gold answer)."""
     scene = record.get("scene") or record["target"].rsplit("Answer", 1)[0].strip().rstrip(".")
-    return json.dumps({"Reasoning": scene, "Answer": str(record["answer"])})
+    return json.dumps({"Reasoning": scene, "Answer": str(record["answer"])}, ensure_ascii=False)
 
 
 def single_prompt(question):

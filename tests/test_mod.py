@@ -201,3 +201,29 @@ def test_target_modules_errors_and_language_model_only(tiny):
     assert num_trainable(model) > 0
     with pytest.raises(ValueError):
         AdapterConfig(r=9, num_experts=8)
+
+
+def test_llava_next_architecture():
+    """The adapters are architecture-agnostic: a tiny LLaVA-NeXT (Llama decoder) wraps, starts
+    at the base model and decodes with the routing cache like a full forward (text-only input)."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+    cfg = LlavaNextConfig(
+        text_config=dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+        image_token_index=299, image_grid_pinpoints=[[28, 28]], vision_feature_layer=-1)
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration(cfg).eval()
+    ids = torch.randint(0, 290, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    base = logits(model, dict(input_ids=ids, attention_mask=mask))
+    names = attach(model, AdapterConfig(window=4))
+    assert len(names) == 8 and not any("vision" in n for n in names)
+    assert torch.equal(logits(model, dict(input_ids=ids, attention_mask=mask)), base)
+    randomise(model)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    full = logits(model, dict(input_ids=out.sequences, attention_mask=torch.cat([mask, torch.ones(2, 6).long()], 1)))
+    assert (full[:, 11:-1] - torch.stack(out.logits, 1)).abs().max() < 1e-4

@@ -1,0 +1,198 @@
+"""Toy reproduction of Mixture of Debaters on the shapes world (MoD issue item 6).
+
+Pipeline, all on the committed tiny dense VLM (frozen):
+  1. viewpoint-shift data (§3.2): K samples per training question from the base model,
+     T_pos / T_rev / T_rob samples with the debate prompt and a JSON target,
+  2. LoRA, MoE-LoRA and MoD trained on the same data with (about) the same number of
+     trainable parameters,
+  3. on the test questions: base, LoRA, MoE-LoRA, MoD-Single, MoD-Multi (1 debate round),
+     MAD (2 debaters + judge on the base) and self-correction (base): accuracy with 95%
+     bootstrap CI, paired bootstrap difference vs MoE-LoRA, generated tokens per question,
+     latency relative to the base model,
+  4. full mode only, ablations of MoD (one training run each): routing granularity
+     token / region / window, W in {1, 4, 16, 32} (switch rate + accuracy), dual vs shared
+     router, sqrt-product vs product vs mean, with vs without the aux loss (expert usage
+     entropy), plus the router-A per-family heatmap.
+
+    python -m eval.toy_mod --quick      # main rows only, ~3-4 CPU minutes
+    python -m eval.toy_mod              # everything -> out/mod/results.json (~30-40 CPU minutes)
+
+`run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
+report rows {"model","family","metric","value","ci_low","ci_high","n"}.
+"""
+import argparse
+import copy
+import json
+import os
+import time
+
+import torch
+
+from common import data
+from common.backbone import load_backbone
+from common.data import atomic_write_text, read_llava_json
+from eval.evaluate import family_rows
+from eval.metrics import paired_bootstrap
+from mod import data as vs
+from mod.infer import (heatmap_png, mod_debate, multi_agent_debate, plain, routing_trace, self_correction,
+                       summarize, usage_entropy)
+from mod.model import AdapterConfig, attach, num_trainable, save_adapters
+from mod.train import fit
+
+# (about) equal trainable parameters on the tiny dense base (hidden 128, 4 layers, q/k/v/o):
+# MoD E=8 rank-1 experts per pool + 2 routers: 61,440; LoRA rank 17: 60,928;
+# MoE-LoRA 4 experts of rank 4 + router, top-2: 65,536.
+METHODS = {"lora": dict(method="lora", r=17, lora_alpha=34.0),
+           "moelora": dict(method="moelora", num_experts=4, expert_rank=4, r=2, lora_alpha=4.0),
+           "mod": dict(method="mod")}
+ABLATIONS = {"token": dict(granularity="token"), "region": dict(granularity="region"),
+             "W4": dict(window=4), "W32": dict(window=32), "shared_router": dict(shared_router=True),
+             "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0)}
+SETTINGS = {True: dict(n_train=240, n_test=100, k=4, steps=150, batch_size=16),
+            False: dict(n_train=1000, n_test=500, k=4, steps=400, batch_size=16)}
+
+
+def ensure_data(data_dir, n_train, n_test):
+    for split, n in (("train", max(n_train, 2000)), ("test", max(n_test, 500))):
+        if not os.path.exists(os.path.join(data_dir, f"{split}.json")):
+            data.generate_split(data_dir, split, n)
+    train = read_llava_json(os.path.join(data_dir, "train.json"))[:n_train]
+    test = read_llava_json(os.path.join(data_dir, "test.json"))[:n_test]
+    return train, test
+
+
+def viewpoint_data(base, proc, train, k, out_dir, log):
+    t = time.time()
+    samples = vs.sample_responses(base, proc, train, k=k, temperature=1.0, batch_size=80)
+    pools, n_gold = vs.build_pools(train, samples)
+    recs, counts = vs.synthesize(train, pools, n_per_question=2)
+    path = os.path.join(out_dir, "train_vs.json")
+    atomic_write_text(path, json.dumps(recs))
+    base_acc = sum(vs.is_correct(s, r["answer"], r["family"]) for r, ss in zip(train, samples) for s in ss)
+    info = {"samples": len(recs), **{f"T_{c}": counts[c] for c in vs.CATEGORIES}, "gold_filled": n_gold,
+            "base_sample_accuracy": base_acc / max(1, k * len(train)), "wall_s": time.time() - t}
+    log(f"viewpoint-shift data: {info}")
+    return read_llava_json(path), info
+
+
+def train_adapter(base, proc, recs, cfg_kw, steps, batch_size, out_dir, name, log):
+    model = copy.deepcopy(base)
+    torch.manual_seed(0)
+    cfg = AdapterConfig(**cfg_kw)
+    attach(model, cfg)
+    res = fit(model, proc, recs, os.path.join(out_dir, name), steps=steps, batch_size=batch_size, lr=2e-3,
+              warmup=max(1, steps // 10), aux_coef=cfg.aux_coef, desc=f"train {name}")
+    save_adapters(model, os.path.join(out_dir, name))
+    res["trainable"] = num_trainable(model)
+    log(f"{name}: {res['trainable']:,} trainable, loss {res['loss']:.3f} aux {res['aux']:.3f}, "
+        f"{res['wall_s']:.0f} s")
+    return model.eval(), res
+
+
+def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-dense", log=print):
+    """Run the toy reproduction; returns report rows (and writes out_dir/results.json)."""
+    S = SETTINGS[bool(quick)]
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.time()
+    train, test = ensure_data(data_dir, S["n_train"], S["n_test"])
+    base, proc = load_backbone(base_name)
+    recs, data_info = viewpoint_data(base, proc, train, S["k"], out_dir, log)
+
+    results, summaries, training = {}, {}, {}
+
+    def record(name, res_wall):
+        res, wall = res_wall
+        results[name], summaries[name] = res, summarize(name, res, wall)
+        s = summaries[name]
+        log(f"  {name:14s} acc {s['accuracy']:.3f}  tokens/q {s['tokens_per_q']:6.1f}  wall {wall:6.1f} s")
+
+    with torch.inference_mode():
+        record("base", plain(base, proc, test))
+    models = {}
+    for name, kw in METHODS.items():
+        models[name], training[name] = train_adapter(base, proc, recs, kw, S["steps"], S["batch_size"], out_dir,
+                                                     name, log)
+    with torch.inference_mode():
+        record("lora", plain(models["lora"], proc, test, json_prompt=True))
+        record("moelora", plain(models["moelora"], proc, test, json_prompt=True))
+        record("mod-single", mod_debate(models["mod"], proc, test, rounds=0))
+        record("mod-multi", mod_debate(models["mod"], proc, test, rounds=1))
+        record("mad", multi_agent_debate(base, proc, test, rounds=1))
+        record("self-correction", self_correction(base, proc, test))
+        diag = {"mod": routing_trace(models["mod"], proc, test)}
+
+    ablations = {}
+    if not quick:
+        heatmap_png(diag["mod"]["by_family_A"], os.path.join(out_dir, "heatmap_router_A.png"))
+        heatmap_png(diag["mod"]["by_family_B"], os.path.join(out_dir, "heatmap_router_B.png"))
+        for name, kw in ABLATIONS.items():
+            m, tr = train_adapter(base, proc, recs, {**METHODS["mod"], **kw}, S["steps"], S["batch_size"], out_dir,
+                                  f"mod_{name}", log)
+            with torch.inference_mode():
+                res, wall = mod_debate(m, proc, test, rounds=0)
+                d = routing_trace(m, proc, test)
+            ablations[name] = (res, d, tr)
+            log(f"  ablation {name:13s} acc {summarize(name, res, wall)['accuracy']:.3f} "
+                f"switch {d['switch_rate']:.3f} entropy A {usage_entropy(d['share_A']):.3f}")
+            del m
+        ablations["window"] = (results["mod-single"], diag["mod"], training["mod"])  # the default run
+
+    # ------------------------------------------------------------------ report rows
+    rows = []
+    for name, res in results.items():
+        rows += [r for r in family_rows(f"mod-toy/{name}", res) if quick is False or r["family"] == "all"]
+    ref = [r["correct"] for r in results["moelora"]]
+    base_wall = summaries["base"]["wall_s"]
+    for name, s in summaries.items():
+        pb = paired_bootstrap([r["correct"] for r in results[name]], ref)
+        rows += [{"model": f"mod-toy/{name}", "family": "all", "metric": "diff_vs_moelora", "value": pb["diff"],
+                  "ci_low": pb["ci_low"], "ci_high": pb["ci_high"], "n": pb["n"]},
+                 {"model": f"mod-toy/{name}", "family": "all", "metric": "tokens_per_question",
+                  "value": s["tokens_per_q"], "ci_low": None, "ci_high": None, "n": s["n"]},
+                 {"model": f"mod-toy/{name}", "family": "all", "metric": "latency_vs_base",
+                  "value": s["wall_s"] / base_wall, "ci_low": None, "ci_high": None, "n": s["n"]}]
+    rows.append({"model": "mod-toy/mod-single", "family": "all", "metric": "switch_rate",
+                 "value": diag["mod"]["switch_rate"], "ci_low": None, "ci_high": None, "n": len(test)})
+    for name, (res, d, tr) in ablations.items():
+        rows += [dict(r, model=f"mod-toy/ablation-{name}") for r in family_rows("x", res) if r["family"] == "all"]
+        for metric, v in (("switch_rate", d["switch_rate"]), ("usage_entropy_A", usage_entropy(d["share_A"])),
+                          ("usage_entropy_B", usage_entropy(d["share_B"]))):
+            rows.append({"model": f"mod-toy/ablation-{name}", "family": "all", "metric": metric, "value": v,
+                         "ci_low": None, "ci_high": None, "n": len(test)})
+
+    out = {"quick": bool(quick), "settings": S, "data": data_info, "training": training, "summaries": summaries,
+           "diagnostics": {"mod": {k: v for k, v in diag["mod"].items()}}, "rows": rows,
+           "wall_s": time.time() - t0}
+    atomic_write_text(os.path.join(out_dir, "results_quick.json" if quick else "results.json"),
+                      json.dumps(out, indent=1))
+    log(f"toy MoD done in {out['wall_s'] / 60:.1f} min -> {out_dir}")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Toy reproduction of Mixture of Debaters on the shapes world.")
+    p.add_argument("--quick", action="store_true", help="main rows only (~3-4 CPU minutes)")
+    p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
+    p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
+    p.add_argument("--base", default="tiny-dense", help="frozen base model: checkpoint dir or tiny-dense")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rows = run(a.quick, a.data, a.out, a.base)
+    main_rows = [r for r in rows if r["family"] == "all" and r["metric"] in ("accuracy", "tokens_per_question",
+                                                                              "latency_vs_base")]
+    by_model = {}
+    for r in main_rows:
+        by_model.setdefault(r["model"], {})[r["metric"]] = r
+    print(f"\n{'model':32s} {'accuracy [95% CI]':24s} {'tok/q':>7s} {'latency':>8s}")
+    for m, d in by_model.items():
+        a_ = d.get("accuracy")
+        acc = f"{a_['value']:.3f} [{a_['ci_low']:.2f}, {a_['ci_high']:.2f}]" if a_ else ""
+        tok = f"{d['tokens_per_question']['value']:7.1f}" if "tokens_per_question" in d else ""
+        lat = f"{d['latency_vs_base']['value']:7.2f}x" if "latency_vs_base" in d else ""
+        print(f"{m:32s} {acc:24s} {tok:>7s} {lat:>8s}")
+
+
+if __name__ == "__main__":
+    main()
