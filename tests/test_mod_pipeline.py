@@ -113,3 +113,26 @@ def test_inference_drivers_and_diagnostics(setup, tmp_path):
     assert 0 < usage_entropy(diag["share_A"]) <= 1
     png = heatmap_png(diag["by_family_A"], str(tmp_path / "h.png"))
     assert os.path.getsize(png) > 100
+
+
+def test_command_line_entry_points(tmp_path, capsys):
+    """mod.data -> mod.train -> mod.infer through their argparse mains on a saved tiny base."""
+    from common.backbone import save_backbone
+    from mod import data as mdata, infer, train
+    base, proc = build_tiny("qwen3_vl", hidden=64, layers=2)
+    save_backbone(base, proc, str(tmp_path / "base"))
+    data.generate_split(str(tmp_path / "d"), "train", 6)
+    data.generate_split(str(tmp_path / "d"), "test", 3)
+    vsj = str(tmp_path / "vs.json")
+    mdata.main(["--model", str(tmp_path / "base"), "--data", str(tmp_path / "d" / "train.json"), "--out", vsj,
+                "--k", "2", "--max-new-tokens", "8"])
+    assert "T_pos" in capsys.readouterr().out
+    train.main(["--model", str(tmp_path / "base"), "--data", vsj, "--out", str(tmp_path / "run"), "--steps", "2",
+                "--batch-size", "2", "--window", "4", "--granularity", "region"])
+    assert os.path.exists(tmp_path / "run" / "adapter_model.safetensors")
+    infer.main(["--model", str(tmp_path / "base"), "--adapter", str(tmp_path / "run"), "--data",
+                str(tmp_path / "d" / "test.json"), "--methods", "base,single,multi,sc", "--max-new-tokens", "4",
+                "--heatmap", str(tmp_path / "h.png"), "--out", str(tmp_path / "res.json")])
+    out = json.loads((tmp_path / "res.json").read_text())
+    assert [s["method"] for s in out["summaries"]] == ["base", "single", "multi", "sc"]
+    assert os.path.exists(tmp_path / "h.png")
