@@ -140,6 +140,11 @@ class MoLEPass:
     def __init__(self, mole, types, zpos, record=False):
         self.mole, self.types, self.zpos, self.record = mole, types, zpos, record
         self.is_vis = types == VIS
+        # visual positions packed per row: vis_idx [B,Nv] (padded), vis_ok [B,Nv]; ESVA runs on these only
+        n = self.is_vis.sum(1)
+        nv = int(n.max()) if n.numel() else 0  # one host sync per forward, not per layer
+        self.vis_idx = torch.argsort((~self.is_vis).to(torch.int8), dim=1, stable=True)[:, :nv]
+        self.vis_ok = torch.arange(nv, device=types.device)[None] < n[:, None]
         self.route, self.attn = {}, {}
         self.balance, self.z, self.div = [], [], []
 
@@ -364,13 +369,19 @@ class MoLE(nn.Module):
         p = logits.masked_fill(~allowed[:, None, None], float("-inf")).softmax(-1)
         out = torch.einsum("bkgel,bkld->bkged", p, value.float())
         if cfg.esva:
+            vi, ok = st.vis_idx, st.vis_ok  # [B,Nv]
+            Nv = vi.shape[1]
             u = value.transpose(1, 2).reshape(B, L, Hkv * D)  # flattened value projection
+            u = u.gather(1, vi[..., None].expand(B, Nv, Hkv * D))  # [B,Nv,d_v] visual tokens only
             esva = self.esva[layer_idx]
-            delta = esva.delta(u)  # [B,L,E,d_v]
-            routed = delta * (esva.gamma.to(delta.dtype)[:, None] * st.is_vis[..., None, None])
-            out = out + torch.einsum("bkgel,blekd->bkged", p, routed.view(B, L, E, Hkv, D).float())
+            delta = esva.delta(u)  # [B,Nv,E,d_v] = MLP_e(u)
+            routed = delta * (esva.gamma.to(delta.dtype)[:, None] * ok[..., None, None])
+            p_v = p.gather(-1, vi[:, None, None, None].expand(B, Hkv, G, E, Nv))  # [B,Hkv,G,E,Nv]
+            # sum_v p(e,v) (u_v + gamma_e MLP_e(u_v)) = (shared part above) + this routed part
+            out = out + torch.einsum("bkgev,bvekd->bkged", p_v, routed.view(B, Nv, E, Hkv, D).float())
             if cfg.router and cfg.top_k > 1:
-                st.div.append(diversity_loss(delta, sel, st.is_vis))
+                sel_v = sel.gather(1, vi[..., None].expand(B, Nv, E))
+                st.div.append(diversity_loss(delta, sel_v, ok))
         if st.record:
             st.attn[layer_idx] = p.reshape(B, H, E, L).detach()
         return out.reshape(B, H, E, D)
