@@ -97,18 +97,21 @@ def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, 
     weights = [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)]
     records = [(n, s["counts"].double()) for n, s in stats["sources"].items()]
     layers, acrs, mi_num, mi_den = [], [], 0.0, 0.0
+    covers = all(sum(len(x) for x in g) == stats["num_experts"] for g in groups)   # False for pruning
     for l, g in enumerate(groups):
         acr_l = {n: rm.acr(rm.phase_distributions(c[l])[-1], g) for n, c in records}
         acrs += list(acr_l.values())
         for _, c in records:
             P_e, q = rm.role_profiles(rm.phase_distributions(c[l]))
             mi_den += rm.mutual_information(P_e, q)
-            mi_num += rm.mutual_information(P_e, q, g)
+            mi_num += rm.mutual_information(P_e, q, g) if covers else 0.0
         layers.append(dict(info[l], name=stats["layer_names"][l], groups=g, weights=weights[l], acr=acr_l,
-                           mi_retention=rm.mi_retention([c[l] for _, c in records], g)))
+                           mi_retention=rm.mi_retention([c[l] for _, c in records], g) if covers else None))
+    # MI retention compares groupings of all experts; pruning drops experts, so it has none
+    mi = (mi_num / mi_den if mi_den > 0 else 1.0) if covers else None
     return {"method": method, "K": K, "N": stats["num_experts"], "lambda": lam, "linkage": linkage, "seed": seed,
-            "groups": groups, "weights": weights, "layers": layers,
-            "acr_mean": sum(acrs) / len(acrs), "mi_retention": mi_num / mi_den if mi_den > 0 else 1.0}
+            "groups": groups, "weights": weights, "layers": layers, "acr_mean": sum(acrs) / len(acrs),
+            "mi_retention": mi}
 
 
 # ----------------------------------------------------------------------------- tensor merge
@@ -474,7 +477,7 @@ def main(argv=None):
     except (MergeError, cal.CalibrationError) as e:
         raise SystemExit(f"error: {e}")
     print(f"merged {rep['N']} -> {rep['K']} experts per layer ({rep['method']}) in {rep['merge_seconds']:.1f}s: "
-          f"{a.out}; ACR {100 * rep['acr_mean']:.1f}%, expert-phase MI retention {rep['mi_retention']:.3f}")
+          f"{a.out}; ACR {100 * rep['acr_mean']:.1f}%, expert-phase MI retention {rep['mi_retention']}")
 
 
 if __name__ == "__main__":

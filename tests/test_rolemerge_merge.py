@@ -196,3 +196,20 @@ def test_unsupported_model_errors(tok):
     dense, proc = bb.build_tiny("qwen3_vl", hidden=32, layers=1)
     with pytest.raises(cal.CalibrationError, match="Qwen3-VL-MoE"):
         cal.calibrate(dense, proc, {"a": []})
+
+
+def test_infer_runs_on_merged_checkpoint(tok, tmp_path):
+    from rolemerge import infer
+    model, proc = build("olmoe", tok)
+    src = save(model, proc, tmp_path / "src")
+    cal.save_stats(cal.calibrate(model, tok, sources_for("olmoe", tmp_path), 3, 4, progress=False),
+                   str(tmp_path / "s.safetensors"))
+    rep = mg.run_merge(src, str(tmp_path / "s.safetensors"), str(tmp_path / "m"), rho=0.5, method="prune")
+    assert rep["mi_retention"] is None                      # pruning drops experts: no grouping MI
+    m2, p2, load_s = infer.load_timed(str(tmp_path / "m"))
+    recs = [{"id": "1", "question": "is there a red circle?", "answer": "yes", "family": "existence"}]
+    pred = infer.predict(m2, p2, recs, max_new_tokens=3, progress=False)
+    assert pred[0]["correct"] in (True, False) and 1 <= pred[0]["n_tokens"] <= 3
+    sp = infer.speed(m2, p2, recs, n=1, decode_tokens=4)
+    assert sp["ttft_s"] > 0 and sp["decode_tok_s"] > 0
+    assert infer.checkpoint_bytes(str(tmp_path / "m")) < infer.checkpoint_bytes(src)
