@@ -355,12 +355,15 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype) if a.dtype else None
-    model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
-    sources = {}
-    for path in a.data:
-        name = os.path.splitext(os.path.basename(path))[0]
-        sources[name] = data.read_llava_json(path)[:a.n]
-    stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
+    try:
+        model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
+        sources = {}
+        for path in a.data:
+            name = os.path.splitext(os.path.basename(path))[0]
+            sources[name] = data.read_llava_json(path)[:a.n]
+        stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
+    except (CalibrationError, data.DataError) as e:
+        raise SystemExit(f"error: {e}")
     save_stats(stats, a.out)
     tot = sum(s["tokens"] for s in stats["sources"].values())
     print(f"wrote {a.out}: {len(stats['layer_names'])} MoE layers x {stats['num_experts']} experts, tokens "

@@ -108,8 +108,11 @@ def main(argv=None):
     p.add_argument("--speed", action="store_true", help="also measure batch-1 time to first token and decode tok/s")
     p.add_argument("--out", default=None, help="write predictions + summary JSON here")
     a = p.parse_args(argv)
-    model, proc, load_s = load_timed(a.model)
-    records = data.read_llava_json(a.data)[:a.n]
+    try:
+        model, proc, load_s = load_timed(a.model)
+        records = data.read_llava_json(a.data)[:a.n]
+    except (cal.CalibrationError, data.DataError) as e:
+        raise SystemExit(f"error: {e}")
     preds = predict(model, proc, records, a.batch_size, a.max_new_tokens)
     summary = {"model": a.model, "params": param_count(model), "checkpoint_bytes": checkpoint_bytes(bb.resolve(a.model)),
                "load_s": load_s, "n": len(preds)}
