@@ -152,7 +152,7 @@ def table(out):
     acc = {(r["model"], r["family"]): r["value"] for r in rows if r["metric"] == "accuracy"}
     fams = list(dict.fromkeys(r["family"] for r in rows if r["metric"] == "accuracy"))
     lines = ["| model | " + " | ".join(fams) + " | macro | diff vs best baseline [95% CI] | ACR % | MI ret. | params | "
-             "ckpt MB | load s | TTFT ms | decode tok/s |", "|---" * (len(fams) + 11) + "|"]
+             "ckpt MB | load s | TTFT ms | decode tok/s |", "|---" * (len(fams) + 10) + "|"]
     for m in dict.fromkeys(r["model"] for r in rows):
         s = summ[m]
         vs = s.get("vs_best_baseline")
