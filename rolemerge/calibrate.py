@@ -75,6 +75,7 @@ def layer_index(name):
 
 
 def text_config(config):
+    """The decoder's config (`text_config` of a VLM, the config itself for an LM)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 

@@ -24,6 +24,7 @@ def checkpoint_bytes(path):
 
 
 def param_count(model):
+    """Number of parameters (all of them, vision tower included)."""
     return sum(p.numel() for p in model.parameters())
 
 
@@ -37,6 +38,7 @@ def _inputs(model, proc, records):
 
 
 def _ids(model, proc):
+    """(eos id, pad id) of a VLProcessor or tokenizer."""
     eos = proc.eos_token_id
     pad = proc.pad_token_id if proc.pad_token_id is not None else eos
     return eos, pad

@@ -164,6 +164,7 @@ def copy_side_files(src, dst):
 
 
 def load_model_for_merge(path, dtype=None):
+    """The model alone (no processor) of a supported checkpoint, in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     config = AutoConfig.from_pretrained(path)
     cal.check_supported(config)
@@ -381,6 +382,8 @@ def _read_inputs(src, headers, where, spec):
 
 
 def _write_one(f, src, headers, where, spec, inputs):
+    """Append one output tensor's bytes to the open shard f: a byte copy, or the merge of
+    `inputs` (from _read_inputs) with the group weights."""
     dt, shape, prod = spec
     if prod[0] == "copy":
         k = prod[1]
