@@ -132,7 +132,7 @@ class RoutingWindow(nn.Module):
     def __init__(self, cfg, ctx):
         super().__init__()
         self.W, self.granularity, self.ctx = cfg.route_window, cfg.granularity, ctx
-        self.cache = None  # (buf [B, W-1, D], buf_mask [B, W-1], n_seen [B]) or None
+        self.cache = None  # (buf [B, W-1, C], buf_mask [B, W-1], n_seen [B] real tokens so far) or None
 
     def forward(self, x):
         """x: [B, T, C] per-token values (router logits) -> their window / region mean [B, T, C]."""
