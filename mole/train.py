@@ -240,7 +240,7 @@ def main(argv=None):
     if not os.path.exists(os.path.join(a.data, f"{a.split}.json")):
         raise SystemExit(f"{a.data}/{a.split}.json not found: generate data with `python -m common.data` first")
     net, proc, log = train(a)
-    if log:
+    if log and int(os.environ.get("RANK", "0")) == 0:
         last = log[-1]
         print(f"done: step {last['step']}, stage {last['stage']}, loss {last['loss']:.4f}, "
               f"{sum(r['s'] for r in log):.1f} s train time -> {a.out}")
