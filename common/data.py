@@ -14,7 +14,7 @@ Five question families mirror the papers' benchmarks:
     mc         letter     "Which object is at the top left? A. ... B. ... C. ... D. ..."
 
 Answers "look, then answer": the target first lists every cell (the scene), then the answer:
-    "tl red circle, tc empty, ..., br empty. Answer: yes"
+    "tl red circle tc empty ... br empty. Answer: yes"
 `common.data.final_answer` extracts the part after "Answer:". Records are written as
 images + LLaVA-style conversation JSON, the format real instruction data uses, so
 `read_llava_json` serves both.
@@ -83,9 +83,9 @@ def render(scene):
 
 
 def describe(scene):
-    """The scene as text, every cell in raster order: 'tl red circle, tc empty, ...'."""
+    """The scene as text, every cell in raster order: 'tl red circle tc empty ...'."""
     by_cell = {o.cell: o.name for o in scene}
-    return ", ".join(f"{CELL_TAGS[c]} {by_cell.get(c, 'empty')}" for c in range(GRID * GRID))
+    return " ".join(f"{CELL_TAGS[c]} {by_cell.get(c, 'empty')}" for c in range(GRID * GRID))
 
 
 def _unique(scene, key):

@@ -19,8 +19,8 @@ def test_splits_are_seeded_and_distinct(tmp_path):
 
 def test_describe_and_answers_are_consistent():
     scene = [data.Obj(0, "red", "circle", 10), data.Obj(4, "blue", "square", 13), data.Obj(8, "red", "square", 10)]
-    assert data.describe(scene) == ("tl red circle, tc empty, tr empty, ml empty, mc blue square, mr empty, "
-                                    "bl empty, bc empty, br red square")
+    assert data.describe(scene) == ("tl red circle tc empty tr empty ml empty mc blue square mr empty "
+                                    "bl empty bc empty br red square")
     rng = random.Random(0)
     for _ in range(50):
         q, a = data.make_question(rng, scene, "count")
