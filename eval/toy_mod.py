@@ -48,8 +48,8 @@ METHODS = {"lora": dict(method="lora", r=17, lora_alpha=34.0),
 ABLATIONS = {"token": dict(granularity="token"), "region": dict(granularity="region"),
              "W4": dict(window=4), "W32": dict(window=32), "shared_router": dict(shared_router=True),
              "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0)}
-SETTINGS = {True: dict(n_train=240, n_test=100, k=4, steps=150, batch_size=16),
-            False: dict(n_train=1000, n_test=500, k=4, steps=400, batch_size=16)}
+SETTINGS = {True: dict(n_train=200, n_test=100, k=4, steps=120, batch_size=8, max_priors=1),
+            False: dict(n_train=1000, n_test=500, k=4, steps=400, batch_size=16, max_priors=2)}
 
 
 def ensure_data(data_dir, n_train, n_test):
@@ -61,11 +61,11 @@ def ensure_data(data_dir, n_train, n_test):
     return train, test
 
 
-def viewpoint_data(base, proc, train, k, out_dir, log):
+def viewpoint_data(base, proc, train, k, max_priors, out_dir, log):
     t = time.time()
     samples = vs.sample_responses(base, proc, train, k=k, temperature=1.0, batch_size=80)
     pools, n_gold = vs.build_pools(train, samples)
-    recs, counts = vs.synthesize(train, pools, n_per_question=2)
+    recs, counts = vs.synthesize(train, pools, n_per_question=2, max_priors=max_priors)
     path = os.path.join(out_dir, "train_vs.json")
     atomic_write_text(path, json.dumps(recs))
     base_acc = sum(vs.is_correct(s, r["answer"], r["family"]) for r, ss in zip(train, samples) for s in ss)
@@ -96,7 +96,7 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-dens
     t0 = time.time()
     train, test = ensure_data(data_dir, S["n_train"], S["n_test"])
     base, proc = load_backbone(base_name)
-    recs, data_info = viewpoint_data(base, proc, train, S["k"], out_dir, log)
+    recs, data_info = viewpoint_data(base, proc, train, S["k"], S["max_priors"], out_dir, log)
 
     results, summaries, training = {}, {}, {}
 
