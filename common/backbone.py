@@ -47,7 +47,7 @@ def build_tokenizer(vocab_size=400, seed=0):
     rng, corpus = random.Random(seed), []
     for _ in range(3000):
         scene, family, q, a = data.sample_example(rng)
-        corpus += [q, data.target_text(scene, a)]
+        corpus += [q, data.target_text(scene, a, q)]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(

@@ -13,8 +13,9 @@ Five question families mirror the papers' benchmarks:
     spatial    yes/no     "Is the red circle to the left of the blue square?"
     mc         letter     "Which object is at the top left? A. ... B. ... C. ... D. ..."
 
-Answers "look, then answer": the target first lists every cell (the scene), then the answer:
-    "tl red circle tc empty ... br empty. Answer: yes"
+Answers "look, then answer": the target first lists every cell (the scene), then the
+question's evidence (the cells of the asked objects), then the answer:
+    "tl red circle tc empty ... br empty. red circle: tl. Answer: yes"
 `common.data.final_answer` extracts the part after "Answer:". Records are written as
 images + LLaVA-style conversation JSON, the format real instruction data uses, so
 `read_llava_json` serves both.
@@ -144,9 +145,43 @@ def make_question(rng, scene, family):
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
-def target_text(scene, answer):
-    """The assistant turn the base models are trained on: scene, then the answer."""
-    return f"{describe(scene)}. Answer: {answer}"
+def evidence(scene, question):
+    """The question-specific evidence the base models write between the scene and the answer:
+    the cells of the asked objects, read off `scene` (empty for colour questions).
+
+        "Is there a red circle?"               -> "red circle: tl"    (or "red circle: none")
+        "How many circles are there?"          -> "circles: tl mc"    (or "circles: none")
+        "Is the red circle above the blue ..." -> "red circle: tl. blue square: mc"
+        "Which object is at the top left? ..." -> "top left: red circle"
+    Each step is a one-token lookup for the tiny model; see README, "How the tiny bases learn"."""
+    cells = lambda pred: " ".join(CELL_TAGS[o.cell] for o in scene if pred(o)) or "none"
+    names = [f"{c} {s}" for c in COLOURS for s in SHAPES]
+    if question.startswith("Is there a "):
+        name = question[len("Is there a "):-1]
+        return f"{name}: {cells(lambda o: o.name == name)}"
+    if question.startswith("How many "):
+        what = question[len("How many "):].split(" are there")[0]  # "circles" / "red shapes"
+        if what.endswith(" shapes"):
+            return f"{what}: {cells(lambda o: o.colour == what.split()[0])}"
+        return f"{what}: {cells(lambda o: o.shape + 's' == what)}"
+    if question.startswith("Is the "):
+        a, b = [n for n in names if f"the {n} " in question or f"the {n}?" in question][:2]
+        if question.index(f"the {a}") > question.index(f"the {b}"):
+            a, b = b, a
+        return f"{a}: {cells(lambda o: o.name == a)}. {b}: {cells(lambda o: o.name == b)}"
+    if question.startswith("Which object is at the "):
+        where = question[len("Which object is at the "):].split("?")[0]  # "top left"
+        r, c = where.split()
+        cell = ROWS.index(r) * GRID + COLS.index(c)
+        return f"{where}: " + next((o.name for o in scene if o.cell == cell), "empty")
+    return ""
+
+
+def target_text(scene, answer, question=""):
+    """The assistant turn the base models are trained on: look (scene, then the evidence for
+    `question`), then answer: "tl red circle tc empty ... br empty. red circle: tl. Answer: yes"."""
+    ev = evidence(scene, question)
+    return f"{describe(scene)}. {ev + '. ' if ev else ''}Answer: {answer}"
 
 
 def final_answer(text):
@@ -187,9 +222,9 @@ def generate_split(out_dir, split, n, seed=None):
             os.replace(path + ".tmp.png", path)
         records.append({
             "id": f"{split}_{i:06d}", "image": name, "family": family, "answer": a,
-            "scene": describe(scene),
+            "scene": target_text(scene, a, q).rsplit(" Answer:", 1)[0],  # the look step
             "conversations": [{"from": "human", "value": f"<image>\n{q}"},
-                              {"from": "gpt", "value": target_text(scene, a)}],
+                              {"from": "gpt", "value": target_text(scene, a, q)}],
         })
     atomic_write_text(os.path.join(out_dir, f"{split}.json"), json.dumps(records, indent=1))
     return records

@@ -31,7 +31,7 @@ def make_batch(proc, step, batch_size, seed):
     rng = random.Random(seed * 1_000_003 + step)
     ex = [data.sample_example(rng) for _ in range(batch_size)]
     imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
-    batch = proc.encode(None, [q for _, _, q, _ in ex], [data.target_text(s, a) for s, _, _, a in ex],
+    batch = proc.encode(None, [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex],
                         pixels=bb.patchify(imgs))
     ends = (batch["labels"] != -100).long().cumsum(1).max(1).values  # label tokens per row
     n_ans = torch.tensor([len(proc._tok(" " + a)) + 1 for _, _, _, a in ex])  # " yes" + <|im_end|>
@@ -58,7 +58,7 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
     for i in range(0, n, batch_size):
         chunk = ex[i:i + batch_size]
         imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in chunk]))
-        b = proc.encode(None, [q for _, _, q, _ in chunk], [data.target_text(s, a) for s, _, _, a in chunk],
+        b = proc.encode(None, [q for _, _, q, _ in chunk], [data.target_text(s, a, q) for s, _, q, a in chunk],
                         pixels=bb.patchify(imgs))
         logits = model(**{k: v for k, v in b.items() if k != "labels"}).logits
         pred, lab = logits[:, :-1].argmax(-1), b["labels"][:, 1:]

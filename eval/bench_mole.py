@@ -51,7 +51,7 @@ def batch_inputs(n, image_size, seed=0):
     ex = [data.sample_example(rng) for _ in range(n)]
     imgs = [data.render(s).resize((image_size, image_size)) for s, _, _, _ in ex]
     pixels = bb.patchify(torch.from_numpy(np.stack([np.asarray(im) for im in imgs])))
-    return pixels, [q for _, _, q, _ in ex], [data.target_text(s, a) for s, _, _, a in ex]
+    return pixels, [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex]
 
 
 def bench_size(size, reps, layers_3b):

@@ -17,7 +17,7 @@ def tiny():
 def _examples(n, seed=0):
     rng = random.Random(seed)
     ex = [data.sample_example(rng) for _ in range(n)]
-    return [data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex], [data.target_text(s, a) for s, _, _, a in ex]
+    return [data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex]
 
 
 def test_tokenizer_is_byte_level_and_round_trips():

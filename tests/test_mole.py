@@ -14,7 +14,7 @@ def examples(n, seed=0):
     rng = random.Random(seed)
     ex = [data.sample_example(rng) for _ in range(n)]
     return ([data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex],
-            [data.target_text(s, a)[-12:] for s, _, _, a in ex])  # short answers keep tests fast
+            [data.target_text(s, a, q)[-12:] for s, _, q, a in ex])  # short answers keep tests fast
 
 
 def make(arch="qwen3_vl", layers=2, seed=0, **cfg):
