@@ -15,7 +15,7 @@ Pipeline, all on the committed tiny dense VLM (frozen):
      entropy), plus the router-A per-family heatmap.
 
     python -m eval.toy_mod --quick      # main rows only, ~3-4 CPU minutes
-    python -m eval.toy_mod              # everything -> out/mod/results.json (~30-40 CPU minutes)
+    python -m eval.toy_mod              # everything -> out/mod/results.json (~25-30 CPU minutes)
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
@@ -49,7 +49,7 @@ ABLATIONS = {"token": dict(granularity="token"), "region": dict(granularity="reg
              "W4": dict(window=4), "W32": dict(window=32), "shared_router": dict(shared_router=True),
              "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0)}
 SETTINGS = {True: dict(n_train=200, n_test=100, k=4, steps=120, batch_size=8, max_priors=1),
-            False: dict(n_train=1000, n_test=500, k=4, steps=400, batch_size=16, max_priors=2)}
+            False: dict(n_train=600, n_test=300, k=4, steps=300, batch_size=8, max_priors=2)}
 
 
 def ensure_data(data_dir, n_train, n_test):
