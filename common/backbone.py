@@ -39,7 +39,7 @@ class BackboneError(ValueError):
 def build_tokenizer(vocab_size=400, seed=0):
     """Byte-level BPE tokenizer trained in memory on shapes-world text (any text encodes:
     unknown words fall back to bytes), with the Qwen special tokens, one added token per
-    object name (" red circle", ...) and a chat template.
+    object name / option / spatial mark (`common.data.mark_tokens`) and a chat template.
     Returns a `Qwen2Tokenizer`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
@@ -56,9 +56,10 @@ def build_tokenizer(vocab_size=400, seed=0):
     tok = Qwen2Tokenizer(vocab=m["vocab"], merges=[tuple(x) for x in m["merges"]], unk_token="<|endoftext|>",
                          eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    # Each of the 12 object names ("red circle", ...) is one token, so "is there a red circle?"
-    # is a one-token lookup for the 4-layer model instead of a bigram match (see README).
-    tok.add_tokens([f" {c} {s}" for c in data.COLOURS for s in data.SHAPES])
+    # Object names ("red circle"), option texts ("A. red circle") and spatial marks ("1tl") are
+    # single tokens, so every step of the look-then-answer target is a one-hop lookup for the
+    # 4-layer model instead of a multi-token match (see README, "How the tiny bases learn").
+    tok.add_tokens([" " + w for w in data.mark_tokens()])
     tok.chat_template = CHAT_TEMPLATE
     return tok
 

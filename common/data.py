@@ -13,9 +13,9 @@ Five question families mirror the papers' benchmarks:
     spatial    yes/no     "Is the red circle to the left of the blue square?"
     mc         letter     "Which object is at the top left? A. ... B. ... C. ... D. ..."
 
-Answers "look, then answer": the target first lists every cell (the scene), then the
-question's evidence (the cells of the asked objects), then the answer:
-    "tl red circle tc empty ... br empty. red circle: tl. Answer: yes"
+Answers "look, then answer": the target lists every cell with its content and a mark saying
+whether the question is about it (`marks`), then the answer:
+    "tl red circle + tc empty - ... br empty -. Answer: yes"
 `common.data.final_answer` extracts the part after "Answer:". Records are written as
 images + LLaVA-style conversation JSON, the format real instruction data uses, so
 `read_llava_json` serves both.
@@ -145,43 +145,62 @@ def make_question(rng, scene, family):
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
-def evidence(scene, question):
-    """The question-specific evidence the base models write between the scene and the answer:
-    the cells of the asked objects, read off `scene` (empty for colour questions).
+def marks(scene, question):
+    """Per-cell marks the base models write after each cell's content: which cells the
+    question is about. One string per cell (raster order):
 
-        "Is there a red circle?"               -> "red circle: tl"    (or "red circle: none")
-        "How many circles are there?"          -> "circles: tl mc"    (or "circles: none")
-        "Is the red circle above the blue ..." -> "red circle: tl. blue square: mc"
-        "Which object is at the top left? ..." -> "top left: red circle"
-    Each step is a one-token lookup for the tiny model; see README, "How the tiny bases learn"."""
-    cells = lambda pred: " ".join(CELL_TAGS[o.cell] for o in scene if pred(o)) or "none"
+        existence "Is there a red circle?"       "+" where the cell holds a red circle, else "-"
+        count     "How many circles / red shapes" "+" where the cell matches, else "-"
+        colour    "What colour is the square?"    "+" where the cell holds a square, else "-"
+        spatial   "Is the A ... the B?"           "1tl" / "2mc" (object 1 or 2 and its cell), else "-"
+        mc        "Which object is at the top left? A. .. B. .."  the matching option's letter
+                  at the asked cell, else "-"
+    Each mark compares the content just written with one place in the question (a local,
+    one-hop step for a 4-layer model), and the answer then reads the marks (see README)."""
+    by_cell = {o.cell: o for o in scene}
     names = [f"{c} {s}" for c in COLOURS for s in SHAPES]
+    cells = range(GRID * GRID)
+    pm = lambda pred: ["+" if c in by_cell and pred(by_cell[c]) else "-" for c in cells]
     if question.startswith("Is there a "):
         name = question[len("Is there a "):-1]
-        return f"{name}: {cells(lambda o: o.name == name)}"
+        return pm(lambda o: o.name == name)
     if question.startswith("How many "):
         what = question[len("How many "):].split(" are there")[0]  # "circles" / "red shapes"
         if what.endswith(" shapes"):
-            return f"{what}: {cells(lambda o: o.colour == what.split()[0])}"
-        return f"{what}: {cells(lambda o: o.shape + 's' == what)}"
+            return pm(lambda o: o.colour == what.split()[0])
+        return pm(lambda o: o.shape + "s" == what)
+    if question.startswith("What colour is the "):
+        shape = question[len("What colour is the "):-1]
+        return pm(lambda o: o.shape == shape)
     if question.startswith("Is the "):
-        a, b = [n for n in names if f"the {n} " in question or f"the {n}?" in question][:2]
-        if question.index(f"the {a}") > question.index(f"the {b}"):
-            a, b = b, a
-        return f"{a}: {cells(lambda o: o.name == a)}. {b}: {cells(lambda o: o.name == b)}"
+        found = sorted((question.index(f"the {n} " if f"the {n} " in question else f"the {n}?"), n)
+                       for n in names if f"the {n} " in question or f"the {n}?" in question)
+        order = {n: str(k + 1) for k, (_, n) in enumerate(found)}
+        return [order[by_cell[c].name] + CELL_TAGS[c] if c in by_cell and by_cell[c].name in order else "-"
+                for c in cells]
     if question.startswith("Which object is at the "):
-        where = question[len("Which object is at the "):].split("?")[0]  # "top left"
-        r, c = where.split()
+        r, c = question[len("Which object is at the "):].split("?")[0].split()
         cell = ROWS.index(r) * GRID + COLS.index(c)
-        return f"{where}: " + next((o.name for o in scene if o.cell == cell), "empty")
-    return ""
+        opts = dict((t[1], t[0]) for t in (o.split(". ", 1) for o in question.split("? ", 1)[1].split(" Answer")[0]
+                                           .replace(" A. ", "|A. ").replace(" B. ", "|B. ").replace(" C. ", "|C. ")
+                                           .replace(" D. ", "|D. ").lstrip("|").split("|")))
+        return [opts.get(by_cell[k].name, "-") if k == cell and k in by_cell else "-" for k in cells]
+    return ["-"] * len(cells)
+
+
+def mark_tokens():
+    """Words the tokenizer keeps whole: object names, option texts and spatial marks."""
+    names = [f"{c} {s}" for c in COLOURS for s in SHAPES]
+    return names + [f"{L}. {n}" for L in LETTERS for n in names] + [f"{k}{t}" for k in "12" for t in CELL_TAGS]
 
 
 def target_text(scene, answer, question=""):
-    """The assistant turn the base models are trained on: look (scene, then the evidence for
-    `question`), then answer: "tl red circle tc empty ... br empty. red circle: tl. Answer: yes"."""
-    ev = evidence(scene, question)
-    return f"{describe(scene)}. {ev + '. ' if ev else ''}Answer: {answer}"
+    """The assistant turn the base models are trained on: look (every cell with its content and
+    its mark for `question`), then answer:
+        "tl red circle + tc empty - ... br empty -. Answer: yes"."""
+    by_cell = {o.cell: o.name for o in scene}
+    cells = " ".join(f"{CELL_TAGS[c]} {by_cell.get(c, 'empty')} {m}" for c, m in enumerate(marks(scene, question)))
+    return f"{cells}. Answer: {answer}"
 
 
 def final_answer(text):
@@ -222,7 +241,7 @@ def generate_split(out_dir, split, n, seed=None):
             os.replace(path + ".tmp.png", path)
         records.append({
             "id": f"{split}_{i:06d}", "image": name, "family": family, "answer": a,
-            "scene": target_text(scene, a, q).rsplit(" Answer:", 1)[0],  # the look step
+            "scene": target_text(scene, a, q).rsplit(" Answer:", 1)[0],  # the look step (marked scene)
             "conversations": [{"from": "human", "value": f"<image>\n{q}"},
                               {"from": "gpt", "value": target_text(scene, a, q)}],
         })

@@ -96,15 +96,17 @@ def test_reader_errors_name_the_record(tmp_path):
         data.load_image(str(tmp_path / "images" / "bad.png"), "r9")
 
 
-def test_evidence_lists_the_cells_of_the_asked_objects():
+def test_marks_flag_the_cells_the_question_is_about():
     scene = [data.Obj(0, "red", "circle", 10), data.Obj(4, "blue", "square", 13), data.Obj(8, "red", "square", 10)]
-    assert data.evidence(scene, "Is there a red circle?") == "red circle: tl"
-    assert data.evidence(scene, "Is there a green circle?") == "green circle: none"
-    assert data.evidence(scene, "How many squares are there?") == "squares: mc br"
-    assert data.evidence(scene, "How many red shapes are there?") == "red shapes: tl br"
-    assert data.evidence(scene, "How many yellow shapes are there?") == "yellow shapes: none"
-    assert data.evidence(scene, "Is the red square above the red circle?") == "red square: br. red circle: tl"
-    assert data.evidence(scene, "Which object is at the middle center? A. x") == "middle center: blue square"
-    assert data.evidence(scene, "What colour is the circle?") == ""
-    assert data.target_text(scene, "yes", "Is there a red circle?").endswith(
-        "br red square. red circle: tl. Answer: yes")
+    m = lambda q: " ".join(data.marks(scene, q))
+    assert m("Is there a red circle?") == "+ - - - - - - - -"
+    assert m("Is there a green circle?") == "- - - - - - - - -"
+    assert m("How many squares are there?") == "- - - - + - - - +"
+    assert m("How many red shapes are there?") == "+ - - - - - - - +"
+    assert m("What colour is the circle?") == "+ - - - - - - - -"
+    assert m("Is the red square above the red circle?") == "2tl - - - - - - - 1br"
+    assert m("Which object is at the middle center? A. red circle B. blue square C. x D. y Answer with the letter."
+             ) == "- - - - B - - - -"
+    assert data.target_text(scene, "yes", "Is there a red circle?") == (
+        "tl red circle + tc empty - tr empty - ml empty - mc blue square - mr empty - bl empty - bc empty - "
+        "br red square -. Answer: yes")
