@@ -42,7 +42,7 @@ ABLATIONS = {
 }
 INTERVENTIONS = ("random", "shuffle", "mask")
 QUICK = dict(n_train=480, n_test=200, batch_size=32)  # 15 steps per epoch, 45 steps per model
-FULL = dict(n_train=1600, n_test=500, batch_size=32)  # 50 steps per epoch, 150 steps per model
+FULL = dict(n_train=1280, n_test=500, batch_size=32)  # 40 steps per epoch, 120 steps per model
 
 
 def _ensure_data(data_dir, n_train, n_test):
