@@ -48,9 +48,10 @@ def answer_ce(logits, labels, answer_mask):
 
 @torch.no_grad()
 def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
-    """Fast validation: per family, the share of examples whose *whole* target (scene +
+    """Fast validation: per family, the share of examples whose *whole* target (marked scene +
     answer) is the greedy argmax under teacher forcing (= greedy generation reproduces it
-    exactly; a lower bound on answer accuracy), and answer-token accuracy given the true scene."""
+    exactly; a lower bound on answer accuracy), and answer-token accuracy given the true look
+    step (the short answer after "Answer:" when the marked scene before it is given)."""
     model.eval()
     rng = random.Random(seed)
     ex = [data.sample_example(rng) for _ in range(n)]
@@ -93,6 +94,8 @@ def main():
     p.add_argument("--top-k", type=int, default=2, help="experts per token (MoE arch)")
     p.add_argument("--answer-weight", type=float, default=1.0,
                    help="weight of the extra CE term on the short answer after 'Answer:' (0 = plain CE)")
+    p.add_argument("--stop-at", type=int, default=0,
+                   help="stop after this step and save (the lr schedule still spans --steps; 0 = run all)")
     p.add_argument("--seed", type=int, default=0, help="init + data seed")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
@@ -115,7 +118,8 @@ def main():
     model.train()
     warmup = max(1, int(a.warmup * a.steps))
     t0, bar = time.time(), tqdm(total=a.steps, initial=step, desc=f"pretrain {a.arch}")
-    while step < a.steps:
+    last = min(a.steps, a.stop_at) if a.stop_at else a.steps
+    while step < last:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a.steps, a.lr, warmup)
         batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed)
@@ -132,12 +136,12 @@ def main():
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % a.eval_every == 0 or step == a.steps:
+        if step % a.eval_every == 0 or step == last:
             ev = teacher_forced_eval(model, proc)
             log.append({"step": step, "loss": loss.item(), "minutes": (time.time() - t0) / 60, "val": ev})
             tqdm.write(f"step {step} loss {loss.item():.3f} " + " ".join(
                 f"{f}={v['answer']:.2f}/{v['full']:.2f}" for f, v in ev.items()))
-        if step % a.ckpt_every == 0 or step == a.steps:
+        if step % a.ckpt_every == 0 or step == last:
             save_train_state(ckpt, model.state_dict(), opt, {"step": step, "log": log})
     bar.close()
     model.eval()
