@@ -126,7 +126,7 @@ def test_cached_decoding_equals_full_forward(tiny, arch, granularity, W):
     assert (batch["attention_mask"][:, 0] == 0).any()  # the batch really is left padded
     seq, gen = generate_logits(model, proc, batch)
     full = full_forward_logits(model, batch, seq)
-    assert (gen - full).abs().max() < 1e-4
+    assert (gen - full).abs().max() < 1e-3  # float noise only; a routing difference is >= 1e-2 (control below)
 
 
 def test_cached_decoding_needs_the_token_cache(tiny, monkeypatch):
@@ -137,7 +137,7 @@ def test_cached_decoding_needs_the_token_cache(tiny, monkeypatch):
     monkeypatch.setattr(mm.RoutingWindow, "_update_cache", lambda self, *a: None)
     seq, gen = generate_logits(model, proc, batch)
     monkeypatch.undo()
-    assert (gen - full_forward_logits(model, batch, seq)).abs().max() > 1e-3
+    assert (gen - full_forward_logits(model, batch, seq)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("arch", ARCHS)
