@@ -49,9 +49,9 @@ class LoopMoD(nn.Module):
         return out + m.scaling * h.view_as(out)
 
 
-def timed(fns, reps, sync):
-    """{name: fn} -> {name: median seconds}. Round-robin over the functions, so load from
-    other processes hits all of them alike."""
+def timed(fns, reps, sync, stat=statistics.median):
+    """{name: fn} -> {name: stat of the seconds per call} (median by default). Round-robin over
+    the functions, so load from other processes hits all of them alike."""
     ts = {k: [] for k in fns}
     for k, fn in fns.items():  # warm-up
         fn()
@@ -62,7 +62,7 @@ def timed(fns, reps, sync):
             fn()
             sync()
             ts[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in ts.items()}
+    return {k: stat(v) for k, v in ts.items()}
 
 
 def main(argv=None):
@@ -134,9 +134,10 @@ def main(argv=None):
                 mod.window.cache, ctx.continuing = caches[C], True
                 mod(tok)
             return f
-        res = timed({C: decode(C) for C in caches}, max(50, 20 * args.reps), sync)
+        # millisecond calls are at the mercy of other processes: report the best of many
+        res = timed({C: decode(C) for C in caches}, max(200, 40 * args.reps), sync, stat=min)
     (c1, v1), (c2, v2) = list(res.items())
-    print(f"decoding one token with the routing cache: context {c1}: {1e6 * v1:.0f} us, context {c2}: "
+    print(f"decoding one token with the routing cache (best of {max(200, 40 * args.reps)}): context {c1}: {1e6 * v1:.0f} us, context {c2}: "
           f"{1e6 * v2:.0f} us, ratio {v2 / v1:.2f} (goal ~1: no dependence on context length)")
     return {"fwd_bwd_ms": {k: 1000 * v for k, v in t.items()}, "mod_over_lora": t["MoD"] / t["LoRA"],
             "decode_us": {str(k): 1e6 * v for k, v in res.items()}, "decode_ratio": v2 / v1}
