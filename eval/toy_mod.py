@@ -49,7 +49,8 @@ ABLATIONS = {"token": dict(granularity="token"), "region": dict(granularity="reg
              "W4": dict(window=4), "W32": dict(window=32), "shared_router": dict(shared_router=True),
              "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0)}
 SETTINGS = {True: dict(n_train=200, n_test=100, k=4, steps=120, batch_size=8, max_priors=1),
-            False: dict(n_train=600, n_test=300, k=4, steps=300, batch_size=8, max_priors=2)}
+            False: dict(n_train=600, n_test=300, k=4, steps=200, batch_size=8, max_priors=2,
+                        ablation_steps=100, ablation_test=150)}
 
 
 def ensure_data(data_dir, n_train, n_test):
@@ -122,50 +123,56 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-dens
         diag = {"mod": routing_trace(models["mod"], proc, test)}
 
     ablations = {}
+
+    def report(done):
+        """Report rows of everything measured so far; results.json rewritten each time."""
+        rows = []
+        for name, res in results.items():
+            rows += [r for r in family_rows(f"mod-toy/{name}", res) if not quick or r["family"] == "all"]
+        ref = [r["correct"] for r in results["moelora"]]
+        base_wall = summaries["base"]["wall_s"]
+        for name, s in summaries.items():
+            pb = paired_bootstrap([r["correct"] for r in results[name]], ref)
+            rows += [{"model": f"mod-toy/{name}", "family": "all", "metric": "diff_vs_moelora", "value": pb["diff"],
+                      "ci_low": pb["ci_low"], "ci_high": pb["ci_high"], "n": pb["n"]},
+                     {"model": f"mod-toy/{name}", "family": "all", "metric": "tokens_per_question",
+                      "value": s["tokens_per_q"], "ci_low": None, "ci_high": None, "n": s["n"]},
+                     {"model": f"mod-toy/{name}", "family": "all", "metric": "latency_vs_base",
+                      "value": s["wall_s"] / base_wall, "ci_low": None, "ci_high": None, "n": s["n"]}]
+        rows.append({"model": "mod-toy/mod-single", "family": "all", "metric": "switch_rate",
+                     "value": diag["mod"]["switch_rate"], "ci_low": None, "ci_high": None, "n": len(test)})
+        for name, (res, d, tr) in ablations.items():
+            rows += [dict(r, model=f"mod-toy/ablation-{name}") for r in family_rows("x", res) if r["family"] == "all"]
+            for metric, v in (("switch_rate", d["switch_rate"]), ("usage_entropy_A", usage_entropy(d["share_A"])),
+                              ("usage_entropy_B", usage_entropy(d["share_B"]))):
+                rows.append({"model": f"mod-toy/ablation-{name}", "family": "all", "metric": metric, "value": v,
+                             "ci_low": None, "ci_high": None, "n": len(res)})
+        out = {"quick": bool(quick), "complete": done, "settings": S, "data": data_info, "training": training,
+               "summaries": summaries, "diagnostics": {"mod": diag["mod"]},
+               "ablation_training": {k: v[2] for k, v in ablations.items()}, "rows": rows,
+               "wall_s": time.time() - t0}
+        atomic_write_text(os.path.join(out_dir, "results_quick.json" if quick else "results.json"),
+                          json.dumps(out, indent=1))
+        return rows
+
+    rows = report(done=bool(quick))
     if not quick:
         heatmap_png(diag["mod"]["by_family_A"], os.path.join(out_dir, "heatmap_router_A.png"))
         heatmap_png(diag["mod"]["by_family_B"], os.path.join(out_dir, "heatmap_router_B.png"))
-        for name, kw in ABLATIONS.items():
-            m, tr = train_adapter(base, proc, recs, {**METHODS["mod"], **kw}, S["steps"], S["batch_size"], out_dir,
-                                  f"mod_{name}", log)
+        # each ablation (and the default "window" for reference) is a shorter run, scored on fewer questions
+        sub = test[:S["ablation_test"]]
+        for name, kw in {"window": {}, **ABLATIONS}.items():
+            m, tr = train_adapter(base, proc, recs, {**METHODS["mod"], **kw}, S["ablation_steps"], S["batch_size"],
+                                  out_dir, f"mod_{name}", log)
             with torch.inference_mode():
-                res, wall = mod_debate(m, proc, test, rounds=0)
-                d = routing_trace(m, proc, test)
+                res, wall = mod_debate(m, proc, sub, rounds=0)
+                d = routing_trace(m, proc, sub)
             ablations[name] = (res, d, tr)
             log(f"  ablation {name:13s} acc {summarize(name, res, wall)['accuracy']:.3f} "
                 f"switch {d['switch_rate']:.3f} entropy A {usage_entropy(d['share_A']):.3f}")
             del m
-        ablations["window"] = (results["mod-single"], diag["mod"], training["mod"])  # the default run
-
-    # ------------------------------------------------------------------ report rows
-    rows = []
-    for name, res in results.items():
-        rows += [r for r in family_rows(f"mod-toy/{name}", res) if quick is False or r["family"] == "all"]
-    ref = [r["correct"] for r in results["moelora"]]
-    base_wall = summaries["base"]["wall_s"]
-    for name, s in summaries.items():
-        pb = paired_bootstrap([r["correct"] for r in results[name]], ref)
-        rows += [{"model": f"mod-toy/{name}", "family": "all", "metric": "diff_vs_moelora", "value": pb["diff"],
-                  "ci_low": pb["ci_low"], "ci_high": pb["ci_high"], "n": pb["n"]},
-                 {"model": f"mod-toy/{name}", "family": "all", "metric": "tokens_per_question",
-                  "value": s["tokens_per_q"], "ci_low": None, "ci_high": None, "n": s["n"]},
-                 {"model": f"mod-toy/{name}", "family": "all", "metric": "latency_vs_base",
-                  "value": s["wall_s"] / base_wall, "ci_low": None, "ci_high": None, "n": s["n"]}]
-    rows.append({"model": "mod-toy/mod-single", "family": "all", "metric": "switch_rate",
-                 "value": diag["mod"]["switch_rate"], "ci_low": None, "ci_high": None, "n": len(test)})
-    for name, (res, d, tr) in ablations.items():
-        rows += [dict(r, model=f"mod-toy/ablation-{name}") for r in family_rows("x", res) if r["family"] == "all"]
-        for metric, v in (("switch_rate", d["switch_rate"]), ("usage_entropy_A", usage_entropy(d["share_A"])),
-                          ("usage_entropy_B", usage_entropy(d["share_B"]))):
-            rows.append({"model": f"mod-toy/ablation-{name}", "family": "all", "metric": metric, "value": v,
-                         "ci_low": None, "ci_high": None, "n": len(test)})
-
-    out = {"quick": bool(quick), "settings": S, "data": data_info, "training": training, "summaries": summaries,
-           "diagnostics": {"mod": {k: v for k, v in diag["mod"].items()}}, "rows": rows,
-           "wall_s": time.time() - t0}
-    atomic_write_text(os.path.join(out_dir, "results_quick.json" if quick else "results.json"),
-                      json.dumps(out, indent=1))
-    log(f"toy MoD done in {out['wall_s'] / 60:.1f} min -> {out_dir}")
+            rows = report(done=name == list(ABLATIONS)[-1])
+    log(f"toy MoD done in {(time.time() - t0) / 60:.1f} min -> {out_dir}")
     return rows
 
 
