@@ -21,7 +21,6 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import numpy as np
 import torch
