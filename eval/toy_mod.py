@@ -14,7 +14,7 @@ Pipeline, all on the committed tiny dense VLM (frozen):
      router, sqrt-product vs product vs mean, with vs without the aux loss (expert usage
      entropy), plus the router-A per-family heatmap.
 
-    python -m eval.toy_mod --quick      # main rows only, ~3-4 CPU minutes
+    python -m eval.toy_mod --quick      # main rows only, ~3 CPU minutes
     python -m eval.toy_mod              # everything -> out/mod/results.json (~25-30 CPU minutes)
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
@@ -48,7 +48,7 @@ METHODS = {"lora": dict(method="lora", r=17, lora_alpha=34.0),
 ABLATIONS = {"token": dict(granularity="token"), "region": dict(granularity="region"),
              "W4": dict(window=4), "W32": dict(window=32), "shared_router": dict(shared_router=True),
              "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0)}
-SETTINGS = {True: dict(n_train=200, n_test=100, k=4, steps=120, batch_size=8, max_priors=1),
+SETTINGS = {True: dict(n_train=120, n_test=80, k=2, steps=80, batch_size=8, max_priors=1),
             False: dict(n_train=600, n_test=300, k=4, steps=200, batch_size=8, max_priors=2,
                         ablation_steps=100, ablation_test=150)}
 
@@ -178,7 +178,7 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-dens
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Toy reproduction of Mixture of Debaters on the shapes world.")
-    p.add_argument("--quick", action="store_true", help="main rows only (~3-4 CPU minutes)")
+    p.add_argument("--quick", action="store_true", help="main rows only (~3 CPU minutes)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
     p.add_argument("--base", default="tiny-dense", help="frozen base model: checkpoint dir or tiny-dense")
