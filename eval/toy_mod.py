@@ -15,7 +15,7 @@ Pipeline, all on the committed tiny dense VLM (frozen):
      entropy), plus the router-A per-family heatmap.
 
     python -m eval.toy_mod --quick      # main rows only, ~3 CPU minutes
-    python -m eval.toy_mod              # everything -> out/mod/results.json (~25-30 CPU minutes)
+    python -m eval.toy_mod              # everything -> out/mod/results.json (~20 CPU minutes)
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
