@@ -249,6 +249,26 @@ def generate_split(out_dir, split, n, seed=None):
     return records
 
 
+def ensure_splits(data_dir, sizes):
+    """Generate the shapes splits of `sizes` ({split: n}) that are missing in `data_dir`.
+
+    Existing split files are never overwritten (they may be the user's own data): when one
+    holds fewer records than asked, the caller simply gets fewer, and a note says so."""
+    for split, n in sizes.items():
+        path = os.path.join(data_dir, f"{split}.json")
+        if not os.path.exists(path):
+            generate_split(data_dir, split, n)
+            continue
+        with open(path) as f:
+            text = f.read()
+        try:
+            have = len(json.loads(text)) if text.lstrip().startswith("[") else len(text.splitlines())
+        except json.JSONDecodeError:
+            have = n  # malformed: the reader reports it with the record
+        if have < n:
+            print(f"[data] {path} has {have} records (< {n} asked); using them as they are")
+
+
 def atomic_write_text(path, text):
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

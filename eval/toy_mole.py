@@ -46,10 +46,7 @@ FULL = dict(n_train=1280, n_test=500, batch_size=32)  # 40 steps per epoch, 120 
 
 
 def _ensure_data(data_dir, n_train, n_test):
-    for split, n in (("train", n_train), ("test", n_test)):
-        path = os.path.join(data_dir, f"{split}.json")
-        if not os.path.exists(path) or len(json.load(open(path))) < n:
-            data.generate_split(data_dir, split, n)
+    data.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
 
 
 def _rows(name, res, sft_res, extra):

@@ -47,10 +47,7 @@ MAX_NEW = 48      # the tiny models describe the scene (~32 tokens), then answer
 
 
 def _ensure_data(data_dir, n_val, n_test):
-    for split, n in (("val", n_val), ("test", n_test)):
-        path = os.path.join(data_dir, f"{split}.json")
-        if not os.path.exists(path) or len(json.load(open(path))) < n:
-            data.generate_split(data_dir, split, n)
+    data.ensure_splits(data_dir, {"val": n_val, "test": n_test})  # never overwrites existing files
 
 
 def _scalar(name, metric, value, n):

@@ -361,6 +361,10 @@ def main(argv=None):
         sources = {}
         for path in a.data:
             name = os.path.splitext(os.path.basename(path))[0]
+            if name in sources:  # two files with the same name (a/val.json, b/val.json): keep both
+                name = os.path.splitext(os.path.normpath(path))[0].replace(os.sep, "/")
+            if name in sources:
+                raise CalibrationError(f"{path} is given twice; each calibration source counts once")
             sources[name] = data.read_llava_json(path)[:a.n]
         stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
     except (CalibrationError, data.DataError) as e:

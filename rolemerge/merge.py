@@ -409,6 +409,8 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     if not os.path.exists(os.path.join(src, "config.json")):
         raise MergeError(f"{src}: no config.json (not a save_pretrained checkpoint directory)")
     if os.path.exists(out):
+        if os.path.realpath(out) == os.path.realpath(src):
+            raise MergeError(f"--out {out} is the input checkpoint; write the merged model to a new directory")
         if not force:
             raise MergeError(f"{out} exists; pass --force to overwrite it")
     stats = cal.load_stats(stats_paths)

@@ -213,3 +213,27 @@ def test_infer_runs_on_merged_checkpoint(tok, tmp_path):
     sp = infer.speed(m2, p2, recs, n=1, decode_tokens=4)
     assert sp["ttft_s"] > 0 and sp["decode_tok_s"] > 0
     assert infer.checkpoint_bytes(str(tmp_path / "m")) < infer.checkpoint_bytes(src)
+
+
+def test_merge_refuses_to_overwrite_its_input(tmp_path):
+    import pytest
+    from rolemerge import merge
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    with pytest.raises(merge.MergeError, match="is the input checkpoint"):
+        merge.run_merge(str(src), [], str(src), rho=0.5, force=True)
+
+
+def test_calibrate_keeps_two_sources_with_the_same_file_name(tmp_path):
+    import json
+    from common import data
+    from rolemerge import calibrate
+    for d in ("a", "b"):
+        data.generate_split(str(tmp_path / d), "val", 2)
+    out = tmp_path / "st.safetensors"
+    calibrate.main(["--model", "tiny-moe", "--data", str(tmp_path / "a" / "val.json"),
+                    str(tmp_path / "b" / "val.json"), "--out", str(out), "--n", "2"])
+    meta = json.load(open(tmp_path / "st.json"))
+    assert len(meta["tokens"]) == 2  # both files are sources (not one overwriting the other)
+    assert sum(v["image"] for v in meta["tokens"].values()) == 4 * 9  # 2 + 2 examples x 9 visual tokens
