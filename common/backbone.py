@@ -237,11 +237,15 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
         if not os.path.exists(os.path.join(path, "config.json")):
             raise BackboneError(f"{path} has no config.json: not a save_pretrained checkpoint directory "
                                 f"(point --model at the folder that holds config.json and *.safetensors)")
-    elif os.path.sep in path or path.startswith("."):
-        if path in TINY.values():
-            raise BackboneError(f"{path} missing: the committed tiny checkpoint is gone; restore it with git "
-                                f"or rebuild it with `python -m common.pretrain`")
-        raise BackboneError(f"{path}: no such checkpoint directory")
+    elif path in TINY.values():
+        raise BackboneError(f"{path} missing: the committed tiny checkpoint is gone; restore it with git "
+                            f"or rebuild it with `python -m common.pretrain` (README)")
+    elif path.startswith((".", os.sep, "~")) or path.count("/") != 1:
+        import difflib
+        near = difflib.get_close_matches(path, list(TINY), n=1, cutoff=0.7)
+        hint = f" (did you mean {near[0]}?)" if near else " (a local directory, a hub id org/name, tiny-dense or tiny-moe)"
+        raise BackboneError(f"{path}: no such checkpoint directory{hint}")
+    # else: a hub id "org/name", resolved by transformers (needs network or a local HF cache)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if config.model_type not in SUPPORTED_VLMS and not trust_remote_code:
         raise BackboneError(f"{path}: architecture {config.model_type!r} is not supported; supported VLMs: "

@@ -309,8 +309,10 @@ def read_llava_json(path, image_root=None, check_images=True):
         image = None
         if r.get("image"):
             image = r["image"] if os.path.isabs(r["image"]) else os.path.join(root, r["image"])
-            if check_images and not os.path.exists(image):
-                raise DataError(f"{path}: record {rid}: image {image} not found (set image_root / --image-root)")
+            if check_images:
+                if not os.path.exists(image):
+                    raise DataError(f"{path}: record {rid}: image {image} not found (set image_root / --image-root)")
+                check_image(image, rid)  # header only: fails here, not hours into a run
         q = humans[0].replace("<image>\n", "").replace("<image>", "").strip()
         out.append({"id": rid, "image": image, "question": q, "target": gpts[0],
                     "answer": r.get("answer", final_answer(gpts[0])), "family": r.get("family", "all"),
@@ -318,10 +320,29 @@ def read_llava_json(path, image_root=None, check_images=True):
     return out
 
 
-def load_image(path, rid="?"):
-    """Open an image as RGB; raises DataError naming the record when unreadable."""
+def check_image(path, rid="?"):
+    """Cheap validity check (file header): raises DataError for empty or non-image files."""
+    if os.path.getsize(path) == 0:
+        raise DataError(f"record {rid}: image {path} is an empty (0-byte) file; re-export or drop the record")
     try:
         with Image.open(path) as im:
+            im.size
+    except (OSError, ValueError) as e:
+        raise DataError(f"record {rid}: cannot read image {path} ({e.__class__.__name__}: {e})") from None
+
+
+def load_image(path, rid="?"):
+    """Open an image as 8-bit RGB; raises DataError naming the record when unreadable.
+    16-bit and float greyscale (modes I;16, I, F) are rescaled to 0-255 first: Pillow's own
+    convert("RGB") would clip them to black and white."""
+    try:
+        with Image.open(path) as im:
+            if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+                import numpy as np
+                a = np.asarray(im, dtype=np.float64)
+                lo, hi = float(a.min()), float(a.max())
+                a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)
+                return Image.fromarray(a.astype(np.uint8)).convert("RGB")
             return im.convert("RGB")
     except (OSError, ValueError) as e:
         raise DataError(f"record {rid}: cannot read image {path} ({e.__class__.__name__}: {e})") from None

@@ -73,6 +73,11 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
     return {f: {"full": float(np.mean(full[f])), "answer": float(np.mean(ans[f]))} for f in sorted(full)}
 
 
+# Settings a resumed run must share with the checkpoint (the rest, e.g. --stop-at, may change).
+RECIPE_KEYS = ("arch", "steps", "batch_size", "lr", "warmup", "hidden", "layers", "experts", "top_k", "seed",
+               "answer_weight")
+
+
 def lr_at(step, steps, lr, warmup):
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -97,6 +102,7 @@ def main():
     p.add_argument("--stop-at", type=int, default=0,
                    help="stop after this step and save (the lr schedule still spans --steps; 0 = run all)")
     p.add_argument("--seed", type=int, default=0, help="init + data seed")
+    p.add_argument("--fresh", action="store_true", help="discard an existing {out}.ckpt instead of resuming it")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
     p.add_argument("--ckpt-every", type=int, default=250, help="atomic checkpoint every N steps")
@@ -108,8 +114,17 @@ def main():
     is_moe = a.arch.endswith("moe")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.98), weight_decay=0.01)
     ckpt, step, log = a.out.rstrip("/") + ".ckpt", 0, []
+    if a.fresh:
+        import shutil
+        shutil.rmtree(ckpt, ignore_errors=True)
+    recipe = {k: getattr(a, k) for k in RECIPE_KEYS}
     tensors, state = load_train_state(ckpt, opt)
     if tensors is not None:
+        saved = state.get("recipe", recipe)
+        diff = {k: (saved.get(k), v) for k, v in recipe.items() if saved.get(k) != v}
+        if diff:
+            raise SystemExit(f"error: {ckpt} was written with other settings {diff} (saved, now); "
+                             f"rerun with those settings to resume, or pass --fresh to start over")
         model.load_state_dict(tensors)
         step, log = state["step"], state["log"]
         print(f"resumed from {ckpt} at step {step}")
@@ -142,7 +157,7 @@ def main():
             tqdm.write(f"step {step} loss {loss.item():.3f} " + " ".join(
                 f"{f}={v['answer']:.2f}/{v['full']:.2f}" for f, v in ev.items()))
         if step % a.ckpt_every == 0 or step == last:
-            save_train_state(ckpt, model.state_dict(), opt, {"step": step, "log": log})
+            save_train_state(ckpt, model.state_dict(), opt, {"step": step, "log": log, "recipe": recipe})
     bar.close()
     model.eval()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -31,7 +31,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.backbone import generate, load_backbone
+from common.backbone import BackboneError, generate, load_backbone
 from common.data import DataError, atomic_write_text, load_image
 from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table,
                           is_correct, pope_prf, short_answer)
@@ -263,4 +263,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (DataError, BackboneError) as e:
+        raise SystemExit(f"error: {e}")

@@ -78,6 +78,8 @@ def test_load_errors(tmp_path):
         bb.load_backbone(str(tmp_path))
     with pytest.raises(bb.BackboneError, match="no such checkpoint"):
         bb.load_backbone(str(tmp_path / "nope"))
+    with pytest.raises(bb.BackboneError, match="did you mean tiny-dense"):
+        bb.load_backbone("tiny-dnse")
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])

@@ -110,3 +110,22 @@ def test_marks_flag_the_cells_the_question_is_about():
     assert data.target_text(scene, "yes", "Is there a red circle?") == (
         "tl red circle + tc empty - tr empty - ml empty - mc blue square - mr empty - bl empty - bc empty - "
         "br red square -. Answer: yes")
+
+
+def test_bad_images_fail_at_read_time_and_16bit_is_rescaled(tmp_path):
+    import numpy as np
+    from PIL import Image
+    (tmp_path / "images").mkdir()
+    conv = [{"from": "human", "value": "<image>\nQ?"}, {"from": "gpt", "value": "A"}]
+    (tmp_path / "images" / "empty.png").write_bytes(b"")
+    (tmp_path / "images" / "junk.png").write_bytes(b"not an image at all")
+    for name, msg in (("empty.png", "0-byte"), ("junk.png", "cannot read image")):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps([{"id": "r7", "image": f"images/{name}", "conversations": conv}]))
+        with pytest.raises(data.DataError, match=f"r7.*{msg}"):
+            data.read_llava_json(str(p))
+    a = np.zeros((8, 8), dtype=np.uint16)
+    a[:, 4:] = 1000  # a dim 16-bit image: half 0, half 1000 of 65535
+    Image.fromarray(a).save(tmp_path / "images" / "g16.png")
+    rgb = np.asarray(data.load_image(str(tmp_path / "images" / "g16.png")))
+    assert rgb.shape == (8, 8, 3) and rgb[0, 0, 0] == 0 and rgb[0, 7, 0] == 255
