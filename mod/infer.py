@@ -210,6 +210,12 @@ def main(argv=None):
     p.add_argument("--heatmap", default="", help="write a per-family router-A heatmap PNG here (needs --adapter)")
     p.add_argument("--out", default="", help="write summaries + per-question results as JSON here")
     args = p.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("base", "single", "multi", "mad", "sc")]
+    if bad:  # before any model loads or runs
+        p.error(f"unknown method(s) {bad}; choose from base, single, multi, mad, sc")
+    if args.rounds < 0:
+        p.error("--rounds must be >= 0")
     from common.backbone import load_backbone
     from mod.model import load_adapters
     try:
@@ -223,7 +229,6 @@ def main(argv=None):
         tuned, _ = load_backbone(args.model, device=args.device)
         load_adapters(tuned, args.adapter)
         tuned.eval()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not tuned and {"single", "multi"} & set(methods):
         raise SystemExit("MoD-Single / MoD-Multi need --adapter (train one with mod.train)")
     run = {"base": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens),
