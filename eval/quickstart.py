@@ -1,6 +1,6 @@
 """Quickstart: the repo's main job, end to end on the embedded tiny defaults.
 
-    python -m eval.quickstart                 # ~4 minutes on 2 idle CPU cores (see README)
+    python -m eval.quickstart                 # 2-4 minutes on 2 CPU cores (see README)
     python -m eval.quickstart --retrain-base  # first re-pretrain both tiny bases (~20 more minutes)
 
 1. generates the shapes data (out/data: train / val / test, images + LLaVA JSON),
