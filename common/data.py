@@ -32,6 +32,7 @@ COLOURS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240), 
 SHAPES = ("circle", "square", "triangle")
 ROWS, COLS = ("top", "middle", "bottom"), ("left", "center", "right")
 CELL_TAGS = [r[0] + c[0] for r in ROWS for c in COLS]  # tl tc tr ml mc mr bl bc br
+OBJECT_NAMES = [f"{c} {s}" for c in COLOURS for s in SHAPES]  # the 12 objects, "red circle", ...
 CELL = 28
 GRID = 3
 IMAGE_SIZE = CELL * GRID
@@ -107,7 +108,7 @@ def make_question(rng, scene, family):
             o = rng.choice(scene)
             cands = [f"{c} {o.shape}" for c in COLOURS] + [f"{o.colour} {s}" for s in SHAPES]
         else:
-            cands = [f"{c} {s}" for c in COLOURS for s in SHAPES]
+            cands = list(OBJECT_NAMES)
         cands = [c for c in cands if c not in names]
         return (f"Is there a {rng.choice(cands)}?", "no") if cands else None
     if family == "count":
@@ -136,7 +137,7 @@ def make_question(rng, scene, family):
         return f"Is the {a.name} above the {b.name}?", "yes" if a.row < b.row else "no"
     if family == "mc":
         o = rng.choice(scene)
-        others = [f"{c} {s}" for c in COLOURS for s in SHAPES if f"{c} {s}" != o.name]
+        others = [n for n in OBJECT_NAMES if n != o.name]
         opts = rng.sample(others, 3) + [o.name]
         rng.shuffle(opts)
         listed = " ".join(f"{L}. {t}" for L, t in zip(LETTERS, opts))
@@ -158,7 +159,6 @@ def marks(scene, question):
     Each mark compares the content just written with one place in the question (a local,
     one-hop step for a 4-layer model), and the answer then reads the marks (see README)."""
     by_cell = {o.cell: o for o in scene}
-    names = [f"{c} {s}" for c in COLOURS for s in SHAPES]
     cells = range(GRID * GRID)
     pm = lambda pred: ["+" if c in by_cell and pred(by_cell[c]) else "-" for c in cells]
     if question.startswith("Is there a "):
@@ -174,7 +174,7 @@ def marks(scene, question):
         return pm(lambda o: o.shape == shape)
     if question.startswith("Is the "):
         found = sorted((question.index(f"the {n} " if f"the {n} " in question else f"the {n}?"), n)
-                       for n in names if f"the {n} " in question or f"the {n}?" in question)
+                       for n in OBJECT_NAMES if f"the {n} " in question or f"the {n}?" in question)
         order = {n: str(k + 1) for k, (_, n) in enumerate(found)}
         return [order[by_cell[c].name] + CELL_TAGS[c] if c in by_cell and by_cell[c].name in order else "-"
                 for c in cells]
@@ -190,8 +190,8 @@ def marks(scene, question):
 
 def mark_tokens():
     """Words the tokenizer keeps whole: object names, option texts and spatial marks."""
-    names = [f"{c} {s}" for c in COLOURS for s in SHAPES]
-    return names + [f"{L}. {n}" for L in LETTERS for n in names] + [f"{k}{t}" for k in "12" for t in CELL_TAGS]
+    return (OBJECT_NAMES + [f"{L}. {n}" for L in LETTERS for n in OBJECT_NAMES]
+            + [f"{k}{t}" for k in "12" for t in CELL_TAGS])
 
 
 def target_text(scene, answer, question=""):

@@ -25,14 +25,19 @@ from common import data
 from common.checkpoint import load_train_state, save_train_state
 
 
+def encode_examples(proc, ex):
+    """(scene, family, question, answer) tuples -> training batch (rendered, patchified, encoded)."""
+    imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
+    return proc.encode(None, [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex],
+                       pixels=bb.patchify(imgs))
+
+
 def make_batch(proc, step, batch_size, seed):
     """Training batch for `step` (deterministic in (seed, step)), plus `answer_mask` [B, L]:
     True at the label positions of the final short answer and <|im_end|> (after "Answer:")."""
     rng = random.Random(seed * 1_000_003 + step)
     ex = [data.sample_example(rng) for _ in range(batch_size)]
-    imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
-    batch = proc.encode(None, [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex],
-                        pixels=bb.patchify(imgs))
+    batch = encode_examples(proc, ex)
     ends = (batch["labels"] != -100).long().cumsum(1).max(1).values  # label tokens per row
     n_ans = torch.tensor([len(proc._tok(" " + a)) + 1 for _, _, _, a in ex])  # " yes" + <|im_end|>
     rank = (batch["labels"] != -100).long().cumsum(1)
@@ -58,9 +63,7 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
     full, ans = {}, {}
     for i in range(0, n, batch_size):
         chunk = ex[i:i + batch_size]
-        imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in chunk]))
-        b = proc.encode(None, [q for _, _, q, _ in chunk], [data.target_text(s, a, q) for s, _, q, a in chunk],
-                        pixels=bb.patchify(imgs))
+        b = encode_examples(proc, chunk)
         logits = model(**{k: v for k, v in b.items() if k != "labels"}).logits
         pred, lab = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
         for j, (s, fam, q, a) in enumerate(chunk):

@@ -66,9 +66,7 @@ def main(argv=None):
     timings, rows, t0 = {}, [], time.time()
 
     # 1. data
-    for split, n in (("train", 2000), ("val", 500), ("test", a.n_test)):
-        if not os.path.exists(os.path.join(a.data, f"{split}.json")):
-            data.generate_split(a.data, split, n)
+    data.ensure_splits(a.data, {"train": 2000, "val": 500, "test": a.n_test})
     timings["data"] = time.time() - t0
     test = data.read_llava_json(os.path.join(a.data, "test.json"))[: a.n_test]
 

@@ -54,9 +54,7 @@ SETTINGS = {True: dict(n_train=120, n_test=80, k=2, steps=80, batch_size=8, max_
 
 
 def ensure_data(data_dir, n_train, n_test):
-    for split, n in (("train", max(n_train, 2000)), ("test", max(n_test, 500))):
-        if not os.path.exists(os.path.join(data_dir, f"{split}.json")):
-            data.generate_split(data_dir, split, n)
+    data.ensure_splits(data_dir, {"train": max(n_train, 2000), "test": max(n_test, 500)})
     train = read_llava_json(os.path.join(data_dir, "train.json"))[:n_train]
     test = read_llava_json(os.path.join(data_dir, "test.json"))[:n_test]
     return train, test

@@ -325,13 +325,10 @@ def routing_context(model):
 
 def save_adapters(model, path):
     """Write path/adapter_config.json + path/adapter_model.safetensors (adapter tensors only)."""
-    from safetensors.torch import save_file
+    from common.checkpoint import atomic_save_file
     os.makedirs(path, exist_ok=True)
     cfg = model._adapter["config"]
-    state = {k: v.contiguous().cpu() for k, v in adapter_state_dict(model).items()}
-    tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
-    save_file(state, tmp)
-    os.replace(tmp, os.path.join(path, WEIGHTS_NAME))
+    atomic_save_file({k: v.cpu() for k, v in adapter_state_dict(model).items()}, os.path.join(path, WEIGHTS_NAME))
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
         json.dump(asdict(cfg), f, indent=2)
 
