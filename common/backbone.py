@@ -19,7 +19,9 @@ import random
 import torch
 
 TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
-TINY = {"tiny-dense": os.path.join(TINY_DIR, "dense"), "tiny-moe": os.path.join(TINY_DIR, "moe")}
+# tiny-chat: tiny-dense continued on the single-JSON and debate prompt formats (mod/README.md)
+TINY = {"tiny-dense": os.path.join(TINY_DIR, "dense"), "tiny-moe": os.path.join(TINY_DIR, "moe"),
+        "tiny-chat": os.path.join(TINY_DIR, "chat")}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (
@@ -218,7 +220,7 @@ def build_tiny(arch="qwen3_vl", seed=0, **kw):
 # ----------------------------------------------------------------------------- loading
 
 def resolve(path):
-    """'tiny-dense' / 'tiny-moe' -> committed directory; anything else unchanged."""
+    """'tiny-dense' / 'tiny-moe' / 'tiny-chat' -> committed directory; anything else unchanged."""
     return TINY.get(path, path)
 
 
@@ -226,7 +228,7 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     """Load a VLM + VLProcessor from a local directory (or hub id, where the hub is reachable).
 
     path: directory holding config.json + *.safetensors + tokenizer + preprocessor config,
-    or "tiny-dense" / "tiny-moe" for the committed defaults.
+    or "tiny-dense" / "tiny-moe" / "tiny-chat" for the committed defaults.
     dtype: torch dtype or None (the checkpoint's own); device: "cpu", "cuda", ...;
     trust_remote_code: off unless the user asks (it executes code shipped with the checkpoint).
     Raises BackboneError for a missing directory, a directory without config.json, or an
@@ -243,7 +245,7 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     elif path.startswith((".", os.sep, "~")) or path.count("/") != 1:
         import difflib
         near = difflib.get_close_matches(path, list(TINY), n=1, cutoff=0.7)
-        hint = f" (did you mean {near[0]}?)" if near else " (a local directory, a hub id org/name, tiny-dense or tiny-moe)"
+        hint = f" (did you mean {near[0]}?)" if near else " (a local directory, a hub id org/name, tiny-dense, tiny-moe or tiny-chat)"
         raise BackboneError(f"{path}: no such checkpoint directory{hint}")
     # else: a hub id "org/name", resolved by transformers (needs network or a local HF cache)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
