@@ -81,6 +81,22 @@ def debate_prompt(question, responses):
     return f"{question}\n{DEBATE_PROMPT}\n{listed}\n{JSON_INSTRUCTION}"
 
 
+def review_prompt(question, previous):
+    """Self-correction round on the base model: the question, its previous answer, a review request."""
+    return (f"{question}\nYour previous answer: {previous}\n"
+            "Review your previous answer, find any mistakes and give your final answer.")
+
+
+def debater_prompt(question, other, own):
+    """Multi-agent debate: a debater reads the other debater's latest response and its own."""
+    return f"{question}\n{DEBATE_PROMPT}\nResponse 1: {other}\nYour previous response: {own}"
+
+
+def judge_prompt(question, first, second):
+    """Multi-agent debate: the judge reads both debaters' final responses."""
+    return f"{question}\nYou are the judge. {DEBATE_PROMPT}\nResponse 1: {first}\nResponse 2: {second}"
+
+
 # ----------------------------------------------------------------------------- sampling
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ import time
 import torch
 
 from common.backbone import generate
-from mod.data import DEBATE_PROMPT, debate_prompt, is_correct, single_prompt
+from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
 from mod.train import Batcher
 
 
@@ -81,8 +81,7 @@ def plain(model, proc, records, batch_size=64, max_new_tokens=96, json_prompt=Fa
 def self_correction(model, proc, records, batch_size=64, max_new_tokens=96):
     """Answer, then "review your previous answer" (one correction round). Returns (results, wall_s)."""
     t0 = time.time()
-    review = (lambda r, h: f"{r['question']}\nYour previous answer: {h[0]}\n"
-              "Review your previous answer, find any mistakes and give your final answer.")
+    review = lambda r, h: review_prompt(r["question"], h[0])
     hist, toks = run_rounds(model, proc, records, [lambda r, h: r["question"], review], batch_size, max_new_tokens)
     return _results(records, [h[-1] for h in hist], toks), time.time() - t0
 
@@ -97,10 +96,8 @@ def multi_agent_debate(model, proc, records, rounds=1, temperature=0.7, batch_si
     fns = [lambda r, h: r["question"]] * 2
     for k in range(rounds):
         for me in (0, 1):  # debater `me` reads the other's response of the previous round
-            fns.append(lambda r, h, k=k, me=me: f"{r['question']}\n{DEBATE_PROMPT}\n"
-                       f"Response 1: {h[2 * k + 1 - me]}\nYour previous response: {h[2 * k + me]}")
-    fns.append(lambda r, h: f"{r['question']}\nYou are the judge. {DEBATE_PROMPT}\n"
-               f"Response 1: {h[-2]}\nResponse 2: {h[-1]}")
+            fns.append(lambda r, h, k=k, me=me: debater_prompt(r["question"], h[2 * k + 1 - me], h[2 * k + me]))
+    fns.append(lambda r, h: judge_prompt(r["question"], h[-2], h[-1]))
     sample = {"do_sample": True, "temperature": temperature}
     kw = [sample] * (len(fns) - 1) + [{}]
     hist, toks = run_rounds(model, proc, records, fns, batch_size, max_new_tokens, kw)
