@@ -2,12 +2,21 @@
 
     python -m common.pretrain --arch qwen3_vl     --out common/tiny/dense   # dense base
     python -m common.pretrain --arch qwen3_vl_moe --out common/tiny/moe     # MoE base
+    python -m common.pretrain --init common/tiny/dense --chat-mix 1,1,2,1,1 \
+        --steps 800 --batch-size 16 --lr 1e-3 --out common/tiny/chat        # chat base (MoD toy)
 
 Fresh examples every step (seeded by step, so a resumed run sees the same data), AdamW with
 warmup + cosine, a progress bar, an atomic checkpoint every --ckpt-every steps in
 `{out}.ckpt/` and automatic resume from it. The result is `save_pretrained` into --out and
 loads through `common.backbone.load_backbone` exactly like a real checkpoint.
 The recipe and its measured time are in the README ("How the tiny base models learn").
+
+`--init DIR --chat-mix w1,..,w5` continues a saved base on the prompt shapes the MoD toy
+needs (`chat_example`): the plain question, the JSON instruction, the debate prompt with
+prior responses, the self-correction review and the multi-agent-debate turns. Prior responses
+are the gold one or a wrong one (another scene's marks, a wrong answer); the target is always
+the correct response, so the chat base answers from the image whatever the priors say. It
+stands in for the instruction following a real 3B VLM brings to the paper's experiments.
 """
 import argparse
 import json
@@ -32,14 +41,63 @@ def encode_examples(proc, ex):
                        pixels=bb.patchify(imgs))
 
 
-def make_batch(proc, step, batch_size, seed):
+WRONG = {"existence": ["yes", "no"], "spatial": ["yes", "no"], "count": ["0", "1", "2", "3", "4"],
+         "colour": list(data.COLOURS), "mc": list(data.LETTERS)}
+CHAT_FORMATS = ("plain", "json", "debate", "review", "mad")
+
+
+def chat_example(rng, ex, fmt):
+    """(prompt, target, answer tail) of one shapes example `ex` = (scene, family, q, a) in the
+    prompt shape `fmt` (one of CHAT_FORMATS; the shapes `mod.infer` uses):
+      plain   the question                                   -> "marks. Answer: a"
+      json    the question + JSON instruction                -> {"Reasoning": marks, "Answer": a}
+      debate  question + debate prompt + 1-2 JSON priors     -> JSON
+      review  question + a previous answer + review request  -> "marks. Answer: a"
+      mad     a debater's turn or the judge's, 1-2 priors    -> "marks. Answer: a"
+    A prior is the gold response or, with probability 1/2, a wrong one: the marks of another
+    random scene for the same question and a wrong answer. The answer tail is the target's
+    last characters that hold the short answer (weighted by --answer-weight)."""
+    from mod import data as vs
+    scene, family, q, a = ex
+
+    def response(as_json):
+        if rng.random() < 0.5:
+            s, ans = scene, a
+        else:
+            s, ans = data.sample_scene(rng), rng.choice([w for w in WRONG[family] if w != a])
+        text = data.target_text(s, ans, q)
+        return vs.to_json_response(text) if as_json else text
+
+    gold = data.target_text(scene, a, q)
+    if fmt == "plain":
+        return q, gold, " " + a
+    if fmt == "json":
+        return vs.single_prompt(q), vs.to_json_response(gold), a + '"}'
+    if fmt == "debate":
+        return vs.debate_prompt(q, [response(True) for _ in range(rng.randint(1, 2))]), vs.to_json_response(gold), a + '"}'
+    if fmt == "review":
+        return vs.review_prompt(q, response(False)), gold, " " + a
+    if rng.random() < 0.5:
+        return vs.debater_prompt(q, response(False), response(False)), gold, " " + a
+    return vs.judge_prompt(q, response(False), response(False)), gold, " " + a
+
+
+def make_batch(proc, step, batch_size, seed, chat_mix=None):
     """Training batch for `step` (deterministic in (seed, step)), plus `answer_mask` [B, L]:
-    True at the label positions of the final short answer and <|im_end|> (after "Answer:")."""
+    True at the label positions of the final short answer and <|im_end|> (after "Answer:").
+    chat_mix: None (the plain format only) or weights over CHAT_FORMATS (`chat_example`)."""
     rng = random.Random(seed * 1_000_003 + step)
     ex = [data.sample_example(rng) for _ in range(batch_size)]
-    batch = encode_examples(proc, ex)
+    if chat_mix is None:
+        batch = encode_examples(proc, ex)
+        tails = [" " + a for _, _, _, a in ex]
+    else:
+        rows = [chat_example(rng, e, rng.choices(CHAT_FORMATS, weights=chat_mix)[0]) for e in ex]
+        imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
+        batch = proc.encode(None, [r[0] for r in rows], [r[1] for r in rows], pixels=bb.patchify(imgs))
+        tails = [r[2] for r in rows]
     ends = (batch["labels"] != -100).long().cumsum(1).max(1).values  # label tokens per row
-    n_ans = torch.tensor([len(proc._tok(" " + a)) + 1 for _, _, _, a in ex])  # " yes" + <|im_end|>
+    n_ans = torch.tensor([len(proc._tok(t)) + 1 for t in tails])  # " yes" + <|im_end|>
     rank = (batch["labels"] != -100).long().cumsum(1)
     answer_mask = (batch["labels"] != -100) & (rank > (ends - n_ans)[:, None])
     return batch, answer_mask
@@ -78,7 +136,7 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --stop-at, may change).
 RECIPE_KEYS = ("arch", "steps", "batch_size", "lr", "warmup", "hidden", "layers", "experts", "top_k", "seed",
-               "answer_weight")
+               "answer_weight", "init", "chat_mix")
 
 
 def lr_at(step, steps, lr, warmup):
@@ -105,6 +163,10 @@ def main():
     p.add_argument("--stop-at", type=int, default=0,
                    help="stop after this step and save (the lr schedule still spans --steps; 0 = run all)")
     p.add_argument("--seed", type=int, default=0, help="init + data seed")
+    p.add_argument("--init", default="", help="continue from this saved base (checkpoint dir or tiny-dense) "
+                   "instead of a fresh --arch model; its architecture and tokenizer are kept")
+    p.add_argument("--chat-mix", default="", help="weights of the prompt shapes plain,json,debate,review,mad "
+                   "(e.g. 1,1,2,1,1; empty = the plain shape only; see chat_example)")
     p.add_argument("--fresh", action="store_true", help="discard an existing {out}.ckpt instead of resuming it")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
@@ -112,8 +174,22 @@ def main():
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, proc = bb.build_tiny(a.arch, seed=a.seed, hidden=a.hidden, layers=a.layers,
-                                experts=a.experts, top_k=a.top_k)
+    chat_mix = None
+    if a.chat_mix:
+        try:
+            chat_mix = [float(w) for w in a.chat_mix.split(",")]
+        except ValueError:
+            chat_mix = []
+        if len(chat_mix) != len(CHAT_FORMATS) or min(chat_mix) < 0 or sum(chat_mix) <= 0:
+            p.error(f"--chat-mix needs {len(CHAT_FORMATS)} non-negative weights for {','.join(CHAT_FORMATS)}, "
+                    f"not all zero (got {a.chat_mix!r})")
+    if a.init:
+        torch.manual_seed(a.seed)
+        model, proc = bb.load_backbone(a.init)
+        a.arch = model.config.model_type
+    else:
+        model, proc = bb.build_tiny(a.arch, seed=a.seed, hidden=a.hidden, layers=a.layers,
+                                    experts=a.experts, top_k=a.top_k)
     is_moe = a.arch.endswith("moe")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.98), weight_decay=0.01)
     ckpt, step, log = a.out.rstrip("/") + ".ckpt", 0, []
@@ -140,7 +216,7 @@ def main():
     while step < last:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a.steps, a.lr, warmup)
-        batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed)
+        batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed, chat_mix)
         out = model(**batch, output_router_logits=is_moe)
         # out.loss: mean CE over all answer-turn tokens (+ router_aux_loss_coef * aux for the MoE).
         # The scene is ~32 of ~36 target tokens, so the short answer gets its own weighted term.

@@ -28,3 +28,53 @@ def test_resume_with_other_settings_is_refused(tmp_path, monkeypatch):
     _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "1")
     with pytest.raises(SystemExit, match="other settings.*--fresh"):
         _run(monkeypatch, "--out", str(tmp_path / "a"), "--lr", "1e-3")
+
+
+def test_chat_examples_have_the_inference_prompt_shapes():
+    import json
+    import random
+
+    from common import data
+    from mod import data as vs
+    rng = random.Random(0)
+    ex = data.sample_example(rng)
+    scene, family, q, a = ex
+    gold = data.target_text(scene, a, q)
+    prompt, target, tail = pretrain.chat_example(rng, ex, "plain")
+    assert (prompt, target, tail) == (q, gold, " " + a)
+    prompt, target, tail = pretrain.chat_example(rng, ex, "json")
+    assert prompt == vs.single_prompt(q) and json.loads(target)["Answer"] == a and target.endswith(tail)
+    prompt, target, _ = pretrain.chat_example(rng, ex, "debate")
+    assert prompt.startswith(q + "\n" + vs.DEBATE_PROMPT) and "Response 1: {" in prompt
+    assert json.loads(target) == json.loads(vs.to_json_response(gold))
+    prompt, target, _ = pretrain.chat_example(rng, ex, "review")
+    assert prompt.startswith(q + "\nYour previous answer: ") and target == gold
+
+
+def test_wrong_priors_have_wrong_answers():
+    import random
+
+    from common import data
+    rng = random.Random(1)
+    for _ in range(50):
+        ex = data.sample_example(rng)
+        prompt, _, _ = pretrain.chat_example(rng, ex, "review")
+        prior = prompt.split("Your previous answer: ")[1].split("\n")[0]
+        if data.final_answer(prior) != ex[3]:  # a wrong prior: its scene marks are another scene's
+            assert data.final_answer(prior) in pretrain.WRONG[ex[1]]
+
+
+def test_chat_continuation_from_a_saved_base(tmp_path, monkeypatch):
+    _run(monkeypatch, "--out", str(tmp_path / "a"))
+    _run(monkeypatch, "--init", str(tmp_path / "a"), "--chat-mix", "0,1,1,1,1", "--out", str(tmp_path / "c"))
+    wa = load_file(str(tmp_path / "a" / "model.safetensors"))
+    wc = load_file(str(tmp_path / "c" / "model.safetensors"))
+    assert wa.keys() == wc.keys() and any((wa[k] != wc[k]).any() for k in wa)  # same model, trained further
+
+
+@pytest.mark.parametrize("mix", ["1,1", "0,0,0,0,0", "1,1,-1,1,1", "a,b,c,d,e"])
+def test_bad_chat_mix_is_refused(tmp_path, monkeypatch, capsys, mix):
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, "--out", str(tmp_path / "a"), "--chat-mix", mix)
+    assert "--chat-mix needs 5 non-negative weights" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
