@@ -231,9 +231,12 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     or "tiny-dense" / "tiny-moe" / "tiny-chat" for the committed defaults.
     dtype: torch dtype or None (the checkpoint's own); device: "cpu", "cuda", ...;
     trust_remote_code: off unless the user asks (it executes code shipped with the checkpoint).
-    Raises BackboneError for a missing directory, a directory without config.json, or an
-    architecture outside SUPPORTED_VLMS."""
+    Raises BackboneError for a missing directory, a directory without config.json or with an
+    unreadable one, an architecture outside SUPPORTED_VLMS (or one that needs
+    trust_remote_code), weights only in pickle files (pytorch_model.bin: pickles can run code,
+    so they are never loaded), and a truncated / corrupt safetensors file (named)."""
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    from common.checkpoint import CheckpointError, check_safetensors, safetensors_files
     path = resolve(path)
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
@@ -248,10 +251,30 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
         hint = f" (did you mean {near[0]}?)" if near else " (a local directory, a hub id org/name, tiny-dense, tiny-moe or tiny-chat)"
         raise BackboneError(f"{path}: no such checkpoint directory{hint}")
     # else: a hub id "org/name", resolved by transformers (needs network or a local HF cache)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # bad JSON, no/unknown model_type, custom code without the flag
+        why = str(e).splitlines()[0].rstrip(". ")
+        raise BackboneError(f"{path}: cannot read its config.json ({why}). Supported VLMs: "
+                            f"{', '.join(SUPPORTED_VLMS)}; checkpoints with their own code need "
+                            f"--trust-remote-code (it runs that code)") from None
     if config.model_type not in SUPPORTED_VLMS and not trust_remote_code:
         raise BackboneError(f"{path}: architecture {config.model_type!r} is not supported; supported VLMs: "
                             f"{', '.join(SUPPORTED_VLMS)}")
+    if os.path.isdir(path):
+        try:  # headers only: a truncated shard is named here, not by a raw safetensors error mid-load
+            shards = safetensors_files(path)
+            for f in shards:
+                check_safetensors(f)
+        except CheckpointError as e:
+            raise BackboneError(str(e)) from None
+        if not shards:
+            pickles = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+            raise BackboneError(
+                f"{path} has no *.safetensors weights" + (f", only {', '.join(pickles)}" if pickles else "")
+                + ". Weights load from safetensors only (a pickled .bin can execute code when loaded). If you "
+                "trust the file, convert it once: load the model with transformers and call "
+                "model.save_pretrained(new_dir), which writes safetensors")
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, use_safetensors=True)
     if device_map is None:

@@ -6,6 +6,11 @@ A training checkpoint is a directory
     state.json          step, log and anything JSON the script wants back on resume
 written to `{dir}.tmp` and renamed into place, so a run killed mid-write leaves the previous
 complete checkpoint (a leftover `.tmp` is never read).
+
+Reading is the other half of the contract: weights come from safetensors only (a pickle can
+run code), `check_safetensors` turns a truncated or corrupt file into a `CheckpointError`
+naming it, and optim.pt goes through `torch.load(weights_only=True)`, which refuses pickled
+code (the error says so instead of a raw `UnpicklingError`).
 """
 import json
 import os
@@ -13,6 +18,58 @@ import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
+
+MAX_HEADER = 100 << 20   # safetensors' own cap on the JSON header (100 MB)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, corrupt or unsafe; the message names the file."""
+
+
+def check_safetensors(path):
+    """Validate a .safetensors file from its header alone (no tensor data is read).
+
+    Returns (entries {name: {dtype, shape, data_offsets}}, data_start, metadata). Raises
+    CheckpointError naming `path` when the file is missing, shorter than its header says
+    (a truncated download or copy, a job killed mid-write) or has an unreadable header."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: file not found")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{path}: not a complete safetensors file ({size} bytes, header length "
+                                  f"{n}); it is truncated or corrupt: re-download or re-save it")
+        try:
+            h = json.loads(f.read(n))
+            meta = h.pop("__metadata__", None) or {}
+            end = max([e["data_offsets"][1] for e in h.values()], default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e}); re-download or re-save it") from None
+    if 8 + n + end != size:
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file: {size} bytes on disk, its header "
+                              f"describes {8 + n + end}; re-download or re-save it")
+    return h, 8 + n, meta
+
+
+def safetensors_files(path):
+    """The weight files of a save_pretrained directory, as transformers picks them: those
+    listed in model.safetensors.index.json, else model.safetensors ([] if neither exists).
+    Raises CheckpointError when the index is unreadable or lists a file that is not there."""
+    idx = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        try:
+            with open(idx) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{idx}: unreadable index ({e.__class__.__name__}: {e}); re-download it") from None
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise CheckpointError(f"{idx} lists {missing} but they are not in {path}: an incomplete download or copy")
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, "model.safetensors")
+    return [single] if os.path.exists(single) else []
 
 
 def atomic_save_file(tensors, path, metadata=None):
@@ -45,12 +102,28 @@ def save_train_state(path, tensors, optimizer, state):
 def load_train_state(path, optimizer=None):
     """-> (tensors, state) from a `save_train_state` directory, or (None, None) if there is none.
     Falls back to `{path}.old` when a crash hit between the two renames.
-    The optimizer (if given) is restored in place; `torch.load(weights_only=True)` refuses pickled code."""
+    The optimizer (if given) is restored in place; `torch.load(weights_only=True)` refuses pickled code.
+    Raises CheckpointError naming the file for a truncated / corrupt model.safetensors or
+    state.json, and for an optim.pt that holds anything but tensors and plain containers."""
     for p in (path, path.rstrip("/") + ".old"):
         if os.path.exists(os.path.join(p, "state.json")):
-            tensors = load_file(os.path.join(p, "model.safetensors"))
-            if optimizer is not None and os.path.exists(os.path.join(p, "optim.pt")):
-                optimizer.load_state_dict(torch.load(os.path.join(p, "optim.pt"), weights_only=True))
-            with open(os.path.join(p, "state.json")) as f:
-                return tensors, json.load(f)
+            weights, optim, st = (os.path.join(p, n) for n in ("model.safetensors", "optim.pt", "state.json"))
+            check_safetensors(weights)
+            tensors = load_file(weights)
+            try:
+                with open(st) as f:
+                    state = json.load(f)
+            except ValueError as e:
+                raise CheckpointError(f"{st}: not valid JSON ({e}); the checkpoint is corrupt") from None
+            if optimizer is not None and os.path.exists(optim):
+                try:
+                    sd = torch.load(optim, weights_only=True)
+                except Exception as e:  # UnpicklingError for code, RuntimeError / EOFError for truncation
+                    raise CheckpointError(
+                        f"{optim}: refused or unreadable ({e.__class__.__name__}); it is loaded with "
+                        f"torch.load(weights_only=True), which rejects pickled code and non-tensor objects. "
+                        f"If this file is not one this code wrote, delete it (the optimizer then starts fresh; "
+                        f"model.safetensors and state.json are kept)") from None
+                optimizer.load_state_dict(sd)
+            return tensors, state
     return None, None

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
@@ -280,21 +281,41 @@ class DataError(ValueError):
     """A record or image in a dataset file is unusable; the message names the record."""
 
 
+def load_records(path):
+    """A data file's records: a JSON list (text starting with "[") or JSONL (one JSON value
+    per non-empty line). Raises DataError for a missing file, a file that is not UTF-8 text,
+    and invalid JSON, naming the line (JSONL: the file's line number)."""
+    if not os.path.exists(path):
+        raise DataError(f"{path}: file not found; generate data with `python -m common.data --out DIR`")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not a UTF-8 text file; expected a JSON list or JSONL of records") from None
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+                            f"expected a list of records") from None
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {i} is not valid JSON ({e.msg}, column {e.colno}); a JSONL file "
+                                f"holds one record per line, a JSON file a list [{{...}}, ...]") from None
+    return out
+
+
 def read_llava_json(path, image_root=None, check_images=True):
     """Read LLaVA-style conversation JSON (a list) or JSONL into a list of dicts
     {id, image (absolute path), question, answer, family, conversations}.
 
     Raises DataError naming the file/record for malformed records, missing answer turns,
     and missing image files."""
-    if not os.path.exists(path):
-        raise DataError(f"{path}: file not found; generate data with `python -m common.data --out DIR`")
-    with open(path) as f:
-        text = f.read()
-    try:
-        records = json.loads(text) if text.lstrip().startswith("[") else [
-            json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON/JSONL ({e}); expected a list of LLaVA records") from None
+    records = load_records(path)
     root = image_root or os.path.dirname(os.path.abspath(path))
     out = []
     for i, r in enumerate(records):
@@ -320,30 +341,79 @@ def read_llava_json(path, image_root=None, check_images=True):
     return out
 
 
+# Pixel bound of every image read: PIL's decompression-bomb threshold (~89 Mpx, e.g. 9459 x
+# 9459). A small PNG can declare 10000 x 10000 pixels; decoding it costs 300 MB of RGB and
+# more inside the processor, so larger images are refused before decoding.
+MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+MAX_ASPECT = 200  # Qwen-VL image processors refuse width / height ratios above 200
+
+
+def _too_large(path, rid, detail):
+    return DataError(f"record {rid}: image {path} is too large ({detail}), above the {MAX_PIXELS / 1e6:.0f} Mpx "
+                     f"limit (a possible decompression bomb); downscale it first, the model's processor resizes "
+                     f"to far fewer pixels anyway")
+
+
+def _open_image(path, rid):
+    """Image.open with our size limits applied to the header (before any pixel is decoded).
+    PIL warns above MAX_PIXELS and raises its own DecompressionBombError above twice that;
+    both become one DataError."""
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(path)
+    except Image.DecompressionBombError as e:
+        px = re.search(r"\((\d+) pixels\)", str(e))
+        raise _too_large(path, rid, f"{int(px.group(1)) / 1e6:.0f} Mpx" if px else "PIL refuses it") from None
+    w, h = im.size
+    if w * h > MAX_PIXELS:
+        im.close()
+        raise _too_large(path, rid, f"{w} x {h} = {w * h / 1e6:.0f} Mpx")
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        im.close()
+        raise DataError(f"record {rid}: image {path} is {w} x {h}, aspect ratio above {MAX_ASPECT}:1, which the "
+                        f"Qwen-VL image processors refuse; crop or pad it")
+    return im
+
+
 def check_image(path, rid="?"):
-    """Cheap validity check (file header): raises DataError for empty or non-image files."""
+    """Cheap validity check (file header only): raises DataError for empty or non-image
+    files, images above MAX_PIXELS and aspect ratios above MAX_ASPECT."""
     if os.path.getsize(path) == 0:
         raise DataError(f"record {rid}: image {path} is an empty (0-byte) file; re-export or drop the record")
     try:
-        with Image.open(path) as im:
-            im.size
+        _open_image(path, rid).close()
+    except DataError:
+        raise
     except (OSError, ValueError) as e:
         raise DataError(f"record {rid}: cannot read image {path} ({e.__class__.__name__}: {e})") from None
 
 
 def load_image(path, rid="?"):
-    """Open an image as 8-bit RGB; raises DataError naming the record when unreadable.
+    """Open an image as 8-bit RGB; raises DataError naming the record when unreadable, too
+    large or too elongated (`check_image`).
     16-bit and float greyscale (modes I;16, I, F) are rescaled to 0-255 first: Pillow's own
-    convert("RGB") would clip them to black and white."""
+    convert("RGB") would clip them to black and white. Transparency (RGBA, LA, PA, palette or
+    greyscale with a transparent colour) is composited over white, as transformers'
+    `convert_to_rgb` does: a plain convert("RGB") would show whatever colour the invisible
+    pixels happen to store."""
+    if not os.path.exists(path):
+        raise DataError(f"record {rid}: image {path} not found")
     try:
-        with Image.open(path) as im:
+        with _open_image(path, rid) as im:
             if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
                 import numpy as np
                 a = np.asarray(im, dtype=np.float64)
                 lo, hi = float(a.min()), float(a.max())
                 a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)
                 return Image.fromarray(a.astype(np.uint8)).convert("RGB")
+            if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+                rgba = im.convert("RGBA")
+                return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
             return im.convert("RGB")
+    except DataError:
+        raise
     except (OSError, ValueError) as e:
         raise DataError(f"record {rid}: cannot read image {path} ({e.__class__.__name__}: {e})") from None
 

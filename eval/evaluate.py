@@ -22,6 +22,7 @@ start of the assistant turn, as for an instruct model that replies with just the
 Single-letter continuations make length normalisation (acc_norm) moot.
 """
 import argparse
+import difflib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from common.backbone import BackboneError, generate, load_backbone
-from common.data import DataError, atomic_write_text, load_image
+from common.data import ANSWER_TYPE, DataError, atomic_write_text, load_image
 from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table,
                           is_correct, pope_prf, short_answer)
 from eval.readers import parse_options, read_any
@@ -226,9 +227,24 @@ def main(argv=None):
                    help="allow checkpoint-shipped code (off by default: it executes code from the checkpoint)")
     p.add_argument("--out", default=None, help="output JSON (default out/eval/<model>_<data>.json)")
     a = p.parse_args(argv)
+    for flag in ("limit", "batch_size", "max_new_tokens"):  # -1 would silently drop the last record
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(a, flag)}")
+    out = a.out or os.path.join("out", "eval", f"{os.path.basename(os.path.normpath(a.model))}_"
+                                              f"{os.path.splitext(os.path.basename(a.data))[0]}.json")
+    if os.path.realpath(out) == os.path.realpath(a.data):
+        p.error(f"--out {out} is the data file; results would overwrite it")
 
     t0 = time.time()
     records = read_any(a.data, image_root=a.image_root)[:a.limit]
+    for r in records:  # before loading the model, which may take minutes
+        if not r.get("image"):
+            raise DataError(f"{a.data}: record {r['id']}: no image; the evaluators expect one image per record")
+    unknown = sorted({r["family"] for r in records} - set(ANSWER_TYPE) - {"all"})
+    for fam in unknown:  # a typo ("Count", "colours") silently switches scoring to exact text match
+        near = difflib.get_close_matches(fam.lower(), list(ANSWER_TYPE), n=1, cutoff=0.6)
+        print(f"note: family {fam!r} is not one of {', '.join(ANSWER_TYPE)}: its answers are scored as free "
+              f"text (normalised exact match)" + (f"; did you mean {near[0]!r}?" if near else ""))
     name = os.path.basename(os.path.normpath(a.model))
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
@@ -254,7 +270,6 @@ def main(argv=None):
               f"yes-ratio {m['yes_ratio']:.3f}")
     for fam, v in soft.items():
         print(f"ANLS {fam}: {v:.3f}")
-    out = a.out or os.path.join("out", "eval", f"{name}_{os.path.splitext(os.path.basename(a.data))[0]}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     atomic_write_text(out, json.dumps({"model": a.model, "data": a.data, "rows": rows, "pope": pope, "anls": soft,
                                        "wall_s": wall, "results": results, "loglik": loglik}, indent=1))

@@ -17,11 +17,10 @@ already list them, " A. cat B. dog ... Answer with the letter." is appended (the
 world's format, which the tiny models know). A gold answer given as an option's text is
 turned into its letter.
 """
-import json
 import os
 import re
 
-from common.data import DataError, read_llava_json
+from common.data import DataError, check_image, load_records, read_llava_json
 
 REQUIRED = ("id", "image", "question", "answer")
 _LISTED = re.compile(r"(?:^|\s)([A-Z])\. (.+?)(?=\s+[A-Z]\. |\s+Answer with|$)")
@@ -38,37 +37,17 @@ def parse_options(question):
     return [(L, t.strip()) for L, t in found]
 
 
-def _load(path):
-    """File text -> list of dicts (a JSON list, or JSONL). Raises DataError naming the line."""
-    if not os.path.exists(path):
-        raise DataError(f"{path}: file not found")
-    with open(path) as f:
-        text = f.read()
-    if text.lstrip().startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON ({e})") from None
-    out = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {i} is not valid JSON ({e})") from None
-    return out
-
-
 def read_jsonl(path, image_root=None, check_images=True):
     """Read a canonical benchmark JSONL (module docstring) -> list of record dicts.
 
     image paths are relative to image_root (default: the file's folder) unless absolute.
     Raises DataError naming the record for a non-object line, missing/empty required
     fields (id, image, question, answer), duplicate ids, fewer than 2 options, an answer
-    that is neither a letter nor an option's text, and (check_images) missing image files."""
+    that is neither a letter nor an option's text, and (check_images) missing, empty, unreadable
+    or oversized image files (`common.data.check_image`)."""
     root = image_root or os.path.dirname(os.path.abspath(path))
     out, seen = [], set()
-    for i, r in enumerate(_load(path)):
+    for i, r in enumerate(load_records(path)):
         if not isinstance(r, dict):
             raise DataError(f"{path}: record #{i} is not a JSON object")
         rid = r.get("id", f"#{i}")
@@ -81,8 +60,10 @@ def read_jsonl(path, image_root=None, check_images=True):
             raise DataError(f"{path}: record {rid}: duplicate id")
         seen.add(rid)
         image = r["image"] if os.path.isabs(r["image"]) else os.path.join(root, r["image"])
-        if check_images and not os.path.exists(image):
-            raise DataError(f"{path}: record {rid}: image {image} not found (set image_root / --image-root)")
+        if check_images:
+            if not os.path.exists(image):
+                raise DataError(f"{path}: record {rid}: image {image} not found (set image_root / --image-root)")
+            check_image(image, rid)  # header only: an empty / non-image / oversized file fails here
         q, a = str(r["question"]).strip(), str(r["answer"]).strip()
         rec = {"id": rid, "image": image, "question": q, "target": a, "answer": a,
                "family": r.get("family") or "all"}
@@ -111,7 +92,7 @@ def read_any(path, image_root=None, check_images=True):
     """Read a benchmark file of either format, decided by content: records with
     "conversations" -> `read_llava_json`, records with "question" -> `read_jsonl`.
     Raises DataError for an empty file or records of neither kind."""
-    records = _load(path)
+    records = load_records(path)
     if not records:
         raise DataError(f"{path}: no records")
     first = records[0]
