@@ -22,6 +22,7 @@ answer) so the target stays correct; how often that happened is printed and stor
 """
 import argparse
 import json
+import math
 import os
 import random
 from collections import Counter
@@ -172,34 +173,64 @@ def synthesize(records, pools, n_per_question=2, ratios=(1.0, 1.0, 1.0), min_pri
     return out, counts
 
 
+def ratios_arg(text):
+    """argparse type of --ratios: three finite weights >= 0 (pos,rev,rob), not all 0."""
+    try:
+        r = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three comma-separated numbers pos,rev,rob, got {text!r}")
+    if len(r) != 3 or not all(math.isfinite(x) and x >= 0 for x in r) or sum(r) == 0:
+        raise argparse.ArgumentTypeError(f"needs three weights >= 0 (pos,rev,rob), not all 0, got {text!r}")
+    return r
+
+
 def main(argv=None):
+    from mod.train import fail, number
     p = argparse.ArgumentParser(description="MoD viewpoint-shift data synthesis (§3.2).")
     p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
-    p.add_argument("--data", required=True, help="training questions (LLaVA JSON/JSONL with answer + family)")
+    p.add_argument("--data", required=True,
+                   help="training questions (LLaVA JSON/JSONL with answer + family, or canonical JSONL)")
     p.add_argument("--out", required=True, help="output LLaVA JSON (image paths stay absolute)")
-    p.add_argument("--k", type=int, default=4, help="samples per question from the base model (K)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--ratios", default="1,1,1", help="relative weights of T_pos,T_rev,T_rob")
-    p.add_argument("--min-priors", type=int, default=0, help="fewest prior responses R in a prompt")
-    p.add_argument("--max-priors", type=int, default=2, help="most prior responses R in a prompt")
-    p.add_argument("--n-per-question", type=int, default=2, help="training samples built per question")
-    p.add_argument("--limit", type=int, default=0, help="use only the first N questions (0 = all)")
-    p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="length cap of each sampled response")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--k", type=number(min=1), default=4, help="samples per question from the base model (K)")
+    p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="sampling temperature")
+    p.add_argument("--ratios", type=ratios_arg, default=(1.0, 1.0, 1.0), help="relative weights of T_pos,T_rev,T_rob")
+    p.add_argument("--min-priors", type=number(min=0), default=0, help="fewest prior responses R in a prompt")
+    p.add_argument("--max-priors", type=number(min=0), default=2, help="most prior responses R in a prompt")
+    p.add_argument("--n-per-question", type=number(min=1), default=2, help="training samples built per question")
+    p.add_argument("--limit", type=number(min=0), default=0, help="use only the first N questions (0 = all)")
+    p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=number(min=1), default=64, help="length cap of each sampled response")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling and mixing")
     args = p.parse_args(argv)
+    if args.min_priors > args.max_priors:
+        p.error(f"--min-priors {args.min_priors} exceeds --max-priors {args.max_priors}")
+    if os.path.abspath(args.out) == os.path.abspath(args.data):
+        p.error("--out is the --data file: it would replace the questions; choose another path")
+    if os.path.exists(args.out) and not args.overwrite:
+        p.error(f"--out {args.out} exists; pass --overwrite to replace it")
+    try:
+        run(args)
+    except (ValueError, OSError) as e:  # DataError, BackboneError, files
+        fail(e)
+
+
+def run(args):
+    """The body of `main` for parsed flags (writes args.out atomically)."""
     from common.backbone import load_backbone
-    from common.data import read_llava_json
-    records = read_llava_json(args.data)[:args.limit or None]
+    from common.data import DataError
+    from mod.train import load_records
+    records = load_records(args.data)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # fail before the sampling
     model, proc = load_backbone(args.model)
     samples = sample_responses(model, proc, records, args.k, args.temperature, args.batch_size,
                                args.max_new_tokens, args.seed)
     pools, n_gold = build_pools(records, samples)
-    ratios = tuple(float(x) for x in args.ratios.split(","))
-    if len(ratios) != 3:
-        raise SystemExit("--ratios needs three comma-separated weights (pos,rev,rob)")
-    out, counts = synthesize(records, pools, args.n_per_question, ratios, args.min_priors, args.max_priors, args.seed)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    out, counts = synthesize(records, pools, args.n_per_question, args.ratios, args.min_priors, args.max_priors,
+                             args.seed)
+    if not out:
+        raise DataError(f"no sample could be formed with --ratios {args.ratios} (categories with weight > 0 need "
+                        f"incorrect responses or more --max-priors); nothing written")
     atomic_write_text(args.out, json.dumps(out, indent=1))
     print(f"wrote {len(out)} samples to {args.out}: " + ", ".join(f"T_{c} {counts[c]}" for c in CATEGORIES)
           + f"; questions with no correct base sample (gold target used): {n_gold}/{len(records)}")

@@ -17,13 +17,14 @@ the text after the last "Answer" when the JSON is malformed.
 """
 import argparse
 import json
+import os
 import time
 
 import torch
 
 from common.backbone import generate
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
-from mod.train import Batcher
+from mod.train import Batcher, fail, number
 
 
 def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
@@ -182,7 +183,9 @@ def heatmap_png(by_family, path, cell=28):
             x, y = left + e * cell, top + i * cell
             d.rectangle([x, y, x + cell - 1, y + cell - 1], fill=(g, g, 255))
             d.text((x + 3, y + 8), f"{100 * v:.0f}", fill="black" if g > 120 else "white")
-    img.save(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    img.save(tmp, format="PNG")
+    os.replace(tmp, path)  # never a half-written PNG under the asked name
     return path
 
 
@@ -192,6 +195,9 @@ def summarize(name, results, wall_s):
     return {"method": name, "accuracy": acc, "tokens_per_q": toks, "wall_s": wall_s, "n": len(results)}
 
 
+METHODS = ("base", "single", "multi", "mad", "sc")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
     p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
@@ -199,36 +205,48 @@ def main(argv=None):
     p.add_argument("--data", required=True, help="questions (LLaVA JSON/JSONL or canonical JSONL)")
     p.add_argument("--methods", default="single,multi,mad,sc",
                    help="comma list of: base, single, multi (need --adapter), mad, sc (base model)")
-    p.add_argument("--rounds", type=int, default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
-    p.add_argument("--limit", type=int, default=0, help="first N questions only (0 = all)")
-    p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="cap per generated response")
+    p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
+    p.add_argument("--limit", type=number(min=0), default=0, help="first N questions only (0 = all)")
+    p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=number(min=1), default=96, help="cap per generated response")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
     p.add_argument("--heatmap", default="", help="write a per-family router-A heatmap PNG here (needs --adapter)")
     p.add_argument("--out", default="", help="write summaries + per-question results as JSON here")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ("base", "single", "multi", "mad", "sc")]
-    if bad:  # before any model loads or runs
-        p.error(f"unknown method(s) {bad}; choose from base, single, multi, mad, sc")
-    if args.rounds < 0:
-        p.error("--rounds must be >= 0")
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:  # before any model loads or runs
+        p.error(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    if not args.adapter and ({"single", "multi"} & set(methods) or args.heatmap):
+        p.error("MoD-Single / MoD-Multi and --heatmap need --adapter (train one with mod.train)")
+    try:
+        return run(args, methods)
+    except (ValueError, OSError) as e:  # DataError, BackboneError, adapter on the wrong base, files
+        fail(e)
+
+
+def run(args, methods):
+    """The body of `main` for parsed flags. Returns the JSON-able summaries + results."""
     from common.backbone import load_backbone
+    from common.data import DataError, atomic_write_text
     from mod.model import load_adapters
     try:
         from eval.readers import read_any as read
     except ImportError:
         from common.data import read_llava_json as read
+    for path in (args.out, args.heatmap):  # fail now, not after the whole run
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     records = read(args.data)[:args.limit or None]
+    if not records:
+        raise DataError(f"{args.data}: no records")
     base, proc = load_backbone(args.model, device=args.device)
     tuned = None
     if args.adapter:
         tuned, _ = load_backbone(args.model, device=args.device)
-        load_adapters(tuned, args.adapter)
+        load_adapters(tuned, args.adapter)  # refuses adapters trained on another base
         tuned.eval()
-    if not tuned and {"single", "multi"} & set(methods):
-        raise SystemExit("MoD-Single / MoD-Multi need --adapter (train one with mod.train)")
-    run = {"base": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens),
+    drivers = {"base": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens),
            "single": lambda: mod_debate(tuned, proc, records, 0, args.batch_size, args.max_new_tokens),
            "multi": lambda: mod_debate(tuned, proc, records, args.rounds, args.batch_size, args.max_new_tokens),
            "mad": lambda: multi_agent_debate(base, proc, records, args.rounds, batch_size=args.batch_size,
@@ -237,20 +255,18 @@ def main(argv=None):
     out = {"summaries": [], "results": {}}
     print(f"{'method':8s} {'acc':>6s} {'tok/q':>7s} {'wall s':>7s}")
     for m in methods:
-        if m not in run:
-            raise SystemExit(f"unknown method {m!r}; choose from {sorted(run)}")
-        res, wall = run[m]()
+        res, wall = drivers[m]()
         s = summarize(m, res, wall)
         out["summaries"].append(s)
         out["results"][m] = res
         print(f"{m:8s} {s['accuracy']:6.3f} {s['tokens_per_q']:7.1f} {s['wall_s']:7.1f}")
-    if args.heatmap and tuned is not None:
+    if args.heatmap:
         diag = routing_trace(tuned, proc, records, args.batch_size, args.max_new_tokens)
         heatmap_png(diag["by_family_A"], args.heatmap)
         print(f"switch rate {diag['switch_rate']:.3f}; heatmap {args.heatmap}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        atomic_write_text(args.out, json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":

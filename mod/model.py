@@ -25,7 +25,7 @@ Usage:
     model, proc = load_backbone("tiny-dense")
     attach(model, AdapterConfig(method="mod"))           # freezes the base, wraps q/k/v/o
     out = model(**batch); loss = out.loss + cfg.aux_coef * aux_loss(model)
-    save_adapters(model, "out/mod/adapter"); load_adapters(fresh_model, "out/mod/adapter")
+    save_adapters(model, "out/mod/adapter"); load_adapters(fresh_model, "out/mod/adapter")  # checks the base
 
 Cached decoding: a routing context, shared by all adapter layers of one model, is filled by a
 forward pre-hook on the model with the current tokens' padding mask and whether this call
@@ -323,28 +323,73 @@ def routing_context(model):
     return model._adapter["ctx"]
 
 
+def base_identity(model):
+    """What adapters depend on in their base model: architecture, text width, depth and
+    vocabulary, plus the path it was loaded from (for messages only: a moved checkpoint is
+    the same base). Two bases with equal identity but different weights (a fine-tuned copy)
+    are not told apart."""
+    t = model.config.get_text_config()
+    return {"model_type": model.config.model_type, "hidden_size": t.hidden_size,
+            "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
+            "name_or_path": getattr(model.config, "_name_or_path", "") or ""}
+
+
+def identity_mismatch(saved, now):
+    """[key: saved vs now] for the identity keys that differ (name_or_path ignored)."""
+    return [f"{k} {saved[k]!r} vs {now.get(k)!r}" for k in saved if k != "name_or_path" and saved[k] != now.get(k)]
+
+
 def save_adapters(model, path):
-    """Write path/adapter_config.json + path/adapter_model.safetensors (adapter tensors only)."""
+    """Write path/adapter_config.json (the AdapterConfig + `base_model`: the base's identity,
+    see `base_identity`) + path/adapter_model.safetensors (adapter tensors only); each file
+    atomically (temp file + rename), weights first."""
     from common.checkpoint import atomic_save_file
     os.makedirs(path, exist_ok=True)
     cfg = model._adapter["config"]
     atomic_save_file({k: v.cpu() for k, v in adapter_state_dict(model).items()}, os.path.join(path, WEIGHTS_NAME))
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(asdict(cfg), f, indent=2)
+    meta = {**asdict(cfg), "base_model": base_identity(model)}
+    tmp = os.path.join(path, f"{CONFIG_NAME}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, os.path.join(path, CONFIG_NAME))
 
 
 def load_config(path):
-    with open(os.path.join(path, CONFIG_NAME)) as f:
-        return AdapterConfig(**json.load(f))
+    """-> (AdapterConfig, saved base identity or None for adapters saved before it was recorded).
+    Raises FileNotFoundError / ValueError naming the file when it is missing or unreadable."""
+    f = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(f):
+        raise FileNotFoundError(f"{path}: no {CONFIG_NAME} (not an adapter directory written by mod.train)")
+    try:
+        with open(f) as fh:
+            meta = json.load(fh)
+        base = meta.pop("base_model", None)
+        return AdapterConfig(**meta), base
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{f} is not a valid adapter config ({e})") from None
 
 
 def load_adapters(model, path):
     """Attach the adapters saved in `path` to a fresh base model and load their weights.
-    Raises ValueError on missing/unexpected tensors (wrong base model)."""
+    Raises ValueError when the base differs from the one the adapters were trained on
+    (architecture, width, depth, vocabulary; message names both), on missing/unexpected
+    tensors or shapes, and on an unreadable (e.g. truncated) weights file. Returns the config."""
     from safetensors.torch import load_file
-    cfg = load_config(path)
+    cfg, saved = load_config(path)
+    if saved is not None:
+        now = base_identity(model)
+        diff = identity_mismatch(saved, now)
+        if diff:
+            raise ValueError(f"{path}: adapters were trained on base {saved['name_or_path'] or '?'} and do not fit "
+                             f"base {now['name_or_path'] or '?'} ({'; '.join(diff)})")
+    weights = os.path.join(path, WEIGHTS_NAME)
+    try:
+        state = load_file(weights)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no {WEIGHTS_NAME}") from None
+    except Exception as e:  # safetensors raises its own error type for truncated / corrupt files
+        raise ValueError(f"{weights} is unreadable ({e}); the file is incomplete or corrupt") from None
     attach(model, cfg)
-    state = load_file(os.path.join(path, WEIGHTS_NAME))
     own = dict(model.named_parameters())
     missing = [k for k, p in own.items() if p.requires_grad and k not in state]
     unexpected = [k for k in state if k not in own]

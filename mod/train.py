@@ -13,22 +13,86 @@ separately (out/log.jsonl and the progress bar).
     torchrun --nproc_per_node 8 -m mod.train --model ... --device cuda --compile
 
 Batches are drawn per step from a generator seeded with (seed, step, rank), so a resumed run
-(--resume) sees exactly the batches of an uninterrupted one; checkpoints hold the adapters,
-the optimizer and the RNG state and are written atomically (temp file + rename).
+(--resume) sees exactly the batches of an uninterrupted one; the checkpoint OUT/ckpt/
+(`common.checkpoint`: adapters + RNG state as safetensors, optimizer state, settings and log)
+is written atomically, so a killed run leaves the previous complete one. --resume refuses a
+checkpoint written with other settings (method, ranks, lr, steps, batch size, seed, base,
+data, ...) and lists the differences (--steps may change while the finished steps' learning
+rates stay the same, e.g. inside warmup); an existing run in OUT needs --resume or --overwrite.
+SIGTERM finishes the current step, writes a checkpoint and exits (status 143); a non-finite
+loss stops the run before the update and keeps the last checkpoint. User errors print
+`error: ...` and exit with status 2.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
 import random
+import shutil
+import signal
+import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from mod.model import AdapterConfig, adapter_state_dict, attach, aux_loss, num_trainable, save_adapters
+from common.checkpoint import load_train_state, save_train_state
+from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, base_identity,
+                       num_trainable, save_adapters)
+
+CKPT = "ckpt"  # the training checkpoint inside --out: a common.checkpoint directory
+OWN = (CKPT, CKPT + ".tmp", CKPT + ".old", "ckpt.pt", "log.jsonl", CONFIG_NAME, WEIGHTS_NAME)  # what a run writes
+
+
+# ----------------------------------------------------------------------------- flags and errors
+
+def number(kind=int, min=None, above=None):
+    """argparse type: a finite int / float that is >= min (or > above). Degenerate values
+    (--steps 0, --lr 0, --k -1, nan) stop at parse time with a message naming the bound."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(v) or (min is not None and v < min) or (above is not None and v <= above):
+            raise argparse.ArgumentTypeError(f"must be {'>= %s' % min if min is not None else '> %s' % above}, got {text}")
+        return v
+    return parse
+
+
+def fail(msg):
+    """Print `error: msg` (no traceback) and exit with status 2, argparse's code for bad input."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class RunError(ValueError):
+    """A run cannot start or go on (existing output, settings mismatch, diverged); the message says what to do."""
+
+
+class Interrupted(Exception):
+    """SIGTERM arrived: the step finished and a checkpoint was written."""
+
+
+@contextmanager
+def sigterm_flag():
+    """Inside the block SIGTERM only sets flag["stop"]: the loop finishes its step, writes a
+    checkpoint and stops (a kill in the middle of a write cannot happen this way; SIGKILL
+    is covered by the atomic checkpoint). Outside the main thread nothing changes."""
+    flag = {"stop": False}
+    try:
+        old = signal.signal(signal.SIGTERM, lambda *_: flag.update(stop=True))
+    except ValueError:  # signal handlers can only be set from the main thread
+        old = None
+    try:
+        yield flag
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 def add_adapter_args(p):
@@ -37,18 +101,21 @@ def add_adapter_args(p):
     p.add_argument("--method", default=d.method, choices=["mod", "lora", "moelora"], help="adapter type")
     p.add_argument("--target-modules", default=",".join(d.target_modules),
                    help="comma-separated name suffixes of the language model's nn.Linear layers to wrap")
-    p.add_argument("--r", type=int, default=d.r, help="top-r experts per token (mod/moelora) or LoRA rank (lora)")
-    p.add_argument("--lora-alpha", type=float, default=d.lora_alpha, help="output scale alpha / r")
-    p.add_argument("--num-experts", type=int, default=d.num_experts, help="experts per pool (E)")
-    p.add_argument("--expert-rank", type=int, default=d.expert_rank, help="rank of each MoE-LoRA expert")
-    p.add_argument("--window", type=int, default=d.window, help="routing window / region size W")
+    p.add_argument("--r", type=number(min=1), default=d.r,
+                   help="top-r experts per token (mod/moelora) or LoRA rank (lora)")
+    p.add_argument("--lora-alpha", type=number(float, above=0), default=d.lora_alpha, help="output scale alpha / r")
+    p.add_argument("--num-experts", type=number(min=1), default=d.num_experts, help="experts per pool (E)")
+    p.add_argument("--expert-rank", type=number(min=1), default=d.expert_rank, help="rank of each MoE-LoRA expert")
+    p.add_argument("--window", type=number(min=1), default=d.window, help="routing window / region size W")
     p.add_argument("--granularity", default=d.granularity, choices=["token", "region", "window"],
                    help="routing input: the token, its block of W, or the sliding mean of the last W")
     p.add_argument("--combine", default=d.combine, choices=["sqrt_product", "product", "mean"],
                    help="how A and B gates combine (eq. 5)")
     p.add_argument("--shared-router", action="store_true", help="one router for both pools (I_A = I_B)")
-    p.add_argument("--noise-std", type=float, default=d.noise_std, help="router logit noise std in training")
-    p.add_argument("--aux-coef", type=float, default=d.aux_coef, help="lambda of the load-balance loss (0 = off)")
+    p.add_argument("--noise-std", type=number(float, min=0), default=d.noise_std,
+                   help="router logit noise std in training")
+    p.add_argument("--aux-coef", type=number(float, min=0), default=d.aux_coef,
+                   help="lambda of the load-balance loss (0 = off)")
 
 
 def adapter_config(args):
@@ -60,19 +127,42 @@ def adapter_config(args):
 
 # ----------------------------------------------------------------------------- data
 
+def load_records(path):
+    """Training records from LLaVA JSON/JSONL or canonical JSONL (`eval.readers.read_any`),
+    checked for what training needs: at least one record, and per record an image and a
+    non-empty answer (an empty gpt turn would train only <|im_end|>). Raises DataError."""
+    from common.data import DataError
+    try:
+        from eval.readers import read_any as read
+    except ImportError:
+        from common.data import read_llava_json as read
+    records = read(path)
+    if not records:
+        raise DataError(f"{path}: no records")
+    for what, bad in (("no image", [r["id"] for r in records if not r["image"]]),
+                      ("an empty answer (gpt turn)", [r["id"] for r in records if not str(r["target"]).strip()])):
+        if bad:
+            raise DataError(f"{path}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}; fix or drop them")
+    return records
+
+
 class Batcher:
     """Turns training records into model batches; images are decoded once and kept as uint8.
 
-    records: dicts with image (path), question, target. 84x84-style images (sides multiple
+    records: dicts with id, image (path), question, target. 84x84-style images (sides multiple
     of 28) are patchified in torch (`common.backbone.patchify`), others go through the
-    processor."""
+    processor. Raises DataError naming the record for a missing or unreadable image."""
 
     def __init__(self, proc, records):
-        from common.data import load_image
+        from common.data import DataError, load_image
         self.proc, self.records = proc, records
-        paths = list(dict.fromkeys(r["image"] for r in records))
-        self.slot = {p: i for i, p in enumerate(paths)}
-        self.images = [load_image(p) for p in paths]
+        first = {}  # image path -> id of the first record using it (for error messages)
+        for r in records:
+            if not r.get("image"):
+                raise DataError(f"record {r.get('id', '?')} has no image (MoD needs one per record)")
+            first.setdefault(r["image"], r.get("id", "?"))
+        self.slot = {p: i for i, p in enumerate(first)}
+        self.images = [load_image(p, rid) for p, rid in first.items()]
         sizes = {im.size for im in self.images}
         self.uint8 = None
         if len(sizes) == 1 and all(s % 28 == 0 for s in next(iter(sizes))):
@@ -108,42 +198,155 @@ def lr_at(step, steps, lr, warmup):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save_ckpt(path, model, opt, step):
-    state = {"adapters": adapter_state_dict(model), "opt": opt.state_dict(), "step": step,
-             "torch_rng": torch.get_rng_state()}
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+RNG = "__torch_rng_state__"  # the torch CPU RNG state, stored with the adapter tensors
 
 
-def load_ckpt(path, model, opt):
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    own = dict(model.named_parameters())
+def data_fingerprint(records):
+    """'N records, sha1 X' over (question, target, image file name): a resume on other data is
+    refused, a moved data folder is not."""
+    h = hashlib.sha1()
+    for r in records:
+        h.update(json.dumps([r["question"], r["target"], os.path.basename(r["image"] or "")]).encode())
+    return f"{len(records)} records, sha1 {h.hexdigest()[:12]}"
+
+
+def run_settings(model, records, **train_kw):
+    """Everything that defines a run (adapter config, schedule, optimiser, seed, world size,
+    base identity, data fingerprint) as state.json gives it back: resume requires equality."""
+    cfg = asdict(model._adapter["config"])
+    cfg.pop("aux_coef")  # the loss weight actually used is fit's aux_coef (in train_kw)
+    base = base_identity(model)
+    base.pop("name_or_path")  # a moved base checkpoint is the same base
+    return json.loads(json.dumps({**cfg, **train_kw, "base_model": base, "data": data_fingerprint(records)}))
+
+
+def settings_diff(saved, now):
+    """['key: saved X, now Y'] for the keys both define and that differ."""
+    return [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
+
+
+def same_lr_prefix(saved, now, done):
+    """True if the `done` finished steps had the same learning rates under both settings'
+    schedules (e.g. still in warmup): then changing --steps continues the run exactly."""
+    try:
+        return all(lr_at(s, saved["steps"], saved["lr"], saved["warmup"]) == lr_at(s, now["steps"], now["lr"], now["warmup"])
+                   for s in range(done))
+    except KeyError:
+        return False
+
+
+class _HeldOptimizerState:
+    """Takes the optimizer state from `load_train_state` and holds it until the checks pass."""
+    state = None
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def save_ckpt(path, model, opt, step, settings, log):
+    """Atomic checkpoint directory (common.checkpoint): adapter tensors + torch RNG state
+    (safetensors), optimizer state (loaded back with weights_only=True), state.json with
+    step, settings and the per-step log."""
+    tensors = {k: v.cpu() for k, v in adapter_state_dict(model).items()}
+    tensors[RNG] = torch.get_rng_state()
+    save_train_state(path, tensors, opt, {"step": step, "settings": settings, "log": log})
+
+
+def load_ckpt(path, model, opt, settings):
+    """Restore a `save_ckpt` directory (or its `.old` twin after a crash between renames;
+    a leftover `.tmp` is never read) into model, opt and the torch RNG.
+
+    Returns (step, log), (0, []) when there is no checkpoint. Raises RunError, before
+    anything is changed, when the checkpoint is unreadable, was written with other
+    settings (message lists each key saved vs now) or holds other tensors."""
+    held = _HeldOptimizerState()
+    try:
+        tensors, state = load_train_state(path, held)
+    except Exception as e:  # truncated / corrupt safetensors or optimizer file
+        raise RunError(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); restore it, "
+                       f"or start over with --overwrite") from None
+    if state is None:
+        return 0, []
+    saved = dict(state.get("settings", {}))
+    if saved.get("steps") != settings["steps"] and same_lr_prefix(saved, settings, state["step"]):
+        saved["steps"] = settings["steps"]  # a longer / shorter run that had the same past: exact
+    diff = settings_diff(saved, settings)
+    if diff:
+        raise RunError(f"--resume: {path} was written with other settings ({'; '.join(diff)}); rerun with "
+                       f"the saved values to continue that run, or pass --overwrite to start over")
+    own = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    if set(own) != set(tensors) - {RNG} or any(own[k].shape != tensors[k].shape for k in own):
+        raise RunError(f"checkpoint {path} holds other adapter tensors than this model; start over with --overwrite")
     with torch.no_grad():
-        for k, v in state["adapters"].items():
-            own[k].copy_(v)
-    opt.load_state_dict(state["opt"])
-    torch.set_rng_state(state["torch_rng"])
-    return state["step"]
+        for k, p in own.items():
+            p.copy_(tensors[k])
+    if held.state is not None:
+        opt.load_state_dict(held.state)
+    torch.set_rng_state(tensors[RNG])
+    return state["step"], state["log"]
+
+
+def prepare_out(out, resume, overwrite):
+    """Protect an earlier run in `out`: this script's files (OWN) may be there only with
+    --resume (continue) or --overwrite (delete exactly those files, start over); other files
+    in `out` are never touched. Raises RunError with what to pass."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunError(f"--out {out} is a file, not a directory")
+    found = [f for f in OWN if os.path.exists(os.path.join(out, f))]
+    if not found:
+        return
+    if overwrite:
+        for f in found:
+            f = os.path.join(out, f)
+            shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.remove(f)
+        return
+    if not resume:
+        raise RunError(f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it "
+                       f"or --overwrite to start over (deletes those files)")
+    if "ckpt.pt" in found:
+        raise RunError(f"{out}/ckpt.pt was written by an older mod.train (torch.save format), which --resume no "
+                       f"longer reads; start over with --overwrite")
+    if CKPT not in found and CKPT + ".old" not in found:
+        raise RunError(f"--resume: {out} holds {', '.join(found)} but no checkpoint ({CKPT}/) to continue from; "
+                       f"pass --overwrite to start over")
 
 
 # ----------------------------------------------------------------------------- loop
 
+def _write_log(path, rows):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)
+
+
 def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, lr=2e-3, warmup=20,
         weight_decay=0.0, clip=1.0, seed=0, aux_coef=0.01, save_every=0, resume=False, compile=False,
-        log_every=10, rank=0, world=1, desc="train", quiet=False):
+        log_every=10, rank=0, world=1, desc="train", quiet=False, batcher=None):
     """Train the attached adapters of `model` on (question, target) records.
 
-    Writes out_dir/log.jsonl ({step, loss, aux, lr, s}) and out_dir/ckpt.pt (every
-    `save_every` steps and at the end). Returns {"loss", "aux", "wall_s", "steps"} averaged
-    over the last 10% of steps. With world > 1 the process group must be initialised."""
+    Writes out_dir/log.jsonl ({step, loss, aux, lr, s} every `log_every` steps) and the
+    checkpoint out_dir/ckpt (every `save_every` steps, at the end, and on SIGTERM). Returns
+    {"loss", "aux", "wall_s", "steps", "log"}: loss / aux averaged over the last 10% of steps,
+    log = one {step, loss, aux, lr, s} per step of the whole run (a resumed run included).
+    With world > 1 the process group must be initialised. batcher: a `Batcher` of `records`
+    made earlier (its images already decoded), else one is made here.
+    Raises RunError when resuming a checkpoint of other settings, when a batch has no label
+    to train on, and on a non-finite loss or gradient (the update is skipped, the last
+    checkpoint kept); Interrupted after SIGTERM (step finished, checkpoint written)."""
+    if not records:
+        raise RunError("no training records")
     os.makedirs(out_dir, exist_ok=True)
     raw = model
     device = next(raw.parameters()).device
     params = [p for p in raw.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
-    ckpt = os.path.join(out_dir, "ckpt.pt")
-    start = load_ckpt(ckpt, raw, opt) if resume and os.path.exists(ckpt) else 0
+    ckpt = os.path.join(out_dir, CKPT)
+    settings = run_settings(raw, records, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+                            warmup=warmup, weight_decay=weight_decay, clip=clip, seed=seed, aux_coef=aux_coef,
+                            world_size=world)
+    start, log = load_ckpt(ckpt, raw, opt, settings) if resume else (0, [])
+    saved_at = start if start else None  # step of the last checkpoint of this run on disk
     run = raw
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -151,65 +354,106 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     if compile:
         run = torch.compile(run)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    batcher = Batcher(proc, records)
+    batcher = batcher or Batcher(proc, records)
+    batcher.proc = proc
     raw.train()
-    log_path, tail, t0 = os.path.join(out_dir, "log.jsonl"), [], time.time()
+    log_path, t0 = os.path.join(out_dir, "log.jsonl"), time.time()
+    logged = lambda step: step % log_every == 0 or step == steps - 1
+    if rank == 0:  # a fresh log, or the resumed run's (lines after its checkpoint are dropped)
+        _write_log(log_path, [r for r in log if logged(r["step"])])
     bar = tqdm(range(start, steps), desc=desc, disable=quiet or rank != 0, leave=False)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
-        task_sum = aux_sum = 0.0
-        for micro in range(grad_accum):
-            recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank)]
-            batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
-            with amp:
-                out = run(**batch)
-            aux = aux_loss(raw)
-            loss = out.loss + aux_coef * aux
-            (loss / grad_accum).backward()
-            task_sum, aux_sum = task_sum + out.loss.item() / grad_accum, aux_sum + aux.item() / grad_accum
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        tail = (tail + [(task_sum, aux_sum)])[-max(1, (steps - start) // 10):]
-        if rank == 0 and (step % log_every == 0 or step == steps - 1):
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": task_sum, "aux": aux_sum, "lr": opt.param_groups[0]["lr"],
-                                    "s": round(time.time() - t0, 2)}) + "\n")
-            bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
-        if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
-            save_ckpt(ckpt, raw, opt, step + 1)
+    with sigterm_flag() as flag:
+        for step in bar:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, steps, lr, warmup)
+            task_sum = aux_sum = 0.0
+            for micro in range(grad_accum):
+                recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank)]
+                batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
+                if not bool((batch["labels"] != -100).any()):  # the loss would be 0/0 = nan
+                    raise RunError(f"step {step}: every label of the batch is masked: no answer token to train on "
+                                   f"(records {[r['id'] for r in recs][:3]}); check their answers")
+                with amp:
+                    out = run(**batch)
+                aux = aux_loss(raw)
+                loss = out.loss + aux_coef * aux
+                (loss / grad_accum).backward()
+                task_sum, aux_sum = task_sum + out.loss.item() / grad_accum, aux_sum + aux.item() / grad_accum
+            gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+            if not all(map(math.isfinite, (task_sum, aux_sum, gnorm))):
+                kept = (f"kept the last good checkpoint {ckpt} (step {saved_at})" if saved_at is not None else
+                        f"no checkpoint of this run had been written yet (--save-every {save_every})")
+                raise RunError(f"non-finite training loss at step {step} (loss {task_sum}, aux {aux_sum}, gradient "
+                               f"norm {gnorm}): stopped before the update; {kept}. Lower --lr or check the data; "
+                               f"--resume continues from the checkpoint")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec = {"step": step, "loss": task_sum, "aux": aux_sum, "lr": opt.param_groups[0]["lr"],
+                   "s": round(time.time() - t0, 2)}
+            log.append(rec)
+            if rank == 0 and logged(step):
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
+            stop = flag["stop"] and step + 1 < steps
+            if rank == 0 and step + 1 < steps and (stop or (save_every and (step + 1) % save_every == 0)):
+                save_ckpt(ckpt, raw, opt, step + 1, settings, log)
+                saved_at = step + 1
+            if stop:
+                raise Interrupted(f"interrupted at step {step + 1} of {steps} (SIGTERM); checkpoint {ckpt} written; "
+                                  f"continue with --resume")
     if rank == 0:
-        save_ckpt(ckpt, raw, opt, steps)
+        save_ckpt(ckpt, raw, opt, steps, settings, log)
     raw.eval()
-    mean = lambda i: float(np.mean([t[i] for t in tail])) if tail else float("nan")
-    return {"loss": mean(0), "aux": mean(1), "wall_s": time.time() - t0, "steps": steps - start}
+    tail = log[-max(1, steps // 10):]
+    mean = lambda k: float(np.mean([r[k] for r in tail])) if tail else float("nan")
+    return {"loss": mean("loss"), "aux": mean("aux"), "wall_s": time.time() - t0, "steps": steps - start, "log": log}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Train MoD / LoRA / MoE-LoRA adapters on a frozen VLM (MoD §3.3).")
     p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
-    p.add_argument("--data", required=True, help="training records (LLaVA JSON/JSONL, e.g. from mod.data)")
-    p.add_argument("--out", required=True, help="output dir: adapter files, ckpt.pt, log.jsonl")
+    p.add_argument("--data", required=True,
+                   help="training records: LLaVA JSON/JSONL (e.g. from mod.data) or canonical JSONL")
+    p.add_argument("--out", required=True, help="output dir: adapter files, ckpt/, log.jsonl")
     add_adapter_args(p)
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=16, help="micro-batch size per process")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0 = off)")
+    p.add_argument("--steps", type=number(min=1), default=300, help="optimizer steps")
+    p.add_argument("--batch-size", type=number(min=1), default=16, help="micro-batch size per process")
+    p.add_argument("--grad-accum", type=number(min=1), default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=number(float, above=0), default=2e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup", type=number(min=0), default=20, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
+    p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient-norm clip (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of adapter init and batch sampling")
-    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (0 = only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt if present")
+    p.add_argument("--save-every", type=number(min=0), default=100,
+                   help="checkpoint every N steps (0 = only at the end)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in OUT from OUT/ckpt (same settings required)")
+    again.add_argument("--overwrite", action="store_true",
+                       help="delete an earlier run's files in OUT (ckpt/, log.jsonl, adapter files) and start over")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (worth it on GPU)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--threads", type=number(min=0), default=0, help="CPU threads (0 = torch default)")
     args = p.parse_args(argv)
+    try:
+        return train(args)
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM)
+    except (ValueError, OSError) as e:  # DataError, BackboneError, RunError, config checks, files
+        fail(e)
+
+
+def train(args):
+    """The body of `main` for parsed flags. Returns fit's result dict."""
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if rank == 0:
+        prepare_out(args.out, args.resume, args.overwrite)
+    records = load_records(args.data)  # before the model loads: bad data fails in seconds
+    batcher = Batcher(None, records)  # decodes every image now: a truncated one fails here too
     device = torch.device(args.device)
     if world > 1:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -217,22 +461,21 @@ def main(argv=None):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
     from common.backbone import load_backbone
-    from common.data import read_llava_json
     model, proc = load_backbone(args.model, device=device)
     torch.manual_seed(args.seed)
     cfg = adapter_config(args)
     names = attach(model, cfg)
     if rank == 0:
         print(f"{cfg.method}: wrapped {len(names)} layers, {num_trainable(model):,} trainable parameters")
-    records = read_llava_json(args.data)
     res = fit(model, proc, records, args.out, args.steps, args.batch_size, args.grad_accum, args.lr, args.warmup,
               args.weight_decay, args.clip, args.seed, cfg.aux_coef, args.save_every, args.resume, args.compile,
-              rank=rank, world=world)
+              rank=rank, world=world, batcher=batcher)
     if rank == 0:
         save_adapters(model, args.out)
         print(f"done: loss {res['loss']:.4f} aux {res['aux']:.4f} ({res['wall_s']:.0f} s); adapters in {args.out}")
     if world > 1:
         torch.distributed.destroy_process_group()
+    return res
 
 
 if __name__ == "__main__":
