@@ -4,6 +4,8 @@ latents used for answer generation?").
     sim, kl = latent_stats(mole, records, stage=2)      # both x100, averaged over examples
     res = mole.infer.evaluate(mole, records, intervention="mask")   # interventions live in infer
 
+    python -m mole.diagnostics --ckpt out/mole/mole --data out/data/test.json --n 100 --out diag.json
+
 * latent similarity: mean pairwise squared cosine between the final-layer hidden states of
   the latent tokens (all E + S), x100. Lower = less redundant.
 * attention-pattern KL: for each layer and each latent visual expert, its attention over
@@ -12,6 +14,10 @@ latents used for answer generation?").
   ordered pairs i != j and layers, x100. Higher = more diverse. The paper's exact
   formulation (its App. A.6) is not in our copy of the paper; this is the plain reading.
 """
+import argparse
+import json
+import os
+
 import torch
 
 from common import data
@@ -65,3 +71,46 @@ def latent_stats(mole, records, stage=2, batch_size=64):
             per_layer.append(pairwise_kl(pv))
         kls.append(torch.stack(per_layer).mean(0))
     return 100 * torch.cat(sims).mean().item(), 100 * torch.cat(kls).mean().item()
+
+
+def main(argv=None):
+    """Command line: a mole.train checkpoint + data -> printed (and optionally JSON) diagnostics."""
+    from mole.model import MoLE
+    from mole.train import fail, number
+    p = argparse.ArgumentParser(description="MoLE latent diagnostics: latent similarity and attention-pattern KL "
+                                            "(both x100) of a mole.train checkpoint on a data file.")
+    p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
+    p.add_argument("--base", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")
+    p.add_argument("--data", required=True, help="LLaVA JSON/JSONL or canonical JSONL with images")
+    p.add_argument("--n", type=number(min=0), default=100, help="first n records (0 = all)")
+    p.add_argument("--stage", type=int, choices=(1, 2), default=None,
+                   help="attention stage (default: the checkpoint's, 2 unless stage 2 never ran)")
+    p.add_argument("--batch-size", type=number(min=1), default=64, help="records per forward pass")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--out", default="", help="also write the numbers to this JSON file")
+    a = p.parse_args(argv)
+    try:
+        from common.data import atomic_write_text
+        from mole.train import load_mole, read_records
+        if a.out:
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        recs = read_records(a.data)
+        recs = recs[: a.n] if a.n else recs
+        net, _, stage = load_mole(a.ckpt, device=a.device, base=a.base)
+        if not isinstance(net, MoLE):
+            raise ValueError(f"{a.ckpt} is a --method sft checkpoint: it has no latent tokens to diagnose")
+        stage = a.stage or stage
+        sim, kl = latent_stats(net, recs, stage=stage, batch_size=a.batch_size)
+        res = {"ckpt": a.ckpt, "data": a.data, "n": len(recs), "stage": stage,
+               "latent_similarity_x100": sim, "attention_kl_x100": kl}
+        print(f"{len(recs)} records, stage {stage}: latent similarity x100 {sim:.2f} (lower = less redundant), "
+              f"attention KL x100 {kl:.2f} (higher = more diverse)")
+        if a.out:
+            atomic_write_text(a.out, json.dumps(res, indent=1))
+        return res
+    except (ValueError, OSError) as e:  # DataError, BackboneError, bad checkpoint, files
+        fail(e)
+
+
+if __name__ == "__main__":
+    main()

@@ -126,21 +126,34 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
 
 
 def main(argv=None):
+    from mole.train import fail, number
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
-    p.add_argument("--data", required=True, help="LLaVA-format JSON (e.g. out/data/test.json)")
-    p.add_argument("--n", type=int, default=0, help="evaluate only the first n records (0 = all)")
-    p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="generation length limit")
+    p.add_argument("--base", default=None,
+                   help="base VLM to load (default: the one recorded in the checkpoint; must be the same model)")
+    p.add_argument("--data", required=True, help="LLaVA-format JSON/JSONL (e.g. out/data/test.json) or canonical JSONL")
+    p.add_argument("--n", type=number(min=0), default=0, help="evaluate only the first n records (0 = all)")
+    p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
+    p.add_argument("--max-new-tokens", type=number(min=1), default=48, help="generation length limit")
     p.add_argument("--intervention", default="none", choices=INTERVENTIONS, help="latent intervention")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--out", default="", help="write per-example predictions to this JSON file")
     a = p.parse_args(argv)
-    from common import data
-    from mole.train import load_mole
-    mole, proc, stage = load_mole(a.ckpt, device=a.device)
-    recs = data.read_llava_json(a.data)
+    try:
+        return run(a)
+    except (ValueError, OSError) as e:  # DataError, BackboneError, bad checkpoint, files
+        fail(e)
+
+
+def run(a):
+    """The body of `main` for parsed flags. Returns the per-example results."""
+    from common.data import atomic_write_text
+    from mole.train import load_mole, read_records
+    if a.out:  # fail now, not after the whole evaluation
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    recs = read_records(a.data)
     recs = recs[: a.n] if a.n else recs
+    mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.base)
     t = time.time()
     if isinstance(mole, MoLE):
         res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
@@ -154,9 +167,8 @@ def main(argv=None):
         sub = [r["correct"] for r in res if r["family"] == fam]
         print(f"  {fam:10s} {sum(sub) / len(sub):.3f} (n={len(sub)})")
     if a.out:
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        atomic_write_text(a.out, json.dumps(res, indent=1))
+    return res
 
 
 if __name__ == "__main__":

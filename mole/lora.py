@@ -40,7 +40,9 @@ def add_lora(module, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), r=
     hits = [(n, m) for n, m in module.named_modules()
             if isinstance(m, nn.Linear) and n.split(".")[-1] in target_modules]
     if not hits:
-        raise ValueError(f"no nn.Linear named {target_modules} under the module")
+        names = sorted({n.split(".")[-1] for n, m in module.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"LoRA target_modules {list(target_modules)} match no nn.Linear of the language model; "
+                         f"available names: {names[:12]}")
     for name, lin in hits:
         parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
         setattr(parent, name.rsplit(".", 1)[-1], LoRALinear(lin, r, lora_alpha, lora_dropout))

@@ -14,13 +14,23 @@ stage boundary exactly where an uninterrupted one would.
 Trainable set: LoRA on the language model (`--train lora`, default) or the whole language
 model (`--train full`), plus MoLE's latent embeddings, routers and ESVAs. The vision tower
 and projector stay frozen. Checkpoints hold only what was trained (+ optimizer, step, args, log)
-and are written atomically (temp file, then rename).
+and are written atomically (temp file, then rename), so a killed run leaves the previous
+complete checkpoint. An existing checkpoint in --out needs --resume (continue; every setting
+that defines the run must match, differences are listed) or --overwrite (start over).
+SIGTERM finishes the current step, writes a checkpoint and exits (status 143); a non-finite
+loss stops the run before the update and keeps the last checkpoint. User errors print
+`error: ...` and exit with status 2.
 """
 import argparse
+import hashlib
+import json
 import math
 import os
+import shutil
+import signal
+import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -32,50 +42,110 @@ from common.checkpoint import load_train_state, save_train_state
 from mole.lora import add_lora
 from mole.model import MoLE, MoLEConfig
 
+# flags that do not change what a run computes: everything else must match on --resume
+NOT_SETTINGS = ("base", "data", "out", "resume", "overwrite", "device", "compile", "quiet", "save_every",
+                "max_steps", "threads")
+
+
+# ----------------------------------------------------------------------------- flags and errors
+# (the same small helpers as mod/train.py: a method folder never imports another one)
+
+def number(kind=int, min=None, above=None):
+    """argparse type: a finite int / float that is >= min (or > above), so degenerate values
+    (--batch-size 0, --lr 0, --n-train -5, nan) stop at parse time with a message naming the bound."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(v) or (min is not None and v < min) or (above is not None and v <= above):
+            raise argparse.ArgumentTypeError(f"must be {'>= %s' % min if min is not None else '> %s' % above}, got {text}")
+        return v
+    return parse
+
+
+def fail(msg):
+    """Print `error: msg` (no traceback) and exit with status 2, argparse's code for bad input."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class RunError(ValueError):
+    """A run cannot start or go on (existing output, settings mismatch, diverged); the message says what to do."""
+
+
+class Interrupted(Exception):
+    """SIGTERM arrived: the step finished and a checkpoint was written."""
+
+
+@contextmanager
+def sigterm_flag():
+    """Inside the block SIGTERM only sets flag["stop"]: the loop finishes its step, writes a
+    checkpoint and stops. Outside the main thread nothing changes."""
+    flag = {"stop": False}
+    try:
+        old = signal.signal(signal.SIGTERM, lambda *_: flag.update(stop=True))
+    except ValueError:  # signal handlers can only be set from the main thread
+        old = None
+    try:
+        yield flag
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
 
 def get_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
-    p.add_argument("--data", default="out/data", help="directory with train.json (LLaVA format) + images")
-    p.add_argument("--split", default="train", help="which <split>.json to train on")
-    p.add_argument("--n-train", type=int, default=0, help="use only the first n training records (0 = all)")
+    p.add_argument("--data", default="out/data",
+                   help="directory with <split>.json / <split>.jsonl (LLaVA format) + images, or one such file "
+                        "(canonical JSONL too)")
+    p.add_argument("--split", default="train", help="which <split>.json(l) of a --data directory to train on")
+    p.add_argument("--n-train", type=number(min=0), default=0, help="use only the first n training records (0 = all)")
     p.add_argument("--out", default="out/mole/mole", help="checkpoint directory (written atomically)")
     p.add_argument("--method", default="mole", choices=("mole", "sft"),
                    help="mole: latent experts; sft: the same trainer on the plain VLM (data-matched control)")
     # MoLE architecture (defaults: paper's E = S = 4, K = 2)
-    p.add_argument("--n-vis", type=int, default=4, help="E, latent visual experts")
-    p.add_argument("--n-sum", type=int, default=4, help="S, latent summary experts")
-    p.add_argument("--top-k", type=int, default=2, help="K, visual experts per visual token")
-    p.add_argument("--alpha", type=float, default=1.0, help="router prior scale alpha")
+    p.add_argument("--n-vis", type=number(min=1), default=4, help="E, latent visual experts")
+    p.add_argument("--n-sum", type=number(min=0), default=4, help="S, latent summary experts")
+    p.add_argument("--top-k", type=number(min=1), default=2, help="K, visual experts per visual token (<= E)")
+    p.add_argument("--alpha", type=number(float, min=0), default=1.0, help="router prior scale alpha")
     p.add_argument("--no-router", action="store_true", help="ablation: all visual tokens visible to all experts")
     p.add_argument("--no-esva", action="store_true", help="ablation: shared value projection only")
-    p.add_argument("--esva-hidden", type=int, default=0, help="ESVA MLP width (0 = value width)")
+    p.add_argument("--esva-hidden", type=number(min=0), default=0, help="ESVA MLP width (0 = value width)")
     p.add_argument("--latent-mixing", default="topological", choices=("topological", "causal"),
                    help="causal = ablation: visual experts attend to earlier visual experts")
-    p.add_argument("--lambda-balance", type=float, default=0.01, help="load-balance loss weight")
-    p.add_argument("--lambda-z", type=float, default=0.001, help="router z-loss weight")
-    p.add_argument("--lambda-div", type=float, default=0.01, help="ESVA diversity loss weight")
+    p.add_argument("--lambda-balance", type=number(float, min=0), default=0.01, help="load-balance loss weight")
+    p.add_argument("--lambda-z", type=number(float, min=0), default=0.001, help="router z-loss weight")
+    p.add_argument("--lambda-div", type=number(float, min=0), default=0.01, help="ESVA diversity loss weight")
     # schedule
-    p.add_argument("--stage1-epochs", type=float, default=2, help="epochs with the visual bottleneck (stage 1)")
-    p.add_argument("--stage2-epochs", type=float, default=1, help="epochs with direct visual access (stage 2)")
-    p.add_argument("--batch-size", type=int, default=32, help="global batch size (split over DDP ranks)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warmup + cosine)")
-    p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of all steps")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
+    p.add_argument("--stage1-epochs", type=number(float, min=0), default=2,
+                   help="epochs with the visual bottleneck (stage 1)")
+    p.add_argument("--stage2-epochs", type=number(float, min=0), default=1,
+                   help="epochs with direct visual access (stage 2)")
+    p.add_argument("--batch-size", type=number(min=1), default=32, help="global batch size (split over DDP ranks)")
+    p.add_argument("--lr", type=number(float, above=0), default=2e-3, help="peak learning rate (AdamW, warmup + cosine)")
+    p.add_argument("--warmup", type=number(float, min=0), default=0.05, help="warmup fraction of all steps (0-1)")
+    p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
+    p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient norm clip (0 = off)")
     # trainable set
     p.add_argument("--train", default="lora", choices=("lora", "full"), help="LoRA on the LLM, or the full LLM")
-    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank r")
-    p.add_argument("--lora-alpha", type=float, default=16, help="LoRA alpha (scaling = alpha / r)")
+    p.add_argument("--lora-r", type=number(min=1), default=8, help="LoRA rank r")
+    p.add_argument("--lora-alpha", type=number(float, above=0), default=16, help="LoRA alpha (scaling = alpha / r)")
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target module name suffixes")
     # system
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (worth it on GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed (init, data order)")
-    p.add_argument("--resume", action="store_true", help="continue from --out if it exists")
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every n steps (0 = only at the end)")
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this global step (0 = full schedule); "
-                                                              "the schedule itself is unchanged")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the checkpoint in --out (same settings required; none there: start)")
+    again.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --out, start over")
+    p.add_argument("--save-every", type=number(min=0), default=0,
+                   help="also checkpoint every n steps (0 = only at the end)")
+    p.add_argument("--max-steps", type=number(min=0), default=0,
+                   help="stop after this global step (0 = full schedule); the schedule itself is unchanged")
+    p.add_argument("--threads", type=number(min=0), default=0, help="CPU threads (0 = torch default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -94,7 +164,8 @@ def build(a, device):
     torch.manual_seed(a.seed)
     lm = bb.text_model(model)
     if a.train == "lora":
-        add_lora(lm, tuple(a.lora_targets.split(",")), r=a.lora_r, lora_alpha=a.lora_alpha)
+        add_lora(lm, tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()), r=a.lora_r,
+                 lora_alpha=a.lora_alpha)
         model.to(device)
     else:
         lm.requires_grad_(True)
@@ -108,42 +179,68 @@ def build(a, device):
     return net, proc, params
 
 
-def load_mole(path, device="cpu"):
-    """Rebuild a trained model from a checkpoint directory of this script. Returns
-    (net, proc, stage): net is a MoLE (or the plain VLM for --method sft); stage is the attention stage for inference (2 unless stage 2 never ran).
-    Raises FileNotFoundError / ValueError for a missing or incomplete checkpoint."""
-    tensors, state = load_train_state(path)
-    if state is None:
-        raise FileNotFoundError(f"{path}: no checkpoint (expected a directory written by mole.train)")
-    a = argparse.Namespace(**state["args"])
-    net, proc, params = build(a, device)
-    missing = set(params) - set(tensors)
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks trainable tensors {sorted(missing)[:3]}...")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(tensors[n])
-    return net.eval(), proc, (2 if a.stage2_epochs > 0 else 1)
+# ----------------------------------------------------------------------------- data
+
+def data_file(a):
+    """--data as a .json / .jsonl file, or a directory holding <split>.json or <split>.jsonl."""
+    if os.path.isfile(a.data):
+        return a.data
+    for ext in (".json", ".jsonl"):
+        f = os.path.join(a.data, a.split + ext)
+        if os.path.exists(f):
+            return f
+    raise data.DataError(f"{a.data}: no {a.split}.json or {a.split}.jsonl there; generate data with "
+                         f"`python -m common.data --out {a.data}`, or pass a .json / .jsonl file")
 
 
-def save_ckpt(path, a, params, opt, step, log):
-    """Atomic checkpoint directory (common.checkpoint): trainable tensors (safetensors),
-    optimizer, and state.json with args, step and log. Nothing in the loop draws random
-    numbers (batches are seeded by step, no dropout), so no RNG state is needed to resume."""
-    os.makedirs(os.path.dirname(path.rstrip("/")) or ".", exist_ok=True)
-    save_train_state(path, {n: p.detach().cpu() for n, p in params.items()}, opt,
-                     {"args": vars(a), "step": step, "log": log})
+def read_records(path):
+    """Records of a LLaVA JSON/JSONL or canonical JSONL file (`eval.readers.read_any`).
+    Raises DataError for an empty file."""
+    try:
+        from eval.readers import read_any as read
+    except ImportError:
+        read = data.read_llava_json
+    recs = read(path)
+    if not recs:
+        raise data.DataError(f"{path}: no records")
+    return recs
+
+
+def check_training_records(recs, path):
+    """Per record an image and a non-empty answer (an empty gpt turn would train only <|im_end|>)."""
+    for what, bad in (("no image", [r["id"] for r in recs if not r["image"]]),
+                      ("an empty answer (gpt turn)", [r["id"] for r in recs if not str(r["target"]).strip()])):
+        if bad:
+            raise data.DataError(f"{path}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}; fix or drop them")
+
+
+def data_fingerprint(records):
+    """'N records, sha1 X' over (question, target, image file name): a resume on other data is
+    refused, a moved data folder is not."""
+    h = hashlib.sha1()
+    for r in records:
+        h.update(json.dumps([r["question"], r["target"], os.path.basename(r["image"] or "")]).encode())
+    return f"{len(records)} records, sha1 {h.hexdigest()[:12]}"
 
 
 class Loader:
     """Training records with images held as one uint8 tensor; batches are patchified in
     torch (identical to the PIL image processor for these fixed-size images). The order of
-    epoch e is a permutation seeded by (seed, e): any step's batch is reproducible."""
+    epoch e is a permutation seeded by (seed, e): any step's batch is reproducible.
+    Raises DataError for unreadable images or sizes patchify cannot take (all images must
+    share one size whose sides are multiples of 28)."""
 
     def __init__(self, records, batch_size, seed, rank=0, world=1):
         self.recs, self.bs, self.seed, self.rank, self.world = records, batch_size, seed, rank, world
-        self.images = torch.from_numpy(np.stack([np.asarray(data.load_image(r["image"], r["id"]).convert("RGB"))
-                                                 for r in records]))
+        ims = [np.asarray(data.load_image(r["image"], r["id"]).convert("RGB")) for r in records]
+        sizes = {}
+        for r, im in zip(records, ims):
+            sizes.setdefault(im.shape[:2], r["id"])
+        if len(sizes) > 1 or any(h % 28 or w % 28 for h, w in sizes):
+            seen = ", ".join(f"{w}x{h} (record {rid})" for (h, w), rid in list(sizes.items())[:3])
+            raise data.DataError(f"mole.train needs images of one size with sides that are multiples of 28 "
+                                 f"(patch 14 x merge 2); found {seen}; resize them first")
+        self.images = torch.from_numpy(np.stack(ims))
         self.steps_per_epoch = max(len(records) // batch_size, 1)
 
     def batch(self, step):
@@ -160,33 +257,168 @@ def lr_at(step, total, lr, warmup):
     return lr * 0.5 * (1 + math.cos(math.pi * (step - w) / max(total - w, 1)))
 
 
+# ----------------------------------------------------------------------------- checkpoints
+
+def base_identity(model):
+    """What the trained tensors depend on in the base VLM: architecture, text width, depth,
+    vocabulary (+ the path, for messages only)."""
+    t = model.config.get_text_config()
+    return {"model_type": model.config.model_type, "hidden_size": t.hidden_size,
+            "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
+            "name_or_path": getattr(model.config, "_name_or_path", "") or ""}
+
+
+def run_settings(a, model, recs, world):
+    """Everything that defines a run (all flags but NOT_SETTINGS, world size, base identity,
+    data fingerprint), as state.json gives it back: resume requires equality."""
+    base = base_identity(model)
+    base.pop("name_or_path")  # a moved base checkpoint is the same base
+    s = {k: v for k, v in vars(a).items() if k not in NOT_SETTINGS}
+    return json.loads(json.dumps({**s, "world_size": world, "base_model": base, "data": data_fingerprint(recs)}))
+
+
+def settings_diff(saved, now):
+    """['key: saved X, now Y'] for the keys both define and that differ."""
+    return [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
+
+
+class _HeldOptimizerState:
+    """Takes the optimizer state from `load_train_state` and holds it until the checks pass."""
+    state = None
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def read_ckpt(path, optimizer=None):
+    """`load_train_state` with an unreadable (truncated, corrupt) checkpoint as a RunError."""
+    try:
+        return load_train_state(path, optimizer)
+    except Exception as e:
+        raise RunError(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); restore it, or start "
+                       f"over with --overwrite") from None
+
+
+def copy_tensors(params, tensors, path):
+    """Load checkpoint tensors into the trainable params; RunError if names or shapes differ."""
+    missing = sorted(set(params) - set(tensors))
+    extra = sorted(set(tensors) - set(params))
+    shapes = [n for n in params if n in tensors and params[n].shape != tensors[n].shape]
+    if missing or extra or shapes:
+        raise RunError(f"{path} does not fit this model: missing {missing[:3]}, unexpected {extra[:3]}, "
+                       f"other shapes {shapes[:3]}")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[n])
+
+
+def load_mole(path, device="cpu", base=None):
+    """Rebuild a trained model from a checkpoint directory of this script. Returns
+    (net, proc, stage): net is a MoLE (or the plain VLM for --method sft); stage is the
+    attention stage for inference (2 unless stage 2 never ran).
+    base: load this base VLM instead of the one recorded in the checkpoint (moved files);
+    it must have the recorded identity (architecture, width, depth, vocabulary).
+    Raises FileNotFoundError for a missing checkpoint, ValueError (RunError) for an
+    unreadable or incomplete one or a base that does not fit (message names both)."""
+    tensors, state = read_ckpt(path)
+    if state is None:
+        raise FileNotFoundError(f"{path}: no checkpoint (expected a directory written by mole.train)")
+    a = argparse.Namespace(**state["args"])
+    a.base = base or a.base
+    net, proc, params = build(a, device)
+    saved = state.get("base_model")
+    if saved is not None:
+        now = base_identity(net.model if isinstance(net, MoLE) else net)
+        diff = [f"{k} {saved[k]!r} vs {now[k]!r}" for k in saved if k != "name_or_path" and saved[k] != now[k]]
+        if diff:
+            raise RunError(f"{path} was trained on base {saved['name_or_path'] or '?'} and does not fit base "
+                           f"{now['name_or_path'] or a.base} ({'; '.join(diff)})")
+    copy_tensors(params, tensors, path)
+    return net.eval(), proc, (2 if a.stage2_epochs > 0 else 1)
+
+
+def save_ckpt(path, a, params, opt, step, log, settings, base):
+    """Atomic checkpoint directory (common.checkpoint): trainable tensors (safetensors),
+    optimizer, and state.json with args, settings, base identity, step and log. Nothing in
+    the loop draws random numbers (batches are seeded by step, no dropout), so no RNG state
+    is needed to resume."""
+    os.makedirs(os.path.dirname(path.rstrip("/")) or ".", exist_ok=True)
+    save_train_state(path, {n: p.detach().cpu() for n, p in params.items()}, opt,
+                     {"args": vars(a), "settings": settings, "base_model": base, "step": step, "log": log})
+
+
+def prepare_out(out, resume, overwrite):
+    """Protect what is at --out. A checkpoint of this script (state.json, or its `.old` twin)
+    needs --resume (continue) or --overwrite (delete it, start over). Anything else that is
+    not an empty directory is refused outright: saving replaces the directory wholesale."""
+    out = out.rstrip("/")
+    ckpt = [p for p in (out, out + ".old") if os.path.exists(os.path.join(p, "state.json"))]
+    if not ckpt:
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise RunError(f"--out {out} exists and is not a mole.train checkpoint (no state.json); a checkpoint "
+                           f"there would replace it, so nothing was written: choose a new --out")
+        return
+    if overwrite:
+        for p in (out, out + ".old", out + ".tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+    elif not resume:
+        raise RunError(f"--out {out} already holds a checkpoint; pass --resume to continue it or --overwrite to "
+                       f"start over (deletes it)")
+
+
+# ----------------------------------------------------------------------------- loop
+
 def train(a):
     """Run the schedule in `a` (an argparse Namespace). Returns (net, proc, log) with log a
-    list of per-step dicts {step, stage, loss, ce, balance, z, div, lr, s}."""
+    list of per-step dicts {step, stage, loss, ce, balance, z, div, lr, s}.
+    Raises RunError (a ValueError) for an existing --out without --resume / --overwrite, a
+    resume with other settings (each key saved vs now), a batch without labels and a
+    non-finite loss or gradient (the update is skipped, the last checkpoint kept);
+    Interrupted after SIGTERM (step finished, checkpoint written); DataError / BackboneError."""
+    if a.method == "mole":
+        mole_config(a)  # ValueError for e.g. --top-k > --n-vis, before anything loads
+    if a.stage1_epochs + a.stage2_epochs == 0:
+        raise RunError("--stage1-epochs and --stage2-epochs are both 0: nothing to train")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    rank, world = 0, 1
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0:
+        prepare_out(a.out, a.resume, a.overwrite)
+    path = data_file(a)
+    recs = read_records(path)
+    recs = recs[: a.n_train] if a.n_train else recs
+    check_training_records(recs, path)
+    loader = Loader(recs, a.batch_size, a.seed, rank, world)  # images checked before the model loads
     device = a.device
     if ddp:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
         if device.startswith("cuda"):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(device)
     net, proc, params = build(a, device)
-    recs = data.read_llava_json(os.path.join(a.data, f"{a.split}.json"))
-    recs = recs[: a.n_train] if a.n_train else recs
-    loader = Loader(recs, a.batch_size, a.seed, rank, world)
+    vlm = net.model if isinstance(net, MoLE) else net
+    settings, base = run_settings(a, vlm, recs, world), base_identity(vlm)
     s1 = round(a.stage1_epochs * loader.steps_per_epoch)
     total = s1 + round(a.stage2_epochs * loader.steps_per_epoch)
     opt = torch.optim.AdamW(list(params.values()), lr=a.lr, betas=(0.9, 0.98), weight_decay=a.weight_decay)
     step, log = 0, []
     if a.resume:
-        tensors, state = load_train_state(a.out, opt)
+        held = _HeldOptimizerState()
+        tensors, state = read_ckpt(a.out, held)
         if state is not None:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(tensors[n])
+            saved = state.get("settings") or {k: v for k, v in state["args"].items() if k not in NOT_SETTINGS}
+            diff = settings_diff(saved, settings)
+            if diff:
+                raise RunError(f"--resume: {a.out} was written with other settings ({'; '.join(diff)}); rerun with "
+                               f"the saved values to continue that run, or pass --overwrite to start over")
+            copy_tensors(params, tensors, a.out)
+            if held.state is not None:
+                opt.load_state_dict(held.state)
             step, log = state["step"], state["log"]
+        elif rank == 0:
+            print(f"--resume: no checkpoint in {a.out}; starting at step 0", file=sys.stderr)
+    saved_at = step or None  # step of the last checkpoint of this run on disk
     fwd = torch.compile(net) if a.compile else net  # compile before DDP; save from `net`
     if ddp:
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=True)
@@ -196,49 +428,74 @@ def train(a):
     if rank == 0 and not a.quiet:
         from tqdm import tqdm
         bar = tqdm(total=end, initial=step, desc=f"train {a.method}", dynamic_ncols=True)
-    while step < end:
-        t0 = time.time()
-        stage = 1 if step < s1 else 2
-        chunk, imgs = loader.batch(step)
-        pixels = bb.patchify(imgs)
-        qs, ts = [r["question"] for r in chunk], [r["target"] for r in chunk]
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, a.lr, a.warmup)
-        with amp:
-            if a.method == "sft":
-                batch = {k: v.to(device) for k, v in proc.encode(None, qs, ts, pixels=pixels).items()}
-                out = fwd(**batch)
-                res = {"loss": out.loss, "ce": out.loss}
-            else:
-                batch = {k: v.to(device) for k, v in net.encode(None, qs, ts, pixels=pixels).items()}
-                res = fwd(batch, stage)
-        opt.zero_grad(set_to_none=True)
-        res["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip)
-        opt.step()
-        step += 1
-        rec = {"step": step, "stage": stage, "lr": opt.param_groups[0]["lr"], "s": time.time() - t0}
-        rec.update({k: float(res[k].detach()) for k in ("loss", "ce", "balance", "z", "div") if k in res})
-        log.append(rec)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(stage=stage, loss=f"{rec['loss']:.3f}")
-        if rank == 0 and a.save_every and step % a.save_every == 0:
-            save_ckpt(a.out, a, params, opt, step, log)
+    with sigterm_flag() as flag:
+        while step < end:
+            t0 = time.time()
+            stage = 1 if step < s1 else 2
+            chunk, imgs = loader.batch(step)
+            pixels = bb.patchify(imgs)
+            qs, ts = [r["question"] for r in chunk], [r["target"] for r in chunk]
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, total, a.lr, a.warmup)
+            enc = proc.encode if a.method == "sft" else net.encode
+            batch = {k: v.to(device) for k, v in enc(None, qs, ts, pixels=pixels).items()}
+            if not bool((batch["labels"] != -100).any()):  # the loss would be 0/0 = nan
+                raise RunError(f"step {step}: every label of the batch is masked: no answer token to train on "
+                               f"(records {[r['id'] for r in chunk][:3]}); check their answers")
+            with amp:
+                if a.method == "sft":
+                    out = fwd(**batch)
+                    res = {"loss": out.loss, "ce": out.loss}
+                else:
+                    res = fwd(batch, stage)
+            opt.zero_grad(set_to_none=True)
+            res["loss"].backward()
+            gnorm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip if a.clip > 0 else math.inf))
+            loss = float(res["loss"].detach())
+            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                kept = (f"kept the last good checkpoint {a.out} (step {saved_at})" if saved_at is not None else
+                        f"no checkpoint of this run had been written yet (--save-every {a.save_every})")
+                raise RunError(f"non-finite training loss at step {step} (loss {loss}, gradient norm {gnorm}): "
+                               f"stopped before the update; {kept}. Lower --lr or check the data; --resume "
+                               f"continues from the checkpoint")
+            opt.step()
+            step += 1
+            rec = {"step": step, "stage": stage, "lr": opt.param_groups[0]["lr"], "s": time.time() - t0}
+            rec.update({k: float(res[k].detach()) for k in ("loss", "ce", "balance", "z", "div") if k in res})
+            log.append(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(stage=stage, loss=f"{rec['loss']:.3f}")
+            stop = flag["stop"] and step < end
+            if rank == 0 and step < end and (stop or (a.save_every and step % a.save_every == 0)):
+                save_ckpt(a.out, a, params, opt, step, log, settings, base)
+                saved_at = step
+            if stop:
+                raise Interrupted(f"interrupted at step {step} of {end} (SIGTERM); checkpoint {a.out} written; "
+                                  f"continue with --resume")
     if bar is not None:
         bar.close()
     if rank == 0:
-        save_ckpt(a.out, a, params, opt, step, log)
+        save_ckpt(a.out, a, params, opt, step, log, settings, base)
     if ddp:
         dist.destroy_process_group()
     return net.eval(), proc, log
 
 
 def main(argv=None):
-    a = get_parser().parse_args(argv)
-    if not os.path.exists(os.path.join(a.data, f"{a.split}.json")):
-        raise SystemExit(f"{a.data}/{a.split}.json not found: generate data with `python -m common.data` first")
-    net, proc, log = train(a)
+    """Command line entry; returns (net, proc, log). User errors exit with `error: ...`
+    (status 2), SIGTERM after a checkpoint with status 143."""
+    p = get_parser()
+    a = p.parse_args(argv)
+    if a.warmup > 1:
+        p.error(f"--warmup is a fraction of all steps (0-1), got {a.warmup}")
+    try:
+        net, proc, log = train(a)
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM)
+    except (ValueError, OSError) as e:  # DataError, BackboneError, RunError, config checks, files
+        fail(e)
     if log and int(os.environ.get("RANK", "0")) == 0:
         last = log[-1]
         print(f"done: step {last['step']}, stage {last['stage']}, loss {last['loss']:.4f}, "
