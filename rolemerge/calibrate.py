@@ -207,7 +207,8 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
     VLM (3 buckets), the tokenizer for a text-only LM (2 buckets: question, answer);
     sources: {name: list of records {question[, image]}} (records from common.data.read_llava_json).
     Returns a stats dict: model info + buckets + sources {name: {counts [L,B,N], tokens [B], examples}}.
-    Raises CalibrationError for an unsupported model or an empty bucket."""
+    Raises CalibrationError for an unsupported model, a VLM record without an image, or an
+    empty bucket."""
     from tqdm import tqdm
     info = model_info(model, model_id)
     vlm = model.config.model_type in VLM_TYPES
@@ -218,6 +219,12 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
     else:
         eos = proc_or_tok.eos_token_id
         pad = proc_or_tok.pad_token_id if proc_or_tok.pad_token_id is not None else eos
+    if vlm:
+        for name, records in sources.items():
+            for i, r in enumerate(records):
+                if not r.get("image"):
+                    raise CalibrationError(f"source {name}: record {r.get('id', f'#{i}')} has no image; a "
+                                           f"vision-language model is calibrated on image + question records")
     rec = RouterRecorder(model)
     out = {}
     try:
@@ -250,8 +257,11 @@ def check_nonempty(stats):
     tot = sum(s["tokens"] for s in stats["sources"].values())
     for b, n in zip(stats["buckets"], tot.tolist()):
         if n == 0:
-            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources "
-                                   f"(e.g. no image tokens or max_new_tokens too small)")
+            hint = {"image": "the records have no images", "answer": "no generated token was fed back: "
+                    "raise --max-new-tokens (>= 2) or check that the model does not stop at once"}.get(
+                b, "the prompts are empty")
+            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources ({hint}); "
+                                   f"RoleMerge needs routing counts of every phase")
 
 
 # ----------------------------------------------------------------------------- files
@@ -259,7 +269,8 @@ def check_nonempty(stats):
 def save_stats(stats, path):
     """Write stats to `path` (safetensors: counts/<src>, tokens/<src>; metadata JSON) and a
     readable `path` with .json suffix next to it."""
-    from safetensors.torch import save_file
+    from common.checkpoint import atomic_save_file
+    from common.data import atomic_write_text
     meta = {k: v for k, v in stats.items() if k != "sources"}
     meta["examples"] = {n: s["examples"] for n, s in stats["sources"].items()}
     tensors = {}
@@ -267,29 +278,51 @@ def save_stats(stats, path):
         tensors[f"counts/{n}"] = s["counts"].contiguous()
         tensors[f"tokens/{n}"] = s["tokens"].contiguous()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file(tensors, path, metadata={META_KEY: json.dumps(meta)})
+    atomic_save_file(tensors, path, metadata={META_KEY: json.dumps(meta)})   # temp file + rename
     summary = dict(meta, tokens={n: dict(zip(stats["buckets"], s["tokens"].tolist()))
                                  for n, s in stats["sources"].items()})
-    with open(os.path.splitext(path)[0] + ".json", "w") as f:
-        json.dump(summary, f, indent=1)
+    atomic_write_text(summary_path(path), json.dumps(summary, indent=1))
+
+
+def summary_path(path):
+    """The readable .json summary written next to a stats file."""
+    return os.path.splitext(path)[0] + ".json"
 
 
 def load_stats(paths):
     """Read and combine one or more stats files of the same model. Sources with the same name
-    in several files are summed. Raises CalibrationError for files of different models."""
+    in several files are summed. Raises CalibrationError for a missing, truncated or foreign
+    file, counts whose shape disagrees with the file's own metadata, files of different
+    models, and a phase bucket that is empty over all sources."""
     from safetensors import safe_open
+    from common.checkpoint import CheckpointError, check_safetensors
     paths = [paths] if isinstance(paths, str) else list(paths)
+    if not paths:
+        raise CalibrationError("no stats file given (run python -m rolemerge.calibrate first)")
     stats = None
     for p in paths:
         if not os.path.exists(p):
             raise CalibrationError(f"{p}: stats file not found (run python -m rolemerge.calibrate first)")
-        with safe_open(p, "pt") as f:
-            md = f.metadata() or {}
-            if META_KEY not in md:
-                raise CalibrationError(f"{p}: not a RoleMerge stats file (no '{META_KEY}' metadata)")
-            meta = json.loads(md[META_KEY])
-            sources = {n: {"counts": f.get_tensor(f"counts/{n}"), "tokens": f.get_tensor(f"tokens/{n}"),
-                           "examples": e} for n, e in meta.pop("examples").items()}
+        try:
+            check_safetensors(p)
+            with safe_open(p, "pt") as f:
+                md = f.metadata() or {}
+                if META_KEY not in md:
+                    raise CalibrationError(f"{p}: not a RoleMerge stats file (no '{META_KEY}' metadata)")
+                meta = json.loads(md[META_KEY])
+                sources = {n: {"counts": f.get_tensor(f"counts/{n}"), "tokens": f.get_tensor(f"tokens/{n}"),
+                               "examples": e} for n, e in meta.pop("examples").items()}
+            shape = [len(meta["layer_names"]), len(meta["buckets"]), meta["num_experts"]]
+        except (CheckpointError, ValueError, KeyError, TypeError) as e:
+            if isinstance(e, CalibrationError):
+                raise
+            raise CalibrationError(f"{p}: unreadable stats file ({e.__class__.__name__}: {e}); "
+                                   f"recalibrate with python -m rolemerge.calibrate") from None
+        for n, s in sources.items():
+            if list(s["counts"].shape) != shape or list(s["tokens"].shape) != shape[1:2] or (s["counts"] < 0).any():
+                raise CalibrationError(f"{p}: counts of source {n!r} have shape {list(s['counts'].shape)}, but the "
+                                       f"file's metadata says [layers, buckets, experts] = {shape} (non-negative); "
+                                       f"the file was edited or is corrupt: recalibrate")
         if stats is None:
             stats = dict(meta, sources=sources)
             continue
@@ -304,6 +337,7 @@ def load_stats(paths):
                                        "examples": t["examples"] + s["examples"]}
             else:
                 stats["sources"][n] = s
+    check_nonempty(stats)
     return stats
 
 
@@ -317,27 +351,60 @@ def total_counts(stats):
 def load_model(path, dtype=None, device="cpu", device_map=None, trust_remote_code=False):
     """Load any supported MoE checkpoint with its processor (VLM) or tokenizer (LM).
     device_map="auto" spreads a model over devices (needs the optional `accelerate`).
-    Raises CalibrationError for unsupported families, with the list of supported ones."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    Weights load from safetensors only; trust_remote_code stays off unless asked.
+    Raises CalibrationError for a missing / unreadable checkpoint, pickle-only weights, a
+    truncated shard (named) and unsupported families, with the list of supported ones."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from common import backbone as bb
     if device_map is not None:
         import importlib.util
         if importlib.util.find_spec("accelerate") is None:
             raise CalibrationError("--device-map needs the optional package accelerate (pip install accelerate)")
     path = bb.resolve(path)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise CalibrationError(f"{path}: no config.json (not a save_pretrained checkpoint directory)")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    check_supported(config)
+    config = load_config(path, trust_remote_code)
     if config.model_type in VLM_TYPES:
-        model, proc = bb.load_backbone(path, dtype=dtype, device=device, device_map=device_map,
-                                       trust_remote_code=trust_remote_code)
-        return model, proc
+        try:
+            return bb.load_backbone(path, dtype=dtype, device=device, device_map=device_map,
+                                    trust_remote_code=trust_remote_code)
+        except bb.BackboneError as e:
+            raise CalibrationError(str(e)) from None
     cls = AutoModelForImageTextToText if config.model_type == "deepseek_ocr2" else AutoModelForCausalLM
-    model = cls.from_pretrained(path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code)
+    model = cls.from_pretrained(path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code,
+                                use_safetensors=True)
     if device_map is None:
         model.to(device)
     return model.eval(), AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_config(path, trust_remote_code=False):
+    """config of a local checkpoint directory of a supported MoE family whose weights are
+    complete safetensors files (headers checked, no tensor read). Raises CalibrationError
+    naming the problem: no directory / config.json, unreadable config, unsupported family,
+    no safetensors weights (pickles are never loaded: they can run code), a truncated shard."""
+    from transformers import AutoConfig
+    from common.checkpoint import CheckpointError, check_safetensors, safetensors_files
+    if not os.path.isdir(path):
+        raise CalibrationError(f"{path}: no such checkpoint directory (a save_pretrained folder, or tiny-moe)")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CalibrationError(f"{path}: no config.json (not a save_pretrained checkpoint directory)")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # bad JSON, no/unknown model_type, custom code without the flag
+        why = str(e).splitlines()[0].rstrip(". ")
+        raise CalibrationError(f"{path}: cannot read its config.json ({why}); checkpoints with their own code "
+                               f"need --trust-remote-code (it runs that code)") from None
+    check_supported(config)
+    try:
+        shards = safetensors_files(path)
+        for f in shards:
+            check_safetensors(f)
+    except CheckpointError as e:
+        raise CalibrationError(str(e)) from None
+    if not shards:
+        raise CalibrationError(f"{path} has no *.safetensors weights. Weights load from safetensors only (a pickled "
+                               f".bin can execute code when loaded); if you trust the file, convert it once with "
+                               f"transformers: from_pretrained, then save_pretrained(new_dir)")
+    return config
 
 
 def main(argv=None):
@@ -350,15 +417,23 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=128, help="examples per source (the first n of each file)")
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (left-padded greedy decoding)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens decoded per example")
-    p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"], help="load dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="load dtype (auto: the checkpoint's own)")
     p.add_argument("--device", default="cpu", help="device (cpu, cuda, ...)")
     p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
     a = p.parse_args(argv)
-    dtype = getattr(torch, a.dtype) if a.dtype else None
+    for flag, low in (("n", 1), ("batch_size", 1), ("max_new_tokens", 2)):
+        if getattr(a, flag) < low:   # max_new_tokens 1: the one generated token is never fed back (no answer bucket)
+            p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(a, flag)}")
+    if not a.out.endswith(".safetensors"):  # the summary goes to <out minus suffix>.json: never onto --out itself
+        p.error(f"--out {a.out} must end in .safetensors (a .json summary is written next to it)")
+    for path in a.data:
+        if os.path.realpath(path) in (os.path.realpath(a.out), os.path.realpath(summary_path(a.out))):
+            p.error(f"--out {a.out} would overwrite the calibration data {path}")
+    dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     try:
-        model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
-        sources = {}
+        sources = {}   # data first: a bad record fails before a model of many GB is loaded
         for path in a.data:
             name = os.path.splitext(os.path.basename(path))[0]
             if name in sources:  # two files with the same name (a/val.json, b/val.json): keep both
@@ -366,6 +441,9 @@ def main(argv=None):
             if name in sources:
                 raise CalibrationError(f"{path} is given twice; each calibration source counts once")
             sources[name] = data.read_llava_json(path)[:a.n]
+            if not sources[name]:
+                raise CalibrationError(f"{path}: no records to calibrate on")
+        model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
         stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
     except (CalibrationError, data.DataError) as e:
         raise SystemExit(f"error: {e}")

@@ -110,9 +110,14 @@ def main(argv=None):
     p.add_argument("--speed", action="store_true", help="also measure batch-1 time to first token and decode tok/s")
     p.add_argument("--out", default=None, help="write predictions + summary JSON here")
     a = p.parse_args(argv)
+    for flag in ("n", "batch_size", "max_new_tokens"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(a, flag)}")
+    if a.out and os.path.realpath(a.out) == os.path.realpath(a.data):
+        p.error(f"--out {a.out} is the data file; predictions would overwrite it")
     try:
+        records = data.read_llava_json(a.data)[:a.n]   # data first: fails before the model loads
         model, proc, load_s = load_timed(a.model)
-        records = data.read_llava_json(a.data)[:a.n]
     except (cal.CalibrationError, data.DataError) as e:
         raise SystemExit(f"error: {e}")
     preds = predict(model, proc, records, a.batch_size, a.max_new_tokens)
@@ -125,8 +130,7 @@ def main(argv=None):
         summary.update(speed(model, proc, records))
     print(json.dumps(summary, indent=1))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"summary": summary, "predictions": preds}, f, indent=1)
+        data.atomic_write_text(a.out, json.dumps({"summary": summary, "predictions": preds}, indent=1))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import torch
 
@@ -53,11 +52,8 @@ class MergeError(ValueError):
 def target_k(n_experts, top_k, rho=None, k=None):
     """K from rho (round half up of rho N) or K itself. Raises MergeError for rho outside
     (0, 1], K outside [top_k, N] (a router cannot pick top_k of fewer than top_k experts)."""
-    if (rho is None) == (k is None):
-        raise MergeError("give exactly one of rho and K")
+    check_rho_k(rho, k)
     if rho is not None:
-        if not 0 < rho <= 1:
-            raise MergeError(f"rho={rho} must be in (0, 1]")
         k = int(math.floor(rho * n_experts + 0.5))
     if k > n_experts:
         raise MergeError(f"K={k} exceeds the {n_experts} experts per layer")
@@ -65,6 +61,16 @@ def target_k(n_experts, top_k, rho=None, k=None):
         raise MergeError(f"K={k} is smaller than the model's top_k={top_k}: every token routes to {top_k} experts, "
                          f"so at least {top_k} must remain (use a larger rho)")
     return k
+
+
+def check_rho_k(rho=None, k=None):
+    """The checks on rho / K that need no model: exactly one given, rho in (0, 1], K >= 1."""
+    if (rho is None) == (k is None):
+        raise MergeError("give exactly one of rho and K")
+    if rho is not None and not 0 < rho <= 1:   # also refuses nan
+        raise MergeError(f"rho={rho} must be in (0, 1] (the fraction of experts kept per layer)")
+    if k is not None and k < 1:
+        raise MergeError(f"K={k} must be a positive number of experts")
 
 
 def check_stats(stats, info):
@@ -164,13 +170,13 @@ def copy_side_files(src, dst):
 
 
 def load_model_for_merge(path, dtype=None):
-    """The model alone (no processor) of a supported checkpoint, in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    config = AutoConfig.from_pretrained(path)
-    cal.check_supported(config)
+    """The model alone (no processor) of a supported checkpoint, in eval mode; safetensors
+    only, no checkpoint code (`cal.load_config` checks the directory first)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    config = cal.load_config(path)
     vlm = config.model_type in cal.VLM_TYPES + ("deepseek_ocr2",)
     cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
-    return cls.from_pretrained(path, dtype=dtype).eval()
+    return cls.from_pretrained(path, dtype=dtype, trust_remote_code=False, use_safetensors=True).eval()
 
 
 # ----------------------------------------------------------------------------- streaming I/O
@@ -187,12 +193,14 @@ CHUNK = 64 << 20
 
 
 def read_header(path):
-    """safetensors header -> ({name: {dtype, shape, data_offsets}}, data_start, metadata)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        h = json.loads(f.read(n))
-    meta = h.pop("__metadata__", {})
-    return h, 8 + n, meta
+    """safetensors header -> ({name: {dtype, shape, data_offsets}}, data_start, metadata).
+    Raises MergeError naming the file when it is truncated or corrupt (its size must match
+    the header exactly), so no tensor is ever read past the end of a short file."""
+    from common.checkpoint import CheckpointError, check_safetensors
+    try:
+        return check_safetensors(path)
+    except CheckpointError as e:
+        raise MergeError(str(e)) from None
 
 
 def read_tensor(path, start, entry, index=None):
@@ -206,7 +214,8 @@ def read_tensor(path, start, entry, index=None):
     buf = bytearray(b - a)
     with open(path, "rb") as f:
         f.seek(start + a)
-        f.readinto(buf)
+        if f.readinto(buf) != len(buf):   # the file shrank after read_header checked it
+            raise MergeError(f"{path}: short read ({len(buf)} bytes at {start + a}); the file is truncated")
     return torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape) if buf else torch.empty(shape, dtype=dt)
 
 
@@ -225,19 +234,23 @@ def copy_bytes(src, dst_f, offset, n):
         f.seek(offset + n - left)
         while left:
             chunk = f.read(min(left, CHUNK))
+            if not chunk:                 # end of file: never loop forever or pad with nothing
+                raise MergeError(f"{src}: ends {left} bytes early; the file is truncated")
             dst_f.write(chunk)
             left -= len(chunk)
 
 
 def shard_files(path):
     """[(shard file name)] of a safetensors checkpoint directory (index or single file)."""
-    idx = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(idx):
-        with open(idx) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        return ["model.safetensors"]
-    raise MergeError(f"{path}: no model.safetensors or model.safetensors.index.json (streaming needs safetensors)")
+    from common.checkpoint import CheckpointError, safetensors_files
+    try:
+        files = safetensors_files(path)
+    except CheckpointError as e:
+        raise MergeError(str(e)) from None
+    if not files:
+        raise MergeError(f"{path}: no *.safetensors weights (streaming reads safetensors only; pickled .bin "
+                         f"files are never loaded)")
+    return [os.path.basename(f) for f in files]
 
 
 def scan_checkpoint(path):
@@ -403,24 +416,42 @@ def _write_one(f, src, headers, where, spec, inputs):
 
 def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge", lam=0.03, linkage="single",
               seed=0, streaming=False, force=False, dtype=None):
-    """Plan + merge + save + report. Returns the report dict. Raises MergeError / CalibrationError."""
+    """Plan + merge + save + report. Returns the report dict. Raises MergeError / CalibrationError.
+
+    The output is written to `{out}.tmp` and renamed to `out` only when complete (report
+    last), so a killed run never leaves a directory at `out`; a rerun starts the `.tmp` over
+    and gives the same bytes. `force` replaces only a previous RoleMerge output (a directory
+    holding rolemerge_report.json) or an empty directory, never other data."""
     from common import backbone as bb
     src = bb.resolve(model_path)
     if not os.path.exists(os.path.join(src, "config.json")):
         raise MergeError(f"{src}: no config.json (not a save_pretrained checkpoint directory)")
-    if os.path.exists(out):
-        if os.path.realpath(out) == os.path.realpath(src):
-            raise MergeError(f"--out {out} is the input checkpoint; write the merged model to a new directory")
+    check_rho_k(rho, k)
+    if not (lam >= 0 and math.isfinite(lam)):
+        raise MergeError(f"lambda={lam} must be a finite number >= 0 (paper: 0.03)")
+    if streaming and dtype is not None:
+        raise MergeError("--dtype applies to the in-memory merge only; the streaming path keeps every tensor's "
+                         "dtype from the checkpoint files")
+    out = out.rstrip("/") or out
+    real_out, real_src = os.path.realpath(out), os.path.realpath(src)
+    if real_out == real_src or os.path.commonpath([real_out, real_src]) == real_out:
+        raise MergeError(f"--out {out} is the input checkpoint (or a folder holding it); write the merged model "
+                         f"to a new directory")
+    if os.path.lexists(out):
         if not force:
             raise MergeError(f"{out} exists; pass --force to overwrite it")
+        if not os.path.isdir(out) or os.path.islink(out) or (
+                os.listdir(out) and not os.path.exists(os.path.join(out, REPORT))):
+            raise MergeError(f"{out} exists and is not a RoleMerge output (no {REPORT}); refusing to delete it "
+                             f"even with --force: choose a new --out")
     stats = cal.load_stats(stats_paths)
     t0 = time.time()
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)   # a killed earlier run's partial output
     if streaming:
+        cal.load_config(src)                 # readable, supported, complete safetensors shards
         with open(os.path.join(src, "config.json")) as f:
             config = json.load(f)
-        cal.check_supported(SimpleNamespace(model_type=config.get("model_type")))
         info = streaming_info(src, config)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
@@ -448,11 +479,16 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         copy_side_files(src, tmp)
     report = dict(plan, model=str(model_path), stats=list(stats_paths) if not isinstance(stats_paths, str)
                   else [stats_paths], streaming=streaming, merge_seconds=time.time() - t0)
-    with open(os.path.join(tmp, REPORT), "w") as f:
+    with open(os.path.join(tmp, REPORT), "w") as f:      # last file: its presence marks a complete output
         json.dump(report, f, indent=1)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    if os.path.exists(out):                               # --force over a previous output
+        old = out + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
     return report
 
 
@@ -473,12 +509,13 @@ def main(argv=None):
     p.add_argument("--streaming", action="store_true",
                    help="merge from the safetensors shards without loading the model (bounded memory)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
-    p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"],
-                   help="load dtype of the in-memory path (default: the checkpoint's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="load dtype of the in-memory path (auto: the checkpoint's own; the streaming path always "
+                        "keeps the checkpoint's dtypes)")
     a = p.parse_args(argv)
     try:
         rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, a.streaming,
-                        a.force, getattr(torch, a.dtype) if a.dtype else None)
+                        a.force, None if a.dtype == "auto" else getattr(torch, a.dtype))
     except (MergeError, cal.CalibrationError) as e:
         raise SystemExit(f"error: {e}")
     print(f"merged {rep['N']} -> {rep['K']} experts per layer ({rep['method']}) in {rep['merge_seconds']:.1f}s: "
