@@ -444,12 +444,12 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 os.listdir(out) and not os.path.exists(os.path.join(out, REPORT))):
             raise MergeError(f"{out} exists and is not a RoleMerge output (no {REPORT}); refusing to delete it "
                              f"even with --force: choose a new --out")
+    cal.load_config(src)                     # readable, supported family, complete safetensors shards
     stats = cal.load_stats(stats_paths)
     t0 = time.time()
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)   # a killed earlier run's partial output
     if streaming:
-        cal.load_config(src)                 # readable, supported, complete safetensors shards
         with open(os.path.join(src, "config.json")) as f:
             config = json.load(f)
         info = streaming_info(src, config)
