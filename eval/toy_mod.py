@@ -1,6 +1,9 @@
 """Toy reproduction of Mixture of Debaters on the shapes world (MoD issue item 6).
 
-Pipeline, all on the committed tiny dense VLM (frozen):
+Pipeline, all on the committed tiny chat VLM `tiny-chat` (frozen): `tiny-dense` continued on the
+prompt shapes used here (JSON instruction, debate prompt with prior responses, self-correction
+and multi-agent-debate turns; `common.pretrain.chat_example`), the stand-in for a real VLM's
+instruction following:
   1. viewpoint-shift data (§3.2): K samples per training question from the base model,
      T_pos / T_rev / T_rob samples with the debate prompt and a JSON target,
   2. LoRA, MoE-LoRA and MoD trained on the same data with (about) the same number of
@@ -39,7 +42,7 @@ from mod.infer import (heatmap_png, mod_debate, multi_agent_debate, plain, routi
 from mod.model import AdapterConfig, attach, num_trainable, save_adapters
 from mod.train import fit
 
-# (about) equal trainable parameters on the tiny dense base (hidden 128, 4 layers, q/k/v/o):
+# (about) equal trainable parameters on the tiny chat/dense base (hidden 128, 4 layers, q/k/v/o):
 # MoD E=8 rank-1 experts per pool + 2 routers: 61,440; LoRA rank 17: 60,928;
 # MoE-LoRA 4 experts of rank 4 + router, top-2: 65,536.
 METHODS = {"lora": dict(method="lora", r=17, lora_alpha=34.0),
@@ -88,7 +91,7 @@ def train_adapter(base, proc, recs, cfg_kw, steps, batch_size, out_dir, name, lo
     return model.eval(), res
 
 
-def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-dense", log=print):
+def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", log=print):
     """Run the toy reproduction; returns report rows (and writes out_dir/results.json)."""
     S = SETTINGS[bool(quick)]
     os.makedirs(out_dir, exist_ok=True)
@@ -179,7 +182,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="main rows only (~3 CPU minutes)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
-    p.add_argument("--base", default="tiny-dense", help="frozen base model: checkpoint dir or tiny-dense")
+    p.add_argument("--base", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
     a = p.parse_args(argv)
     if a.threads:
