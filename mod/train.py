@@ -282,6 +282,9 @@ def load_ckpt(path, model, opt, settings):
             p.copy_(tensors[k])
     if held.state is not None:
         opt.load_state_dict(held.state)
+    else:
+        print(f"warning: {path} has no optimizer state (optim.pt): AdamW restarts from zero moments, so the "
+              f"resumed run will differ from an uninterrupted one", file=sys.stderr)
     torch.set_rng_state(tensors[RNG])
     return state["step"], state["log"]
 

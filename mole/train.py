@@ -415,6 +415,9 @@ def train(a):
             copy_tensors(params, tensors, a.out)
             if held.state is not None:
                 opt.load_state_dict(held.state)
+            else:
+                print(f"warning: {a.out} has no optimizer state (optim.pt): AdamW restarts from zero moments, so "
+                      f"the resumed run will differ from an uninterrupted one", file=sys.stderr)
             step, log = state["step"], state["log"]
         elif rank == 0:
             print(f"--resume: no checkpoint in {a.out}; starting at step 0", file=sys.stderr)
