@@ -286,15 +286,19 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
 
 def save_backbone(model, proc, path):
     """save_pretrained model + tokenizer + image processor into `path` atomically
-    (written to a temp dir, then renamed over)."""
+    (written to a temp dir, then renamed over; an existing `path` is moved aside first, so
+    at every instant one complete checkpoint is at `path` or at `path.old`)."""
     import shutil
-    tmp = path.rstrip("/") + ".tmp"
+    path = path.rstrip("/")
+    tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     proc.save_pretrained(tmp)
     if os.path.exists(path):
-        shutil.rmtree(path)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
     os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def text_model(model):
