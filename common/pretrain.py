@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from common import backbone as bb
 from common import data
-from common.checkpoint import load_train_state, save_train_state
+from common.checkpoint import CheckpointError, load_train_state, save_train_state
 
 
 def encode_examples(proc, ex):
@@ -197,7 +197,10 @@ def main():
         import shutil
         shutil.rmtree(ckpt, ignore_errors=True)
     recipe = {k: getattr(a, k) for k in RECIPE_KEYS}
-    tensors, state = load_train_state(ckpt, opt)
+    try:
+        tensors, state = load_train_state(ckpt, opt)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}; or pass --fresh to start over")
     if tensors is not None:
         saved = state.get("recipe", recipe)
         diff = {k: (saved.get(k), v) for k, v in recipe.items() if saved.get(k) != v}
@@ -247,4 +250,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (data.DataError, bb.BackboneError) as e:
+        raise SystemExit(f"error: {e}")

@@ -1,12 +1,13 @@
 """Quickstart: the repo's main job, end to end on the embedded tiny defaults.
 
     python -m eval.quickstart                 # 2-4 minutes on 2 CPU cores (see README)
-    python -m eval.quickstart --retrain-base  # first re-pretrain both tiny bases (~20 more minutes)
+    python -m eval.quickstart --retrain-base  # first re-pretrain the tiny bases (~30 more minutes)
 
 1. generates the shapes data (out/data: train / val / test, images + LLaVA JSON),
-2. loads the committed tiny dense VLM (Qwen3-VL) and tiny MoE-VLM (Qwen3-VL-MoE) through the
-   same loader a real checkpoint takes (or retrains them with --retrain-base),
-3. evaluates both on the test split next to the best-constant-answer baseline ("majority"),
+2. loads the committed tiny dense VLM (Qwen3-VL), tiny MoE-VLM (Qwen3-VL-MoE) and tiny chat
+   VLM (the dense one continued on the MoD prompt shapes) through the same loader a real
+   checkpoint takes (or retrains them with --retrain-base),
+3. evaluates them on the test split next to the best-constant-answer baseline ("majority"),
 4. runs each method's toy reproduction in quick mode (MoD, RoleMerge, MoLE, where present),
 5. writes out/quickstart/report.json (a list of rows: model, family, metric, value, ci_low,
    ci_high, n) and out/quickstart/report.md.
@@ -53,7 +54,7 @@ def main(argv=None):
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--n-test", type=int, default=500, help="test examples to evaluate")
     p.add_argument("--retrain-base", action="store_true",
-                   help="re-pretrain both tiny bases from scratch into common/tiny/ first (slow, see README)")
+                   help="re-pretrain the tiny bases into common/tiny/ first (slow, see README)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of method toy reproductions to run in quick mode ('' for none)")
     p.add_argument("--batch-size", type=int, default=100, help="generation batch size")
@@ -78,11 +79,16 @@ def main(argv=None):
                  for arch, name in (("qwen3_vl", "tiny-dense"), ("qwen3_vl_moe", "tiny-moe"))]
         if any(p.wait() != 0 for p in procs):
             raise SystemExit("error: base pretraining failed (see its output above)")
+        chat = subprocess.run([sys.executable, "-m", "common.pretrain", "--init", bb.TINY["tiny-dense"],
+                               "--chat-mix", "1,1,2,1,1", "--steps", "800", "--batch-size", "16", "--lr", "1e-3",
+                               "--out", bb.TINY["tiny-chat"], "--threads", "1"])
+        if chat.returncode != 0:
+            raise SystemExit("error: chat-base pretraining failed (see its output above)")
         timings["retrain bases"] = time.time() - t
 
     # 3. evaluate bases next to the best constant answer
     rows += ev.majority_rows(test)
-    for name in ("tiny-dense", "tiny-moe"):
+    for name in ("tiny-dense", "tiny-moe", "tiny-chat"):
         t = time.time()
         model, proc = bb.load_backbone(name)
         with torch.inference_mode():

@@ -78,3 +78,12 @@ def test_bad_chat_mix_is_refused(tmp_path, monkeypatch, capsys, mix):
         _run(monkeypatch, "--out", str(tmp_path / "a"), "--chat-mix", mix)
     assert "--chat-mix needs 5 non-negative weights" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+def test_truncated_checkpoint_is_named_and_kept(tmp_path, monkeypatch):
+    _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "1")
+    f = tmp_path / "a.ckpt" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(SystemExit, match=r"error: .*model\.safetensors.*--fresh"):
+        _run(monkeypatch, "--out", str(tmp_path / "a"))
+    assert f.exists() and (tmp_path / "a.ckpt" / "state.json").exists()  # nothing deleted
