@@ -398,11 +398,12 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
                 with open(log_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
-            stop = flag["stop"] and step + 1 < steps
-            if rank == 0 and step + 1 < steps and (stop or (save_every and (step + 1) % save_every == 0)):
+            if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
                 save_ckpt(ckpt, raw, opt, step + 1, settings, log)
                 saved_at = step + 1
-            if stop:
+            if flag["stop"] and step + 1 < steps:  # SIGTERM during this step (or its checkpoint write)
+                if rank == 0 and saved_at != step + 1:
+                    save_ckpt(ckpt, raw, opt, step + 1, settings, log)
                 raise Interrupted(f"interrupted at step {step + 1} of {steps} (SIGTERM); checkpoint {ckpt} written; "
                                   f"continue with --resume")
     if rank == 0:

@@ -469,11 +469,12 @@ def train(a):
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(stage=stage, loss=f"{rec['loss']:.3f}")
-            stop = flag["stop"] and step < end
-            if rank == 0 and step < end and (stop or (a.save_every and step % a.save_every == 0)):
+            if rank == 0 and a.save_every and step % a.save_every == 0 and step < end:
                 save_ckpt(a.out, a, params, opt, step, log, settings, base)
                 saved_at = step
-            if stop:
+            if flag["stop"] and step < end:  # SIGTERM during this step (or its checkpoint write)
+                if rank == 0 and saved_at != step:
+                    save_ckpt(a.out, a, params, opt, step, log, settings, base)
                 raise Interrupted(f"interrupted at step {step} of {end} (SIGTERM); checkpoint {a.out} written; "
                                   f"continue with --resume")
     if bar is not None:
