@@ -93,7 +93,7 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None):
     nets = {}
     for name, flags in specs.items():
         t = time.time()
-        net, proc, log = mt.main(common + flags + ["--out", os.path.join(out_dir, "ckpt", name)])
+        net, proc, log = mt.main(common + flags + ["--out", os.path.join(out_dir, "ckpt", name), "--overwrite"])
         train_s = time.time() - t
         stage = 2 if log[-1]["stage"] == 2 else 1
         t = time.time()
