@@ -313,9 +313,11 @@ def read_llava_json(path, image_root=None, check_images=True):
     """Read LLaVA-style conversation JSON (a list) or JSONL into a list of dicts
     {id, image (absolute path), question, answer, family, conversations}.
 
-    Raises DataError naming the file/record for malformed records, missing answer turns,
-    and missing image files."""
+    Raises DataError for a file without records and naming the file/record for malformed
+    records, missing answer turns, and missing image files."""
     records = load_records(path)
+    if not records:
+        raise DataError(f"{path}: no records (an empty file or list)")
     root = image_root or os.path.dirname(os.path.abspath(path))
     out = []
     for i, r in enumerate(records):
@@ -340,6 +342,25 @@ def read_llava_json(path, image_root=None, check_images=True):
                     "conversations": conv})
     return out
 
+
+
+def read_records(path):
+    """Records of a LLaVA JSON/JSONL or canonical JSONL file: `eval.readers.read_any`, or
+    `read_llava_json` where eval/ is not installed. Raises DataError (an empty file too)."""
+    try:
+        from eval.readers import read_any as read
+    except ImportError:
+        read = read_llava_json
+    return read(path)
+
+
+def check_training_records(records, path):
+    """What training needs per record: an image and a non-empty answer (an empty gpt turn
+    would train only <|im_end|>). Raises DataError naming up to three bad records."""
+    for what, bad in (("no image", [r["id"] for r in records if not r["image"]]),
+                      ("an empty answer (gpt turn)", [r["id"] for r in records if not str(r["target"]).strip()])):
+        if bad:
+            raise DataError(f"{path}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}; fix or drop them")
 
 # Pixel bound of every image read: PIL's decompression-bomb threshold (~89 Mpx, e.g. 9459 x
 # 9459). A small PNG can declare 10000 x 10000 pixels; decoding it costs 300 MB of RGB and
