@@ -99,15 +99,17 @@ def save_train_state(path, tensors, optimizer, state):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_train_state(path, optimizer=None):
-    """-> (tensors, state) from a `save_train_state` directory, or (None, None) if there is none.
-    Falls back to `{path}.old` when a crash hit between the two renames.
-    The optimizer (if given) is restored in place; `torch.load(weights_only=True)` refuses pickled code.
+def read_state(path, optim=True):
+    """-> (tensors, optimizer state dict or None, state) from a `save_train_state` directory,
+    or (None, None, None) if there is none. Falls back to `{path}.old` when a crash hit between
+    the two renames. Nothing is applied, so a caller can check `state` before it changes
+    anything; optim=False does not read optim.pt at all (inference).
     Raises CheckpointError naming the file for a truncated / corrupt model.safetensors or
-    state.json, and for an optim.pt that holds anything but tensors and plain containers."""
+    state.json, and for an optim.pt that holds anything but tensors and plain containers
+    (`torch.load(weights_only=True)` refuses pickled code)."""
     for p in (path, path.rstrip("/") + ".old"):
         if os.path.exists(os.path.join(p, "state.json")):
-            weights, optim, st = (os.path.join(p, n) for n in ("model.safetensors", "optim.pt", "state.json"))
+            weights, optim_file, st = (os.path.join(p, n) for n in ("model.safetensors", "optim.pt", "state.json"))
             check_safetensors(weights)
             tensors = load_file(weights)
             try:
@@ -115,15 +117,25 @@ def load_train_state(path, optimizer=None):
                     state = json.load(f)
             except ValueError as e:
                 raise CheckpointError(f"{st}: not valid JSON ({e}); the checkpoint is corrupt") from None
-            if optimizer is not None and os.path.exists(optim):
+            sd = None
+            if optim and os.path.exists(optim_file):
                 try:
-                    sd = torch.load(optim, weights_only=True)
+                    sd = torch.load(optim_file, weights_only=True)
                 except Exception as e:  # UnpicklingError for code, RuntimeError / EOFError for truncation
                     raise CheckpointError(
-                        f"{optim}: refused or unreadable ({e.__class__.__name__}); it is loaded with "
+                        f"{optim_file}: refused or unreadable ({e.__class__.__name__}); it is loaded with "
                         f"torch.load(weights_only=True), which rejects pickled code and non-tensor objects. "
                         f"If this file is not one this code wrote, delete it (the optimizer then starts fresh; "
                         f"model.safetensors and state.json are kept)") from None
-                optimizer.load_state_dict(sd)
-            return tensors, state
-    return None, None
+            return tensors, sd, state
+    return None, None, None
+
+
+def load_train_state(path, optimizer=None):
+    """-> (tensors, state) from a `save_train_state` directory, or (None, None) if there is none
+    (`read_state`); the optimizer (if given) is restored in place from optim.pt. Raises
+    CheckpointError as `read_state`."""
+    tensors, sd, state = read_state(path, optim=optimizer is not None)
+    if optimizer is not None and sd is not None:
+        optimizer.load_state_dict(sd)
+    return tensors, state
