@@ -12,6 +12,7 @@ The tiny defaults are real `transformers` architectures (Qwen3-VL dense, Qwen3-V
 built here with a byte-level BPE tokenizer and a Qwen2-VL image processor, pretrained by
 `python -m common.pretrain` and saved with `save_pretrained` under `common/tiny/`.
 """
+import hashlib
 import json
 import os
 import random
@@ -299,6 +300,42 @@ def save_backbone(model, proc, path):
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def base_identity(model):
+    """What trained adapters / latent modules depend on in their base VLM: architecture, text
+    width, depth, vocabulary and a fingerprint of the weights (`weights_fingerprint`), plus
+    the path it was loaded from (for messages only: a moved checkpoint is the same base)."""
+    t = model.config.get_text_config()
+    return {"model_type": model.config.model_type, "hidden_size": t.hidden_size,
+            "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
+            "weights": weights_fingerprint(model),
+            "name_or_path": getattr(model.config, "_name_or_path", "") or ""}
+
+
+@torch.no_grad()
+def weights_fingerprint(model, n=4096):
+    """'sha256 X' over n evenly strided values of the input embedding matrix, rounded to
+    bf16 (a bf16 load of an fp32 checkpoint is the same base) and hashed as fp32 bytes:
+    tells apart two bases of one config with other weights (tiny-dense / tiny-chat) and costs
+    one n-value copy even for a 150k x 4096 embedding. A fine-tune that left the embedding
+    untouched (e.g. merged LoRA) is not told apart."""
+    w = model.get_input_embeddings().weight.detach().reshape(-1)  # (vocab * hidden,), a view
+    sample = w[::max(1, w.numel() // n)][:n].to(torch.bfloat16).float().cpu()
+    return "sha256 " + hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
+
+
+def identity_mismatch(saved, now):
+    """Why a base of identity `now` cannot stand in for the `saved` one, [] if it can:
+    ['key saved vs now'] for each differing key (name_or_path ignored); the weights only when
+    all else matches (other weights of another architecture say nothing new). Keys that
+    `saved` lacks (recorded before they existed) are not compared."""
+    diff = [f"{k} {saved[k]!r} vs {now.get(k)!r}" for k in saved
+            if k not in ("name_or_path", "weights") and saved[k] != now.get(k)]
+    if not diff and saved.get("weights", now.get("weights")) != now.get("weights"):
+        diff = [f"same architecture and size, but the weights differ: embedding {saved['weights']} vs "
+                f"{now.get('weights')}"]
+    return diff
 
 
 def text_model(model):
