@@ -30,6 +30,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
+from common.cli import number, run_cli
 from common.data import atomic_write_text, final_answer, load_image
 
 DEBATE_PROMPT = "Review the following responses from other assistants and determine your final answer."
@@ -185,7 +186,6 @@ def ratios_arg(text):
 
 
 def main(argv=None):
-    from mod.train import fail, number
     p = argparse.ArgumentParser(description="MoD viewpoint-shift data synthesis (§3.2).")
     p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
     p.add_argument("--data", required=True,
@@ -209,10 +209,7 @@ def main(argv=None):
         p.error("--out is the --data file: it would replace the questions; choose another path")
     if os.path.exists(args.out) and not args.overwrite:
         p.error(f"--out {args.out} exists; pass --overwrite to replace it")
-    try:
-        run(args)
-    except (ValueError, OSError) as e:  # DataError, BackboneError, files
-        fail(e)
+    run_cli(run, args)  # DataError, BackboneError, files: error: ...
 
 
 def run(args):

@@ -23,8 +23,9 @@ import time
 import torch
 
 from common.backbone import generate
+from common.cli import number, run_cli
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
-from mod.train import Batcher, fail, number
+from mod.train import Batcher
 
 
 def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
@@ -219,27 +220,18 @@ def main(argv=None):
         p.error(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
     if not args.adapter and ({"single", "multi"} & set(methods) or args.heatmap):
         p.error("MoD-Single / MoD-Multi and --heatmap need --adapter (train one with mod.train)")
-    try:
-        return run(args, methods)
-    except (ValueError, OSError) as e:  # DataError, BackboneError, adapter on the wrong base, files
-        fail(e)
+    return run_cli(run, args, methods)  # DataError, BackboneError, adapter on the wrong base, files: error: ...
 
 
 def run(args, methods):
     """The body of `main` for parsed flags. Returns the JSON-able summaries + results."""
     from common.backbone import load_backbone
-    from common.data import DataError, atomic_write_text
+    from common.data import atomic_write_text, read_records
     from mod.model import load_adapters
-    try:
-        from eval.readers import read_any as read
-    except ImportError:
-        from common.data import read_llava_json as read
     for path in (args.out, args.heatmap):  # fail now, not after the whole run
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    records = read(args.data)[:args.limit or None]
-    if not records:
-        raise DataError(f"{args.data}: no records")
+    records = read_records(args.data)[:args.limit or None]  # DataError for an empty file
     base, proc = load_backbone(args.model, device=args.device)
     tuned = None
     if args.adapter:

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
+from common.backbone import base_identity, identity_mismatch
 from common.routing import load_balance_loss, region_mean, topk_gates, window_mean
 
 METHODS = ("mod", "lora", "moelora")
@@ -323,25 +324,9 @@ def routing_context(model):
     return model._adapter["ctx"]
 
 
-def base_identity(model):
-    """What adapters depend on in their base model: architecture, text width, depth and
-    vocabulary, plus the path it was loaded from (for messages only: a moved checkpoint is
-    the same base). Two bases with equal identity but different weights (a fine-tuned copy)
-    are not told apart."""
-    t = model.config.get_text_config()
-    return {"model_type": model.config.model_type, "hidden_size": t.hidden_size,
-            "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
-            "name_or_path": getattr(model.config, "_name_or_path", "") or ""}
-
-
-def identity_mismatch(saved, now):
-    """[key: saved vs now] for the identity keys that differ (name_or_path ignored)."""
-    return [f"{k} {saved[k]!r} vs {now.get(k)!r}" for k in saved if k != "name_or_path" and saved[k] != now.get(k)]
-
-
 def save_adapters(model, path):
     """Write path/adapter_config.json (the AdapterConfig + `base_model`: the base's identity,
-    see `base_identity`) + path/adapter_model.safetensors (adapter tensors only); each file
+    see `common.backbone.base_identity`) + path/adapter_model.safetensors (adapter tensors only); each file
     atomically (temp file + rename), weights first."""
     from common.checkpoint import atomic_save_file
     os.makedirs(path, exist_ok=True)
@@ -372,7 +357,8 @@ def load_config(path):
 def load_adapters(model, path):
     """Attach the adapters saved in `path` to a fresh base model and load their weights.
     Raises ValueError when the base differs from the one the adapters were trained on
-    (architecture, width, depth, vocabulary; message names both), on missing/unexpected
+    (architecture, width, depth, vocabulary, embedding weights: `common.backbone.identity_mismatch`;
+    the message names both bases), on missing/unexpected
     tensors or shapes, and on an unreadable (e.g. truncated) weights file. Returns the config."""
     from safetensors.torch import load_file
     cfg, saved = load_config(path)

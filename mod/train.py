@@ -24,76 +24,31 @@ loss stops the run before the update and keeps the last checkpoint. User errors 
 `error: ...` and exit with status 2.
 """
 import argparse
-import hashlib
 import json
 import math
 import os
 import random
 import shutil
-import signal
-import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.checkpoint import load_train_state, save_train_state
-from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, base_identity,
-                       num_trainable, save_adapters)
+from common.backbone import base_identity
+from common.checkpoint import save_train_state
+from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
+                        read_checkpoint, restore_optimizer, run_cli, sigterm_flag)
+from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, num_trainable,
+                       save_adapters)
 
 CKPT = "ckpt"  # the training checkpoint inside --out: a common.checkpoint directory
 OWN = (CKPT, CKPT + ".tmp", CKPT + ".old", "ckpt.pt", "log.jsonl", CONFIG_NAME, WEIGHTS_NAME)  # what a run writes
 
 
-# ----------------------------------------------------------------------------- flags and errors
-
-def number(kind=int, min=None, above=None):
-    """argparse type: a finite int / float that is >= min (or > above). Degenerate values
-    (--steps 0, --lr 0, --k -1, nan) stop at parse time with a message naming the bound."""
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-        if not math.isfinite(v) or (min is not None and v < min) or (above is not None and v <= above):
-            raise argparse.ArgumentTypeError(f"must be {'>= %s' % min if min is not None else '> %s' % above}, got {text}")
-        return v
-    return parse
-
-
-def fail(msg):
-    """Print `error: msg` (no traceback) and exit with status 2, argparse's code for bad input."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-class RunError(ValueError):
-    """A run cannot start or go on (existing output, settings mismatch, diverged); the message says what to do."""
-
-
-class Interrupted(Exception):
-    """SIGTERM arrived: the step finished and a checkpoint was written."""
-
-
-@contextmanager
-def sigterm_flag():
-    """Inside the block SIGTERM only sets flag["stop"]: the loop finishes its step, writes a
-    checkpoint and stops (a kill in the middle of a write cannot happen this way; SIGKILL
-    is covered by the atomic checkpoint). Outside the main thread nothing changes."""
-    flag = {"stop": False}
-    try:
-        old = signal.signal(signal.SIGTERM, lambda *_: flag.update(stop=True))
-    except ValueError:  # signal handlers can only be set from the main thread
-        old = None
-    try:
-        yield flag
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
-
+# ----------------------------------------------------------------------------- flags
 
 def add_adapter_args(p):
     """Adapter flags shared by train / toy entry points (names follow AdapterConfig)."""
@@ -119,6 +74,7 @@ def add_adapter_args(p):
 
 
 def adapter_config(args):
+    """The AdapterConfig of parsed `add_adapter_args` flags (ValueError for inconsistent ones)."""
     return AdapterConfig(method=args.method, target_modules=args.target_modules, r=args.r,
                          lora_alpha=args.lora_alpha, num_experts=args.num_experts, expert_rank=args.expert_rank,
                          window=args.window, granularity=args.granularity, combine=args.combine,
@@ -128,21 +84,12 @@ def adapter_config(args):
 # ----------------------------------------------------------------------------- data
 
 def load_records(path):
-    """Training records from LLaVA JSON/JSONL or canonical JSONL (`eval.readers.read_any`),
+    """Training records from LLaVA JSON/JSONL or canonical JSONL (`common.data.read_records`),
     checked for what training needs: at least one record, and per record an image and a
-    non-empty answer (an empty gpt turn would train only <|im_end|>). Raises DataError."""
-    from common.data import DataError
-    try:
-        from eval.readers import read_any as read
-    except ImportError:
-        from common.data import read_llava_json as read
-    records = read(path)
-    if not records:
-        raise DataError(f"{path}: no records")
-    for what, bad in (("no image", [r["id"] for r in records if not r["image"]]),
-                      ("an empty answer (gpt turn)", [r["id"] for r in records if not str(r["target"]).strip()])):
-        if bad:
-            raise DataError(f"{path}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}; fix or drop them")
+    non-empty answer (`common.data.check_training_records`). Raises DataError."""
+    from common.data import check_training_records, read_records
+    records = read_records(path)
+    check_training_records(records, path)
     return records
 
 
@@ -201,15 +148,6 @@ def lr_at(step, steps, lr, warmup):
 RNG = "__torch_rng_state__"  # the torch CPU RNG state, stored with the adapter tensors
 
 
-def data_fingerprint(records):
-    """'N records, sha1 X' over (question, target, image file name): a resume on other data is
-    refused, a moved data folder is not."""
-    h = hashlib.sha1()
-    for r in records:
-        h.update(json.dumps([r["question"], r["target"], os.path.basename(r["image"] or "")]).encode())
-    return f"{len(records)} records, sha1 {h.hexdigest()[:12]}"
-
-
 def run_settings(model, records, **train_kw):
     """Everything that defines a run (adapter config, schedule, optimiser, seed, world size,
     base identity, data fingerprint) as state.json gives it back: resume requires equality."""
@@ -220,11 +158,6 @@ def run_settings(model, records, **train_kw):
     return json.loads(json.dumps({**cfg, **train_kw, "base_model": base, "data": data_fingerprint(records)}))
 
 
-def settings_diff(saved, now):
-    """['key: saved X, now Y'] for the keys both define and that differ."""
-    return [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
-
-
 def same_lr_prefix(saved, now, done):
     """True if the `done` finished steps had the same learning rates under both settings'
     schedules (e.g. still in warmup): then changing --steps continues the run exactly."""
@@ -233,14 +166,6 @@ def same_lr_prefix(saved, now, done):
                    for s in range(done))
     except KeyError:
         return False
-
-
-class _HeldOptimizerState:
-    """Takes the optimizer state from `load_train_state` and holds it until the checks pass."""
-    state = None
-
-    def load_state_dict(self, state):
-        self.state = state
 
 
 def save_ckpt(path, model, opt, step, settings, log):
@@ -259,32 +184,20 @@ def load_ckpt(path, model, opt, settings):
     Returns (step, log), (0, []) when there is no checkpoint. Raises RunError, before
     anything is changed, when the checkpoint is unreadable, was written with other
     settings (message lists each key saved vs now) or holds other tensors."""
-    held = _HeldOptimizerState()
-    try:
-        tensors, state = load_train_state(path, held)
-    except Exception as e:  # truncated / corrupt safetensors or optimizer file
-        raise RunError(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); restore it, "
-                       f"or start over with --overwrite") from None
+    tensors, optim, state = read_checkpoint(path)
     if state is None:
         return 0, []
     saved = dict(state.get("settings", {}))
     if saved.get("steps") != settings["steps"] and same_lr_prefix(saved, settings, state["step"]):
         saved["steps"] = settings["steps"]  # a longer / shorter run that had the same past: exact
-    diff = settings_diff(saved, settings)
-    if diff:
-        raise RunError(f"--resume: {path} was written with other settings ({'; '.join(diff)}); rerun with "
-                       f"the saved values to continue that run, or pass --overwrite to start over")
+    check_settings(path, saved, settings)
     own = {k: p for k, p in model.named_parameters() if p.requires_grad}
     if set(own) != set(tensors) - {RNG} or any(own[k].shape != tensors[k].shape for k in own):
         raise RunError(f"checkpoint {path} holds other adapter tensors than this model; start over with --overwrite")
     with torch.no_grad():
         for k, p in own.items():
             p.copy_(tensors[k])
-    if held.state is not None:
-        opt.load_state_dict(held.state)
-    else:
-        print(f"warning: {path} has no optimizer state (optim.pt): AdamW restarts from zero moments, so the "
-              f"resumed run will differ from an uninterrupted one", file=sys.stderr)
+    restore_optimizer(opt, optim, path)
     torch.set_rng_state(tensors[RNG])
     return state["step"], state["log"]
 
@@ -373,9 +286,7 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
             for micro in range(grad_accum):
                 recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank)]
                 batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
-                if not bool((batch["labels"] != -100).any()):  # the loss would be 0/0 = nan
-                    raise RunError(f"step {step}: every label of the batch is masked: no answer token to train on "
-                                   f"(records {[r['id'] for r in recs][:3]}); check their answers")
+                check_labels(batch["labels"], step, recs)
                 with amp:
                     out = run(**batch)
                 aux = aux_loss(raw)
@@ -384,11 +295,8 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
                 task_sum, aux_sum = task_sum + out.loss.item() / grad_accum, aux_sum + aux.item() / grad_accum
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
             if not all(map(math.isfinite, (task_sum, aux_sum, gnorm))):
-                kept = (f"kept the last good checkpoint {ckpt} (step {saved_at})" if saved_at is not None else
-                        f"no checkpoint of this run had been written yet (--save-every {save_every})")
-                raise RunError(f"non-finite training loss at step {step} (loss {task_sum}, aux {aux_sum}, gradient "
-                               f"norm {gnorm}): stopped before the update; {kept}. Lower --lr or check the data; "
-                               f"--resume continues from the checkpoint")
+                raise diverged(step, f"loss {task_sum}, aux {aux_sum}, gradient norm {gnorm}", ckpt, saved_at,
+                               save_every)
             opt.step()
             opt.zero_grad(set_to_none=True)
             rec = {"step": step, "loss": task_sum, "aux": aux_sum, "lr": opt.param_groups[0]["lr"],
@@ -439,14 +347,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (worth it on GPU)")
     p.add_argument("--threads", type=number(min=0), default=0, help="CPU threads (0 = torch default)")
-    args = p.parse_args(argv)
-    try:
-        return train(args)
-    except Interrupted as e:
-        print(e, file=sys.stderr)
-        raise SystemExit(128 + signal.SIGTERM)
-    except (ValueError, OSError) as e:  # DataError, BackboneError, RunError, config checks, files
-        fail(e)
+    return run_cli(train, p.parse_args(argv))
 
 
 def train(args):
