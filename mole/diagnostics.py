@@ -21,6 +21,7 @@ import os
 import torch
 
 from common import data
+from common.cli import number, run_cli
 from mole.model import ZSUM, ZVIS
 
 
@@ -75,8 +76,6 @@ def latent_stats(mole, records, stage=2, batch_size=64):
 
 def main(argv=None):
     """Command line: a mole.train checkpoint + data -> printed (and optionally JSON) diagnostics."""
-    from mole.model import MoLE
-    from mole.train import fail, number
     p = argparse.ArgumentParser(description="MoLE latent diagnostics: latent similarity and attention-pattern KL "
                                             "(both x100) of a mole.train checkpoint on a data file.")
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
@@ -88,28 +87,30 @@ def main(argv=None):
     p.add_argument("--batch-size", type=number(min=1), default=64, help="records per forward pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--out", default="", help="also write the numbers to this JSON file")
-    a = p.parse_args(argv)
-    try:
-        from common.data import atomic_write_text
-        from mole.train import load_mole, read_records
-        if a.out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        recs = read_records(a.data)
-        recs = recs[: a.n] if a.n else recs
-        net, _, stage = load_mole(a.ckpt, device=a.device, base=a.base)
-        if not isinstance(net, MoLE):
-            raise ValueError(f"{a.ckpt} is a --method sft checkpoint: it has no latent tokens to diagnose")
-        stage = a.stage or stage
-        sim, kl = latent_stats(net, recs, stage=stage, batch_size=a.batch_size)
-        res = {"ckpt": a.ckpt, "data": a.data, "n": len(recs), "stage": stage,
-               "latent_similarity_x100": sim, "attention_kl_x100": kl}
-        print(f"{len(recs)} records, stage {stage}: latent similarity x100 {sim:.2f} (lower = less redundant), "
-              f"attention KL x100 {kl:.2f} (higher = more diverse)")
-        if a.out:
-            atomic_write_text(a.out, json.dumps(res, indent=1))
-        return res
-    except (ValueError, OSError) as e:  # DataError, BackboneError, bad checkpoint, files
-        fail(e)
+    return run_cli(run, p.parse_args(argv))  # DataError, BackboneError, bad checkpoint, files: error: ...
+
+
+def run(a):
+    """The body of `main` for parsed flags. Returns the numbers as a dict."""
+    from common.data import atomic_write_text, read_records
+    from mole.model import MoLE
+    from mole.train import load_mole
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    recs = read_records(a.data)
+    recs = recs[: a.n] if a.n else recs
+    net, _, stage = load_mole(a.ckpt, device=a.device, base=a.base)
+    if not isinstance(net, MoLE):
+        raise ValueError(f"{a.ckpt} is a --method sft checkpoint: it has no latent tokens to diagnose")
+    stage = a.stage or stage
+    sim, kl = latent_stats(net, recs, stage=stage, batch_size=a.batch_size)
+    res = {"ckpt": a.ckpt, "data": a.data, "n": len(recs), "stage": stage,
+           "latent_similarity_x100": sim, "attention_kl_x100": kl}
+    print(f"{len(recs)} records, stage {stage}: latent similarity x100 {sim:.2f} (lower = less redundant), "
+          f"attention KL x100 {kl:.2f} (higher = more diverse)")
+    if a.out:
+        atomic_write_text(a.out, json.dumps(res, indent=1))
+    return res
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from common.cli import number, run_cli
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, topology_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
@@ -126,7 +127,6 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
 
 
 def main(argv=None):
-    from mole.train import fail, number
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
     p.add_argument("--base", default=None,
@@ -139,16 +139,13 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--out", default="", help="write per-example predictions to this JSON file")
     a = p.parse_args(argv)
-    try:
-        return run(a)
-    except (ValueError, OSError) as e:  # DataError, BackboneError, bad checkpoint, files
-        fail(e)
+    return run_cli(run, a)  # DataError, BackboneError, bad checkpoint, files: error: ...
 
 
 def run(a):
     """The body of `main` for parsed flags. Returns the per-example results."""
-    from common.data import atomic_write_text
-    from mole.train import load_mole, read_records
+    from common.data import atomic_write_text, read_records
+    from mole.train import load_mole
     if a.out:  # fail now, not after the whole evaluation
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     recs = read_records(a.data)

@@ -22,15 +22,13 @@ loss stops the run before the update and keeps the last checkpoint. User errors 
 `error: ...` and exit with status 2.
 """
 import argparse
-import hashlib
 import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -38,7 +36,9 @@ import torch.distributed as dist
 
 from common import backbone as bb
 from common import data
-from common.checkpoint import load_train_state, save_train_state
+from common.checkpoint import save_train_state
+from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
+                        read_checkpoint, restore_optimizer, run_cli, sigterm_flag)
 from mole.lora import add_lora
 from mole.model import MoLE, MoLEConfig
 
@@ -47,54 +47,10 @@ NOT_SETTINGS = ("base", "data", "out", "resume", "overwrite", "device", "compile
                 "max_steps", "threads")
 
 
-# ----------------------------------------------------------------------------- flags and errors
-# (the same small helpers as mod/train.py: a method folder never imports another one)
-
-def number(kind=int, min=None, above=None):
-    """argparse type: a finite int / float that is >= min (or > above), so degenerate values
-    (--batch-size 0, --lr 0, --n-train -5, nan) stop at parse time with a message naming the bound."""
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-        if not math.isfinite(v) or (min is not None and v < min) or (above is not None and v <= above):
-            raise argparse.ArgumentTypeError(f"must be {'>= %s' % min if min is not None else '> %s' % above}, got {text}")
-        return v
-    return parse
-
-
-def fail(msg):
-    """Print `error: msg` (no traceback) and exit with status 2, argparse's code for bad input."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-class RunError(ValueError):
-    """A run cannot start or go on (existing output, settings mismatch, diverged); the message says what to do."""
-
-
-class Interrupted(Exception):
-    """SIGTERM arrived: the step finished and a checkpoint was written."""
-
-
-@contextmanager
-def sigterm_flag():
-    """Inside the block SIGTERM only sets flag["stop"]: the loop finishes its step, writes a
-    checkpoint and stops. Outside the main thread nothing changes."""
-    flag = {"stop": False}
-    try:
-        old = signal.signal(signal.SIGTERM, lambda *_: flag.update(stop=True))
-    except ValueError:  # signal handlers can only be set from the main thread
-        old = None
-    try:
-        yield flag
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
-
+# ----------------------------------------------------------------------------- flags
 
 def get_parser():
+    """The argparse parser of mole.train (every flag with its help)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
     p.add_argument("--data", default="out/data",
@@ -151,6 +107,7 @@ def get_parser():
 
 
 def mole_config(a):
+    """The MoLEConfig of parsed flags (ValueError for inconsistent ones, e.g. --top-k > --n-vis)."""
     return MoLEConfig(n_vis=a.n_vis, n_sum=a.n_sum, top_k=a.top_k, alpha=a.alpha, router=not a.no_router,
                       esva=not a.no_esva, esva_hidden=a.esva_hidden, latent_mixing=a.latent_mixing,
                       lambda_balance=a.lambda_balance, lambda_z=a.lambda_z, lambda_div=a.lambda_div)
@@ -193,36 +150,6 @@ def data_file(a):
                          f"`python -m common.data --out {a.data}`, or pass a .json / .jsonl file")
 
 
-def read_records(path):
-    """Records of a LLaVA JSON/JSONL or canonical JSONL file (`eval.readers.read_any`).
-    Raises DataError for an empty file."""
-    try:
-        from eval.readers import read_any as read
-    except ImportError:
-        read = data.read_llava_json
-    recs = read(path)
-    if not recs:
-        raise data.DataError(f"{path}: no records")
-    return recs
-
-
-def check_training_records(recs, path):
-    """Per record an image and a non-empty answer (an empty gpt turn would train only <|im_end|>)."""
-    for what, bad in (("no image", [r["id"] for r in recs if not r["image"]]),
-                      ("an empty answer (gpt turn)", [r["id"] for r in recs if not str(r["target"]).strip()])):
-        if bad:
-            raise data.DataError(f"{path}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}; fix or drop them")
-
-
-def data_fingerprint(records):
-    """'N records, sha1 X' over (question, target, image file name): a resume on other data is
-    refused, a moved data folder is not."""
-    h = hashlib.sha1()
-    for r in records:
-        h.update(json.dumps([r["question"], r["target"], os.path.basename(r["image"] or "")]).encode())
-    return f"{len(records)} records, sha1 {h.hexdigest()[:12]}"
-
-
 class Loader:
     """Training records with images held as one uint8 tensor; batches are patchified in
     torch (identical to the PIL image processor for these fixed-size images). The order of
@@ -251,6 +178,7 @@ class Loader:
 
 
 def lr_at(step, total, lr, warmup):
+    """Linear warmup over the fraction `warmup` of `total` steps, then cosine decay to 0."""
     w = max(int(warmup * total), 1)
     if step < w:
         return lr * (step + 1) / w
@@ -259,44 +187,13 @@ def lr_at(step, total, lr, warmup):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def base_identity(model):
-    """What the trained tensors depend on in the base VLM: architecture, text width, depth,
-    vocabulary (+ the path, for messages only)."""
-    t = model.config.get_text_config()
-    return {"model_type": model.config.model_type, "hidden_size": t.hidden_size,
-            "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
-            "name_or_path": getattr(model.config, "_name_or_path", "") or ""}
-
-
 def run_settings(a, model, recs, world):
     """Everything that defines a run (all flags but NOT_SETTINGS, world size, base identity,
     data fingerprint), as state.json gives it back: resume requires equality."""
-    base = base_identity(model)
+    base = bb.base_identity(model)
     base.pop("name_or_path")  # a moved base checkpoint is the same base
     s = {k: v for k, v in vars(a).items() if k not in NOT_SETTINGS}
     return json.loads(json.dumps({**s, "world_size": world, "base_model": base, "data": data_fingerprint(recs)}))
-
-
-def settings_diff(saved, now):
-    """['key: saved X, now Y'] for the keys both define and that differ."""
-    return [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
-
-
-class _HeldOptimizerState:
-    """Takes the optimizer state from `load_train_state` and holds it until the checks pass."""
-    state = None
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
-def read_ckpt(path, optimizer=None):
-    """`load_train_state` with an unreadable (truncated, corrupt) checkpoint as a RunError."""
-    try:
-        return load_train_state(path, optimizer)
-    except Exception as e:
-        raise RunError(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); restore it, or start "
-                       f"over with --overwrite") from None
 
 
 def copy_tensors(params, tensors, path):
@@ -317,10 +214,11 @@ def load_mole(path, device="cpu", base=None):
     (net, proc, stage): net is a MoLE (or the plain VLM for --method sft); stage is the
     attention stage for inference (2 unless stage 2 never ran).
     base: load this base VLM instead of the one recorded in the checkpoint (moved files);
-    it must have the recorded identity (architecture, width, depth, vocabulary).
+    it must have the recorded identity (`common.backbone.base_identity`: architecture, width,
+    depth, vocabulary, embedding weights).
     Raises FileNotFoundError for a missing checkpoint, ValueError (RunError) for an
     unreadable or incomplete one or a base that does not fit (message names both)."""
-    tensors, state = read_ckpt(path)
+    tensors, _, state = read_checkpoint(path, optim=False)
     if state is None:
         raise FileNotFoundError(f"{path}: no checkpoint (expected a directory written by mole.train)")
     a = argparse.Namespace(**state["args"])
@@ -328,8 +226,8 @@ def load_mole(path, device="cpu", base=None):
     net, proc, params = build(a, device)
     saved = state.get("base_model")
     if saved is not None:
-        now = base_identity(net.model if isinstance(net, MoLE) else net)
-        diff = [f"{k} {saved[k]!r} vs {now[k]!r}" for k in saved if k != "name_or_path" and saved[k] != now[k]]
+        now = bb.base_identity(net.model if isinstance(net, MoLE) else net)
+        diff = bb.identity_mismatch(saved, now)
         if diff:
             raise RunError(f"{path} was trained on base {saved['name_or_path'] or '?'} and does not fit base "
                            f"{now['name_or_path'] or a.base} ({'; '.join(diff)})")
@@ -381,14 +279,14 @@ def train(a):
         raise RunError("--stage1-epochs and --stage2-epochs are both 0: nothing to train")
     if a.threads:
         torch.set_num_threads(a.threads)
-    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    ddp = world > 1
     if rank == 0:
         prepare_out(a.out, a.resume, a.overwrite)
     path = data_file(a)
-    recs = read_records(path)
+    recs = data.read_records(path)
     recs = recs[: a.n_train] if a.n_train else recs
-    check_training_records(recs, path)
+    data.check_training_records(recs, path)
     loader = Loader(recs, a.batch_size, a.seed, rank, world)  # images checked before the model loads
     device = a.device
     if ddp:
@@ -398,26 +296,18 @@ def train(a):
             torch.cuda.set_device(device)
     net, proc, params = build(a, device)
     vlm = net.model if isinstance(net, MoLE) else net
-    settings, base = run_settings(a, vlm, recs, world), base_identity(vlm)
+    settings, base = run_settings(a, vlm, recs, world), bb.base_identity(vlm)
     s1 = round(a.stage1_epochs * loader.steps_per_epoch)
     total = s1 + round(a.stage2_epochs * loader.steps_per_epoch)
     opt = torch.optim.AdamW(list(params.values()), lr=a.lr, betas=(0.9, 0.98), weight_decay=a.weight_decay)
     step, log = 0, []
     if a.resume:
-        held = _HeldOptimizerState()
-        tensors, state = read_ckpt(a.out, held)
+        tensors, optim, state = read_checkpoint(a.out)
         if state is not None:
             saved = state.get("settings") or {k: v for k, v in state["args"].items() if k not in NOT_SETTINGS}
-            diff = settings_diff(saved, settings)
-            if diff:
-                raise RunError(f"--resume: {a.out} was written with other settings ({'; '.join(diff)}); rerun with "
-                               f"the saved values to continue that run, or pass --overwrite to start over")
+            check_settings(a.out, saved, settings)
             copy_tensors(params, tensors, a.out)
-            if held.state is not None:
-                opt.load_state_dict(held.state)
-            else:
-                print(f"warning: {a.out} has no optimizer state (optim.pt): AdamW restarts from zero moments, so "
-                      f"the resumed run will differ from an uninterrupted one", file=sys.stderr)
+            restore_optimizer(opt, optim, a.out)
             step, log = state["step"], state["log"]
         elif rank == 0:
             print(f"--resume: no checkpoint in {a.out}; starting at step 0", file=sys.stderr)
@@ -442,9 +332,7 @@ def train(a):
                 g["lr"] = lr_at(step, total, a.lr, a.warmup)
             enc = proc.encode if a.method == "sft" else net.encode
             batch = {k: v.to(device) for k, v in enc(None, qs, ts, pixels=pixels).items()}
-            if not bool((batch["labels"] != -100).any()):  # the loss would be 0/0 = nan
-                raise RunError(f"step {step}: every label of the batch is masked: no answer token to train on "
-                               f"(records {[r['id'] for r in chunk][:3]}); check their answers")
+            check_labels(batch["labels"], step, chunk)
             with amp:
                 if a.method == "sft":
                     out = fwd(**batch)
@@ -456,11 +344,7 @@ def train(a):
             gnorm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip if a.clip > 0 else math.inf))
             loss = float(res["loss"].detach())
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                kept = (f"kept the last good checkpoint {a.out} (step {saved_at})" if saved_at is not None else
-                        f"no checkpoint of this run had been written yet (--save-every {a.save_every})")
-                raise RunError(f"non-finite training loss at step {step} (loss {loss}, gradient norm {gnorm}): "
-                               f"stopped before the update; {kept}. Lower --lr or check the data; --resume "
-                               f"continues from the checkpoint")
+                raise diverged(step, f"loss {loss}, gradient norm {gnorm}", a.out, saved_at, a.save_every)
             opt.step()
             step += 1
             rec = {"step": step, "stage": stage, "lr": opt.param_groups[0]["lr"], "s": time.time() - t0}
@@ -493,13 +377,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.warmup > 1:
         p.error(f"--warmup is a fraction of all steps (0-1), got {a.warmup}")
-    try:
-        net, proc, log = train(a)
-    except Interrupted as e:
-        print(e, file=sys.stderr)
-        raise SystemExit(128 + signal.SIGTERM)
-    except (ValueError, OSError) as e:  # DataError, BackboneError, RunError, config checks, files
-        fail(e)
+    net, proc, log = run_cli(train, a)
     if log and int(os.environ.get("RANK", "0")) == 0:
         last = log[-1]
         print(f"done: step {last['step']}, stage {last['stage']}, loss {last['loss']:.4f}, "
