@@ -155,6 +155,13 @@ def test_bad_json_and_non_text_and_missing_fields(tmp_path):
         data.read_llava_json(str(p))
 
 
+def test_empty_llava_file_is_an_error(tmp_path):
+    for text in ("", "[]", "\n\n"):
+        (tmp_path / "empty.json").write_text(text)
+        with pytest.raises(data.DataError, match="empty.json: no records"):
+            data.read_llava_json(str(tmp_path / "empty.json"))
+
+
 def test_evaluate_refuses_bad_records_and_flags_before_loading(tmp_path, capsys):
     """--model points nowhere: each error below must come before the model is touched."""
     data.generate_split(str(tmp_path), "val", 2)
@@ -273,3 +280,13 @@ def test_train_state_corruption_is_named_and_nothing_is_deleted(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"state.json: not valid JSON .*the checkpoint is corrupt"):
         ck.load_train_state(path)
     assert sorted(os.listdir(path)) == ["model.safetensors", "optim.pt", "state.json"]
+
+
+def test_base_identity_tells_bases_of_one_config_apart_by_their_weights():
+    dense, chat, moe = (bb.base_identity(bb.load_backbone(n)[0]) for n in ("tiny-dense", "tiny-chat", "tiny-moe"))
+    assert bb.base_identity(bb.load_backbone("tiny-dense")[0]) == dense and bb.identity_mismatch(dense, dense) == []
+    assert {k for k in dense if dense[k] != chat[k]} == {"weights", "name_or_path"}
+    assert bb.identity_mismatch(dense, chat) == [f"same architecture and size, but the weights differ: embedding "
+                                                 f"{dense['weights']} vs {chat['weights']}"]
+    assert bb.identity_mismatch(dense, moe) == ["model_type 'qwen3_vl' vs 'qwen3_vl_moe'"]  # weights: nothing new
+    assert bb.identity_mismatch({k: v for k, v in dense.items() if k != "weights"}, chat) == []  # recorded before

@@ -293,6 +293,33 @@ def test_adapter_on_the_wrong_base_is_refused(shapes, run, capsys):
     assert "tiny/moe (model_type 'qwen3_vl' vs 'qwen3_vl_moe')" in err
 
 
+def test_adapter_on_a_base_with_other_weights_is_refused(shapes, run, tmp_path, capsys):
+    """tiny-chat has tiny-dense's config but other weights: only the weights fingerprint tells them apart."""
+    from common.backbone import load_backbone
+    from mod.model import load_adapters
+    err = error_of(minfer.main, ["--model", "tiny-chat", "--adapter", str(run), "--data", str(shapes / "val.json"),
+                                 "--methods", "single"], capsys)
+    assert f"error: {run}: adapters were trained on base " in err and "tiny/dense and do not fit base " in err
+    assert "tiny/chat (same architecture and size, but the weights differ: embedding sha256 " in err
+    assert load_adapters(load_backbone("tiny-dense")[0], str(run)).method == "mod"
+    old = copy_run(run, tmp_path)  # adapters saved before the fingerprint was recorded: not checked
+    cfg = json.loads((old / "adapter_config.json").read_text())
+    del cfg["base_model"]["weights"]
+    (old / "adapter_config.json").write_text(json.dumps(cfg))
+    assert load_adapters(load_backbone("tiny-chat")[0], str(old)).method == "mod"
+
+
+def test_resume_on_a_base_with_other_weights_is_refused(shapes, run, tmp_path, capsys):
+    out = copy_run(run, tmp_path)
+    err = error_of(mtrain.main, train_args(shapes, out, "--resume", "--model", "tiny-chat"), capsys)
+    assert f"error: --resume: {out}/ckpt was written with other settings (base_model: saved " in err
+    assert "'weights': 'sha256 " in err
+    state = json.loads((out / "ckpt" / "state.json").read_text())  # a checkpoint from before the fingerprint
+    del state["settings"]["base_model"]["weights"]
+    (out / "ckpt" / "state.json").write_text(json.dumps(state))
+    assert mtrain.main(train_args(shapes, out, "--resume"))["steps"] == 0  # finished run: nothing left to do
+
+
 def test_truncated_adapter_file(shapes, run, tmp_path, capsys):
     out = copy_run(run, tmp_path)
     w = out / "adapter_model.safetensors"
