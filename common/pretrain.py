@@ -41,12 +41,10 @@ def encode_examples(proc, ex):
                        pixels=bb.patchify(imgs))
 
 
-WRONG = {"existence": ["yes", "no"], "spatial": ["yes", "no"], "count": ["0", "1", "2", "3", "4"],
-         "colour": list(data.COLOURS), "mc": list(data.LETTERS)}
 CHAT_FORMATS = ("plain", "json", "debate", "review", "mad")
 
 
-def chat_example(rng, ex, fmt):
+def chat_example(rng, ex, fmt, wrong_priors=0.5):
     """(prompt, target, answer tail) of one shapes example `ex` = (scene, family, q, a) in the
     prompt shape `fmt` (one of CHAT_FORMATS; the shapes `mod.infer` uses):
       plain   the question                                   -> "marks. Answer: a"
@@ -54,21 +52,19 @@ def chat_example(rng, ex, fmt):
       debate  question + debate prompt + 1-2 JSON priors     -> JSON
       review  question + a previous answer + review request  -> "marks. Answer: a"
       mad     a debater's turn or the judge's, 1-2 priors    -> "marks. Answer: a"
-    A prior is the gold response or, with probability 1/2, a wrong one: the marks of another
-    random scene for the same question and a wrong answer. The answer tail is the target's
+    A prior is the gold response or, with probability `wrong_priors`, a wrong one: the marks of
+    another random scene for the same question and a wrong answer. With wrong_priors=0 every
+    prior agrees with the target, so copying the prior's answer is as good as reading the image
+    and the base may learn to anchor on priors. The answer tail is the target's
     last characters that hold the short answer (weighted by --answer-weight)."""
     from mod import data as vs
     scene, family, q, a = ex
+    gold = data.target_text(scene, a, q)
 
     def response(as_json):
-        if rng.random() < 0.5:
-            s, ans = scene, a
-        else:
-            s, ans = data.sample_scene(rng), rng.choice([w for w in WRONG[family] if w != a])
-        text = data.target_text(s, ans, q)
+        text = gold if rng.random() < 1 - wrong_priors else vs.wrong_response(rng, q, a, family)
         return vs.to_json_response(text) if as_json else text
 
-    gold = data.target_text(scene, a, q)
     if fmt == "plain":
         return q, gold, " " + a
     if fmt == "json":
@@ -82,7 +78,7 @@ def chat_example(rng, ex, fmt):
     return vs.judge_prompt(q, response(False), response(False)), gold, " " + a
 
 
-def make_batch(proc, step, batch_size, seed, chat_mix=None):
+def make_batch(proc, step, batch_size, seed, chat_mix=None, wrong_priors=0.5):
     """Training batch for `step` (deterministic in (seed, step)), plus `answer_mask` [B, L]:
     True at the label positions of the final short answer and <|im_end|> (after "Answer:").
     chat_mix: None (the plain format only) or weights over CHAT_FORMATS (`chat_example`)."""
@@ -92,7 +88,7 @@ def make_batch(proc, step, batch_size, seed, chat_mix=None):
         batch = encode_examples(proc, ex)
         tails = [" " + a for _, _, _, a in ex]
     else:
-        rows = [chat_example(rng, e, rng.choices(CHAT_FORMATS, weights=chat_mix)[0]) for e in ex]
+        rows = [chat_example(rng, e, rng.choices(CHAT_FORMATS, weights=chat_mix)[0], wrong_priors) for e in ex]
         imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
         batch = proc.encode(None, [r[0] for r in rows], [r[1] for r in rows], pixels=bb.patchify(imgs))
         tails = [r[2] for r in rows]
@@ -136,7 +132,7 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --stop-at, may change).
 RECIPE_KEYS = ("arch", "steps", "batch_size", "lr", "warmup", "hidden", "layers", "experts", "top_k", "seed",
-               "answer_weight", "init", "chat_mix")
+               "answer_weight", "init", "chat_mix", "wrong_priors")
 
 
 def lr_at(step, steps, lr, warmup):
@@ -167,6 +163,8 @@ def main():
                    "instead of a fresh --arch model; its architecture and tokenizer are kept")
     p.add_argument("--chat-mix", default="", help="weights of the prompt shapes plain,json,debate,review,mad "
                    "(e.g. 1,1,2,1,1; empty = the plain shape only; see chat_example)")
+    p.add_argument("--wrong-priors", type=float, default=0.5,
+                   help="with --chat-mix: probability that a prior response in a prompt is wrong (0 = all agree)")
     p.add_argument("--fresh", action="store_true", help="discard an existing {out}.ckpt instead of resuming it")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
@@ -219,7 +217,7 @@ def main():
     while step < last:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a.steps, a.lr, warmup)
-        batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed, chat_mix)
+        batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed, chat_mix, a.wrong_priors)
         out = model(**batch, output_router_logits=is_moe)
         # out.loss: mean CE over all answer-turn tokens (+ router_aux_loss_coef * aux for the MoE).
         # The scene is ~32 of ~36 target tokens, so the short answer gets its own weighted term.

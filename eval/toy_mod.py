@@ -11,7 +11,9 @@ instruction following:
   3. on the test questions: base, LoRA, MoE-LoRA, MoD-Single, MoD-Multi (1 debate round),
      MAD (2 debaters + judge on the base) and self-correction (base): accuracy with 95%
      bootstrap CI, paired bootstrap difference vs MoE-LoRA, generated tokens per question,
-     latency relative to the base model,
+     latency relative to the base model; and "misled" rows for base / LoRA / MoE-LoRA / MoD:
+     one debate round whose only prior response is wrong (`mod.infer.misled`; paired vs
+     MoE-LoRA misled),
   4. full mode only, ablations of MoD (one training run each): routing granularity
      token / region / window, W in {1, 4, 16, 32} (switch rate + accuracy), dual vs shared
      router, sqrt-product vs product vs mean, with vs without the aux loss (expert usage
@@ -37,8 +39,8 @@ from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
 from mod import data as vs
-from mod.infer import (heatmap_png, mod_debate, multi_agent_debate, plain, routing_trace, self_correction,
-                       summarize, usage_entropy)
+from mod.infer import (heatmap_png, misled, mod_debate, multi_agent_debate, plain, routing_trace,
+                       self_correction, summarize, usage_entropy)
 from mod.model import AdapterConfig, attach, num_trainable, save_adapters
 from mod.train import fit
 
@@ -121,6 +123,10 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-chat
         record("mod-multi", mod_debate(models["mod"], proc, test, rounds=1))
         record("mad", multi_agent_debate(base, proc, test, rounds=1))
         record("self-correction", self_correction(base, proc, test))
+        # robustness: one debate round whose only prior response is wrong (what T_rev / T_rob teach)
+        for name, m in (("base", base), ("lora", models["lora"]), ("moelora", models["moelora"]),
+                        ("mod", models["mod"])):
+            record(f"{name}-misled", misled(m, proc, test))
         diag = {"mod": routing_trace(models["mod"], proc, test)}
 
     ablations = {}
@@ -130,10 +136,10 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-chat
         rows = []
         for name, res in results.items():
             rows += [r for r in family_rows(f"mod-toy/{name}", res) if not quick or r["family"] == "all"]
-        ref = [r["correct"] for r in results["moelora"]]
         base_wall = summaries["base"]["wall_s"]
         for name, s in summaries.items():
-            pb = paired_bootstrap([r["correct"] for r in results[name]], ref)
+            ref = results["moelora-misled" if name.endswith("-misled") else "moelora"]
+            pb = paired_bootstrap([r["correct"] for r in results[name]], [r["correct"] for r in ref])
             rows += [{"model": f"mod-toy/{name}", "family": "all", "metric": "diff_vs_moelora", "value": pb["diff"],
                       "ci_low": pb["ci_low"], "ci_high": pb["ci_high"], "n": pb["n"]},
                      {"model": f"mod-toy/{name}", "family": "all", "metric": "tokens_per_question",

@@ -99,6 +99,21 @@ def judge_prompt(question, first, second):
     return f"{question}\nYou are the judge. {DEBATE_PROMPT}\nResponse 1: {first}\nResponse 2: {second}"
 
 
+# Answers a response can give per family; a wrong response picks one that is not the gold one.
+ANSWER_SPACE = {"existence": ["yes", "no"], "spatial": ["yes", "no"], "count": ["0", "1", "2", "3", "4"],
+                "colour": ["red", "green", "blue", "yellow"], "mc": ["A", "B", "C", "D"]}
+
+
+def wrong_response(rng, question, answer, family):
+    """A plausible wrong response on the shapes world, in the base's plain format: the marked
+    scene of another random scene for the same question and an answer other than `answer`
+    ("tl empty - ... br red circle +. Answer: no"). Used as a misleading prior response."""
+    from common import data
+    scene = data.sample_scene(rng)
+    wrong = rng.choice([w for w in ANSWER_SPACE[family] if w != str(answer)])
+    return data.target_text(scene, wrong, question)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 @torch.no_grad()

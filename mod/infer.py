@@ -80,6 +80,21 @@ def plain(model, proc, records, batch_size=64, max_new_tokens=96, json_prompt=Fa
 
 
 @torch.no_grad()
+def misled(model, proc, records, batch_size=64, max_new_tokens=96, seed=0):
+    """Robustness to a misleading prior (what T_rev / T_rob train, §3.2): one greedy round on the
+    debate prompt with a single *wrong* prior response (`mod.data.wrong_response`, seeded, in
+    the debate JSON form). Returns (results, wall_s)."""
+    import random
+    from mod.data import to_json_response, wrong_response
+    rng = random.Random(seed)
+    wrong = {r["id"]: wrong_response(rng, r["question"], r["answer"], r["family"]) for r in records}
+    t0 = time.time()
+    fn = lambda r, h: debate_prompt(r["question"], [to_json_response(wrong[r["id"]])])
+    hist, toks = run_rounds(model, proc, records, [fn], batch_size, max_new_tokens)
+    return _results(records, [h[-1] for h in hist], toks), time.time() - t0
+
+
+@torch.no_grad()
 def self_correction(model, proc, records, batch_size=64, max_new_tokens=96):
     """Answer, then "review your previous answer" (one correction round). Returns (results, wall_s)."""
     t0 = time.time()

@@ -136,3 +136,25 @@ def test_command_line_entry_points(tmp_path, capsys):
     out = json.loads((tmp_path / "res.json").read_text())
     assert [s["method"] for s in out["summaries"]] == ["base", "single", "multi", "sc"]
     assert os.path.exists(tmp_path / "h.png")
+
+
+def test_wrong_response_and_misled_prompt(setup, monkeypatch):
+    import random
+
+    from common.data import final_answer
+    from mod import data as vs
+    from mod import infer
+    rng = random.Random(0)
+    for fam, gold in (("existence", "yes"), ("count", "2"), ("colour", "red"), ("mc", "C"), ("spatial", "no")):
+        for _ in range(20):
+            w = vs.wrong_response(rng, "Q?", gold, fam)
+            assert final_answer(w) != gold and final_answer(w) in vs.ANSWER_SPACE[fam]
+    base, proc, records = setup
+    seen = []
+    real = infer._generate
+    monkeypatch.setattr(infer, "_generate", lambda m, p, b, recs, qs, n, **kw: (seen.extend(qs), real(m, p, b, recs, qs, n, **kw))[1])
+    res, _ = infer.misled(base, proc, records[:2], max_new_tokens=3)
+    assert len(res) == 2 and len(seen) == 2
+    for r, q in zip(records[:2], seen):  # the only prior is a JSON response with a wrong answer
+        prior = q.split("Response 1: ")[1].split("\n")[0]
+        assert q.startswith(r["question"] + "\n" + vs.DEBATE_PROMPT) and final_answer(prior) != str(r["answer"])
