@@ -2,7 +2,7 @@
 
     python -m common.pretrain --arch qwen3_vl     --out common/tiny/dense   # dense base
     python -m common.pretrain --arch qwen3_vl_moe --out common/tiny/moe     # MoE base
-    python -m common.pretrain --init common/tiny/dense --chat-mix 1,1,2,1,1 \
+    python -m common.pretrain --init common/tiny/dense --chat-mix 1,1,2,1,1 --wrong-priors 0 \
         --steps 800 --batch-size 16 --lr 1e-3 --out common/tiny/chat        # chat base (MoD toy)
 
 Fresh examples every step (seeded by step, so a resumed run sees the same data), AdamW with
@@ -13,10 +13,12 @@ The recipe and its measured time are in the README ("How the tiny base models le
 
 `--init DIR --chat-mix w1,..,w5` continues a saved base on the prompt shapes the MoD toy
 needs (`chat_example`): the plain question, the JSON instruction, the debate prompt with
-prior responses, the self-correction review and the multi-agent-debate turns. Prior responses
-are the gold one or a wrong one (another scene's marks, a wrong answer); the target is always
-the correct response, so the chat base answers from the image whatever the priors say. It
-stands in for the instruction following a real 3B VLM brings to the paper's experiments.
+prior responses, the self-correction review and the multi-agent-debate turns. It stands in for
+the instruction following a real VLM brings to the paper's experiments. Prior responses are
+the gold one or, with probability --wrong-priors, a wrong one (another scene's marks, a wrong
+answer); the target is always correct. The committed `tiny-chat` used --wrong-priors 0: it
+only ever saw agreeing priors and so learned to lean on them (misled by a wrong prior, as the
+MoD paper says real VLMs are), which is what viewpoint-shift training is meant to fix.
 """
 import argparse
 import json

@@ -80,7 +80,7 @@ def main(argv=None):
         if any(p.wait() != 0 for p in procs):
             raise SystemExit("error: base pretraining failed (see its output above)")
         chat = subprocess.run([sys.executable, "-m", "common.pretrain", "--init", bb.TINY["tiny-dense"],
-                               "--chat-mix", "1,1,2,1,1", "--steps", "800", "--batch-size", "16", "--lr", "1e-3",
+                               "--chat-mix", "1,1,2,1,1", "--wrong-priors", "0", "--steps", "800", "--batch-size", "16", "--lr", "1e-3",
                                "--out", bb.TINY["tiny-chat"], "--threads", "1"])
         if chat.returncode != 0:
             raise SystemExit("error: chat-base pretraining failed (see its output above)")
