@@ -18,7 +18,7 @@ The paper's base models are strong, so P+ is rarely empty; a tiny base model is 
 on every sample. Then P+ receives the ground-truth response (scene description + gold
 answer) so the target stays correct; how often that happened is printed and stored.
 
-    python -m mod.data --model tiny-dense --data out/data/train.json --out out/mod/data/train_vs.json
+    python -m mod.data --model tiny-chat --data out/data/train.json --out out/mod/data/train_vs.json
 """
 import argparse
 import json
@@ -202,7 +202,7 @@ def ratios_arg(text):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="MoD viewpoint-shift data synthesis (§3.2).")
-    p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
+    p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
                    help="training questions (LLaVA JSON/JSONL with answer + family, or canonical JSONL)")
     p.add_argument("--out", required=True, help="output LLaVA JSON (image paths stay absolute)")

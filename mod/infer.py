@@ -13,7 +13,7 @@ wall time; `n_tokens` sums all generated tokens of all calls for that question.
 Answers are read with `eval.metrics.is_correct`, which parses the JSON and falls back to
 the text after the last "Answer" when the JSON is malformed.
 
-    python -m mod.infer --model tiny-dense --adapter out/mod/toy/mod --data out/data/test.json --rounds 1
+    python -m mod.infer --model tiny-chat --adapter out/mod/run --data out/data/test.json --rounds 1
 """
 import argparse
 import json
@@ -211,16 +211,17 @@ def summarize(name, results, wall_s):
     return {"method": name, "accuracy": acc, "tokens_per_q": toks, "wall_s": wall_s, "n": len(results)}
 
 
-METHODS = ("base", "single", "multi", "mad", "sc")
+METHODS = ("base", "single", "multi", "mad", "sc", "base-misled", "misled")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
-    p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
+    p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")
     p.add_argument("--data", required=True, help="questions (LLaVA JSON/JSONL or canonical JSONL)")
     p.add_argument("--methods", default="single,multi,mad,sc",
-                   help="comma list of: base, single, multi (need --adapter), mad, sc (base model)")
+                   help="comma list of: base, single, multi, misled (need --adapter), mad, sc, base-misled "
+                   "(base model); misled = one debate round whose only prior response is wrong")
     p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
     p.add_argument("--limit", type=number(min=0), default=0, help="first N questions only (0 = all)")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
@@ -233,8 +234,8 @@ def main(argv=None):
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:  # before any model loads or runs
         p.error(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
-    if not args.adapter and ({"single", "multi"} & set(methods) or args.heatmap):
-        p.error("MoD-Single / MoD-Multi and --heatmap need --adapter (train one with mod.train)")
+    if not args.adapter and ({"single", "multi", "misled"} & set(methods) or args.heatmap):
+        p.error("single / multi / misled and --heatmap need --adapter (train one with mod.train)")
     return run_cli(run, args, methods)  # DataError, BackboneError, adapter on the wrong base, files: error: ...
 
 
@@ -258,15 +259,17 @@ def run(args, methods):
            "multi": lambda: mod_debate(tuned, proc, records, args.rounds, args.batch_size, args.max_new_tokens),
            "mad": lambda: multi_agent_debate(base, proc, records, args.rounds, batch_size=args.batch_size,
                                              max_new_tokens=args.max_new_tokens),
-           "sc": lambda: self_correction(base, proc, records, args.batch_size, args.max_new_tokens)}
+           "sc": lambda: self_correction(base, proc, records, args.batch_size, args.max_new_tokens),
+           "base-misled": lambda: misled(base, proc, records, args.batch_size, args.max_new_tokens),
+           "misled": lambda: misled(tuned, proc, records, args.batch_size, args.max_new_tokens)}
     out = {"summaries": [], "results": {}}
-    print(f"{'method':8s} {'acc':>6s} {'tok/q':>7s} {'wall s':>7s}")
+    print(f"{'method':11s} {'acc':>6s} {'tok/q':>7s} {'wall s':>7s}")
     for m in methods:
         res, wall = drivers[m]()
         s = summarize(m, res, wall)
         out["summaries"].append(s)
         out["results"][m] = res
-        print(f"{m:8s} {s['accuracy']:6.3f} {s['tokens_per_q']:7.1f} {s['wall_s']:7.1f}")
+        print(f"{m:11s} {s['accuracy']:6.3f} {s['tokens_per_q']:7.1f} {s['wall_s']:7.1f}")
     if args.heatmap:
         diag = routing_trace(tuned, proc, records, args.batch_size, args.max_new_tokens)
         heatmap_png(diag["by_family_A"], args.heatmap)

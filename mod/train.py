@@ -6,7 +6,7 @@ Only the adapters train; the base model stays frozen. Task loss and aux loss are
 separately (out/log.jsonl and the progress bar).
 
     # CPU, tiny default (a few minutes)
-    python -m mod.train --model tiny-dense --data out/mod/data/train_vs.json --out out/mod/run --steps 300
+    python -m mod.train --model tiny-chat --data out/mod/data/train_vs.json --out out/mod/run --steps 300
     # one GPU (bf16 autocast, compiled)
     python -m mod.train --model /ckpt/Qwen2.5-VL-3B-Instruct --data train_vs.json --out run --device cuda --compile
     # several GPUs
@@ -324,7 +324,7 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Train MoD / LoRA / MoE-LoRA adapters on a frozen VLM (MoD §3.3).")
-    p.add_argument("--model", default="tiny-dense", help="base model: checkpoint dir or tiny-dense / tiny-moe")
+    p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
                    help="training records: LLaVA JSON/JSONL (e.g. from mod.data) or canonical JSONL")
     p.add_argument("--out", required=True, help="output dir: adapter files, ckpt/, log.jsonl")

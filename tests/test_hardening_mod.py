@@ -47,7 +47,7 @@ def shapes(tmp_path_factory):
 
 
 def train_args(shapes, out, *extra):
-    return ["--data", str(shapes / "train.json"), "--out", str(out), "--steps", "3", "--batch-size", "2",
+    return ["--model", "tiny-dense", "--data", str(shapes / "train.json"), "--out", str(out), "--steps", "3", "--batch-size", "2",
             "--warmup", "1", "--save-every", "1", *extra]
 
 
@@ -164,7 +164,7 @@ def test_truncated_checkpoint_is_refused_on_resume(shapes, run, tmp_path, capsys
     ("infer", ["--limit", "-1"], "argument --limit: must be >= 0, got -1"),
     ("infer", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     ("infer", ["--methods", "single,mda", "--adapter", "x"], "unknown method(s) ['mda']"),
-    ("infer", ["--methods", "single"], "MoD-Single / MoD-Multi and --heatmap need --adapter"),
+    ("infer", ["--methods", "single"], "single / multi / misled and --heatmap need --adapter"),
 ])
 def test_degenerate_flags_stop_at_parse_time(shapes, tmp_path, capsys, module, argv, expected):
     out = tmp_path / "never"
@@ -324,8 +324,8 @@ def test_truncated_adapter_file(shapes, run, tmp_path, capsys):
     out = copy_run(run, tmp_path)
     w = out / "adapter_model.safetensors"
     w.write_bytes(w.read_bytes()[:64])
-    err = error_of(minfer.main, ["--adapter", str(out), "--data", str(shapes / "val.json"), "--methods", "single"],
-                   capsys)
+    err = error_of(minfer.main, ["--model", "tiny-dense", "--adapter", str(out), "--data", str(shapes / "val.json"),
+                                 "--methods", "single"], capsys)
     assert f"error: {w} is unreadable (" in err and "incomplete or corrupt" in err
 
 
