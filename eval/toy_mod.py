@@ -8,7 +8,7 @@ instruction following:
      T_pos / T_rev / T_rob samples with the debate prompt and a JSON target,
   2. LoRA, MoE-LoRA and MoD trained on the same data with (about) the same number of
      trainable parameters,
-  3. on the test questions: base, LoRA, MoE-LoRA, MoD-Single, MoD-Multi (1 debate round),
+  3. on the test questions: base (own prompt and the JSON prompt), LoRA, MoE-LoRA, MoD-Single, MoD-Multi (1 debate round),
      MAD (2 debaters + judge on the base) and self-correction (base): accuracy with 95%
      bootstrap CI, paired bootstrap difference vs MoE-LoRA, generated tokens per question,
      latency relative to the base model; and "misled" rows for base / LoRA / MoE-LoRA / MoD:
@@ -112,6 +112,7 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-chat
 
     with torch.inference_mode():
         record("base", plain(base, proc, test))
+        record("base-json", plain(base, proc, test, json_prompt=True))  # the adapters' prompt, untrained
     models = {}
     for name, kw in METHODS.items():
         models[name], training[name] = train_adapter(base, proc, recs, kw, S["steps"], S["batch_size"], out_dir,
