@@ -8,7 +8,9 @@
    VLM (the dense one continued on the MoD prompt shapes) through the same loader a real
    checkpoint takes (or retrains them with --retrain-base),
 3. evaluates them on the test split next to the best-constant-answer baseline ("majority"),
-4. runs each method's toy reproduction in quick mode (MoD, RoleMerge, MoLE, where present),
+4. runs each method's toy reproduction in quick mode (MoD, RoleMerge, MoLE, where present)
+   into out/quickstart/<method> (a full `python -m eval.toy_<method>` run in out/<method>
+   is never touched),
 5. writes out/quickstart/report.json (a list of rows: model, family, metric, value, ci_low,
    ci_high, n) and out/quickstart/report.md.
 """
@@ -24,6 +26,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common.cli import number
 
 METHODS = ("mod", "rolemerge", "mole")
 
@@ -50,14 +53,14 @@ def write_report(rows, out_dir, timings):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="out/quickstart", help="report directory")
+    p.add_argument("--out", default="out/quickstart", help="report directory (each method's quick run in OUT/<method>)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
-    p.add_argument("--n-test", type=int, default=500, help="test examples to evaluate")
+    p.add_argument("--n-test", type=number(min=1), default=500, help="test examples to evaluate")
     p.add_argument("--retrain-base", action="store_true",
                    help="re-pretrain the tiny bases into common/tiny/ first (slow, see README)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of method toy reproductions to run in quick mode ('' for none)")
-    p.add_argument("--batch-size", type=int, default=100, help="generation batch size")
+    p.add_argument("--batch-size", type=number(min=1), default=100, help="generation batch size")
     a = p.parse_args(argv)
     from eval import evaluate as ev
     methods = [m for m in a.methods.split(",") if m]
@@ -104,7 +107,7 @@ def main(argv=None):
             continue
         t = time.time()
         rows += importlib.import_module(f"eval.toy_{m}").run(quick=True, data_dir=a.data,
-                                                             out_dir=os.path.join("out", m))
+                                                             out_dir=os.path.join(a.out, m))
         timings[m] = time.time() - t
 
     timings["total"] = time.time() - t0
