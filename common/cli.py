@@ -106,15 +106,41 @@ def check_settings(path, saved, now):
                        f"the saved values to continue that run, or pass --overwrite to start over")
 
 
-def read_checkpoint(path, optim=True):
+RESUME_HINT = "restore it, or start over with --overwrite"
+LOAD_HINT = "restore it, or retrain it (its training run cannot be resumed either)"
+
+
+def read_checkpoint(path, optim=True, hint=None):
     """`common.checkpoint.read_state` with an unreadable (truncated, corrupt) checkpoint as a
-    RunError that says what to do. Returns (tensors, optimizer state or None, state)."""
+    RunError that says what to do. Returns (tensors, optimizer state or None, state).
+
+    hint: the "what to do" part of the message. Default: a trainer resuming (optim=True)
+    gets RESUME_HINT (its --overwrite starts over); a load for inference (optim=False, e.g.
+    `mole.train.load_mole` from mole.infer / mole.diagnostics, which have no --overwrite)
+    gets LOAD_HINT."""
     from common.checkpoint import read_state
+    if hint is None:
+        hint = RESUME_HINT if optim else LOAD_HINT
     try:
         return read_state(path, optim)
     except Exception as e:  # CheckpointError, or safetensors' own error for corrupt tensor data
-        raise RunError(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); restore it, or start "
-                       f"over with --overwrite") from None
+        raise RunError(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); {hint}") from None
+
+
+def check_out_file(path, flag="--out"):
+    """RunError unless `path` can be written as a file later (checked before a long run, not
+    after it): it is not a directory, and its folder exists or can be created (the nearest
+    existing ancestor is a writable directory). Creates nothing."""
+    if os.path.isdir(path):
+        raise RunError(f"{flag} {path} is a directory; give a file path, e.g. {os.path.join(path, 'results.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    anc = parent
+    while not os.path.exists(anc) and os.path.dirname(anc) != anc:
+        anc = os.path.dirname(anc)
+    if not os.path.isdir(anc):
+        raise RunError(f"{flag} {path}: cannot create its folder {parent}: {anc} is a file, not a directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise RunError(f"{flag} {path}: cannot write into {anc} (permission denied)")
 
 
 def restore_optimizer(opt, state, path):

@@ -225,19 +225,25 @@ def sample_example(rng, families=FAMILIES):
 SPLIT_SEEDS = {"train": 0, "val": 1, "test": 2}
 
 
-def generate_split(out_dir, split, n, seed=None):
+def generate_split(out_dir, split, n, seed=None, overwrite=False):
     """Write `n` examples of `split` to out_dir/{split}.json + out_dir/images/{split}_*.png.
 
     Seeded: the same (split, n, seed) gives the same files. Written atomically
-    (temp file + rename). Returns the list of records."""
+    (temp file + rename). An existing image of the same name is kept (the same seed draws
+    the same scene) unless `overwrite`, which also redraws them and removes this split's
+    images numbered n and above (left by a larger earlier run). Returns the list of records."""
     rng = random.Random(SPLIT_SEEDS[split] * 1_000_003 + (seed or 0))
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    if overwrite:
+        for f in _split_images(out_dir, split):
+            if int(f[len(split) + 1:-4]) >= n:
+                os.remove(os.path.join(out_dir, "images", f))
     records = []
     for i in range(n):
         scene, family, q, a = sample_example(rng)
         name = f"images/{split}_{i:06d}.png"
         path = os.path.join(out_dir, name)
-        if not os.path.exists(path):
+        if overwrite or not os.path.exists(path):
             render(scene).save(path + ".tmp.png")
             os.replace(path + ".tmp.png", path)
         records.append({
@@ -250,6 +256,13 @@ def generate_split(out_dir, split, n, seed=None):
     return records
 
 
+def _split_images(out_dir, split):
+    """Names of the images `generate_split` writes for `split` that exist in out_dir/images."""
+    d = os.path.join(out_dir, "images")
+    pat = re.compile(rf"{re.escape(split)}_\d{{6}}\.png")
+    return sorted(f for f in os.listdir(d) if pat.fullmatch(f)) if os.path.isdir(d) else []
+
+
 def ensure_splits(data_dir, sizes):
     """Generate the shapes splits of `sizes` ({split: n}) that are missing in `data_dir`.
 
@@ -260,7 +273,7 @@ def ensure_splits(data_dir, sizes):
         if not os.path.exists(path):
             generate_split(data_dir, split, n)
             continue
-        with open(path) as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:
             text = f.read()
         try:
             have = len(json.loads(text)) if text.lstrip().startswith("[") else len(text.splitlines())
@@ -271,10 +284,20 @@ def ensure_splits(data_dir, sizes):
 
 
 def atomic_write_text(path, text):
+    """Write `text` to `path` through a temp file + rename: `path` is either untouched or
+    complete. The temp file is removed when the write or the rename fails (a full disk,
+    `path` being a directory)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
 
 
 class DataError(ValueError):
@@ -283,12 +306,18 @@ class DataError(ValueError):
 
 def load_records(path):
     """A data file's records: a JSON list (text starting with "[") or JSONL (one JSON value
-    per non-empty line). Raises DataError for a missing file, a file that is not UTF-8 text,
-    and invalid JSON, naming the line (JSONL: the file's line number)."""
+    per non-empty line). Raises DataError for a missing file, a directory, a file that is not
+    UTF-8 text, and invalid JSON, naming the line (JSONL: the file's line number). A UTF-8
+    byte-order mark (as some Windows editors write) is skipped."""
     if not os.path.exists(path):
         raise DataError(f"{path}: file not found; generate data with `python -m common.data --out DIR`")
+    if os.path.isdir(path):
+        have = [f for f in ("train.json", "train.jsonl", "val.json", "test.json")
+                if os.path.isfile(os.path.join(path, f))]
+        raise DataError(f"{path} is a directory; pass the JSON/JSONL file (e.g. "
+                        f"{os.path.join(path, have[0] if have else 'train.json')})")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             text = f.read()
     except UnicodeDecodeError:
         raise DataError(f"{path}: not a UTF-8 text file; expected a JSON list or JSONL of records") from None
@@ -325,11 +354,21 @@ def read_llava_json(path, image_root=None, check_images=True):
         conv = r.get("conversations") if isinstance(r, dict) else None
         if not isinstance(conv, list) or not conv or not all(isinstance(t, dict) and "value" in t for t in conv):
             raise DataError(f"{path}: record {rid} has no valid 'conversations' list of {{'from','value'}} turns")
+        for k, t in enumerate(conv):
+            if not isinstance(t["value"], str):
+                raise DataError(f"{path}: record {rid}: turn {k} ('from': {t.get('from')!r}) has a 'value' of type "
+                                f"{type(t['value']).__name__} ({t['value']!r:.40}); every turn's value must be text")
         humans = [t["value"] for t in conv if t.get("from") == "human"]
         gpts = [t["value"] for t in conv if t.get("from") == "gpt"]
         if not humans or not gpts:
             raise DataError(f"{path}: record {rid} needs a 'human' turn and a 'gpt' (answer) turn")
         image = None
+        if isinstance(r.get("image"), list):
+            raise DataError(f"{path}: record {rid} has {len(r['image'])} images ('image' is a list): one image per "
+                            f"record is supported; split it into one record per image")
+        if r.get("image") and not isinstance(r["image"], str):
+            raise DataError(f"{path}: record {rid}: 'image' must be a file path (text), got "
+                            f"{type(r['image']).__name__} {r['image']!r:.40}")
         if r.get("image"):
             image = r["image"] if os.path.isabs(r["image"]) else os.path.join(root, r["image"])
             if check_images:
@@ -439,15 +478,28 @@ def load_image(path, rid="?"):
         raise DataError(f"record {rid}: cannot read image {path} ({e.__class__.__name__}: {e})") from None
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description="Generate the synthetic shapes dataset (images + LLaVA JSON).")
+    from common.cli import fail, number
     p.add_argument("--out", default="out/data", help="output directory")
-    p.add_argument("--n-train", type=int, default=2000, help="training examples")
-    p.add_argument("--n-val", type=int, default=500, help="validation examples")
-    p.add_argument("--n-test", type=int, default=500, help="test examples")
-    a = p.parse_args()
-    for split, n in (("train", a.n_train), ("val", a.n_val), ("test", a.n_test)):
-        generate_split(a.out, split, n)
+    p.add_argument("--n-train", type=number(min=1), default=2000, help="training examples")
+    p.add_argument("--n-val", type=number(min=1), default=500, help="validation examples")
+    p.add_argument("--n-test", type=number(min=1), default=500, help="test examples")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the split files and images already in --out (default: refuse)")
+    a = p.parse_args(argv)
+    splits = (("train", a.n_train), ("val", a.n_val), ("test", a.n_test))
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        fail(f"--out {a.out} is a file; give a directory")
+    if not a.overwrite:  # before anything is written: they may be the user's own data
+        there = [os.path.join(a.out, f"{s}.json") for s, _ in splits
+                 if os.path.exists(os.path.join(a.out, f"{s}.json"))]
+        there += [os.path.join(a.out, "images", f) for s, _ in splits for f in _split_images(a.out, s)]
+        if there:
+            more = f" and {len(there) - 1} more file(s) of a dataset" if len(there) > 1 else ""
+            fail(f"{there[0]} already exists{more}; pass --overwrite to replace them, or choose another --out")
+    for split, n in splits:
+        generate_split(a.out, split, n, overwrite=a.overwrite)
         print(f"wrote {n} {split} examples to {a.out}/{split}.json")
 
 

@@ -32,7 +32,8 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.backbone import BackboneError, generate, load_backbone
+from common.backbone import generate, load_backbone
+from common.cli import RunError, check_out_file, run_cli
 from common.data import ANSWER_TYPE, DataError, atomic_write_text, load_image
 from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table,
                           is_correct, pope_prf, short_answer)
@@ -234,6 +235,10 @@ def main(argv=None):
                                               f"{os.path.splitext(os.path.basename(a.data))[0]}.json")
     if os.path.realpath(out) == os.path.realpath(a.data):
         p.error(f"--out {out} is the data file; results would overwrite it")
+    try:  # now, not after the whole evaluation
+        check_out_file(out)
+    except RunError as e:
+        p.error(str(e))
 
     t0 = time.time()
     records = read_any(a.data, image_root=a.image_root)[:a.limit]
@@ -278,7 +283,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DataError, BackboneError) as e:
-        raise SystemExit(f"error: {e}")
+    run_cli(main)  # DataError, BackboneError, files: `error: ...`, exit status 2

@@ -42,7 +42,8 @@ def read_jsonl(path, image_root=None, check_images=True):
 
     image paths are relative to image_root (default: the file's folder) unless absolute.
     Raises DataError naming the record for a non-object line, missing/empty required
-    fields (id, image, question, answer), duplicate ids, fewer than 2 options, an answer
+    fields (id, image, question, answer), an 'image' that is not one path (a list: one image
+    per record), duplicate ids, fewer than 2 options, an answer
     that is neither a letter nor an option's text, and (check_images) missing, empty, unreadable
     or oversized image files (`common.data.check_image`)."""
     root = image_root or os.path.dirname(os.path.abspath(path))
@@ -59,6 +60,12 @@ def read_jsonl(path, image_root=None, check_images=True):
         if rid in seen:
             raise DataError(f"{path}: record {rid}: duplicate id")
         seen.add(rid)
+        if isinstance(r["image"], list):
+            raise DataError(f"{path}: record {rid} has {len(r['image'])} images ('image' is a list): one image per "
+                            f"record is supported; split it into one record per image")
+        if not isinstance(r["image"], str):
+            raise DataError(f"{path}: record {rid}: 'image' must be a file path (text), got "
+                            f"{type(r['image']).__name__} {r['image']!r:.40}")
         image = r["image"] if os.path.isabs(r["image"]) else os.path.join(root, r["image"])
         if check_images:
             if not os.path.exists(image):

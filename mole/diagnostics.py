@@ -4,7 +4,7 @@ latents used for answer generation?").
     sim, kl = latent_stats(mole, records, stage=2)      # both x100, averaged over examples
     res = mole.infer.evaluate(mole, records, intervention="mask")   # interventions live in infer
 
-    python -m mole.diagnostics --ckpt out/mole/mole --data out/data/test.json --n 100 --out diag.json
+    python -m mole.diagnostics --ckpt out/mole/mole --data out/data/test.json --limit 100 --out diag.json
 
 * latent similarity: mean pairwise squared cosine between the final-layer hidden states of
   the latent tokens (all E + S), x100. Lower = less redundant.
@@ -21,7 +21,7 @@ import os
 import torch
 
 from common import data
-from common.cli import number, run_cli
+from common.cli import check_out_file, number, run_cli
 from mole.model import ZSUM, ZVIS
 
 
@@ -81,7 +81,8 @@ def main(argv=None):
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
     p.add_argument("--base", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")
     p.add_argument("--data", required=True, help="LLaVA JSON/JSONL or canonical JSONL with images")
-    p.add_argument("--n", type=number(min=0), default=100, help="first n records (0 = all)")
+    p.add_argument("--n", "--limit", dest="n", type=number(min=0), default=100,
+                   help="first n records (0 = all); --limit as in the other entry points")
     p.add_argument("--stage", type=int, choices=(1, 2), default=None,
                    help="attention stage (default: the checkpoint's, 2 unless stage 2 never ran)")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="records per forward pass")
@@ -96,7 +97,7 @@ def run(a):
     from mole.model import MoLE
     from mole.train import load_mole
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        check_out_file(a.out)
     recs = read_records(a.data)
     recs = recs[: a.n] if a.n else recs
     net, _, stage = load_mole(a.ckpt, device=a.device, base=a.base)
@@ -109,6 +110,7 @@ def run(a):
     print(f"{len(recs)} records, stage {stage}: latent similarity x100 {sim:.2f} (lower = less redundant), "
           f"attention KL x100 {kl:.2f} (higher = more diverse)")
     if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         atomic_write_text(a.out, json.dumps(res, indent=1))
     return res
 

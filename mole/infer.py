@@ -1,7 +1,7 @@
 """Batched greedy generation with MoLE's latent prefix and the KV cache, plus the paper's
 latent interventions (random / shuffled latent values, latent KV masked from the answer).
 
-    python -m mole.infer --ckpt out/mole/mole --data out/data/test.json --n 200
+    python -m mole.infer --ckpt out/mole/mole --data out/data/test.json --limit 200
 
 Prefill runs in two parts: (1) image + question + Z_vis + Z_sum through the MoLE path
 (routing, ESVA, topology), (2) the assistant header as ordinary text rows. Between the two
@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from common.cli import number, run_cli
+from common.cli import check_out_file, number, run_cli
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, topology_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
@@ -132,7 +132,8 @@ def main(argv=None):
     p.add_argument("--base", default=None,
                    help="base VLM to load (default: the one recorded in the checkpoint; must be the same model)")
     p.add_argument("--data", required=True, help="LLaVA-format JSON/JSONL (e.g. out/data/test.json) or canonical JSONL")
-    p.add_argument("--n", type=number(min=0), default=0, help="evaluate only the first n records (0 = all)")
+    p.add_argument("--n", "--limit", dest="n", type=number(min=0), default=0,
+                   help="evaluate only the first n records (0 = all); --limit as in the other entry points")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=48, help="generation length limit")
     p.add_argument("--intervention", default="none", choices=INTERVENTIONS, help="latent intervention")
@@ -147,7 +148,7 @@ def run(a):
     from common.data import atomic_write_text, read_records
     from mole.train import load_mole
     if a.out:  # fail now, not after the whole evaluation
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        check_out_file(a.out)
     recs = read_records(a.data)
     recs = recs[: a.n] if a.n else recs
     mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.base)
@@ -164,6 +165,7 @@ def run(a):
         sub = [r["correct"] for r in res if r["family"] == fam]
         print(f"  {fam:10s} {sum(sub) / len(sub):.3f} (n={len(sub)})")
     if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         atomic_write_text(a.out, json.dumps(res, indent=1))
     return res
 

@@ -409,6 +409,7 @@ def load_config(path, trust_remote_code=False):
 
 def main(argv=None):
     from common import data
+    from common.cli import fail
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
     p.add_argument("--data", nargs="+", required=True,
@@ -422,6 +423,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="device (cpu, cuda, ...)")
     p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
+    p.add_argument("--force", action="store_true", help="overwrite an existing stats file at --out")
     a = p.parse_args(argv)
     for flag, low in (("n", 1), ("batch_size", 1), ("max_new_tokens", 2)):
         if getattr(a, flag) < low:   # max_new_tokens 1: the one generated token is never fed back (no answer bucket)
@@ -431,6 +433,11 @@ def main(argv=None):
     for path in a.data:
         if os.path.realpath(path) in (os.path.realpath(a.out), os.path.realpath(summary_path(a.out))):
             p.error(f"--out {a.out} would overwrite the calibration data {path}")
+    if os.path.isdir(a.out):
+        fail(f"--out {a.out} is a directory; give the stats file to write "
+             f"(e.g. {os.path.join(a.out, 'stats.safetensors')})")
+    if os.path.exists(a.out) and not a.force:  # before the data and the model are read
+        fail(f"--out {a.out} exists; pass --force to overwrite it (or choose another --out)")
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     try:
         sources = {}   # data first: a bad record fails before a model of many GB is loaded
@@ -446,7 +453,7 @@ def main(argv=None):
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
         stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
     except (CalibrationError, data.DataError) as e:
-        raise SystemExit(f"error: {e}")
+        fail(e)
     save_stats(stats, a.out)
     tot = sum(s["tokens"] for s in stats["sources"].values())
     print(f"wrote {a.out}: {len(stats['layer_names'])} MoE layers x {stats['num_experts']} experts, tokens "

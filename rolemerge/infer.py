@@ -100,6 +100,7 @@ def load_timed(path, dtype=None):
 def main(argv=None):
     from common import backbone as bb
     from common import data
+    from common.cli import fail
     from eval.metrics import accuracy, by_family
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
@@ -119,7 +120,7 @@ def main(argv=None):
         records = data.read_llava_json(a.data)[:a.n]   # data first: fails before the model loads
         model, proc, load_s = load_timed(a.model)
     except (cal.CalibrationError, data.DataError) as e:
-        raise SystemExit(f"error: {e}")
+        fail(e)  # `error: ...`, exit status 2
     preds = predict(model, proc, records, a.batch_size, a.max_new_tokens)
     summary = {"model": a.model, "params": param_count(model), "checkpoint_bytes": checkpoint_bytes(bb.resolve(a.model)),
                "load_s": load_s, "n": len(preds)}

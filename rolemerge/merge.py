@@ -513,11 +513,12 @@ def main(argv=None):
                    help="load dtype of the in-memory path (auto: the checkpoint's own; the streaming path always "
                         "keeps the checkpoint's dtypes)")
     a = p.parse_args(argv)
+    from common.cli import fail
     try:
         rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, a.streaming,
                         a.force, None if a.dtype == "auto" else getattr(torch, a.dtype))
     except (MergeError, cal.CalibrationError) as e:
-        raise SystemExit(f"error: {e}")
+        fail(e)  # `error: ...`, exit status 2
     print(f"merged {rep['N']} -> {rep['K']} experts per layer ({rep['method']}) in {rep['merge_seconds']:.1f}s: "
           f"{a.out}; ACR {100 * rep['acr_mean']:.1f}%, expert-phase MI retention {rep['mi_retention']}")
 

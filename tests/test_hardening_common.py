@@ -290,3 +290,124 @@ def test_base_identity_tells_bases_of_one_config_apart_by_their_weights():
                                                  f"{dense['weights']} vs {chat['weights']}"]
     assert bb.identity_mismatch(dense, moe) == ["model_type 'qwen3_vl' vs 'qwen3_vl_moe'"]  # weights: nothing new
     assert bb.identity_mismatch({k: v for k, v in dense.items() if k != "weights"}, chat) == []  # recorded before
+
+
+# ----------------------------------------------------------------------------- python -m common.data, readers
+
+def _exit(main, argv, capsys):
+    """Run a CLI main in-process, expect exit status 2; return its stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def _tree(root):
+    """{relative path: bytes} of every file under root."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            out[os.path.relpath(os.path.join(d, f), root)] = open(os.path.join(d, f), "rb").read()
+    return out
+
+
+def test_data_cli_refuses_to_overwrite_a_dataset_and_checks_its_counts(tmp_path, capsys):
+    d = tmp_path / "d"
+    small = ["--n-train", "3", "--n-val", "1", "--n-test", "1"]
+    for flag in ("--n-train", "--n-val", "--n-test"):          # nothing written, --out never created
+        for bad in ("-5", "0"):
+            err = _exit(data.main, ["--out", str(d), flag, bad], capsys)
+            assert f"argument {flag}: must be >= 1, got {bad}" in err
+    assert not d.exists()
+    data.main(["--out", str(d)] + small)
+    before = _tree(d)
+    err = _exit(data.main, ["--out", str(d), "--n-train", "2", "--n-val", "2", "--n-test", "2"], capsys)
+    assert err == (f"error: {d / 'train.json'} already exists and 7 more file(s) of a dataset; pass --overwrite to "
+                   f"replace them, or choose another --out\n")
+    assert _tree(d) == before
+    user = tmp_path / "user"                                    # the user's own test.json only: refused too
+    user.mkdir()
+    (user / "test.json").write_text("my data")
+    err = _exit(data.main, ["--out", str(user)] + small, capsys)
+    assert f"error: {user / 'test.json'} already exists; pass --overwrite" in err
+    assert _tree(user) == {"test.json": b"my data"}
+    data.main(["--out", str(d), "--n-train", "1", "--n-val", "1", "--n-test", "1", "--overwrite"])
+    assert len(json.loads((d / "train.json").read_text())) == 1
+    assert sorted(os.listdir(d / "images")) == ["test_000000.png", "train_000000.png", "val_000000.png"]
+    data.ensure_splits(str(user), {"test": 2})                 # ensure_splits still never overwrites
+    assert (user / "test.json").read_text() == "my data"
+
+
+def test_multi_image_records_and_non_text_turns_are_named(tmp_path):
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    p = tmp_path / "multi.json"
+    p.write_text(json.dumps([{"id": "m1", "image": ["a.png", "a.png"], "conversations": CONV}]))
+    msg = (r"record m1 has 2 images \('image' is a list\): one image per record is supported; split it into one "
+           r"record per image")
+    with pytest.raises(data.DataError, match=msg):
+        data.read_llava_json(str(p))
+    (tmp_path / "multi.jsonl").write_text(json.dumps({"id": "m2", "image": ["a.png", "a.png"], "question": "Q?",
+                                                      "answer": "yes"}))
+    with pytest.raises(data.DataError, match=msg.replace("m1", "m2")):
+        read_any(str(tmp_path / "multi.jsonl"))
+    p.write_text(json.dumps([{"id": "v1", "image": "a.png",
+                              "conversations": [CONV[0], {"from": "gpt", "value": 5}]}]))
+    with pytest.raises(data.DataError, match=r"record v1: turn 1 \('from': 'gpt'\) has a 'value' of type int \(5\); "
+                                             r"every turn's value must be text"):
+        data.read_llava_json(str(p))
+    p.write_text(json.dumps([{"id": "i1", "image": 7, "conversations": CONV}]))
+    with pytest.raises(data.DataError, match=r"record i1: 'image' must be a file path \(text\), got int 7"):
+        data.read_llava_json(str(p))
+
+
+def test_utf8_bom_is_skipped_in_json_and_jsonl(tmp_path):
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    rec = {"id": "b1", "image": "a.png", "conversations": CONV}
+    bom = "\ufeff"
+    (tmp_path / "l.json").write_text(bom + json.dumps([rec]), encoding="utf-8")
+    (tmp_path / "l.jsonl").write_text(bom + json.dumps(rec) + "\n", encoding="utf-8")
+    (tmp_path / "c.jsonl").write_text(bom + json.dumps({"id": "c1", "image": "a.png", "question": "Is there a red "
+                                                        "circle?", "answer": "yes"}) + "\n", encoding="utf-8")
+    assert [r["id"] for r in data.read_llava_json(str(tmp_path / "l.json"))] == ["b1"]
+    assert [r["id"] for r in data.read_llava_json(str(tmp_path / "l.jsonl"))] == ["b1"]
+    assert [r["id"] for r in read_jsonl(str(tmp_path / "c.jsonl"))] == ["c1"]
+    assert [r["id"] for r in read_any(str(tmp_path / "c.jsonl"))] == ["c1"]
+    assert [r["id"] for r in data.read_records(str(tmp_path / "l.json"))] == ["b1"]
+
+
+def test_data_path_that_is_a_directory(tmp_path):
+    with pytest.raises(data.DataError, match=rf"^{tmp_path} is a directory; pass the JSON/JSONL file "
+                                             rf"\(e.g. {tmp_path / 'train.json'}\)$"):
+        data.read_records(str(tmp_path))
+    data.generate_split(str(tmp_path), "val", 1)                # suggests a split file that is there
+    for read in (data.read_records, data.read_llava_json, read_any, read_jsonl):
+        with pytest.raises(data.DataError, match=rf"^{tmp_path} is a directory; pass the JSON/JSONL file "
+                                                 rf"\(e.g. {tmp_path / 'val.json'}\)$"):
+            read(str(tmp_path))
+
+
+def test_evaluate_checks_out_before_loading_and_leaves_no_temp_file(tmp_path, capsys):
+    """--out a directory (or under a file): refused at once (--model nowhere is never reached);
+    atomic_write_text removes its temp file when the rename fails."""
+    data.generate_split(str(tmp_path), "val", 1)
+    d = str(tmp_path / "val.json")
+    (tmp_path / "res").mkdir()
+    err = _exit(ev.main, ["--model", "nowhere", "--data", d, "--out", str(tmp_path / "res")], capsys)
+    res = tmp_path / "res"
+    assert f"error: --out {res} is a directory; give a file path, e.g. {res / 'results.json'}" in err
+    err = _exit(ev.main, ["--model", "nowhere", "--data", d, "--out", d + "/r.json"], capsys)
+    assert f"error: --out {d}/r.json: cannot create its folder {d}: {d} is a file, not a directory" in err
+    with pytest.raises(IsADirectoryError):
+        data.atomic_write_text(str(tmp_path / "res"), "x")
+    assert sorted(os.listdir(tmp_path)) == ["images", "res", "val.json"] and os.listdir(tmp_path / "res") == []
+
+
+def test_evaluate_user_errors_exit_with_status_2():
+    """python -m eval.evaluate: `error: ...` without a traceback, status 2 as every other entry point."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "eval.evaluate", "--model", "nowhere", "--data", "no/such.json"],
+                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 2 and r.stderr == ("error: no/such.json: file not found; generate data with "
+                                              "`python -m common.data --out DIR`\n"), r.stderr

@@ -137,11 +137,11 @@ def test_truncated_checkpoint(shapes, run, tmp_path, capsys):
     ("train", ["--method", "mle"], "argument --method: invalid choice: 'mle'"),
     ("train", ["--latent-mixing", "topo"], "argument --latent-mixing: invalid choice: 'topo'"),
     ("train", ["--train", "lora8"], "argument --train: invalid choice: 'lora8'"),
-    ("infer", ["--n", "-1"], "argument --n: must be >= 0, got -1"),
+    ("infer", ["--n", "-1"], "argument --n/--limit: must be >= 0, got -1"),
     ("infer", ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
     ("infer", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     ("infer", ["--intervention", "shuffled"], "argument --intervention: invalid choice: 'shuffled'"),
-    ("diagnostics", ["--n", "-1"], "argument --n: must be >= 0, got -1"),
+    ("diagnostics", ["--n", "-1"], "argument --n/--limit: must be >= 0, got -1"),
     ("diagnostics", ["--stage", "3"], "argument --stage: invalid choice: 3"),
 ])
 def test_degenerate_flags_stop_at_parse_time(shapes, tmp_path, capsys, module, argv, expected):
@@ -284,3 +284,39 @@ def test_generation_without_end_token_is_bounded(shapes, run):
     imgs = [data.load_image(str(shapes / f"images/test_00000{i}.png")) for i in range(2)]
     texts, lens = minfer.generate(net, imgs, ["How many circles are there?"] * 2, stage=stage, max_new_tokens=6)
     assert lens == [6, 6] and len(texts) == 2
+
+
+# ----------------------------------------------------------------------------- inference flags
+
+def test_infer_and_diagnostics_take_limit_and_check_out_first(shapes, run, tmp_path, capsys):
+    """--limit is an alias of --n (as in every other entry point); --out a directory is refused
+    before the checkpoint loads (--ckpt nowhere is never reached); nothing is written."""
+    test = str(shapes / "test.json")
+    for main in (minfer.main, mdiag.main):
+        err = error_of(main, ["--ckpt", "nowhere", "--data", test, "--out", str(tmp_path)], capsys)
+        assert f"error: --out {tmp_path} is a directory; give a file path, e.g. {tmp_path / 'results.json'}" in err
+        err = error_of(main, ["--ckpt", "nowhere", "--data", test, "--limit", "-1"], capsys)
+        assert "argument --n/--limit: must be >= 0, got -1" in err
+    assert os.listdir(tmp_path) == []
+    for flag in ("--limit", "--n"):
+        res = minfer.main(["--ckpt", str(run), "--data", test, flag, "1", "--max-new-tokens", "2", "--device", "cpu",
+                           "--out", str(tmp_path / "sub" / f"p{flag}.json")])
+        assert len(res) == 1 and len(json.load(open(tmp_path / "sub" / f"p{flag}.json"))) == 1
+    assert mdiag.main(["--ckpt", str(run), "--data", test, "--limit", "2", "--device", "cpu"])["n"] == 2
+
+
+def test_inference_on_a_truncated_checkpoint_names_no_trainer_flag(shapes, run, tmp_path, capsys):
+    """mole.infer / mole.diagnostics have no --overwrite: their message says restore or retrain;
+    the trainer's --resume keeps `start over with --overwrite`."""
+    out = copy_run(run, tmp_path)
+    w = out / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:200])
+    before = snapshot(out)
+    for main in (minfer.main, mdiag.main):
+        err = error_of(main, ["--ckpt", str(out), "--data", str(shapes / "test.json")], capsys)
+        assert f"error: checkpoint {out} is unreadable (" in err
+        assert err.rstrip().endswith("; restore it, or retrain it (its training run cannot be resumed either)")
+        assert "--overwrite" not in err
+    err = error_of(mt.main, train_args(shapes, out, "--resume"), capsys)
+    assert err.rstrip().endswith("; restore it, or start over with --overwrite")
+    assert snapshot(out) == before

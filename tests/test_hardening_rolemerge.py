@@ -6,6 +6,8 @@ the rerun is byte-identical to an uninterrupted run.
 Already covered in test_rolemerge_merge.py, not repeated: rho 0 / 1.5 and rho below top_k
 through run_merge, stats of another seed's model, --out exists without --force, --out ==
 --model, calibrate() on a dense model."""
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -38,10 +40,28 @@ def moe(tmp_path_factory):
     return model, proc, recs, root, str(root / "stats.safetensors")
 
 
+def _cli(main, argv):
+    """Run a RoleMerge main in-process, expecting an exit: (exit status, stderr)."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
+        main(argv)
+    return e.value.code, err.getvalue()
+
+
+def _error(main, argv):
+    """A user error: exit status 2 (as mod.* / mole.*) and `error: ...` printed last on stderr;
+    returns that message (from its `error: ` on)."""
+    code, err = _cli(main, argv)
+    assert code == 2, (code, err)
+    lines = err.rstrip("\n").split("\n")
+    start = max(i for i, line in enumerate(lines) if line.startswith("error: "))
+    return "\n".join(lines[start:])
+
+
 def _merge_cli(argv, capsys=None):
-    with pytest.raises(SystemExit) as e:
-        mg.main(argv)
-    return e.value.code if capsys is None else (e.value.code, capsys.readouterr().err)
+    """rolemerge.merge: the `error: ...` message of a user error (status 2 checked), or with
+    capsys (argparse errors) (exit status, stderr)."""
+    return _error(mg.main, argv) if capsys is None else _cli(mg.main, argv)
 
 
 # ----------------------------------------------------------------------------- CLI flags
@@ -111,9 +131,9 @@ def test_calibrate_flags_are_checked_before_the_model_loads(moe, tmp_path, capsy
 def test_non_moe_model_is_refused_by_calibrate_and_merge(moe, tmp_path):
     *_, root, stats = moe
     msg = "model_type 'qwen3_vl' is not a supported MoE family (no routed experts RoleMerge knows how to merge)"
-    with pytest.raises(SystemExit) as e:
-        cal.main(["--model", "tiny-dense", "--data", str(root / "val.json"), "--out", str(tmp_path / "s.safetensors")])
-    assert str(e.value.code).startswith(f"error: {msg}. Supported: Qwen3-VL-MoE [qwen3_vl_moe]")
+    assert _error(cal.main, ["--model", "tiny-dense", "--data", str(root / "val.json"), "--out",
+                             str(tmp_path / "s.safetensors")]).startswith(f"error: {msg}. Supported: Qwen3-VL-MoE "
+                                                                          f"[qwen3_vl_moe]")
     for extra in ([], ["--streaming"]):
         code = _merge_cli(["--model", "tiny-dense", "--stats", stats, "--out", str(tmp_path / "o"), "--rho", ".5"]
                           + extra)
@@ -283,3 +303,35 @@ def test_infer_flags_and_out(moe, tmp_path, capsys):
             infer.main(["--model", "nowhere", "--data", d] + argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
     assert open(d).read() == before
+
+
+def test_calibrate_refuses_an_existing_stats_file_without_force(moe, tmp_path):
+    """--out holds stats already: refused before the data or the model is read (--model
+    nowhere), the file byte for byte as it was; --force replaces it."""
+    *_, root, stats = moe
+    d = str(root / "val.json")
+    out = tmp_path / "s.safetensors"
+    shutil.copy(stats, out)
+    before = out.read_bytes()
+    assert _error(cal.main, ["--model", "nowhere", "--data", d, "--out", str(out)]) == (
+        f"error: --out {out} exists; pass --force to overwrite it (or choose another --out)")
+    (tmp_path / "d.safetensors").mkdir()
+    assert _error(cal.main, ["--model", "nowhere", "--data", d, "--out", str(tmp_path / "d.safetensors"),
+                             "--force"]).startswith(f"error: --out {tmp_path / 'd.safetensors'} is a directory; give "
+                                                    f"the stats file to write")
+    assert out.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["d.safetensors", "s.safetensors"]
+    cal.main(["--model", "tiny-moe", "--data", d, "--out", str(out), "--n", "1", "--max-new-tokens", "2", "--force"])
+    assert out.read_bytes() != before and json.load(open(tmp_path / "s.json"))["examples"] == {"val": 1}
+
+
+def test_user_errors_of_calibrate_merge_infer_exit_with_status_2(moe, tmp_path):
+    """`error: ...` and status 2, as mod.* and mole.* (it was `raise SystemExit(msg)`: status 1)."""
+    from rolemerge import infer
+    *_, root, stats = moe
+    assert _error(cal.main, ["--model", "tiny-moe", "--data", str(root), "--out", str(tmp_path / "s.safetensors")]) \
+        == f"error: {root} is a directory; pass the JSON/JSONL file (e.g. {root / 'val.json'})"
+    assert _error(infer.main, ["--model", "tiny-moe", "--data", str(tmp_path / "none.json")]).startswith(
+        f"error: {tmp_path / 'none.json'}: file not found")
+    assert _error(mg.main, ["--model", "tiny-moe", "--stats", str(tmp_path / "none.safetensors"), "--out",
+                            str(tmp_path / "o"), "--rho", ".5"]).startswith("error: ")
+    assert sorted(os.listdir(tmp_path)) == []

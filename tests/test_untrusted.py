@@ -105,7 +105,7 @@ def _auto_map(d, marker, model_type=None):
         (d / f).write_text(json.dumps(cfg))
 
 
-def test_remote_code_is_not_run_without_the_flag(tmp_path):
+def test_remote_code_is_not_run_without_the_flag(tmp_path, capsys):
     """(a) a supported architecture with an auto_map: the built-in class loads and evil.py is
     never imported; (b) an unknown architecture that needs its own code: refused, naming
     --trust-remote-code; (c) a config.json that is Python: invalid JSON, never executed."""
@@ -121,8 +121,9 @@ def test_remote_code_is_not_run_without_the_flag(tmp_path):
         bb.load_backbone(str(b))
     with pytest.raises(cal.CalibrationError, match=r"cannot read its config.json.*need --trust-remote-code"):
         cal.load_model(str(b))
-    with pytest.raises(SystemExit, match="need --trust-remote-code"):
+    with pytest.raises(SystemExit) as e:                 # a user error: `error: ...`, exit status 2
         mg.main(["--model", str(b), "--stats", "s.safetensors", "--out", str(tmp_path / "o"), "--rho", ".5"])
+    assert e.value.code == 2 and "need --trust-remote-code" in capsys.readouterr().err
     c = _with_files(tmp_path, "c", weights=False)
     (c / "config.json").write_text(EVIL_PY.format(marker=marker))
     with pytest.raises(bb.BackboneError, match=r"cannot read its config.json \(.*not a valid JSON file\)"):
