@@ -4,7 +4,7 @@
     return run_cli(train, args)                                # user errors -> `error: ...`, status 2
 
 A run that cannot start or go on raises `RunError` (a ValueError) with a message that says
-what to do; `run_cli` prints it without a traceback. SIGTERM inside `sigterm_flag()` only
+what to do; `run_cli` prints it without a traceback. SIGTERM or Ctrl-C inside `sigterm_flag()` only
 sets a flag: the loop finishes its step, writes a checkpoint and raises `Interrupted`.
 """
 import argparse
@@ -42,37 +42,55 @@ class RunError(ValueError):
 
 
 class Interrupted(Exception):
-    """SIGTERM arrived: the step finished and a checkpoint was written."""
+    """SIGTERM or Ctrl-C (SIGINT) arrived: the step finished and a checkpoint was written.
+    `signum` sets the exit status (128 + signum, as if the signal had killed the process)."""
+
+    def __init__(self, message, signum=signal.SIGTERM):
+        super().__init__(message)
+        self.signum = int(signum)
 
 
 def run_cli(fn, *args):
     """fn(*args) for a command line: user errors (ValueError: DataError, BackboneError,
     RunError, config checks; OSError: files) exit via `fail` (status 2); `Interrupted` prints
-    its message and exits with 143 (128 + SIGTERM), as a killed process would."""
+    its message and exits with 128 + the signal (143 for SIGTERM, 130 for Ctrl-C)."""
     try:
         return fn(*args)
     except Interrupted as e:
         print(e, file=sys.stderr)
-        raise SystemExit(128 + signal.SIGTERM)
+        raise SystemExit(128 + e.signum)
     except (ValueError, OSError) as e:
         fail(e)
 
 
 @contextmanager
 def sigterm_flag():
-    """Inside the block SIGTERM only sets flag["stop"]: the loop finishes its step, writes a
-    checkpoint and stops (a kill in the middle of a write cannot happen this way; SIGKILL
-    is covered by the atomic checkpoint). Outside the main thread nothing changes."""
-    flag = {"stop": False}
-    try:
-        old = signal.signal(signal.SIGTERM, lambda *_: flag.update(stop=True))
-    except ValueError:  # signal handlers can only be set from the main thread
-        old = None
+    """Inside the block SIGTERM and the first Ctrl-C (SIGINT) only set flag["stop"] to the
+    signal's name and flag["signum"]: the loop finishes its step, writes a checkpoint and
+    stops (a kill in the middle of a write cannot happen this way; SIGKILL is covered by the
+    atomic checkpoint). A second Ctrl-C interrupts at once (KeyboardInterrupt; the last
+    complete checkpoint stays). Outside the main thread nothing changes."""
+    flag = {"stop": False, "signum": signal.SIGTERM}
+
+    def handler(signum, frame):
+        if flag["stop"] and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag.update(stop=signal.Signals(signum).name, signum=signum)
+        if signum == signal.SIGINT:
+            print("\nCtrl-C: finishing this step and writing a checkpoint (Ctrl-C again to stop at once)",
+                  file=sys.stderr)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # signal handlers can only be set from the main thread
+            pass
     try:
         yield flag
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 # ----------------------------------------------------------------------------- resume

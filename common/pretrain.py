@@ -34,6 +34,7 @@ from tqdm import tqdm
 from common import backbone as bb
 from common import data
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
+from common.cli import fail
 
 
 def encode_examples(proc, ex):
@@ -200,12 +201,12 @@ def main():
     try:
         tensors, state = load_train_state(ckpt, opt)
     except CheckpointError as e:
-        raise SystemExit(f"error: {e}; or pass --fresh to start over")
+        fail(f"{e}; or pass --fresh to start over")
     if tensors is not None:
         saved = state.get("recipe", recipe)
         diff = {k: (saved.get(k), v) for k, v in recipe.items() if saved.get(k) != v}
         if diff:
-            raise SystemExit(f"error: {ckpt} was written with other settings {diff} (saved, now); "
+            fail(f"{ckpt} was written with other settings {diff} (saved, now); "
                              f"rerun with those settings to resume, or pass --fresh to start over")
         model.load_state_dict(tensors)
         step, log = state["step"], state["log"]
@@ -253,4 +254,4 @@ if __name__ == "__main__":
     try:
         main()
     except (data.DataError, bb.BackboneError) as e:
-        raise SystemExit(f"error: {e}")
+        fail(e)

@@ -26,7 +26,7 @@ import torch
 
 from common import backbone as bb
 from common import data
-from common.cli import number
+from common.cli import fail, number
 
 METHODS = ("mod", "rolemerge", "mole")
 
@@ -81,12 +81,12 @@ def main(argv=None):
                                    "--steps", "6000", "--stop-at", "3500", "--threads", "1"])
                  for arch, name in (("qwen3_vl", "tiny-dense"), ("qwen3_vl_moe", "tiny-moe"))]
         if any(p.wait() != 0 for p in procs):
-            raise SystemExit("error: base pretraining failed (see its output above)")
+            fail("base pretraining failed (see its output above)")
         chat = subprocess.run([sys.executable, "-m", "common.pretrain", "--init", bb.TINY["tiny-dense"],
                                "--chat-mix", "1,1,2,1,1", "--wrong-priors", "0", "--steps", "800", "--batch-size", "16", "--lr", "1e-3",
                                "--out", bb.TINY["tiny-chat"], "--threads", "1"])
         if chat.returncode != 0:
-            raise SystemExit("error: chat-base pretraining failed (see its output above)")
+            fail("chat-base pretraining failed (see its output above)")
         timings["retrain bases"] = time.time() - t
 
     # 3. evaluate bases next to the best constant answer
@@ -120,4 +120,4 @@ if __name__ == "__main__":
     try:
         main()
     except (data.DataError, bb.BackboneError) as e:
-        raise SystemExit(f"error: {e}")
+        fail(e)

@@ -19,7 +19,7 @@ is written atomically, so a killed run leaves the previous complete one. --resum
 checkpoint written with other settings (method, ranks, lr, steps, batch size, seed, base,
 data, ...) and lists the differences (--steps may change while the finished steps' learning
 rates stay the same, e.g. inside warmup); an existing run in OUT needs --resume or --overwrite.
-SIGTERM finishes the current step, writes a checkpoint and exits (status 143); a non-finite
+SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exits (status 143 / 130); a non-finite
 loss stops the run before the update and keeps the last checkpoint. User errors print
 `error: ...` and exit with status 2.
 """
@@ -309,11 +309,11 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
             if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
                 save_ckpt(ckpt, raw, opt, step + 1, settings, log)
                 saved_at = step + 1
-            if flag["stop"] and step + 1 < steps:  # SIGTERM during this step (or its checkpoint write)
+            if flag["stop"] and step + 1 < steps:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
                 if rank == 0 and saved_at != step + 1:
                     save_ckpt(ckpt, raw, opt, step + 1, settings, log)
-                raise Interrupted(f"interrupted at step {step + 1} of {steps} (SIGTERM); checkpoint {ckpt} written; "
-                                  f"continue with --resume")
+                raise Interrupted(f"interrupted at step {step + 1} of {steps} ({flag['stop']}); checkpoint {ckpt} written; "
+                                  f"continue with --resume", flag["signum"])
     if rank == 0:
         save_ckpt(ckpt, raw, opt, steps, settings, log)
     raw.eval()

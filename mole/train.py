@@ -17,7 +17,7 @@ and projector stay frozen. Checkpoints hold only what was trained (+ optimizer, 
 and are written atomically (temp file, then rename), so a killed run leaves the previous
 complete checkpoint. An existing checkpoint in --out needs --resume (continue; every setting
 that defines the run must match, differences are listed) or --overwrite (start over).
-SIGTERM finishes the current step, writes a checkpoint and exits (status 143); a non-finite
+SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exits (status 143 / 130); a non-finite
 loss stops the run before the update and keeps the last checkpoint. User errors print
 `error: ...` and exit with status 2.
 """
@@ -356,11 +356,11 @@ def train(a):
             if rank == 0 and a.save_every and step % a.save_every == 0 and step < end:
                 save_ckpt(a.out, a, params, opt, step, log, settings, base)
                 saved_at = step
-            if flag["stop"] and step < end:  # SIGTERM during this step (or its checkpoint write)
+            if flag["stop"] and step < end:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
                 if rank == 0 and saved_at != step:
                     save_ckpt(a.out, a, params, opt, step, log, settings, base)
-                raise Interrupted(f"interrupted at step {step} of {end} (SIGTERM); checkpoint {a.out} written; "
-                                  f"continue with --resume")
+                raise Interrupted(f"interrupted at step {step} of {end} ({flag['stop']}); checkpoint {a.out} written; "
+                                  f"continue with --resume", flag["signum"])
     if bar is not None:
         bar.close()
     if rank == 0:

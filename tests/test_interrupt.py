@@ -9,7 +9,8 @@ Each interrupted run is a child process running `mod.train` / `mole.train` as `p
   rename  between the checkpoint's two renames: the old checkpoint moved to `<ckpt>.old`, the
           complete new one still at `<ckpt>.tmp` (MoD only)
 
-SIGTERM must finish the step, write a checkpoint and exit with status 143 and a message;
+SIGTERM (and Ctrl-C = SIGINT) must finish the step, write a checkpoint and exit with status 143
+(130) and a message;
 SIGKILL leaves whatever the atomic writes left. Then `--resume` (in-process) must end at the
 uninterrupted run's weights (atol 1e-6), and a leftover `.tmp` is never taken for a checkpoint.
 The children are forked from one python process after its imports, all at once (~15 s here).
@@ -103,10 +104,12 @@ CASES = {  # name -> (module, where, signal, n-th hit); every run: 6 steps, chec
     "mod-term-ckpt": ("mod.train", "ckpt", "SIGTERM", 2),
     "mod-kill-ckpt": ("mod.train", "ckpt", "SIGKILL", 2),
     "mod-kill-rename": ("mod.train", "rename", "SIGKILL", 1),
+    "mod-ctrlc-step": ("mod.train", "step", "SIGINT", 4),
     "mole-term-step": ("mole.train", "step", "SIGTERM", 4),
     "mole-kill-step": ("mole.train", "step", "SIGKILL", 4),
     "mole-term-ckpt": ("mole.train", "ckpt", "SIGTERM", 2),
     "mole-kill-ckpt": ("mole.train", "ckpt", "SIGKILL", 2),
+    "mole-ctrlc-step": ("mole.train", "step", "SIGINT", 4),
 }
 
 
@@ -175,9 +178,9 @@ def test_resume_after_interrupt_equals_uninterrupted_run(killed, reference, name
     module, where, sig, _ = CASES[name]
     code, err, out = res[name]
     ck = ckpt_dir(module, out)
-    if sig == "SIGTERM":  # the step finished, a checkpoint was written, the message says how to go on
-        assert code == 128 + signal.SIGTERM, err
-        assert f"interrupted at step 4 of 6 (SIGTERM); checkpoint {ck} written; continue with --resume" in err
+    if sig in ("SIGTERM", "SIGINT"):  # the step finished, a checkpoint was written, the message says how to go on
+        assert code == 128 + getattr(signal, sig), err
+        assert f"interrupted at step 4 of 6 ({sig}); checkpoint {ck} written; continue with --resume" in err
         expect_step = 4
     else:
         assert code == -signal.SIGKILL, err

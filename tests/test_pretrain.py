@@ -1,3 +1,4 @@
+import re
 import sys
 
 import pytest
@@ -24,10 +25,12 @@ def test_interrupted_pretraining_resumes_exactly(tmp_path, monkeypatch):
     assert all((wa[k] == wb[k]).all() for k in wa)
 
 
-def test_resume_with_other_settings_is_refused(tmp_path, monkeypatch):
+def test_resume_with_other_settings_is_refused(tmp_path, monkeypatch, capsys):
     _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "1")
-    with pytest.raises(SystemExit, match="other settings.*--fresh"):
+    with pytest.raises(SystemExit) as e:
         _run(monkeypatch, "--out", str(tmp_path / "a"), "--lr", "1e-3")
+    assert e.value.code == 2
+    assert re.search("error: .*other settings.*--fresh", capsys.readouterr().err)
 
 
 def test_chat_examples_have_the_inference_prompt_shapes():
@@ -81,10 +84,11 @@ def test_bad_chat_mix_is_refused(tmp_path, monkeypatch, capsys, mix):
     assert not (tmp_path / "a").exists()
 
 
-def test_truncated_checkpoint_is_named_and_kept(tmp_path, monkeypatch):
+def test_truncated_checkpoint_is_named_and_kept(tmp_path, monkeypatch, capsys):
     _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "1")
     f = tmp_path / "a.ckpt" / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    with pytest.raises(SystemExit, match=r"error: .*model\.safetensors.*--fresh"):
+    with pytest.raises(SystemExit) as e:
         _run(monkeypatch, "--out", str(tmp_path / "a"))
+    assert e.value.code == 2 and re.search(r"error: .*model\.safetensors.*--fresh", capsys.readouterr().err)
     assert f.exists() and (tmp_path / "a.ckpt" / "state.json").exists()  # nothing deleted
