@@ -221,6 +221,9 @@ def load_mole(path, device="cpu", base=None):
     tensors, _, state = read_checkpoint(path, optim=False)
     if state is None:
         raise FileNotFoundError(f"{path}: no checkpoint (expected a directory written by mole.train)")
+    if not isinstance(state, dict) or "args" not in state:
+        raise RunError(f"{path} is not a mole.train checkpoint (its state.json has no 'args'; mod.train and "
+                       f"common.pretrain write other checkpoints)")
     a = argparse.Namespace(**state["args"])
     a.base = base or a.base
     net, proc, params = build(a, device)
@@ -245,23 +248,47 @@ def save_ckpt(path, a, params, opt, step, log, settings, base):
                      {"args": vars(a), "settings": settings, "base_model": base, "step": step, "log": log})
 
 
+def is_mole_ckpt(path):
+    """True if `path` holds a state.json written by this script (it alone records "args"; a
+    mod.train or common.pretrain checkpoint also has a state.json, without "args")."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and "args" in state
+
+
 def prepare_out(out, resume, overwrite):
-    """Protect what is at --out. A checkpoint of this script (state.json, or its `.old` twin)
-    needs --resume (continue) or --overwrite (delete it, start over). Anything else that is
-    not an empty directory is refused outright: saving replaces the directory wholesale."""
+    """Protect what is at --out. A checkpoint of this script (state.json with "args", or its
+    `.old` twin) needs --resume (continue) or --overwrite (start over). Anything else that is
+    not an empty directory is refused outright: saving replaces the directory wholesale.
+    Deletes nothing: returns the paths --overwrite will delete (`clear_out`), which the
+    trainer does only once data and base have loaded, so a typo does not cost the old run."""
     out = out.rstrip("/")
-    ckpt = [p for p in (out, out + ".old") if os.path.exists(os.path.join(p, "state.json"))]
-    if not ckpt:
+    found = [p for p in (out, out + ".old") if os.path.exists(os.path.join(p, "state.json"))]
+    for p in found:
+        if not is_mole_ckpt(p):
+            raise RunError(f"--out {out}: {p} is not a mole.train checkpoint (its state.json is unreadable or has "
+                           f"no 'args'); a checkpoint there would replace it, so nothing was written: choose a "
+                           f"new --out")
+    if not found:
         if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
             raise RunError(f"--out {out} exists and is not a mole.train checkpoint (no state.json); a checkpoint "
                            f"there would replace it, so nothing was written: choose a new --out")
-        return
+        return []
     if overwrite:
-        for p in (out, out + ".old", out + ".tmp"):
-            shutil.rmtree(p, ignore_errors=True)
-    elif not resume:
+        return [out, out + ".old", out + ".tmp"]
+    if not resume:
         raise RunError(f"--out {out} already holds a checkpoint; pass --resume to continue it or --overwrite to "
                        f"start over (deletes it)")
+    return []
+
+
+def clear_out(paths):
+    """Delete what `prepare_out` returned (--overwrite), right before training starts."""
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- loop
@@ -281,8 +308,7 @@ def train(a):
         torch.set_num_threads(a.threads)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     ddp = world > 1
-    if rank == 0:
-        prepare_out(a.out, a.resume, a.overwrite)
+    doomed = prepare_out(a.out, a.resume, a.overwrite) if rank == 0 else []
     path = data_file(a)
     recs = data.read_records(path)
     recs = recs[: a.n_train] if a.n_train else recs
@@ -300,6 +326,7 @@ def train(a):
     s1 = round(a.stage1_epochs * loader.steps_per_epoch)
     total = s1 + round(a.stage2_epochs * loader.steps_per_epoch)
     opt = torch.optim.AdamW(list(params.values()), lr=a.lr, betas=(0.9, 0.98), weight_decay=a.weight_decay)
+    clear_out(doomed)  # --overwrite: only now that data and base have loaded
     step, log = 0, []
     if a.resume:
         tensors, optim, state = read_checkpoint(a.out)

@@ -320,3 +320,24 @@ def test_inference_on_a_truncated_checkpoint_names_no_trainer_flag(shapes, run, 
     err = error_of(mt.main, train_args(shapes, out, "--resume"), capsys)
     assert err.rstrip().endswith("; restore it, or start over with --overwrite")
     assert snapshot(out) == before
+
+
+def test_checkpoint_of_another_trainer_is_not_a_mole_checkpoint(shapes, run, tmp_path, capsys):
+    out = copy_run(run, tmp_path)  # a mod.train / common.pretrain checkpoint: state.json without "args"
+    state = json.loads((out / "state.json").read_text())
+    (out / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "settings", "log")}))
+    before = snapshot(out)
+    for extra in ([], ["--overwrite"], ["--resume"]):  # --overwrite used to delete it
+        err = error_of(mt.main, train_args(shapes, out, *extra), capsys)
+        assert f"error: --out {out}: {out} is not a mole.train checkpoint" in err
+    err = error_of(minfer.main, ["--ckpt", str(out), "--data", str(shapes / "test.json")], capsys)  # was KeyError
+    assert f"error: {out} is not a mole.train checkpoint" in err
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("extra", [["--data", "no/such/data"], ["--base", "no/such/base"]], ids=["data", "base"])
+def test_overwrite_keeps_the_old_run_when_data_or_base_is_wrong(shapes, run, tmp_path, capsys, extra):
+    out = copy_run(run, tmp_path)
+    before = snapshot(out)
+    error_of(mt.main, train_args(shapes, out, "--overwrite", *extra), capsys)
+    assert snapshot(out) == before
