@@ -23,7 +23,7 @@ import time
 import torch
 
 from common.backbone import generate
-from common.cli import number, run_cli
+from common.cli import check_out_file, number, run_cli
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
 from mod.train import Batcher
 
@@ -244,8 +244,9 @@ def run(args, methods):
     from common.backbone import load_backbone
     from common.data import atomic_write_text, read_records
     from mod.model import load_adapters
-    for path in (args.out, args.heatmap):  # fail now, not after the whole run
+    for flag, path in (("--out", args.out), ("--heatmap", args.heatmap)):  # fail now, not after the whole run
         if path:
+            check_out_file(path, flag)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     records = read_records(args.data)[:args.limit or None]  # DataError for an empty file
     base, proc = load_backbone(args.model, device=args.device)

@@ -363,3 +363,13 @@ def test_generation_without_end_token_is_bounded(shapes):
     recs = data.read_llava_json(str(shapes / "val.json"))[:2]
     res, _ = minfer.mod_debate(model.eval(), proc, recs, rounds=1, max_new_tokens=7)
     assert [r["n_tokens"] for r in res] == [14, 14]  # two calls of exactly max_new_tokens each
+
+
+@pytest.mark.parametrize("flag", ["--out", "--heatmap"])
+def test_infer_output_that_is_a_directory_fails_first(shapes, run, tmp_path, capsys, monkeypatch, flag):
+    def no_generation(*a, **k):
+        raise AssertionError("generation ran before the output path was checked")
+    monkeypatch.setattr(minfer, "plain", no_generation)
+    err = error_of(minfer.main, ["--model", "tiny-dense", "--adapter", str(run), "--data", str(shapes / "val.json"),
+                                 "--methods", "base", "--limit", "1", flag, str(tmp_path)], capsys)
+    assert f"error: {flag} {tmp_path} is a directory; give a file path" in err
