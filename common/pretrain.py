@@ -34,7 +34,7 @@ from tqdm import tqdm
 from common import backbone as bb
 from common import data
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
-from common.cli import fail
+from common.cli import fail, number
 
 
 def encode_examples(proc, ex):
@@ -166,7 +166,7 @@ def main():
                    "instead of a fresh --arch model; its architecture and tokenizer are kept")
     p.add_argument("--chat-mix", default="", help="weights of the prompt shapes plain,json,debate,review,mad "
                    "(e.g. 1,1,2,1,1; empty = the plain shape only; see chat_example)")
-    p.add_argument("--wrong-priors", type=float, default=0.5,
+    p.add_argument("--wrong-priors", type=number(float, min=0), default=0.5,
                    help="with --chat-mix: probability that a prior response in a prompt is wrong (0 = all agree)")
     p.add_argument("--fresh", action="store_true", help="discard an existing {out}.ckpt instead of resuming it")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -184,6 +184,8 @@ def main():
         if len(chat_mix) != len(CHAT_FORMATS) or min(chat_mix) < 0 or sum(chat_mix) <= 0:
             p.error(f"--chat-mix needs {len(CHAT_FORMATS)} non-negative weights for {','.join(CHAT_FORMATS)}, "
                     f"not all zero (got {a.chat_mix!r})")
+    if a.wrong_priors > 1:
+        p.error(f"--wrong-priors is a probability in [0, 1], got {a.wrong_priors}")
     if a.init:
         torch.manual_seed(a.seed)
         model, proc = bb.load_backbone(a.init)
@@ -198,13 +200,15 @@ def main():
         import shutil
         shutil.rmtree(ckpt, ignore_errors=True)
     recipe = {k: getattr(a, k) for k in RECIPE_KEYS}
+    if a.init:  # the starting weights, not the path they were read from
+        recipe["init"] = bb.base_identity(model)["weights"]
     try:
         tensors, state = load_train_state(ckpt, opt)
     except CheckpointError as e:
         fail(f"{e}; or pass --fresh to start over")
     if tensors is not None:
         saved = state.get("recipe", recipe)
-        diff = {k: (saved.get(k), v) for k, v in recipe.items() if saved.get(k) != v}
+        diff = {k: (saved[k], v) for k, v in recipe.items() if k in saved and saved[k] != v}  # keys both define
         if diff:
             fail(f"{ckpt} was written with other settings {diff} (saved, now); "
                              f"rerun with those settings to resume, or pass --fresh to start over")

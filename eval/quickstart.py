@@ -78,13 +78,13 @@ def main(argv=None):
     if a.retrain_base:  # the README's two commands, side by side (one thread each)
         t = time.time()
         procs = [subprocess.Popen([sys.executable, "-m", "common.pretrain", "--arch", arch, "--out", bb.TINY[name],
-                                   "--steps", "6000", "--stop-at", "3500", "--threads", "1"])
+                                   "--steps", "6000", "--stop-at", "3500", "--threads", "1", "--fresh"])
                  for arch, name in (("qwen3_vl", "tiny-dense"), ("qwen3_vl_moe", "tiny-moe"))]
         if any(p.wait() != 0 for p in procs):
             fail("base pretraining failed (see its output above)")
         chat = subprocess.run([sys.executable, "-m", "common.pretrain", "--init", bb.TINY["tiny-dense"],
                                "--chat-mix", "1,1,2,1,1", "--wrong-priors", "0", "--steps", "800", "--batch-size", "16", "--lr", "1e-3",
-                               "--out", bb.TINY["tiny-chat"], "--threads", "1"])
+                               "--out", bb.TINY["tiny-chat"], "--threads", "1", "--fresh"])
         if chat.returncode != 0:
             fail("chat-base pretraining failed (see its output above)")
         timings["retrain bases"] = time.time() - t

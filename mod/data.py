@@ -107,8 +107,12 @@ ANSWER_SPACE = {"existence": ["yes", "no"], "spatial": ["yes", "no"], "count": [
 def wrong_response(rng, question, answer, family):
     """A plausible wrong response on the shapes world, in the base's plain format: the marked
     scene of another random scene for the same question and an answer other than `answer`
-    ("tl empty - ... br red circle +. Answer: no"). Used as a misleading prior response."""
+    ("tl empty - ... br red circle +. Answer: no"). Used as a misleading prior response.
+    Raises DataError for a family outside the shapes world (no answer space to draw from)."""
     from common import data
+    if family not in ANSWER_SPACE:
+        raise data.DataError(f"misled prompts need a shapes-world family ({', '.join(ANSWER_SPACE)}) to draw a "
+                             f"wrong answer from, got {family!r}; leave misled / base-misled out for this data")
     scene = data.sample_scene(rng)
     wrong = rng.choice([w for w in ANSWER_SPACE[family] if w != str(answer)])
     return data.target_text(scene, wrong, question)

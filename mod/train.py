@@ -188,6 +188,9 @@ def load_ckpt(path, model, opt, settings):
     if state is None:
         return 0, []
     saved = dict(state.get("settings", {}))
+    if state["step"] > settings["steps"]:
+        raise RunError(f"--resume: {path} is at step {state['step']}, past --steps {settings['steps']}; pass "
+                       f"--steps {saved.get('steps', state['step'])} (its run) or more, or --overwrite to start over")
     if saved.get("steps") != settings["steps"] and same_lr_prefix(saved, settings, state["step"]):
         saved["steps"] = settings["steps"]  # a longer / shorter run that had the same past: exact
     check_settings(path, saved, settings)
@@ -204,18 +207,16 @@ def load_ckpt(path, model, opt, settings):
 
 def prepare_out(out, resume, overwrite):
     """Protect an earlier run in `out`: this script's files (OWN) may be there only with
-    --resume (continue) or --overwrite (delete exactly those files, start over); other files
-    in `out` are never touched. Raises RunError with what to pass."""
+    --resume (continue) or --overwrite (start over); other files in `out` are never touched.
+    Returns the paths --overwrite will delete (the caller deletes them once data and base have
+    loaded, so a typo elsewhere costs nothing). Raises RunError with what to pass."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise RunError(f"--out {out} is a file, not a directory")
     found = [f for f in OWN if os.path.exists(os.path.join(out, f))]
     if not found:
-        return
+        return []
     if overwrite:
-        for f in found:
-            f = os.path.join(out, f)
-            shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.remove(f)
-        return
+        return [os.path.join(out, f) for f in found]
     if not resume:
         raise RunError(f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it "
                        f"or --overwrite to start over (deletes those files)")
@@ -225,6 +226,7 @@ def prepare_out(out, resume, overwrite):
     if CKPT not in found and CKPT + ".old" not in found:
         raise RunError(f"--resume: {out} holds {', '.join(found)} but no checkpoint ({CKPT}/) to continue from; "
                        f"pass --overwrite to start over")
+    return []
 
 
 # ----------------------------------------------------------------------------- loop
@@ -355,8 +357,7 @@ def train(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if rank == 0:
-        prepare_out(args.out, args.resume, args.overwrite)
+    stale = prepare_out(args.out, args.resume, args.overwrite) if rank == 0 else []
     records = load_records(args.data)  # before the model loads: bad data fails in seconds
     batcher = Batcher(None, records)  # decodes every image now: a truncated one fails here too
     device = torch.device(args.device)
@@ -370,6 +371,8 @@ def train(args):
     torch.manual_seed(args.seed)
     cfg = adapter_config(args)
     names = attach(model, cfg)
+    for f in stale:  # --overwrite: data, base and adapter config all loaded fine
+        shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.remove(f)
     if rank == 0:
         print(f"{cfg.method}: wrapped {len(names)} layers, {num_trainable(model):,} trainable parameters")
     res = fit(model, proc, records, args.out, args.steps, args.batch_size, args.grad_accum, args.lr, args.warmup,

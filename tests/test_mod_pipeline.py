@@ -139,8 +139,6 @@ def test_command_line_entry_points(tmp_path, capsys):
 
 
 def test_wrong_response_and_misled_prompt(setup, monkeypatch):
-    import random
-
     from common.data import final_answer
     from mod import data as vs
     from mod import infer
@@ -158,3 +156,31 @@ def test_wrong_response_and_misled_prompt(setup, monkeypatch):
     for r, q in zip(records[:2], seen):  # the only prior is a JSON response with a wrong answer
         prior = q.split("Response 1: ")[1].split("\n")[0]
         assert q.startswith(r["question"] + "\n" + vs.DEBATE_PROMPT) and final_answer(prior) != str(r["answer"])
+
+
+def test_resume_past_the_requested_steps_and_overwrite_after_checks(tmp_path, capsys):
+    """--resume with fewer --steps than the run has done is refused (it used to rewind the step
+    counter over later weights); --overwrite with a bad --model keeps the old run."""
+    from common.backbone import save_backbone
+    from mod import train
+    base, proc = build_tiny("qwen3_vl", hidden=64, layers=2)
+    save_backbone(base, proc, str(tmp_path / "base"))
+    data.generate_split(str(tmp_path / "d"), "train", 6)
+    args = ["--model", str(tmp_path / "base"), "--data", str(tmp_path / "d" / "train.json"), "--out",
+            str(tmp_path / "run"), "--batch-size", "2", "--warmup", "20", "--save-every", "1"]
+    train.main(args + ["--steps", "4"])
+    with pytest.raises(SystemExit) as e:
+        train.main(args + ["--steps", "2", "--resume"])
+    assert e.value.code == 2
+    assert "is at step 4, past --steps 2; pass --steps 4 (its run) or more" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "ckpt" / "state.json").read_text())["step"] == 4
+    assert train.main(args + ["--steps", "6", "--resume"])["steps"] == 2  # inside warmup: a longer run is exact
+    before = sorted(os.listdir(tmp_path / "run"))
+    with pytest.raises(SystemExit):
+        train.main(args[:1] + [str(tmp_path / "nope")] + args[2:] + ["--steps", "6", "--overwrite"])
+    assert sorted(os.listdir(tmp_path / "run")) == before  # the typo cost nothing
+
+
+def test_misled_refuses_a_family_without_an_answer_space():
+    with pytest.raises(data.DataError, match="shapes-world family .* got 'all'"):
+        vs.wrong_response(random.Random(0), "Q?", "cat", "all")

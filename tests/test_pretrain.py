@@ -1,3 +1,4 @@
+import os
 import re
 import sys
 
@@ -54,26 +55,38 @@ def test_chat_examples_have_the_inference_prompt_shapes():
     assert prompt.startswith(q + "\nYour previous answer: ") and target == gold
 
 
-def test_wrong_priors_have_wrong_answers():
+def test_wrong_priors_rate_is_obeyed():
     import random
 
     from common import data
-    from mod import data as vs
-    rng = random.Random(1)
-    for _ in range(50):
-        ex = data.sample_example(rng)
-        prompt, _, _ = pretrain.chat_example(rng, ex, "review")
-        prior = prompt.split("Your previous answer: ")[1].split("\n")[0]
-        if data.final_answer(prior) != ex[3]:  # a wrong prior: its scene marks are another scene's
-            assert data.final_answer(prior) in vs.ANSWER_SPACE[ex[1]]
+    for rate, wrong in ((0.0, False), (1.0, True)):
+        rng = random.Random(1)
+        for _ in range(30):
+            ex = data.sample_example(rng)
+            prompt, _, _ = pretrain.chat_example(rng, ex, "review", wrong_priors=rate)
+            prior = prompt.split("Your previous answer: ")[1].split("\n")[0]
+            assert (data.final_answer(prior) != ex[3]) == wrong
 
 
-def test_chat_continuation_from_a_saved_base(tmp_path, monkeypatch):
+def test_chat_continuation_from_a_saved_base(tmp_path, monkeypatch, capsys):
     _run(monkeypatch, "--out", str(tmp_path / "a"))
-    _run(monkeypatch, "--init", str(tmp_path / "a"), "--chat-mix", "0,1,1,1,1", "--out", str(tmp_path / "c"))
+    _run(monkeypatch, "--init", str(tmp_path / "a"), "--chat-mix", "0,1,1,1,1", "--out", str(tmp_path / "c"),
+         "--stop-at", "2")
+    os.rename(tmp_path / "a", tmp_path / "moved")  # the same weights by another path still resume
+    _run(monkeypatch, "--init", str(tmp_path / "moved"), "--chat-mix", "0,1,1,1,1", "--out", str(tmp_path / "c"))
+    assert "resumed from" in capsys.readouterr().out
+    os.rename(tmp_path / "moved", tmp_path / "a")
     wa = load_file(str(tmp_path / "a" / "model.safetensors"))
     wc = load_file(str(tmp_path / "c" / "model.safetensors"))
     assert wa.keys() == wc.keys() and any((wa[k] != wc[k]).any() for k in wa)  # same model, trained further
+
+
+def test_wrong_priors_must_be_a_probability(tmp_path, monkeypatch, capsys):
+    for bad in ("1.5", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            _run(monkeypatch, "--out", str(tmp_path / "a"), "--chat-mix", "1,1,1,1,1", "--wrong-priors", bad)
+        assert "--wrong-priors" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.parametrize("mix", ["1,1", "0,0,0,0,0", "1,1,-1,1,1", "a,b,c,d,e"])
