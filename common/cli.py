@@ -69,7 +69,9 @@ def sigterm_flag():
     signal's name and flag["signum"]: the loop finishes its step, writes a checkpoint and
     stops (a kill in the middle of a write cannot happen this way; SIGKILL is covered by the
     atomic checkpoint). A second Ctrl-C interrupts at once (KeyboardInterrupt; the last
-    complete checkpoint stays). Outside the main thread nothing changes."""
+    complete checkpoint stays). Outside the main thread nothing changes. Multi-process (DDP)
+    runs need the signal on every rank, as torchrun and SLURM deliver it; the flag is not
+    synchronised across ranks."""
     flag = {"stop": False, "signum": signal.SIGTERM}
 
     def handler(signum, frame):
