@@ -40,7 +40,28 @@ from rolemerge import calibrate as cal
 from rolemerge import model as rm
 
 REPORT = "rolemerge_report.json"
+TMP_MARK = ".rolemerge-tmp"  # written first into `<out>.tmp`: a leftover temp folder is ours to delete
+
 WEIGHT_FILES = re.compile(r".*\.safetensors$|.*\.safetensors\.index\.json$|.*\.bin$|.*\.bin\.index\.json$")
+
+
+def _ours(path, marks):
+    """True if nothing is at `path`, or it is a real directory that is empty or holds one of `marks`."""
+    if not os.path.lexists(path):
+        return True
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    names = os.listdir(path)
+    return not names or any(m in names for m in marks)
+
+
+def _start_tmp(tmp):
+    """A fresh `<out>.tmp` (a killed earlier run's partial one is deleted: `run_merge` checked it is ours)
+    holding TMP_MARK first, so that a kill from here on leaves a folder a rerun may delete."""
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    open(os.path.join(tmp, TMP_MARK), "w").close()
 
 
 class MergeError(ValueError):
@@ -301,7 +322,7 @@ def streaming_info(path, config):
 
 
 def merge_streaming(src, dst, plan):
-    """Merge from the checkpoint files alone into dst (which must not exist yet).
+    """Merge from the checkpoint files alone into dst (created if missing; holds nothing else yet).
 
     Output shard i holds the untouched tensors of input shard i (byte copies) and the merged
     experts / routers of every MoE layer whose router lives in shard i. Raises MergeError for
@@ -344,7 +365,7 @@ def merge_streaming(src, dst, plan):
             if k not in merged_keys:
                 out[s][k] = (ent["dtype"], ent["shape"], ("copy", k))
     # --- write shards: header first (sizes are known), then the data in header order
-    os.makedirs(dst)
+    os.makedirs(dst, exist_ok=True)
     weight_map, total = {}, 0
     for s in sorted(headers):
         if not out[s]:
@@ -421,7 +442,8 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     The output is written to `{out}.tmp` and renamed to `out` only when complete (report
     last), so a killed run never leaves a directory at `out`; a rerun starts the `.tmp` over
     and gives the same bytes. `force` replaces only a previous RoleMerge output (a directory
-    holding rolemerge_report.json) or an empty directory, never other data."""
+    holding rolemerge_report.json) or an empty directory, never other data; likewise a leftover
+    `{out}.tmp` is deleted only if it holds TMP_MARK or the report, `{out}.old` only if it holds the report."""
     from common import backbone as bb
     src = bb.resolve(model_path)
     if not os.path.exists(os.path.join(src, "config.json")):
@@ -444,11 +466,16 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 os.listdir(out) and not os.path.exists(os.path.join(out, REPORT))):
             raise MergeError(f"{out} exists and is not a RoleMerge output (no {REPORT}); refusing to delete it "
                              f"even with --force: choose a new --out")
+    tmp, old = out + ".tmp", out + ".old"
+    if not _ours(tmp, (TMP_MARK, REPORT)):
+        raise MergeError(f"{tmp} exists and is not a RoleMerge temp folder (no {TMP_MARK} or {REPORT}); refusing "
+                         f"to delete it: move it away or choose a new --out")
+    if force and os.path.lexists(out) and not _ours(old, (REPORT,)):
+        raise MergeError(f"{old} exists and is not a previous RoleMerge output (no {REPORT}); refusing to delete "
+                         f"it even with --force: move it away or choose a new --out")
     cal.load_config(src)                     # readable, supported family, complete safetensors shards
     stats = cal.load_stats(stats_paths)
     t0 = time.time()
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)   # a killed earlier run's partial output
     if streaming:
         with open(os.path.join(src, "config.json")) as f:
             config = json.load(f)
@@ -465,6 +492,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
             return out_r
         plan = make_plan(stats, K, method, lam, linkage, seed, routers)
+        _start_tmp(tmp)
         merge_streaming(src, tmp, plan)
     else:
         model = load_model_for_merge(src, dtype)
@@ -475,12 +503,14 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         plan = make_plan(stats, K, method, lam, linkage, seed,
                          lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)])
         merge_model(model, plan)
+        _start_tmp(tmp)
         model.save_pretrained(tmp)
         copy_side_files(src, tmp)
     report = dict(plan, model=str(model_path), stats=list(stats_paths) if not isinstance(stats_paths, str)
                   else [stats_paths], streaming=streaming, merge_seconds=time.time() - t0)
     with open(os.path.join(tmp, REPORT), "w") as f:      # last file: its presence marks a complete output
         json.dump(report, f, indent=1)
+    os.remove(os.path.join(tmp, TMP_MARK))                # the report marks it from here on
     if os.path.exists(out):                               # --force over a previous output
         old = out + ".old"
         shutil.rmtree(old, ignore_errors=True)

@@ -235,6 +235,26 @@ def test_force_never_deletes_what_is_not_a_merge_output(moe, tmp_path):
     assert (user / "thesis.tex").read_text() == "years of work" and (d / "model.safetensors").exists()
 
 
+def test_force_never_deletes_a_tmp_or_old_folder_it_did_not_write(moe, tmp_path):
+    *_, stats = moe
+    out = tmp_path / "o"
+    (tmp_path / "o.tmp").mkdir()
+    (tmp_path / "o.tmp" / "notes.txt").write_text("mine")
+    for extra in ([], ["--force"]):
+        assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(out), "--rho", ".5", *extra]) == (
+            f"error: {out}.tmp exists and is not a RoleMerge temp folder (no {mg.TMP_MARK} or {mg.REPORT}); "
+            f"refusing to delete it: move it away or choose a new --out")
+    (tmp_path / "o.tmp" / "notes.txt").rename(tmp_path / "notes.txt")
+    mg.run_merge("tiny-moe", stats, str(out), rho=0.5)     # an empty leftover .tmp is fine
+    (tmp_path / "o.old").mkdir()
+    (tmp_path / "o.old" / "notes.txt").write_text("mine")
+    assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(out), "--rho", ".5", "--force"]) == (
+        f"error: {out}.old exists and is not a previous RoleMerge output (no {mg.REPORT}); refusing to delete it "
+        f"even with --force: move it away or choose a new --out")
+    assert (tmp_path / "o.old" / "notes.txt").read_text() == "mine" and (out / mg.REPORT).exists()
+    assert not (out / mg.TMP_MARK).exists() and not (tmp_path / "o.tmp").exists()
+
+
 # ----------------------------------------------------------------------------- interruption, determinism
 
 CHILD = """
@@ -279,6 +299,8 @@ def test_killed_streaming_merge_leaves_no_output_and_rerun_is_identical(moe, tmp
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert not os.path.exists(out)                          # nothing that can be taken for complete
     partial = sorted(os.listdir(out + ".tmp"))
+    assert mg.TMP_MARK in partial                           # marks the leftover as ours: the rerun may delete it
+    partial.remove(mg.TMP_MARK)
     assert mg.REPORT not in partial and "config.json" not in partial and partial == shards[:2]
     assert os.path.getsize(os.path.join(out + ".tmp", shards[1])) < os.path.getsize(os.path.join(ref, shards[1]))
     rep = mg.run_merge(src, stats, out, rho=0.5, streaming=True)     # rerun: starts the .tmp over
