@@ -438,6 +438,12 @@ def main(argv=None):
              f"(e.g. {os.path.join(a.out, 'stats.safetensors')})")
     if os.path.exists(a.out) and not a.force:  # before the data and the model are read
         fail(f"--out {a.out} exists; pass --force to overwrite it (or choose another --out)")
+    seen = {}
+    for path in a.data:
+        if os.path.realpath(path) in seen:  # also ./val.json after val.json, or a link to it
+            fail(f"--data {path} is given twice (as {seen[os.path.realpath(path)]} before); each calibration "
+                 f"source counts once")
+        seen[os.path.realpath(path)] = path
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     try:
         sources = {}   # data first: a bad record fails before a model of many GB is loaded
@@ -445,11 +451,9 @@ def main(argv=None):
             name = os.path.splitext(os.path.basename(path))[0]
             if name in sources:  # two files with the same name (a/val.json, b/val.json): keep both
                 name = os.path.splitext(os.path.normpath(path))[0].replace(os.sep, "/")
-            if name in sources:
-                raise CalibrationError(f"{path} is given twice; each calibration source counts once")
-            sources[name] = data.read_llava_json(path)[:a.n]
-            if not sources[name]:
-                raise CalibrationError(f"{path}: no records to calibrate on")
+            if name in sources:  # val.json and val.jsonl side by side
+                raise CalibrationError(f"{path}: another --data file has the same source name {name!r}; rename one")
+            sources[name] = data.read_llava_json(path)[:a.n]  # DataError for a file without records
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
         stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
     except (CalibrationError, data.DataError) as e:

@@ -357,3 +357,13 @@ def test_user_errors_of_calibrate_merge_infer_exit_with_status_2(moe, tmp_path):
     assert _error(mg.main, ["--model", "tiny-moe", "--stats", str(tmp_path / "none.safetensors"), "--out",
                             str(tmp_path / "o"), "--rho", ".5"]).startswith("error: ")
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_calibrate_refuses_the_same_data_file_twice(moe, tmp_path):
+    *_, root, _ = moe
+    d = str(root / "val.json")                              # absolute: was renamed and counted as a second source
+    out = tmp_path / "s.safetensors"
+    for second in (d, os.path.join(str(root), ".", "val.json")):
+        assert _error(cal.main, ["--model", "tiny-moe", "--data", d, second, "--out", str(out), "--n", "1"]) == (
+            f"error: --data {second} is given twice (as {d} before); each calibration source counts once")
+    assert not out.exists()
