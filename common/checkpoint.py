@@ -73,10 +73,18 @@ def safetensors_files(path):
 
 
 def atomic_save_file(tensors, path, metadata=None):
-    """safetensors `save_file` to a temp name + rename: `path` is either the old or the new file."""
+    """safetensors `save_file` to a temp name + rename: `path` is either the old or the new file.
+    The temp file is removed when the write or the rename fails."""
     tmp = f"{path}.tmp{os.getpid()}"
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def save_train_state(path, tensors, optimizer, state):

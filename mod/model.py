@@ -329,14 +329,12 @@ def save_adapters(model, path):
     see `common.backbone.base_identity`) + path/adapter_model.safetensors (adapter tensors only); each file
     atomically (temp file + rename), weights first."""
     from common.checkpoint import atomic_save_file
+    from common.data import atomic_write_text
     os.makedirs(path, exist_ok=True)
     cfg = model._adapter["config"]
     atomic_save_file({k: v.cpu() for k, v in adapter_state_dict(model).items()}, os.path.join(path, WEIGHTS_NAME))
     meta = {**asdict(cfg), "base_model": base_identity(model)}
-    tmp = os.path.join(path, f"{CONFIG_NAME}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, os.path.join(path, CONFIG_NAME))
+    atomic_write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))  # no temp file left on failure
 
 
 def load_config(path):

@@ -411,3 +411,11 @@ def test_evaluate_user_errors_exit_with_status_2():
                        capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 2 and r.stderr == ("error: no/such.json: file not found; generate data with "
                                               "`python -m common.data --out DIR`\n"), r.stderr
+
+
+def test_atomic_save_file_leaves_no_temp_file_on_failure(tmp_path):
+    target = tmp_path / "w.safetensors"
+    target.mkdir()                                          # the rename fails
+    with pytest.raises(OSError):
+        ck.atomic_save_file({"a": torch.zeros(2)}, str(target))
+    assert sorted(os.listdir(tmp_path)) == ["w.safetensors"]

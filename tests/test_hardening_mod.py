@@ -373,3 +373,14 @@ def test_infer_output_that_is_a_directory_fails_first(shapes, run, tmp_path, cap
     err = error_of(minfer.main, ["--model", "tiny-dense", "--adapter", str(run), "--data", str(shapes / "val.json"),
                                  "--methods", "base", "--limit", "1", flag, str(tmp_path)], capsys)
     assert f"error: {flag} {tmp_path} is a directory; give a file path" in err
+
+
+def test_save_adapters_leaves_no_temp_file_on_failure(run, tmp_path):
+    from common.backbone import load_backbone
+    from mod.model import CONFIG_NAME, load_adapters, save_adapters
+    model, _ = load_backbone("tiny-dense")
+    load_adapters(model, str(run))
+    (tmp_path / CONFIG_NAME).mkdir()                        # the rename of the config fails
+    with pytest.raises(OSError):
+        save_adapters(model, str(tmp_path))
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
