@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import random
+import sys
 
 import torch
 
@@ -232,6 +233,8 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     or "tiny-dense" / "tiny-moe" / "tiny-chat" for the committed defaults.
     dtype: torch dtype or None (the checkpoint's own); device: "cpu", "cuda", ...;
     trust_remote_code: off unless the user asks (it executes code shipped with the checkpoint).
+    A missing `path` whose `{path}.old` holds config.json (a save_backbone killed between its
+    renames) loads `{path}.old`, with a note on stderr.
     Raises BackboneError for a missing directory, a directory without config.json or with an
     unreadable one, an architecture outside SUPPORTED_VLMS (or one that needs
     trust_remote_code), weights only in pickle files (pytorch_model.bin: pickles can run code,
@@ -239,6 +242,11 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
     from common.checkpoint import CheckpointError, check_safetensors, safetensors_files
     path = resolve(path)
+    old = path.rstrip("/") + ".old"
+    if not os.path.exists(path) and os.path.exists(os.path.join(old, "config.json")):  # see save_backbone
+        print(f"note: {path} is missing; loading {old}, the checkpoint a save_backbone interrupted between its "
+              f"two renames left there", file=sys.stderr)
+        path = old
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise BackboneError(f"{path} has no config.json: not a save_pretrained checkpoint directory "

@@ -419,3 +419,10 @@ def test_atomic_save_file_leaves_no_temp_file_on_failure(tmp_path):
     with pytest.raises(OSError):
         ck.atomic_save_file({"a": torch.zeros(2)}, str(target))
     assert sorted(os.listdir(tmp_path)) == ["w.safetensors"]
+
+
+def test_load_backbone_falls_back_to_old_after_an_interrupted_save(tmp_path, capsys):
+    shutil.copytree(bb.resolve("tiny-dense"), tmp_path / "base.old")  # killed between save_backbone's two renames
+    model, _ = bb.load_backbone(str(tmp_path / "base"))
+    assert model.config.model_type == "qwen3_vl"
+    assert f"note: {tmp_path / 'base'} is missing; loading {tmp_path / 'base.old'}" in capsys.readouterr().err
