@@ -16,7 +16,6 @@ before each timed read, so both timings read from the device (as far as the kern
 """
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
