@@ -19,6 +19,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.data import atomic_target
+
 MAX_HEADER = 100 << 20   # safetensors' own cap on the JSON header (100 MB)
 
 
@@ -75,16 +77,8 @@ def safetensors_files(path):
 def atomic_save_file(tensors, path, metadata=None):
     """safetensors `save_file` to a temp name + rename: `path` is either the old or the new file.
     The temp file is removed when the write or the rename fails."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
+    with atomic_target(path) as tmp:
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def save_train_state(path, tensors, optimizer, state):

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
@@ -283,21 +284,25 @@ def ensure_splits(data_dir, sizes):
             print(f"[data] {path} has {have} records (< {n} asked); using them as they are")
 
 
-def atomic_write_text(path, text):
-    """Write `text` to `path` through a temp file + rename: `path` is either untouched or
-    complete. The temp file is removed when the write or the rename fails (a full disk,
-    `path` being a directory)."""
+@contextmanager
+def atomic_target(path):
+    """Yields a temp path next to `path` to write to; renames it onto `path` when the block
+    succeeds and removes it when the block or the rename fails (a full disk, `path` being a
+    directory), so `path` is either untouched or complete."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with suppress(OSError):
             os.remove(tmp)
-        except OSError:
-            pass
         raise
+
+
+def atomic_write_text(path, text):
+    """Write `text` to `path` atomically (`atomic_target`)."""
+    with atomic_target(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 class DataError(ValueError):
