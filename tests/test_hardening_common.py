@@ -22,6 +22,7 @@ from common import checkpoint as ck
 from common import data
 from eval import evaluate as ev
 from eval.readers import read_any, read_jsonl
+from helpers import error_of
 
 CONV = [{"from": "human", "value": "<image>\nIs there a red circle?"}, {"from": "gpt", "value": "Answer: yes"}]
 
@@ -294,15 +295,6 @@ def test_base_identity_tells_bases_of_one_config_apart_by_their_weights():
 
 # ----------------------------------------------------------------------------- python -m common.data, readers
 
-def _exit(main, argv, capsys):
-    """Run a CLI main in-process, expect exit status 2; return its stderr."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    return capsys.readouterr().err
-
-
 def _tree(root):
     """{relative path: bytes} of every file under root."""
     out = {}
@@ -317,19 +309,19 @@ def test_data_cli_refuses_to_overwrite_a_dataset_and_checks_its_counts(tmp_path,
     small = ["--n-train", "3", "--n-val", "1", "--n-test", "1"]
     for flag in ("--n-train", "--n-val", "--n-test"):          # nothing written, --out never created
         for bad in ("-5", "0"):
-            err = _exit(data.main, ["--out", str(d), flag, bad], capsys)
+            err = error_of(data.main, ["--out", str(d), flag, bad], capsys)
             assert f"argument {flag}: must be >= 1, got {bad}" in err
     assert not d.exists()
     data.main(["--out", str(d)] + small)
     before = _tree(d)
-    err = _exit(data.main, ["--out", str(d), "--n-train", "2", "--n-val", "2", "--n-test", "2"], capsys)
+    err = error_of(data.main, ["--out", str(d), "--n-train", "2", "--n-val", "2", "--n-test", "2"], capsys)
     assert err == (f"error: {d / 'train.json'} already exists and 7 more file(s) of a dataset; pass --overwrite to "
                    f"replace them, or choose another --out\n")
     assert _tree(d) == before
     user = tmp_path / "user"                                    # the user's own test.json only: refused too
     user.mkdir()
     (user / "test.json").write_text("my data")
-    err = _exit(data.main, ["--out", str(user)] + small, capsys)
+    err = error_of(data.main, ["--out", str(user)] + small, capsys)
     assert f"error: {user / 'test.json'} already exists; pass --overwrite" in err
     assert _tree(user) == {"test.json": b"my data"}
     data.main(["--out", str(d), "--n-train", "1", "--n-val", "1", "--n-test", "1", "--overwrite"])
@@ -393,10 +385,10 @@ def test_evaluate_checks_out_before_loading_and_leaves_no_temp_file(tmp_path, ca
     data.generate_split(str(tmp_path), "val", 1)
     d = str(tmp_path / "val.json")
     (tmp_path / "res").mkdir()
-    err = _exit(ev.main, ["--model", "nowhere", "--data", d, "--out", str(tmp_path / "res")], capsys)
+    err = error_of(ev.main, ["--model", "nowhere", "--data", d, "--out", str(tmp_path / "res")], capsys)
     res = tmp_path / "res"
     assert f"error: --out {res} is a directory; give a file path, e.g. {res / 'results.json'}" in err
-    err = _exit(ev.main, ["--model", "nowhere", "--data", d, "--out", d + "/r.json"], capsys)
+    err = error_of(ev.main, ["--model", "nowhere", "--data", d, "--out", d + "/r.json"], capsys)
     assert f"error: --out {d}/r.json: cannot create its folder {d}: {d} is a file, not a directory" in err
     with pytest.raises(IsADirectoryError):
         data.atomic_write_text(str(tmp_path / "res"), "x")

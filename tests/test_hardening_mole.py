@@ -3,7 +3,6 @@
 Every bad input must end in a clear message (`error: ...` or argparse's own, exit status 2)
 and leave what is on disk as it was: each test names the input, checks the message text and
 checks that nothing was lost or half-written."""
-import hashlib
 import json
 import os
 import shutil
@@ -18,26 +17,7 @@ from mole import diagnostics as mdiag
 from mole import infer as minfer
 from mole import train as mt
 from mole.model import MoLE
-
-
-def snapshot(root):
-    """{relative path: sha1} of every file under root ({} if it does not exist)."""
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = hashlib.sha1(fh.read()).hexdigest()
-    return out
-
-
-def error_of(main, argv, capsys):
-    """Run a CLI main in-process, expect exit status 2, return its stderr."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    return capsys.readouterr().err
+from helpers import error_of, snapshot
 
 
 @pytest.fixture(scope="module")
