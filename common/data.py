@@ -286,9 +286,10 @@ def ensure_splits(data_dir, sizes):
 
 @contextmanager
 def atomic_target(path):
-    """Yields a temp path next to `path` to write to; renames it onto `path` when the block
-    succeeds and removes it when the block or the rename fails (a full disk, `path` being a
-    directory), so `path` is either untouched or complete."""
+    """Yields a temp path next to `path` to write to (its folder created if missing); renames it
+    onto `path` when the block succeeds and removes it when the block or the rename fails (a
+    full disk, `path` being a directory), so `path` is either untouched or complete."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         yield tmp

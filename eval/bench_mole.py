@@ -15,7 +15,6 @@ Writes out/mole/bench.json.
 """
 import argparse
 import json
-import os
 import random
 import statistics
 import time
@@ -116,7 +115,6 @@ def main(argv=None):
             print(f"{size:6s} {name:13s} {r[name]['train_step_s']:12.4f} {r[name]['prefill_s']:10.4f}")
         print(f"{size:6s} {'MoLE / plain':13s} {r['ratio_train_step']:11.2f}x {r['ratio_prefill']:9.2f}x"
               f"   (goal: train step <= 1.5x)")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     data.atomic_write_text(a.out, json.dumps(res, indent=1))
 
 

@@ -275,7 +275,6 @@ def main(argv=None):
               f"yes-ratio {m['yes_ratio']:.3f}")
     for fam, v in soft.items():
         print(f"ANLS {fam}: {v:.3f}")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     atomic_write_text(out, json.dumps({"model": a.model, "data": a.data, "rows": rows, "pope": pope, "anls": soft,
                                        "wall_s": wall, "results": results, "loglik": loglik}, indent=1))
     print(f"wrote {out}")

@@ -16,7 +16,6 @@ latents used for answer generation?").
 """
 import argparse
 import json
-import os
 
 import torch
 
@@ -110,7 +109,6 @@ def run(a):
     print(f"{len(recs)} records, stage {stage}: latent similarity x100 {sim:.2f} (lower = less redundant), "
           f"attention KL x100 {kl:.2f} (higher = more diverse)")
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         atomic_write_text(a.out, json.dumps(res, indent=1))
     return res
 

@@ -11,7 +11,6 @@ and explicit M-RoPE positions (last position + 1). Tested equal to one uncached 
 """
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -165,7 +164,6 @@ def run(a):
         sub = [r["correct"] for r in res if r["family"] == fam]
         print(f"  {fam:10s} {sum(sub) / len(sub):.3f} (n={len(sub)})")
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         atomic_write_text(a.out, json.dumps(res, indent=1))
     return res
 

@@ -277,7 +277,6 @@ def save_stats(stats, path):
     for n, s in stats["sources"].items():
         tensors[f"counts/{n}"] = s["counts"].contiguous()
         tensors[f"tokens/{n}"] = s["tokens"].contiguous()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_save_file(tensors, path, metadata={META_KEY: json.dumps(meta)})   # temp file + rename
     summary = dict(meta, tokens={n: dict(zip(stats["buckets"], s["tokens"].tolist()))
                                  for n, s in stats["sources"].items()})
