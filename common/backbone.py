@@ -240,7 +240,7 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     trust_remote_code), weights only in pickle files (pytorch_model.bin: pickles can run code,
     so they are never loaded), and a truncated / corrupt safetensors file (named)."""
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-    from common.checkpoint import CheckpointError, check_safetensors, safetensors_files
+    from common.checkpoint import CheckpointError, checked_weights
     path = resolve(path)
     old = path.rstrip("/") + ".old"
     if not os.path.exists(path) and os.path.exists(os.path.join(old, "config.json")):  # see save_backbone
@@ -272,18 +272,9 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
                             f"{', '.join(SUPPORTED_VLMS)}")
     if os.path.isdir(path):
         try:  # headers only: a truncated shard is named here, not by a raw safetensors error mid-load
-            shards = safetensors_files(path)
-            for f in shards:
-                check_safetensors(f)
+            checked_weights(path)
         except CheckpointError as e:
             raise BackboneError(str(e)) from None
-        if not shards:
-            pickles = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
-            raise BackboneError(
-                f"{path} has no *.safetensors weights" + (f", only {', '.join(pickles)}" if pickles else "")
-                + ". Weights load from safetensors only (a pickled .bin can execute code when loaded). If you "
-                "trust the file, convert it once: load the model with transformers and call "
-                "model.save_pretrained(new_dir), which writes safetensors")
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, use_safetensors=True)
     if device_map is None:

@@ -74,6 +74,24 @@ def safetensors_files(path):
     return [single] if os.path.exists(single) else []
 
 
+def checked_weights(path):
+    """The safetensors weight files of checkpoint directory `path`, every header checked
+    (`check_safetensors`; no tensor is read). Raises CheckpointError naming a truncated shard,
+    a bad index, or a directory with no safetensors at all (pickled weights are never loaded:
+    the message lists them and says how to convert)."""
+    shards = safetensors_files(path)
+    for f in shards:
+        check_safetensors(f)
+    if not shards:
+        pickles = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        raise CheckpointError(
+            f"{path} has no *.safetensors weights" + (f", only {', '.join(pickles)}" if pickles else "")
+            + ". Weights load from safetensors only (a pickled .bin can execute code when loaded). If you "
+            "trust the file, convert it once: load the model with transformers and call "
+            "model.save_pretrained(new_dir), which writes safetensors")
+    return shards
+
+
 def atomic_save_file(tensors, path, metadata=None):
     """safetensors `save_file` to a temp name + rename: `path` is either the old or the new file.
     The temp file is removed when the write or the rename fails."""

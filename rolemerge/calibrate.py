@@ -381,7 +381,7 @@ def load_config(path, trust_remote_code=False):
     naming the problem: no directory / config.json, unreadable config, unsupported family,
     no safetensors weights (pickles are never loaded: they can run code), a truncated shard."""
     from transformers import AutoConfig
-    from common.checkpoint import CheckpointError, check_safetensors, safetensors_files
+    from common.checkpoint import CheckpointError, checked_weights
     if not os.path.isdir(path):
         raise CalibrationError(f"{path}: no such checkpoint directory (a save_pretrained folder, or tiny-moe)")
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -394,15 +394,9 @@ def load_config(path, trust_remote_code=False):
                                f"need --trust-remote-code (it runs that code)") from None
     check_supported(config)
     try:
-        shards = safetensors_files(path)
-        for f in shards:
-            check_safetensors(f)
+        checked_weights(path)
     except CheckpointError as e:
         raise CalibrationError(str(e)) from None
-    if not shards:
-        raise CalibrationError(f"{path} has no *.safetensors weights. Weights load from safetensors only (a pickled "
-                               f".bin can execute code when loaded); if you trust the file, convert it once with "
-                               f"transformers: from_pretrained, then save_pretrained(new_dir)")
     return config
 
 
