@@ -37,11 +37,12 @@ from common.checkpoint import CheckpointError, load_train_state, save_train_stat
 from common.cli import fail, number
 
 
-def encode_examples(proc, ex):
-    """(scene, family, question, answer) tuples -> training batch (rendered, patchified, encoded)."""
+def encode_examples(proc, ex, prompts=None, targets=None):
+    """(scene, family, question, answer) tuples -> training batch (rendered, patchified, encoded).
+    prompts / targets: per-example texts (default: the question and the marked-scene target)."""
     imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
-    return proc.encode(None, [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex],
-                       pixels=bb.patchify(imgs))
+    return proc.encode(None, prompts or [q for _, _, q, _ in ex],
+                       targets or [data.target_text(s, a, q) for s, _, q, a in ex], pixels=bb.patchify(imgs))
 
 
 CHAT_FORMATS = ("plain", "json", "debate", "review", "mad")
@@ -92,8 +93,7 @@ def make_batch(proc, step, batch_size, seed, chat_mix=None, wrong_priors=0.5):
         tails = [" " + a for _, _, _, a in ex]
     else:
         rows = [chat_example(rng, e, rng.choices(CHAT_FORMATS, weights=chat_mix)[0], wrong_priors) for e in ex]
-        imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
-        batch = proc.encode(None, [r[0] for r in rows], [r[1] for r in rows], pixels=bb.patchify(imgs))
+        batch = encode_examples(proc, ex, [r[0] for r in rows], [r[1] for r in rows])
         tails = [r[2] for r in rows]
     ends = (batch["labels"] != -100).long().cumsum(1).max(1).values  # label tokens per row
     n_ans = torch.tensor([len(proc._tok(t)) + 1 for t in tails])  # " yes" + <|im_end|>
