@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from common.cli import number, run_cli
-from common.data import atomic_write_text, final_answer, load_image
+from common.data import DataError, atomic_write_text, final_answer, load_image, sample_scene, target_text
 
 DEBATE_PROMPT = "Review the following responses from other assistants and determine your final answer."
 JSON_INSTRUCTION = 'Reply in JSON with the keys "Reasoning" and "Answer".'
@@ -109,13 +109,12 @@ def wrong_response(rng, question, answer, family):
     scene of another random scene for the same question and an answer other than `answer`
     ("tl empty - ... br red circle +. Answer: no"). Used as a misleading prior response.
     Raises DataError for a family outside the shapes world (no answer space to draw from)."""
-    from common import data
     if family not in ANSWER_SPACE:
-        raise data.DataError(f"misled prompts need a shapes-world family ({', '.join(ANSWER_SPACE)}) to draw a "
+        raise DataError(f"misled prompts need a shapes-world family ({', '.join(ANSWER_SPACE)}) to draw a "
                              f"wrong answer from, got {family!r}; leave misled / base-misled out for this data")
-    scene = data.sample_scene(rng)
+    scene = sample_scene(rng)
     wrong = rng.choice([w for w in ANSWER_SPACE[family] if w != str(answer)])
-    return data.target_text(scene, wrong, question)
+    return target_text(scene, wrong, question)
 
 
 # ----------------------------------------------------------------------------- sampling
