@@ -35,8 +35,8 @@ from tqdm import tqdm
 from common.backbone import generate, load_backbone
 from common.cli import RunError, check_out_file, run_cli
 from common.data import ANSWER_TYPE, DataError, atomic_write_text, load_image
-from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table,
-                          is_correct, pope_prf, short_answer)
+from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table, gold_list,
+                          is_correct, option_letters, pope_prf, short_answer)
 from eval.readers import parse_options, read_any
 
 
@@ -53,8 +53,10 @@ def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"
 
     records: dicts from `eval.readers.read_any` / `common.data.read_llava_json`.
     Returns one dict per record, in order: {id, family, pred (generated text), extracted
-    (the answer read from it), answer (gold), correct (bool), n_tokens (generated, incl. the
-    end token)}. Raises DataError for records without a readable image."""
+    (the answer read from it), answer (gold: a string or the list of acceptable answers),
+    correct (bool), n_tokens (generated, incl. the end token)}. Multiple-choice records are
+    read with their own option letters (`options_of`: A..E for five options).
+    Raises DataError for records without a readable image."""
     was_training = model.training
     model.eval()
     results = []
@@ -63,9 +65,11 @@ def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"
         batch = records[i:i + batch_size]
         texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens)
         for r, t, n in zip(batch, texts, lens):
+            opts, typ = options_of(r), answer_type_of(r["family"])
+            letters = option_letters(opts, gold_list(r["answer"])) if typ == "letter" else None
             results.append({"id": r["id"], "family": r["family"], "pred": t,
-                            "extracted": extract(t, answer_type_of(r["family"])), "answer": r["answer"],
-                            "correct": is_correct(t, r["answer"], r["family"]), "n_tokens": n})
+                            "extracted": extract(t, typ, letters, opts), "answer": r["answer"],
+                            "correct": is_correct(t, r["answer"], r["family"], opts), "n_tokens": n})
         bar.update(len(batch))
     bar.close()
     model.train(was_training)
@@ -98,8 +102,10 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
     is empty or ends in whitespace). Context and continuation are tokenised separately and
     concatenated (as lm-eval-harness does), one row per (record, option), right padded:
         score(L) = sum_t log softmax(logits[t-1])[ids[t]]   over the continuation positions t
-    pred = argmax_L score(L). Returns per record {id, family, scores (list, option order),
-    pred (letter), answer (gold letter), correct}. Raises DataError for a record without options."""
+    pred = argmax_L score(L) over every option the record has (A..E for five; `pick_option`).
+    Returns per record {id, family, scores (list, option order), pred (letter), answer (gold
+    letter, or the list of acceptable letters), correct}. Raises DataError for a record
+    without options."""
     was_training = model.training
     model.eval()
     prefixes = prefixes if prefixes is not None else [""] * len(records)
@@ -145,12 +151,20 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
     model.train(was_training)
     results = []
     for r, sc in zip(records, scores):
-        letters = [L for L, _ in options_of(r)]
-        pred = letters[max(range(len(sc)), key=sc.__getitem__)]
-        gold = extract(str(r["answer"]), "letter")
-        results.append({"id": r["id"], "family": r["family"], "scores": sc, "pred": pred, "answer": gold,
-                        "correct": pred == gold})
+        pred, golds = pick_option(options_of(r), sc, r["answer"])
+        results.append({"id": r["id"], "family": r["family"], "scores": sc, "pred": pred,
+                        "answer": golds[0] if len(golds) == 1 else golds, "correct": pred in golds})
     return results
+
+
+def pick_option(options, scores, gold):
+    """(predicted letter, gold letters) of one multiple-choice record: the letter of the
+    highest score (first on ties) among all of `options` ([(letter, text)]), and each gold
+    (`gold_list`) read as a letter of those options (`eval.metrics.extract`)."""
+    letters = "".join(L for L, _ in options)
+    pred = letters[max(range(len(scores)), key=scores.__getitem__)]
+    golds = list(dict.fromkeys(extract(g, "letter", letters, options) for g in gold_list(gold)))
+    return pred, golds
 
 
 # ----------------------------------------------------------------------------- report rows
@@ -167,18 +181,27 @@ def family_rows(model_name, results, metric="accuracy", n_resamples=10_000, seed
     return rows
 
 
+def _gold_set(r):
+    """The extracted acceptable answers of a record (a set: one per gold in its list)."""
+    t = answer_type_of(r["family"])
+    golds = gold_list(r["answer"])
+    letters = option_letters(r.get("options"), golds) if t == "letter" else None
+    return {extract(g, t, letters, r.get("options")) for g in golds}
+
+
 def majority_answers(records):
     """{family: (constant answer, [correct per record])}: for each family the constant answer
     (gold answers normalised with the family's answer type) that maximises accuracy on these
-    records, i.e. the most frequent gold answer; ties go to the alphabetically first."""
+    records, i.e. the answer acceptable for the most records (the most frequent gold when each
+    record has one); ties go to the alphabetically first."""
     golds = {}
     for r in records:
-        golds.setdefault(r["family"], []).append(extract(str(r["answer"]), answer_type_of(r["family"])))
+        golds.setdefault(r["family"], []).append(_gold_set(r))
     out = {}
     for fam, g in golds.items():
-        counts = Counter(g)
+        counts = Counter(x for s in g for x in s)
         best = max(sorted(counts), key=counts.__getitem__)
-        out[fam] = (best, [x == best for x in g])
+        out[fam] = (best, [best in s for s in g])
     return out
 
 
@@ -188,23 +211,22 @@ def majority_rows(records, n_resamples=10_000, seed=0):
     bar than the training-set majority), and "all" = every family answered with its own
     constant."""
     best = majority_answers(records)
-    results = [{"family": r["family"],
-                "correct": extract(str(r["answer"]), answer_type_of(r["family"])) == best[r["family"]][0]}
-               for r in records]
+    results = [{"family": r["family"], "correct": best[r["family"]][0] in _gold_set(r)} for r in records]
     return family_rows("majority", results, n_resamples=n_resamples, seed=seed)
 
 
 def extra_metrics(results):
-    """POPE precision/recall/F1/yes-ratio for yes/no families and ANLS for word/text
-    families -> ({family: pope dict}, {family: anls})."""
+    """POPE precision/recall/F1/yes-ratio for yes/no families (gold: the first acceptable
+    answer) and ANLS for word/text families (best over the acceptable answers)
+    -> ({family: pope dict}, {family: anls})."""
     pope, soft = {}, {}
     for fam in dict.fromkeys(r["family"] for r in results):
         rs = [r for r in results if r["family"] == fam]
         t = answer_type_of(fam)
         if t == "yesno":
-            pope[fam] = pope_prf([r["extracted"] for r in rs], [extract(str(r["answer"]), t) for r in rs])
+            pope[fam] = pope_prf([r["extracted"] for r in rs], [extract(gold_list(r["answer"])[0], t) for r in rs])
         elif t in ("word", "text"):
-            soft[fam] = anls([short_answer(r["pred"]) for r in rs], [str(r["answer"]) for r in rs])
+            soft[fam] = anls([short_answer(r["pred"]) for r in rs], [gold_list(r["answer"]) for r in rs])
     return pope, soft
 
 

@@ -12,6 +12,10 @@ Both give dicts {id, image (absolute path), question, target, answer, family, co
 (the keys of `read_llava_json`); canonical records with options also carry
 "options": [(letter, text), ...]. `read_any` picks the reader from the file's content.
 
+Several acceptable answers (DocVQA / VQAv2 style): "answer": ["1986", "1986."] stays a list;
+`eval.metrics.is_correct` accepts any of them and ANLS takes the best. Training needs one
+target: "target" is the first gold.
+
 Multiple choice: options are lettered A, B, C, ... in order. If the question does not
 already list them, " A. cat B. dog ... Answer with the letter." is appended (the shapes
 world's format, which the tiny models know). A gold answer given as an option's text is
@@ -37,12 +41,24 @@ def parse_options(question):
     return [(L, t.strip()) for L, t in found]
 
 
+def _golds(path, rid, answer):
+    """A record's gold answers as a list of non-empty strings: one answer (text or number) or
+    a list of acceptable ones. Raises DataError for anything else (an object, a nested list,
+    an empty string in the list)."""
+    items = answer if isinstance(answer, list) else [answer]
+    if any(isinstance(a, (dict, list, bool)) or a is None or not str(a).strip() for a in items):
+        raise DataError(f"{path}: record {rid}: 'answer' must be a text (or number) or a list of acceptable "
+                        f"texts, got {answer!r:.60} (write yes/no answers as text)")
+    return [str(a).strip() for a in items]
+
+
 def read_jsonl(path, image_root=None, check_images=True):
     """Read a canonical benchmark JSONL (module docstring) -> list of record dicts.
 
     image paths are relative to image_root (default: the file's folder) unless absolute.
     Raises DataError naming the record for a non-object line, missing/empty required
-    fields (id, image, question, answer), an 'image' that is not one path (a list: one image
+    fields (id, image, question, answer), an 'answer' that is not a text / number / list of
+    them (`_golds`), an 'image' that is not one path (a list: one image
     per record), duplicate ids, fewer than 2 options, an answer
     that is neither a letter nor an option's text, and (check_images) missing, empty, unreadable
     or oversized image files (`common.data.check_image`)."""
@@ -52,7 +68,7 @@ def read_jsonl(path, image_root=None, check_images=True):
         if not isinstance(r, dict):
             raise DataError(f"{path}: record #{i} is not a JSON object")
         rid = r.get("id", f"#{i}")
-        missing = [k for k in REQUIRED if r.get(k) in (None, "")]
+        missing = [k for k in REQUIRED if r.get(k) in (None, "") or r.get(k) == []]
         if missing:
             raise DataError(f"{path}: record {rid} lacks required field(s) {missing} "
                             f"(canonical JSONL needs {list(REQUIRED)})")
@@ -71,9 +87,9 @@ def read_jsonl(path, image_root=None, check_images=True):
             if not os.path.exists(image):
                 raise DataError(f"{path}: record {rid}: image {image} not found (set image_root / --image-root)")
             check_image(image, rid)  # header only: an empty / non-image / oversized file fails here
-        q, a = str(r["question"]).strip(), str(r["answer"]).strip()
-        rec = {"id": rid, "image": image, "question": q, "target": a, "answer": a,
-               "family": r.get("family") or "all"}
+        q, golds = str(r["question"]).strip(), _golds(path, rid, r["answer"])
+        rec = {"id": rid, "image": image, "question": q, "target": golds[0],
+               "answer": golds if isinstance(r["answer"], list) else golds[0], "family": r.get("family") or "all"}
         if r.get("options") is not None:
             opts = r["options"]
             if not isinstance(opts, list) or len(opts) < 2 or len(opts) > 26:
@@ -82,13 +98,14 @@ def read_jsonl(path, image_root=None, check_images=True):
             if not parse_options(q):
                 q = f"{q} {' '.join(f'{L}. {t}' for L, t in opts)} Answer with the letter."
             letters = [L for L, _ in opts]
-            if a not in letters:
-                by_text = {t.strip().lower(): L for L, t in opts}
-                if a.lower() not in by_text:
+            by_text = {t.strip().lower(): L for L, t in opts}
+            for a in golds:
+                if a not in letters and a.lower() not in by_text:
                     raise DataError(f"{path}: record {rid}: answer {a!r} is neither an option letter "
                                     f"{letters} nor an option's text")
-                a = by_text[a.lower()]
-            rec.update(question=q, target=a, answer=a, options=opts)
+            golds = [a if a in letters else by_text[a.lower()] for a in golds]
+            rec.update(question=q, target=golds[0], answer=golds if isinstance(r["answer"], list) else golds[0],
+                       options=opts)
         rec["conversations"] = [{"from": "human", "value": f"<image>\n{rec['question']}"},
                                 {"from": "gpt", "value": rec["target"]}]
         out.append(rec)

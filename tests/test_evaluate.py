@@ -128,6 +128,21 @@ def test_score_options_matches_single_forward(saved):
         score_options(model, proc, [dict(recs[0], family="count")])
 
 
+def test_score_options_can_pick_every_letter(saved):
+    """Issue 13: a 5-option record is scored over all five letters and its gold E is E."""
+    from eval.evaluate import pick_option
+    _, model, proc, data = saved
+    rec = dict(read_any(os.path.join(data, "val.json"))[0], family="mc", answer="E",
+               options=[("A", "red circle"), ("B", "green square"), ("C", "red square"), ("D", "yellow circle"),
+                        ("E", "blue square")])
+    out = score_options(model, proc, [rec])[0]
+    assert len(out["scores"]) == 5 and out["answer"] == "E" and out["correct"] == (out["pred"] == "E")
+    opts = rec["options"]
+    assert pick_option(opts, [-3.0, -2.0, -4.0, -5.0, -0.5], "E") == ("E", ["E"])
+    assert pick_option(opts, [-3.0, -2.0, -4.0, -5.0, -2.5], ["E", "B"]) == ("B", ["E", "B"])
+    assert pick_option(opts[:4], [-1.0, -1.0, -2.0, -3.0], "A") == ("A", ["A"])   # ties: first
+
+
 def test_main_writes_table_and_json(saved, tmp_path, capsys):
     ckpt, _, _, data = saved
     recs = read_any(os.path.join(data, "val.json"))
