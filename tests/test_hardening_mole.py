@@ -161,6 +161,7 @@ def _broken_copy(shapes, tmp_path, how):
         img.write_bytes(img.read_bytes()[:120])
     elif how == "no image":  # mixed image sizes are fine now (one image path: the processor's resize)
         del recs[3]["image"]
+        (d / "train.json").write_text(json.dumps(recs))
     elif how == "empty answer":
         recs[2]["conversations"][1]["value"] = ""
         (d / "train.json").write_text(json.dumps(recs))
