@@ -25,6 +25,12 @@ def tiny():
     return bb.load_backbone("tiny-dense")
 
 
+@pytest.fixture(scope="module")
+def small():
+    """A fresh (random) 1-layer Qwen3-VL + processor; tests deep-copy the model before changing it."""
+    return bb.build_tiny("qwen3_vl", hidden=32, layers=1)
+
+
 def _write(path, records):
     path.write_text(json.dumps(records) if str(path).endswith(".json") else
                     "\n".join(json.dumps(r) for r in records))
@@ -259,7 +265,7 @@ def test_one_image_path_same_visual_tokens_everywhere(tmp_path, tiny):
     from mod.train import Batcher
     from mole.train import Loader
     _, proc = tiny
-    big = [_photo(tmp_path / f"p{i}.png", (2800, 2100)) for i in range(2)]
+    big = [_photo(tmp_path / "p.jpg", (2800, 2100))] * 2  # two records, one same-size photo file
     small = _img(tmp_path / "s.png")
     ref = proc.image_processor(images=[data.load_image(big[0])], return_tensors="pt")
     assert ref["image_grid_thw"].tolist() == [[1, 6, 8]]  # 12 merged tokens
@@ -280,12 +286,9 @@ def test_one_image_path_same_visual_tokens_everywhere(tmp_path, tiny):
 
 # ----------------------------------------------------------------------------- training signals
 
-def _tiny_bf16():
-    model, proc = bb.build_tiny("qwen3_vl", hidden=32, layers=1)
-    return model.to(torch.bfloat16), proc
-
-
-def test_adapters_are_fp32_on_a_bf16_base(tmp_path):
+def test_adapters_are_fp32_on_a_bf16_base(tmp_path, small):
+    import copy
+    _tiny_bf16 = lambda: (copy.deepcopy(small[0]).to(torch.bfloat16), small[1])
     from mod.model import AdapterConfig, attach, load_adapters, save_adapters
     from mole.lora import add_lora
     for method in ("mod", "lora", "moelora"):
@@ -343,10 +346,11 @@ def _same_grads(gs):
         assert torch.allclose(g, gs[0], rtol=1e-4, atol=1e-7), float((g - gs[0]).norm() / gs[0].norm())
 
 
-def test_grad_accum_normalises_by_step_tokens_mod():
+def test_grad_accum_normalises_by_step_tokens_mod(small):
+    import copy
     from mod.model import AdapterConfig, attach
     from mod.train import accumulate
-    model, proc = bb.build_tiny("qwen3_vl", hidden=32, layers=1)
+    model, proc = copy.deepcopy(small[0]), small[1]
     attach(model, AdapterConfig(method="mod", aux_coef=0.0))
     params = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():
@@ -362,10 +366,11 @@ def test_grad_accum_normalises_by_step_tokens_mod():
     _same_grads(gs)
 
 
-def test_grad_accum_normalises_by_step_tokens_mole():
+def test_grad_accum_normalises_by_step_tokens_mole(small):
+    import copy
     from mole.model import MoLE, MoLEConfig
     from mole.train import accumulate
-    model, proc = bb.build_tiny("qwen3_vl", hidden=32, layers=1)
+    model, proc = copy.deepcopy(small[0]), small[1]
     model.requires_grad_(False)
     mole = MoLE(model, proc, MoLEConfig(lambda_balance=0, lambda_z=0, lambda_div=0)).train()
     params = [p for p in mole.parameters() if p.requires_grad]
@@ -389,9 +394,10 @@ def test_grad_accum_normalises_by_step_tokens_mole():
     _same_grads(gs)
 
 
-def test_grad_accum_normalises_by_step_tokens_pretrain():
+def test_grad_accum_normalises_by_step_tokens_pretrain(small):
+    import copy
     from common.pretrain import accumulate, make_batch
-    model, proc = bb.build_tiny("qwen3_vl", hidden=32, layers=1)
+    model, proc = copy.deepcopy(small[0]), small[1]
     batch, answer_mask = make_batch(proc, 0, 4, 0, [1, 1, 1, 1, 1], 0.5)  # prompt shapes of unequal length
     assert len(set((batch["labels"] != -100).sum(1).tolist())) > 1
     params = list(model.parameters())
@@ -409,7 +415,7 @@ def test_shapes_splits_are_disjoint_by_construction(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(data, "render", lambda scene: seen.append(scene) or Image.new("RGB", (1, 1)))
     pairs = {}
-    for split, n in (("train", 2000), ("test", 500), ("val", 300)):
+    for split, n in (("train", 2000), ("test", 500), ("val", 100)):
         start = len(seen)
         recs = data.generate_split(str(tmp_path), split, n)
         pairs[split] = {(tuple(s), r["conversations"][0]["value"]) for s, r in zip(seen[start:], recs)}
