@@ -181,6 +181,38 @@ def check_labels(labels, step, recs):
                        f"(records {[r['id'] for r in recs][:3]}); check their answers")
 
 
+def label_tokens(labels):
+    """Number of label tokens the loss is taken over: positions t >= 1 with labels[:, t] != -100
+    (the model predicts token t at t - 1), as an int."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def step_tokens(micro_labels, world=1):
+    """Label tokens of one optimizer step: summed over its micro-batches (`label_tokens`) and, with
+    world > 1, over all ranks (all-reduce), divided by world because DDP averages gradients over
+    ranks. `token_ce(..., step_tokens(...))` then gives every rank's micro-batches the weight of
+    their tokens in the whole step."""
+    n = sum(label_tokens(lab) for lab in micro_labels)
+    if world > 1:
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor(float(n), device=micro_labels[0].device)
+        dist.all_reduce(t)
+        return float(t) / world
+    return float(n)
+
+
+def token_ce(logits, labels, n_tokens):
+    """Next-token cross-entropy summed over the label positions of `labels` [B, L] (logits
+    [B, L, V], computed in fp32) and divided by `n_tokens`, the label tokens of the whole
+    optimizer step (`step_tokens`). Summed over a step's micro-batches this is the token-mean
+    CE of the step however it is split, so gradient accumulation (--grad-accum) gives the
+    gradient of one big batch: each token weighs the same, not each micro-batch."""
+    import torch.nn.functional as F
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum") / n_tokens
+
+
 def diverged(step, values, ckpt, saved_at, save_every):
     """The RunError for a non-finite loss or gradient at `step` (values: 'loss X, gradient
     norm Y'), raised before the update: it names the last good checkpoint of the run."""

@@ -34,36 +34,38 @@ from tqdm import tqdm
 
 from common.backbone import generate, load_backbone
 from common.cli import RunError, check_out_file, run_cli
-from common.data import ANSWER_TYPE, DataError, atomic_write_text, load_image
+from common.data import (ANSWER_TYPE, IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns,
+                         load_image, read_any)
 from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table, gold_list,
                           is_correct, option_letters, pope_prf, short_answer)
-from eval.readers import parse_options, read_any
+from eval.readers import parse_options
 
 
 def _images(batch):
-    for r in batch:
-        if not r.get("image"):
-            raise DataError(f"record {r['id']}: no image; the evaluators expect one image per record")
-    return [load_image(r["image"], r["id"]) for r in batch]
+    """The image of each record, None for a text-only record (`check_support` refuses several)."""
+    check_support(batch, "eval.evaluate", text_only=True, multi_turn=True)
+    return [load_image(r["image"], r["id"]) if r["image"] else None for r in batch]
 
 
 @torch.no_grad()
 def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"):
     """Greedy generation on every record, scored with `is_correct` by family.
 
-    records: dicts from `eval.readers.read_any` / `common.data.read_llava_json`.
-    Returns one dict per record, in order: {id, family, pred (generated text), extracted
-    (the answer read from it), answer (gold: a string or the list of acceptable answers),
-    correct (bool), n_tokens (generated, incl. the end token)}. Multiple-choice records are
-    read with their own option letters (`options_of`: A..E for five options).
-    Raises DataError for records without a readable image."""
+    records: dicts from `common.data.read_any` (after `expand_turns` for multi-turn records:
+    a record's `history` goes into the prompt); text-only records (image None) are asked
+    without an image. Returns one dict per record, in order: {id, family, pred (generated
+    text), extracted (the answer read from it), answer (gold: a string or the list of
+    acceptable answers), correct (bool), n_tokens (generated, incl. the end token)}.
+    Multiple-choice records are read with their own option letters (`options_of`: A..E for
+    five options). Raises DataError for an unreadable image or a record with several images."""
     was_training = model.training
     model.eval()
     results = []
     bar = tqdm(total=len(records), desc=desc, unit="ex", leave=False)
     for i in range(0, len(records), batch_size):
         batch = records[i:i + batch_size]
-        texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens)
+        texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens,
+                               history=[r.get("history", []) for r in batch])
         for r, t, n in zip(batch, texts, lens):
             opts, typ = options_of(r), answer_type_of(r["family"])
             letters = option_letters(opts, gold_list(r["answer"])) if typ == "letter" else None
@@ -109,7 +111,7 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
     was_training = model.training
     model.eval()
     prefixes = prefixes if prefixes is not None else [""] * len(records)
-    tok = lambda s: proc.tokenizer(s, add_special_tokens=False)["input_ids"] if s else []
+    tok = lambda s: proc.text_ids(s) if s else []  # special-token strings escaped
     rows = []  # (record index, context ids, continuation ids), image pixels attached below
     for i, r in enumerate(records):
         opts = options_of(r)
@@ -123,15 +125,18 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
     bar = tqdm(total=len(rows), desc=desc, unit="opt", leave=False)
     for s in range(0, len(rows), batch_size):
         chunk = rows[s:s + batch_size]
-        uniq = list(dict.fromkeys(i for i, _, _ in chunk))
-        pv, grid = proc.images(_images([records[i] for i in uniq]))
-        n_patch = grid.prod(-1)
-        start = torch.cumsum(n_patch, 0) - n_patch
+        uniq = [i for i in dict.fromkeys(i for i, _, _ in chunk) if records[i]["image"]]  # text-only: no pixels
         where = {i: k for k, i in enumerate(uniq)}
-        ks = [where[i] for i, _, _ in chunk]
-        pixel_values = torch.cat([pv[start[k]:start[k] + n_patch[k]] for k in ks])
-        image_grid_thw = grid[ks]
-        ids = [proc.prompt_ids(records[i]["question"], int(n_patch[where[i]]) // proc.merge ** 2) + c + o
+        ks = [where[i] for i, _, _ in chunk if i in where]
+        pixels = {}
+        if uniq:
+            pv, grid = proc.images(_images([records[i] for i in uniq]))
+            n_patch = grid.prod(-1)
+            start = torch.cumsum(n_patch, 0) - n_patch
+            pixels = {"pixel_values": torch.cat([pv[start[k]:start[k] + n_patch[k]] for k in ks]),
+                      "image_grid_thw": grid[ks]}
+        n_img = lambda i: int(n_patch[where[i]]) // proc.merge ** 2 if i in where else 0
+        ids = [proc.prompt_ids(records[i]["question"], n_img(i), records[i].get("history", [])) + c + o
                for i, c, o in chunk]
         T = max(map(len, ids))
         input_ids = torch.tensor([x + [proc.pad_token_id] * (T - len(x)) for x in ids])
@@ -139,7 +144,7 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
         dev = model.device
         out = model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
                     mm_token_type_ids=((input_ids == proc.image_token_id).long() * mask).to(dev),
-                    pixel_values=pixel_values.to(dev), image_grid_thw=image_grid_thw.to(dev))
+                    **{k: v.to(dev) for k, v in pixels.items()})
         logp = torch.log_softmax(out.logits.float(), dim=-1)  # [R, T, V]
         for row, (i, _, o) in enumerate(chunk):
             end = len(ids[row])
@@ -236,7 +241,7 @@ def main(argv=None):
     p.add_argument("--model", required=True,
                    help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-moe")
     p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")
-    p.add_argument("--image-root", default=None, help="folder image paths are relative to (default: the data file's)")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
     p.add_argument("--batch-size", type=int, default=64, help="records per generation batch")
     p.add_argument("--max-new-tokens", type=int, default=48,
@@ -263,10 +268,8 @@ def main(argv=None):
         p.error(str(e))
 
     t0 = time.time()
-    records = read_any(a.data, image_root=a.image_root)[:a.limit]
-    for r in records:  # before loading the model, which may take minutes
-        if not r.get("image"):
-            raise DataError(f"{a.data}: record {r['id']}: no image; the evaluators expect one image per record")
+    records = expand_turns(read_any(a.data, image_root=a.image_root))[:a.limit]  # rid#1, rid#2, ... per turn
+    check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
     unknown = sorted({r["family"] for r in records} - set(ANSWER_TYPE) - {"all"})
     for fam in unknown:  # a typo ("Count", "colours") silently switches scoring to exact text match
         near = difflib.get_close_matches(fam.lower(), list(ANSWER_TYPE), n=1, cutoff=0.6)

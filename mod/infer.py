@@ -24,14 +24,14 @@ import torch
 
 from common.backbone import generate
 from common.cli import check_out_file, number, run_cli
+from common.data import IMAGE_ROOT_HELP
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
 from mod.train import Batcher
 
 
 def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
-    pixels = batcher.pixels(recs)
-    images = None if pixels is not None else [batcher.images[batcher.slot[r["image"]]] for r in recs]
-    return generate(model, proc, images, questions, max_new_tokens, pixels=pixels, **kw)
+    images = [batcher.images[batcher.slot[r["image"]]] for r in recs]
+    return generate(model, proc, images, questions, max_new_tokens, **kw)
 
 
 def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=96, sample_kw=None):
@@ -219,6 +219,7 @@ def main(argv=None):
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")
     p.add_argument("--data", required=True, help="questions (LLaVA JSON/JSONL or canonical JSONL)")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--methods", default="single,multi,mad,sc",
                    help="comma list of: base, single, multi, misled (need --adapter), mad, sc, base-misled "
                    "(base model); misled = one debate round whose only prior response is wrong")
@@ -242,13 +243,14 @@ def main(argv=None):
 def run(args, methods):
     """The body of `main` for parsed flags. Returns the JSON-able summaries + results."""
     from common.backbone import load_backbone
-    from common.data import atomic_write_text, read_records
+    from common.data import atomic_write_text, check_support, read_records
     from mod.model import load_adapters
     for flag, path in (("--out", args.out), ("--heatmap", args.heatmap)):  # fail now, not after the whole run
         if path:
             check_out_file(path, flag)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    records = read_records(args.data)[:args.limit or None]  # DataError for an empty file
+    records = read_records(args.data, args.image_root)[:args.limit or None]  # DataError for an empty file
+    check_support(records, "mod.infer")  # one image, one turn per record: before any model loads
     base, proc = load_backbone(args.model, device=args.device)
     tuned = None
     if args.adapter:

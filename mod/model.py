@@ -1,6 +1,7 @@
 """Mixture of Debaters (MoD) adapters on a frozen VLM, and the LoRA / MoE-LoRA baselines.
 
-Paper: "Mixture of Debaters" (../shared/papers/000_*), §3.1, eq. 1-6 and 9-10, Algorithm 1.
+Paper: "Mixture of Debaters: Learn to Debate at Architectural Level in Multi-Agent Reasoning"
+(arXiv 2606.29425), §3.1, eq. 1-6 and 9-10, Algorithm 1.
 
 Every target `nn.Linear` (q/k/v/o of the language model by default) becomes
 
@@ -188,8 +189,11 @@ class MoDLinear(nn.Module):
             p.requires_grad_(False)
         self.scaling = cfg.lora_alpha / cfg.r
         E, din, dout = cfg.num_experts, base.in_features, base.out_features
-        dev, dt = base.weight.device, base.weight.dtype
-        new = lambda *shape: nn.Parameter(torch.zeros(*shape, device=dev, dtype=dt))
+        # Trainable weights live in fp32 whatever the base dtype (as peft does): a bf16 weight
+        # would drop most updates of lr * 1e-2 size. The adapter path computes in fp32 and is cast
+        # back to the base output's dtype (under CUDA autocast the matmuls still run in bf16).
+        dev = base.weight.device
+        new = lambda *shape: nn.Parameter(torch.zeros(*shape, device=dev, dtype=torch.float32))
         if cfg.method == "mod":
             self.A, self.B = new(E, din), new(E, dout)
             self.router_A = new(E, din)
@@ -229,9 +233,13 @@ class MoDLinear(nn.Module):
 
     def forward(self, x):
         out = self.base_layer(x)
+        return out + self._adapter(x.to(torch.float32)).to(out.dtype)
+
+    def _adapter(self, x):
+        """The adapter term (alpha/r) * h for fp32 input x [B,T,in] -> [B,T,out] fp32."""
         cfg = self.cfg
         if cfg.method == "lora":
-            return out + self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
+            return self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
         logits = self.router_logits(x)
         if cfg.method == "moelora":
             probs, idx, gates = self._route(logits)
@@ -239,7 +247,7 @@ class MoDLinear(nn.Module):
             z = (x @ self.lora_A.T).unflatten(-1, (cfg.num_experts, cfg.expert_rank))  # [B,T,E,k]
             h = (z * w[..., None]).flatten(-2) @ self.lora_B.T  # [B,T,out]
             self._bookkeeping(probs, idx, probs, idx)
-            return out + self.scaling * h
+            return self.scaling * h
         pa, ia, ga = self._route(logits[..., :cfg.num_experts])
         pb, ib, gb = (pa, ia, ga) if cfg.shared_router else self._route(logits[..., cfg.num_experts:])
         if cfg.combine == "sqrt_product":
@@ -252,7 +260,7 @@ class MoDLinear(nn.Module):
         coef = z.gather(-1, ia) * g.to(x.dtype)  # [B,T,r]: g_j * (A[I_A_j] . x)
         w = torch.zeros_like(z).scatter_add(-1, ib, coef)  # [B,T,E] weight of each B expert
         self._bookkeeping(pa, ia, pb, ib)
-        return out + self.scaling * (w @ self.B)  # eq. 6
+        return self.scaling * (w @ self.B)  # eq. 6
 
     def _bookkeeping(self, pa, ia, pb, ib):
         ctx = self.ctx
@@ -326,13 +334,14 @@ def routing_context(model):
 
 def save_adapters(model, path):
     """Write path/adapter_config.json (the AdapterConfig + `base_model`: the base's identity,
-    see `common.backbone.base_identity`) + path/adapter_model.safetensors (adapter tensors only); each file
-    atomically (temp file + rename), weights first."""
+    see `common.backbone.base_identity`) + path/adapter_model.safetensors (adapter tensors only, fp32
+    whatever the base dtype); each file atomically (temp file + rename), weights first."""
     from common.checkpoint import atomic_save_file
     from common.data import atomic_write_text
     os.makedirs(path, exist_ok=True)
     cfg = model._adapter["config"]
-    atomic_save_file({k: v.cpu() for k, v in adapter_state_dict(model).items()}, os.path.join(path, WEIGHTS_NAME))
+    atomic_save_file({k: v.detach().float().cpu() for k, v in adapter_state_dict(model).items()},
+                     os.path.join(path, WEIGHTS_NAME))
     meta = {**asdict(cfg), "base_model": base_identity(model)}
     atomic_write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))  # no temp file left on failure
 

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from common.cli import check_out_file, number, run_cli
+from common.data import IMAGE_ROOT_HELP
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, topology_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
@@ -131,6 +132,7 @@ def main(argv=None):
     p.add_argument("--base", default=None,
                    help="base VLM to load (default: the one recorded in the checkpoint; must be the same model)")
     p.add_argument("--data", required=True, help="LLaVA-format JSON/JSONL (e.g. out/data/test.json) or canonical JSONL")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--n", "--limit", dest="n", type=number(min=0), default=0,
                    help="evaluate only the first n records (0 = all); --limit as in the other entry points")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
@@ -144,12 +146,13 @@ def main(argv=None):
 
 def run(a):
     """The body of `main` for parsed flags. Returns the per-example results."""
-    from common.data import atomic_write_text, read_records
+    from common.data import atomic_write_text, check_support, read_records
     from mole.train import load_mole
     if a.out:  # fail now, not after the whole evaluation
         check_out_file(a.out)
-    recs = read_records(a.data)
+    recs = read_records(a.data, a.image_root)
     recs = recs[: a.n] if a.n else recs
+    check_support(recs, "mole.infer")  # one image, one turn per record: before the model loads
     mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.base)
     t = time.time()
     if isinstance(mole, MoLE):

@@ -19,7 +19,7 @@ head can never emit them). At every decoder layer l:
     the stage allows. Stage 1 blocks prompt-text, Z_sum and answer rows from V; stage 2
     lifts that block.
 
-How it plugs into transformers (see NOTES-transformers.md):
+How it plugs into transformers (the traps it avoids are named below):
   * `mole_attention` is registered with `AttentionInterface` (and `sdpa_mask` with
     `AttentionMaskInterface`, else padding masks silently vanish) under the name "mole".
     All rows go through the standard SDPA kernel with the boolean 4D topology mask; only
@@ -263,7 +263,7 @@ class MoLE(nn.Module):
             assert p[-T:] == self.tail_ids, "prompt does not end with the assistant header"
             r = p[:-T] + self.latent_ids + self.tail_ids
             if answers is not None:
-                a = proc.tokenizer(answers[i], add_special_tokens=False)["input_ids"] + [proc.eos_token_id]
+                a = proc.text_ids(answers[i]) + [proc.eos_token_id]  # special-token strings escaped
                 labels.append([-100] * len(r) + a)
                 r = r + a
             rows.append(r)

@@ -29,12 +29,15 @@ def param_count(model):
 
 
 def _inputs(model, proc, records):
-    """Left-padded generation inputs for a batch of records (VLM: image + question)."""
+    """Left-padded generation inputs for a batch of records (VLM: image, or none for a
+    text-only record, + question; a text LM: the question); earlier turns (`history`) go
+    into the prompt."""
+    history = [r.get("history", []) for r in records]
     if model.config.model_type in cal.VLM_TYPES:
         from common import data
-        return proc.encode([data.load_image(r["image"], r.get("id", "?")) for r in records],
-                           [r["question"] for r in records])
-    return cal.text_inputs(proc, [r["question"] for r in records])
+        return proc.encode([data.load_image(r["image"], r.get("id", "?")) if r.get("image") else None
+                            for r in records], [r["question"] for r in records], history=history)
+    return cal.text_inputs(proc, [r["question"] for r in records], history)
 
 
 def _ids(model, proc):
@@ -104,7 +107,9 @@ def main(argv=None):
     from eval.metrics import accuracy, by_family
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
-    p.add_argument("--data", required=True, help="LLaVA JSON/JSONL with questions (and answers for accuracy)")
+    p.add_argument("--data", required=True,
+                   help="LLaVA JSON/JSONL or canonical JSONL with questions (and answers for accuracy)")
+    p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
     p.add_argument("--n", type=int, default=200, help="examples to run (the first n)")
     p.add_argument("--batch-size", type=int, default=32, help="generation batch size")
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
@@ -117,7 +122,8 @@ def main(argv=None):
     if a.out and os.path.realpath(a.out) == os.path.realpath(a.data):
         p.error(f"--out {a.out} is the data file; predictions would overwrite it")
     try:
-        records = data.read_llava_json(a.data)[:a.n]   # data first: fails before the model loads
+        records = data.expand_turns(data.read_records(a.data, a.image_root))[:a.n]  # data first: fails before
+        data.check_support(records, "rolemerge.infer", text_only=True, multi_turn=True)  # the model loads
         model, proc, load_s = load_timed(a.model)
     except (cal.CalibrationError, data.DataError) as e:
         fail(e)  # `error: ...`, exit status 2

@@ -159,8 +159,9 @@ def _broken_copy(shapes, tmp_path, how):
     elif how == "truncated image":
         img = d / recs[1]["image"]
         img.write_bytes(img.read_bytes()[:120])
-    elif how == "mixed sizes":
-        Image.new("RGB", (100, 90)).save(d / recs[3]["image"])
+    elif how == "no image":  # mixed image sizes are fine now (one image path: the processor's resize)
+        del recs[3]["image"]
+        (d / "train.json").write_text(json.dumps(recs))
     elif how == "empty answer":
         recs[2]["conversations"][1]["value"] = ""
         (d / "train.json").write_text(json.dumps(recs))
@@ -171,8 +172,7 @@ def _broken_copy(shapes, tmp_path, how):
     ("missing dir", "no train.json or train.jsonl there; generate data with `python -m common.data"),
     ("missing image", "record train_000001: image "),
     ("truncated image", "train_000001"),
-    ("mixed sizes", "mole.train needs images of one size with sides that are multiples of 28 (patch 14 x merge 2); "
-                    "found 84x84 (record train_000000), 100x90 (record train_000003)"),
+    ("no image", "mole.train: 1 record(s) with no image (a text-only record), e.g. ['train_000003']"),
     ("empty answer", "1 record(s) with an empty answer (gpt turn), e.g. ['train_000002']"),
 ])
 def test_bad_training_data(shapes, tmp_path, capsys, how, expected):
