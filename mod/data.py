@@ -30,7 +30,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.cli import number, run_cli
+from common.cli import add_threads, number, run_cli, set_threads
 from common.data import DataError, atomic_write_text, final_answer, load_image, sample_scene, target_text
 
 DEBATE_PROMPT = "Review the following responses from other assistants and determine your final answer."
@@ -220,7 +220,9 @@ def main(argv=None):
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=64, help="length cap of each sampled response")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling and mixing")
+    add_threads(p)
     args = p.parse_args(argv)
+    set_threads(args.threads, args.model)
     if args.min_priors > args.max_priors:
         p.error(f"--min-priors {args.min_priors} exceeds --max-priors {args.max_priors}")
     if os.path.abspath(args.out) == os.path.abspath(args.data):

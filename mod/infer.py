@@ -23,7 +23,7 @@ import time
 import torch
 
 from common.backbone import generate
-from common.cli import check_out_file, number, run_cli
+from common.cli import add_threads, check_out_file, number, run_cli, set_threads
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
 from mod.train import Batcher
 
@@ -229,7 +229,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
     p.add_argument("--heatmap", default="", help="write a per-family router-A heatmap PNG here (needs --adapter)")
     p.add_argument("--out", default="", help="write summaries + per-question results as JSON here")
+    add_threads(p)
     args = p.parse_args(argv)
+    set_threads(args.threads, args.model)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:  # before any model loads or runs

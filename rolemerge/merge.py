@@ -544,8 +544,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="load dtype of the in-memory path (auto: the checkpoint's own; the streaming path always "
                         "keeps the checkpoint's dtypes)")
+    from common.cli import add_threads, fail, set_threads
+    add_threads(p)
     a = p.parse_args(argv)
-    from common.cli import fail
+    set_threads(a.threads, a.model)
     try:
         rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, a.streaming,
                         a.force, None if a.dtype == "auto" else getattr(torch, a.dtype))
