@@ -251,6 +251,11 @@ def run(args, methods):
             check_out_file(path, flag)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     records = read_records(args.data)[:args.limit or None]  # DataError for an empty file
+    if {"misled", "base-misled"} & set(methods):  # every method's data check before any method runs
+        import random
+        from mod.data import wrong_response
+        for r in records:
+            wrong_response(random.Random(0), r["question"], r["answer"], r["family"])  # DataError: not shapes
     base, proc = load_backbone(args.model, device=args.device)
     tuned = None
     if args.adapter:
@@ -265,7 +270,7 @@ def run(args, methods):
            "sc": lambda: self_correction(base, proc, records, args.batch_size, args.max_new_tokens),
            "base-misled": lambda: misled(base, proc, records, args.batch_size, args.max_new_tokens),
            "misled": lambda: misled(tuned, proc, records, args.batch_size, args.max_new_tokens)}
-    out = {"summaries": [], "results": {}}
+    out = {"summaries": [], "results": {}, "complete": False}
     print(f"{'method':11s} {'acc':>6s} {'tok/q':>7s} {'wall s':>7s}")
     for m in methods:
         res, wall = drivers[m]()
@@ -273,6 +278,9 @@ def run(args, methods):
         out["summaries"].append(s)
         out["results"][m] = res
         print(f"{m:11s} {s['accuracy']:6.3f} {s['tokens_per_q']:7.1f} {s['wall_s']:7.1f}")
+        if args.out:  # each finished method is on disk at once: a later failure loses nothing
+            atomic_write_text(args.out, json.dumps(out, indent=1))
+    out["complete"] = True
     if args.heatmap:
         diag = routing_trace(tuned, proc, records, args.batch_size, args.max_new_tokens)
         heatmap_png(diag["by_family_A"], args.heatmap)

@@ -162,3 +162,27 @@ def test_threads_default_one_for_tiny_bases_all_cores_for_real_checkpoints(tmp_p
         assert set_threads(2, "tiny-moe") == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_mod_infer_checks_every_method_first_and_keeps_finished_methods(tmp_path, monkeypatch, capsys):
+    import json
+    from helpers import error_of
+    from mod import infer
+    data.generate_split(str(tmp_path / "d"), "test", 2)
+    recs = json.load(open(tmp_path / "d" / "test.json"))
+    free = tmp_path / "free.json"
+    free.write_text(json.dumps([dict(r, family="freeform", image=str(tmp_path / "d" / r["image"])) for r in recs]))
+    out = tmp_path / "r.json"
+    # base-misled cannot run on free-form data: refused before the model loads or any method runs
+    with monkeypatch.context() as m:
+        m.setattr(bb, "load_backbone", lambda *a, **k: pytest.fail("the model loaded before the data check"))
+        err = error_of(infer.main, ["--data", str(free), "--methods", "base,base-misled", "--out", str(out)],
+                       capsys)
+    assert "misled prompts need a shapes-world family" in err and not out.exists()
+    # a method failing after another finished: the finished one is on disk, marked incomplete
+    monkeypatch.setattr(infer, "self_correction", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        infer.main(["--data", str(tmp_path / "d" / "test.json"), "--methods", "base,sc", "--max-new-tokens", "4",
+                    "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert list(saved["results"]) == ["base"] and saved["complete"] is False
