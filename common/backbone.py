@@ -359,6 +359,8 @@ def save_backbone(model, proc, path):
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     proc.save_pretrained(tmp)
+    from common.data import follow_umask
+    follow_umask(tmp)
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)

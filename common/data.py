@@ -298,6 +298,23 @@ def ensure_splits(data_dir, sizes):
             print(f"[data] {path} has {have} records (< {n} asked); using them as they are")
 
 
+def follow_umask(path):
+    """Give `path` (a file, or every file and folder under a directory) the mode a plain
+    `open()` / `os.makedirs` would: 0o666 / 0o777 minus the user's umask. safetensors' writer
+    (and so `save_pretrained`) creates its files 0600, which collaborators on a shared
+    cluster cannot read; every writer of weights in this repo calls this before its rename."""
+    mask = os.umask(0)
+    os.umask(mask)
+    if not os.path.isdir(path):
+        os.chmod(path, 0o666 & ~mask)
+        return
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~mask)
+
+
 @contextmanager
 def atomic_target(path):
     """Yields a temp path next to `path` to write to (its folder created if missing); renames it
@@ -307,6 +324,7 @@ def atomic_target(path):
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         yield tmp
+        follow_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from common import backbone as bb
 from common import data
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
-from common.cli import fail, number
+from common.cli import add_threads, fail, number, set_threads
 
 
 def encode_examples(proc, ex, prompts=None, targets=None):
@@ -210,12 +210,11 @@ def main():
     p.add_argument("--wrong-priors", type=number(float, min=0), default=0.5,
                    help="with --chat-mix: probability that a prior response in a prompt is wrong (0 = all agree)")
     p.add_argument("--fresh", action="store_true", help="discard an existing {out}.ckpt instead of resuming it")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    add_threads(p)
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
     p.add_argument("--ckpt-every", type=int, default=250, help="atomic checkpoint every N steps")
     a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    set_threads(a.threads)  # the tiny bases: one thread unless asked
     chat_mix = None
     if a.chat_mix:
         try:

@@ -5,7 +5,8 @@ option log-likelihood.
     python -m eval.evaluate --model tiny-dense --data out/data/val.json
     python -m eval.evaluate --model /path/to/Qwen2.5-VL-3B-Instruct --data bench.jsonl --limit 200
 
-prints a table (model vs "majority", value [95% CI]) and writes out/eval/<model>_<data>.json:
+prints a table (model vs the best constant answer per family, fitted on the training split
+next to the data file or on --reference, value [95% CI]) and writes out/eval/<model>_<data>.json:
 {"model", "data", "rows": [report rows], "pope": {...}, "anls": {...}, "results": [...],
 "loglik": [...], "wall_s"}. Report rows are {"model","family","metric","value","ci_low",
 "ci_high","n"}, one per family plus "all", the format the quickstart report uses.
@@ -33,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from common.backbone import generate, load_backbone
-from common.cli import RunError, check_out_file, run_cli
+from common.cli import RunError, add_threads, check_out_file, run_cli, set_threads
 from common.data import (ANSWER_TYPE, IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns,
                          load_image, read_any)
 from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table, gold_list,
@@ -210,14 +211,29 @@ def majority_answers(records):
     return out
 
 
-def majority_rows(records, n_resamples=10_000, seed=0):
-    """Best-constant-answer baseline as report rows with model "majority": per family the
-    accuracy of its best constant answer on these records (the evaluated split, a stricter
-    bar than the training-set majority), and "all" = every family answered with its own
-    constant."""
-    best = majority_answers(records)
-    results = [{"family": r["family"], "correct": best[r["family"]][0] in _gold_set(r)} for r in records]
-    return family_rows("majority", results, n_resamples=n_resamples, seed=seed)
+def majority_rows(records, reference, model="best constant (train)", n_resamples=10_000, seed=0):
+    """Best-constant-answer baseline as report rows named `model`: per family, the constant
+    that is most frequent among the *reference* records' gold answers (a training or other
+    held-out split; never the evaluated records, where it would be fitted on the answers it is
+    scored against: on one question it would score 1.0), scored on `records`; "all" =
+    every family answered with its own constant. A family absent from the reference has no
+    constant and scores 0. records, reference: lists of {family, answer}."""
+    best = majority_answers(reference)
+    results = [{"family": r["family"],
+                "correct": r["family"] in best and best[r["family"]][0] in _gold_set(r)} for r in records]
+    return family_rows(model, results, n_resamples=n_resamples, seed=seed)
+
+
+def reference_split(data_path):
+    """The training split next to a benchmark file, used to fit the best-constant baseline:
+    `train.json` / `train.jsonl` in the same folder, if it exists and is not the file itself;
+    else None."""
+    folder = os.path.dirname(os.path.abspath(data_path))
+    for name in ("train.json", "train.jsonl"):
+        p = os.path.join(folder, name)
+        if os.path.exists(p) and os.path.realpath(p) != os.path.realpath(data_path):
+            return p
+    return None
 
 
 def extra_metrics(results):
@@ -254,7 +270,12 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow checkpoint-shipped code (off by default: it executes code from the checkpoint)")
     p.add_argument("--out", default=None, help="output JSON (default out/eval/<model>_<data>.json)")
+    p.add_argument("--reference", default=None,
+                   help="split the best-constant baseline is fitted on (default: train.json / train.jsonl next to "
+                        "--data, if there is one; else the baseline row is left out)")
+    add_threads(p)
     a = p.parse_args(argv)
+    set_threads(a.threads, a.model)
     for flag in ("limit", "batch_size", "max_new_tokens"):  # -1 would silently drop the last record
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(a, flag)}")
@@ -279,7 +300,12 @@ def main(argv=None):
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
     results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}")
-    rows = family_rows(name, results) + majority_rows(records)
+    rows = family_rows(name, results)
+    ref = a.reference or reference_split(a.data)
+    if ref:
+        rows += majority_rows(records, read_any(ref, check_images=False), model=f"best constant ({os.path.basename(ref)})")
+    else:
+        print("note: no reference split (train.json next to --data, or --reference): the best-constant row is left out")
     loglik = []
     if a.loglik:
         mc = [(r, res) for r, res in zip(records, results) if options_of(r)]

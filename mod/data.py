@@ -30,7 +30,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.cli import number, run_cli
+from common.cli import add_threads, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP
 from common.data import DataError, atomic_write_text, final_answer, load_image
 # The prompt shapes live in common/ (the tiny chat base is pretrained on them too); mod.infer reads them here.
@@ -161,7 +161,9 @@ def main(argv=None):
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=64, help="length cap of each sampled response")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling and mixing")
+    add_threads(p)
     args = p.parse_args(argv)
+    set_threads(args.threads, args.model)
     if args.min_priors > args.max_priors:
         p.error(f"--min-priors {args.min_priors} exceeds --max-priors {args.max_priors}")
     if os.path.abspath(args.out) == os.path.abspath(args.data):

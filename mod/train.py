@@ -41,7 +41,8 @@ from common.backbone import base_identity
 from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
-                        read_checkpoint, restore_optimizer, run_cli, sigterm_flag, step_tokens, token_ce)
+                        read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
+                        token_ce, add_threads)
 from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, num_trainable,
                        save_adapters)
 
@@ -360,14 +361,13 @@ def main(argv=None):
                        help="delete an earlier run's files in OUT (ckpt/, log.jsonl, adapter files) and start over")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (worth it on GPU)")
-    p.add_argument("--threads", type=number(min=0), default=0, help="CPU threads (0 = torch default)")
+    add_threads(p)
     return run_cli(train, p.parse_args(argv))
 
 
 def train(args):
     """The body of `main` for parsed flags. Returns fit's result dict."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, args.model)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     stale = prepare_out(args.out, args.resume, args.overwrite) if rank == 0 else []
     records = load_records(args.data, args.image_root)  # before the model loads: bad data fails in seconds

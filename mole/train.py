@@ -3,7 +3,7 @@
     python -m mole.train --data out/data --out out/mole/mole                # MoLE, tiny dense base
     python -m mole.train --data out/data --out out/mole/sft --method sft   # SFT control
     python -m mole.train ... --n-vis 8 --n-sum 0 --no-router --no-esva --latent-mixing causal   # LIVR-like
-    torchrun --nproc_per_node 8 -m mole.train --base /ckpt/Qwen2.5-VL-7B-Instruct --data ... --compile
+    torchrun --nproc_per_node 8 -m mole.train --model /ckpt/Qwen2.5-VL-7B-Instruct --data ... --compile
 
 Schedule (paper, "Training stages"): `--stage1-epochs` epochs with the visual attention
 bottleneck (only Z_vis read the image), then `--stage2-epochs` with direct visual access
@@ -40,12 +40,13 @@ from common import data
 from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
-                        read_checkpoint, restore_optimizer, run_cli, sigterm_flag, step_tokens, token_ce)
+                        read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
+                        token_ce, add_threads, Deprecated)
 from mole.lora import add_lora
 from mole.model import MoLE, MoLEConfig
 
 # flags that do not change what a run computes: everything else must match on --resume
-NOT_SETTINGS = ("base", "data", "image_root", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
+NOT_SETTINGS = ("model", "base", "data", "image_root", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
                 "save_every", "max_steps", "threads")
 
 
@@ -54,7 +55,8 @@ NOT_SETTINGS = ("base", "data", "image_root", "grad_accum", "out", "resume", "ov
 def get_parser():
     """The argparse parser of mole.train (every flag with its help)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
+    p.add_argument("--model", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--data", default="out/data",
                    help="directory with <split>.json / <split>.jsonl (LLaVA format) + images, or one such file "
                         "(canonical JSONL too)")
@@ -107,7 +109,7 @@ def get_parser():
                    help="also checkpoint every n steps (0 = only at the end)")
     p.add_argument("--max-steps", type=number(min=0), default=0,
                    help="stop after this global step (0 = full schedule); the schedule itself is unchanged")
-    p.add_argument("--threads", type=number(min=0), default=0, help="CPU threads (0 = torch default)")
+    add_threads(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -122,7 +124,7 @@ def mole_config(a):
 def build(a, device):
     """Base VLM (+ LoRA) (+ MoLE) with the trainable set of `a`. Returns (net, proc, params)
     where net is a MoLE or (method sft) the plain VLM."""
-    model, proc = bb.load_backbone(a.base, device=device)
+    model, proc = bb.load_backbone(a.model, device=device)
     model.requires_grad_(False)
     torch.manual_seed(a.seed)
     lm = bb.text_model(model)
@@ -222,7 +224,7 @@ def load_mole(path, device="cpu", base=None):
         raise RunError(f"{path} is not a mole.train checkpoint (its state.json has no 'args'; mod.train and "
                        f"common.pretrain write other checkpoints)")
     a = argparse.Namespace(**state["args"])
-    a.base = base or a.base
+    a.model = base or getattr(a, "model", None) or a.base   # checkpoints before the rename saved "base"
     net, proc, params = build(a, device)
     saved = state.get("base_model")
     if saved is not None:
@@ -230,9 +232,19 @@ def load_mole(path, device="cpu", base=None):
         diff = bb.identity_mismatch(saved, now)
         if diff:
             raise RunError(f"{path} was trained on base {saved['name_or_path'] or '?'} and does not fit base "
-                           f"{now['name_or_path'] or a.base} ({'; '.join(diff)})")
+                           f"{now['name_or_path'] or a.model} ({'; '.join(diff)})")
     copy_tensors(params, tensors, path)
     return net.eval(), proc, (2 if a.stage2_epochs > 0 else 1)
+
+
+def recorded_base(path):
+    """The base VLM a mole.train checkpoint names (its --model), or None if unreadable."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            args = json.load(f)["args"]
+        return args.get("model") or args.get("base")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def save_ckpt(path, a, params, opt, step, log, settings, base):
@@ -327,8 +339,7 @@ def train(a):
         mole_config(a)  # ValueError for e.g. --top-k > --n-vis, before anything loads
     if a.stage1_epochs + a.stage2_epochs == 0:
         raise RunError("--stage1-epochs and --stage2-epochs are both 0: nothing to train")
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    set_threads(a.threads, a.model)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     ddp = world > 1
     doomed = prepare_out(a.out, a.resume, a.overwrite) if rank == 0 else []

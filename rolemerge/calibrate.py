@@ -411,14 +411,16 @@ def load_config(path, trust_remote_code=False):
 
 def main(argv=None):
     from common import data
-    from common.cli import fail
+    from common.cli import Deprecated, add_threads, fail, set_threads
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
     p.add_argument("--data", nargs="+", required=True,
                    help="calibration files (LLaVA JSON/JSONL or canonical JSONL); each file is one source (task)")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
     p.add_argument("--out", required=True, help="stats file to write (.safetensors; a .json summary goes next to it)")
-    p.add_argument("--n", type=int, default=128, help="examples per source (the first n of each file)")
+    p.add_argument("--limit", dest="n", type=int, default=128, help="examples per source (the first N of each file)")
+    p.add_argument("--n", dest="n", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_threads(p)
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (left-padded greedy decoding)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens decoded per example")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -430,7 +432,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     for flag, low in (("n", 1), ("batch_size", 1), ("max_new_tokens", 2)):
         if getattr(a, flag) < low:   # max_new_tokens 1: the one generated token is never fed back (no answer bucket)
-            p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(a, flag)}")
+            p.error(f"--{'limit' if flag == 'n' else flag.replace('_', '-')} must be >= {low}, got {getattr(a, flag)}")
     if not a.out.endswith(".safetensors"):  # the summary goes to <out minus suffix>.json: never onto --out itself
         p.error(f"--out {a.out} must end in .safetensors (a .json summary is written next to it)")
     for path in a.data:
@@ -458,6 +460,7 @@ def main(argv=None):
                 raise CalibrationError(f"{path}: another --data file has the same source name {name!r}; rename one")
             sources[name] = data.read_records(path, a.image_root)[:a.n]  # DataError for a file without records
             data.check_support(sources[name], "rolemerge.calibrate", text_only=True)
+        set_threads(a.threads, a.model)
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
         stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
     except (CalibrationError, data.DataError) as e:

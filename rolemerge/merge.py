@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from common.data import follow_umask
 from rolemerge import calibrate as cal
 from rolemerge import model as rm
 
@@ -511,6 +512,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     with open(os.path.join(tmp, REPORT), "w") as f:      # last file: its presence marks a complete output
         json.dump(report, f, indent=1)
     os.remove(os.path.join(tmp, TMP_MARK))                # the report marks it from here on
+    follow_umask(tmp)                                     # save_pretrained writes weights 0600
     if os.path.exists(out):                               # --force over a previous output
         old = out + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -542,8 +544,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="load dtype of the in-memory path (auto: the checkpoint's own; the streaming path always "
                         "keeps the checkpoint's dtypes)")
+    from common.cli import add_threads, fail, set_threads
+    add_threads(p)
     a = p.parse_args(argv)
-    from common.cli import fail
+    set_threads(a.threads, a.model)
     try:
         rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, a.streaming,
                         a.force, None if a.dtype == "auto" else getattr(torch, a.dtype))

@@ -11,7 +11,7 @@ def _setup(tmp_path):
     model, proc = bb.build_tiny("qwen3_vl", layers=2)
     bb.save_backbone(model, proc, str(tmp_path / "base"))
     data.generate_split(str(tmp_path / "data"), "train", 32)
-    return ["--base", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--batch-size", "8",
+    return ["--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--batch-size", "8",
             "--stage1-epochs", "1", "--stage2-epochs", "1", "--quiet", "--device", "cpu"]
 
 
