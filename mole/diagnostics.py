@@ -81,6 +81,7 @@ def main(argv=None):
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")
     p.add_argument("--data", required=True, help="LLaVA JSON/JSONL or canonical JSONL with images")
+    p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
     p.add_argument("--limit", dest="n", type=number(min=0), default=100,
                    help="first n records (0 = all)")
     p.add_argument("--n", dest="n", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
@@ -101,7 +102,7 @@ def run(a):
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:
         check_out_file(a.out)
-    recs = read_records(a.data)
+    recs = read_records(a.data, a.image_root)
     recs = recs[: a.n] if a.n else recs
     net, _, stage = load_mole(a.ckpt, device=a.device, base=a.model)
     if not isinstance(net, MoLE):

@@ -110,18 +110,19 @@ def test_quickstart_ctrl_c_stops_after_the_stage_and_a_rerun_continues(tmp_path)
     assert report.index("## bases") < report.index("**accuracy**") and "best constant (train)" in report
 
 
-ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --data, --limit, --out, --threads, --seed)
-    "eval.evaluate": ("--model", "--data", "--limit", "--out", "--threads"),
+ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --data, --image-root, --limit, --out,
+    # --threads, --seed)
+    "eval.evaluate": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
     "eval.quickstart": ("--data", "--out", "--threads"),
-    "mod.data": ("--model", "--data", "--limit", "--out", "--threads", "--seed"),
-    "mod.train": ("--model", "--data", "--out", "--threads", "--seed"),
-    "mod.infer": ("--model", "--data", "--limit", "--out", "--threads"),
-    "mole.train": ("--model", "--data", "--out", "--threads", "--seed"),
-    "mole.infer": ("--model", "--data", "--limit", "--out", "--threads"),
-    "mole.diagnostics": ("--model", "--data", "--limit", "--out", "--threads"),
-    "rolemerge.calibrate": ("--model", "--data", "--limit", "--out", "--threads"),
+    "mod.data": ("--model", "--data", "--image-root", "--limit", "--out", "--threads", "--seed"),
+    "mod.train": ("--model", "--data", "--image-root", "--out", "--threads", "--seed"),
+    "mod.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "mole.train": ("--model", "--data", "--image-root", "--out", "--threads", "--seed"),
+    "mole.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "mole.diagnostics": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "rolemerge.calibrate": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
     "rolemerge.merge": ("--model", "--out", "--threads", "--seed"),
-    "rolemerge.infer": ("--model", "--data", "--limit", "--out", "--threads"),
+    "rolemerge.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
 }
 
 
