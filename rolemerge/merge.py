@@ -103,23 +103,57 @@ def check_stats(stats, info):
                              f"checkpoint {info[key]!r}; stats model {stats['model_id']!r}); recalibrate on this one")
 
 
-def check_k_family(model_type, tc, K):
-    """DeepSeek group-limited routing splits experts into n_group equal groups: K must divide.
-    tc: the text config as a dict."""
+def routing_groups(model_type, tc, N, K, top_k):
+    """Routing groups of the merged model under DeepSeek's group-limited routing.
+
+    DeepSeek-V2 (`topk_method="group_limited_greedy"`) and V3 split the N experts into n_group
+    contiguous equal groups, keep the topk_group best groups per token (V3 scores a group by
+    the sum of its top-2 experts) and pick top_k experts inside them. A merged router is valid
+    only if every merged expert stays inside one routing group, the groups stay equal (n_group
+    divides K), V3 keeps >= 2 experts per group, and topk_group * K / n_group >= top_k (else
+    top-k picks land in masked-out groups, or V3 crashes with "selected index k out of range").
+
+    We keep n_group when possible and merge within each routing group; otherwise we take the
+    largest n_group' dividing n_group (each new group is a union of old ones) that satisfies the
+    above. topk_group' keeps at least the original fraction of groups and enough experts:
+    min(n_group', max(ceil(topk_group n_group' / n_group), ceil(top_k n_group' / K))).
+    tc: the text config as a dict. Returns (blocks, fields): blocks = n_group' for rm.plan,
+    fields = the config values to write ({} when nothing changes or the model is not
+    group-limited). Raises MergeError naming the valid K values when none works."""
     grouped = model_type == "deepseek_v3" or tc.get("topk_method") == "group_limited_greedy"
-    n_group = tc.get("n_group") or 1
-    if grouped and K % n_group:
-        raise MergeError(f"K={K} is not a multiple of n_group={n_group} (group-limited routing of this model)")
+    if not grouped:
+        return 1, {}
+    n, tg = tc.get("n_group") or 1, tc.get("topk_group") or 1
+    per_group = 2 if model_type == "deepseek_v3" else 1        # V3's group score sums its top-2 experts
+
+    def fit(k):
+        for n2 in sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True):
+            if k % n2 or k // n2 < per_group:
+                continue
+            tg2 = min(n2, max(-(-tg * n2 // n), -(-top_k * n2 // k)))
+            if tg2 * (k // n2) >= top_k:
+                return n2, tg2
+        return None
+
+    got = fit(K)
+    if got is None:
+        ok = [k for k in range(1, N + 1) if fit(k)]
+        raise MergeError(f"K={K} leaves no valid group-limited routing (n_group={n}, topk_group={tg}, "
+                         f"top_k={top_k}{', >= 2 experts per group' if per_group == 2 else ''}); "
+                         f"valid K: {ok or 'none'}")
+    return got[0], ({} if got == (n, tg) else {"n_group": got[0], "topk_group": got[1]})
 
 
-def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None):
+def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, routing=(1, {})):
     """Groups, weights and diagnostics for every MoE layer.
 
     stats: cal.load_stats output; routers: callable -> list of [N, H] router weights (only
-    called for the frequency baseline). Returns a dict with 'groups' [L][G][members],
-    'weights' [L][G][w], 'layers' (per-layer diagnostics) and summary ACR / MI retention."""
+    called for the frequency baseline); routing: routing_groups' (blocks, config fields).
+    Returns a dict with 'groups' [L][G][members], 'weights' [L][G][w], 'layers' (per-layer
+    diagnostics), 'routing' (config fields rewritten) and summary ACR / MI retention."""
     counts = cal.total_counts(stats).double()                    # [L, B, N]
-    groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None)
+    groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None,
+                           blocks=routing[0])
     mass = counts.sum(1)                                          # [L, N]
     weights = [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)]
     records = [(n, s["counts"].double()) for n, s in stats["sources"].items()]
@@ -137,7 +171,7 @@ def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, 
     # MI retention compares groupings of all experts; pruning drops experts, so it has none
     mi = (mi_num / mi_den if mi_den > 0 else 1.0) if covers else None
     return {"method": method, "K": K, "N": stats["num_experts"], "lambda": lam, "linkage": linkage, "seed": seed,
-            "groups": groups, "weights": weights, "layers": layers, "acr_mean": sum(acrs) / len(acrs),
+            "routing": routing[1], "groups": groups, "weights": weights, "layers": layers, "acr_mean": sum(acrs) / len(acrs),
             "mi_retention": mi}
 
 
@@ -177,7 +211,14 @@ def merge_model(model, plan):
             for attr in cal.EXPERT_FIELDS:
                 if isinstance(getattr(mod, attr, None), int):
                     setattr(mod, attr, K)
-    setattr(cal.text_config(model.config), cal.expert_count_field(model.config), K)
+        for attr, v in {"num_group": plan.get("routing", {}).get("n_group"),
+                        "topk_group": plan.get("routing", {}).get("topk_group")}.items():
+            if v is not None:
+                setattr(block.gate, attr, v)
+    tc = cal.text_config(model.config)
+    setattr(tc, cal.expert_count_field(model.config), K)
+    for f, v in plan.get("routing", {}).items():
+        setattr(tc, f, v)
     return model
 
 
@@ -395,6 +436,7 @@ def merge_streaming(src, dst, plan):
     # --- config, index, side files
     sub = _expert_config(config)
     sub[next(f for f in cal.EXPERT_FIELDS if f in sub)] = K
+    sub.update(plan.get("routing", {}))
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if os.path.exists(os.path.join(src, "model.safetensors.index.json")):
@@ -482,7 +524,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         info = streaming_info(src, config)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
-        check_k_family(config["model_type"], _expert_config(config), K)
+        routing = routing_groups(config["model_type"], _expert_config(config), info["num_experts"], K, info["top_k"])
 
         def routers():
             headers, where, layers = scan_checkpoint(src)
@@ -491,7 +533,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 key = [x for x in layers[lidx]["router"] if x.endswith(".weight")][0]
                 out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
             return out_r
-        plan = make_plan(stats, K, method, lam, linkage, seed, routers)
+        plan = make_plan(stats, K, method, lam, linkage, seed, routers, routing)
         _start_tmp(tmp)
         merge_streaming(src, tmp, plan)
     else:
@@ -499,9 +541,10 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         info = cal.model_info(model, model_path)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
-        check_k_family(model.config.model_type, cal.text_config(model.config).to_dict(), K)
+        routing = routing_groups(model.config.model_type, cal.text_config(model.config).to_dict(),
+                                 info["num_experts"], K, info["top_k"])
         plan = make_plan(stats, K, method, lam, linkage, seed,
-                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)])
+                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)], routing)
         merge_model(model, plan)
         _start_tmp(tmp)
         model.save_pretrained(tmp)
@@ -551,6 +594,9 @@ def main(argv=None):
         fail(e)  # `error: ...`, exit status 2
     print(f"merged {rep['N']} -> {rep['K']} experts per layer ({rep['method']}) in {rep['merge_seconds']:.1f}s: "
           f"{a.out}; ACR {100 * rep['acr_mean']:.1f}%, expert-phase MI retention {rep['mi_retention']}")
+    if rep["routing"]:
+        print(f"note: group-limited routing rewritten so K={rep['K']} is valid: {rep['routing']} (experts were merged "
+              f"only within these routing groups)")
 
 
 if __name__ == "__main__":

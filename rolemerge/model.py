@@ -300,7 +300,7 @@ def mi_retention(record_counts, groups):
 METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune")
 
 
-def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None):
+def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, blocks=1):
     """Groupings for every MoE layer.
 
     counts [L, B, N]: phase-separated counts summed over sources; K: experts kept per layer;
@@ -309,11 +309,18 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     "lambda0", "permuted" (RRPs and p_ans shuffled across expert identities, seeded),
     "kmeans" (k-means++ on RRPs, seeded), baselines "frequency" (needs routers: list of
     [N, H] router weights) and "prune"; linkage applies to the agglomerative methods.
-    Returns (groups: list over layers of list of groups, info: list of per-layer dicts)."""
+    blocks: experts form `blocks` contiguous equal blocks (DeepSeek's routing groups) and every
+    group stays inside one block, K / blocks groups per block (d_EP's max, kappa, lambda and tau
+    stay per layer). Returns (groups: list over layers of list of groups, sorted by smallest
+    index, so merged expert g lies in block g // (K / blocks); info: list of per-layer dicts).
+    Raises ValueError when blocks does not divide N and K."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     counts = torch.as_tensor(counts, dtype=torch.float64)
     L, B, N = counts.shape
+    if N % blocks or K % blocks:
+        raise ValueError(f"blocks={blocks} must divide N={N} and K={K}")
+    nb, kb = N // blocks, K // blocks
     mass = counts.sum(1)                                           # [L, N] pooled over phases
     grouping_counts = counts
     if method == "no_phase_split":
@@ -330,16 +337,21 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
         p = p_all[l]
         P_e, q = role_profiles(p)
         tau = collision_scale(p[ans])
-        if method == "kmeans":
-            g = kmeans_groups(q, K, seed=seed)
-        elif method == "frequency":
-            if routers is None:
-                raise ValueError("method 'frequency' needs the router weights (routers=[...])")
-            g = frequency_groups(mass[l], routers[l], K)
-        elif method == "prune":
-            g = prune_groups(mass[l], K)
-        else:
-            g = agglomerate(normalise_by_max(pair_loss(P_e, q)), p[ans], K, lams[l], tau, linkage)
+        d = None if method in ("kmeans", "frequency", "prune") else normalise_by_max(pair_loss(P_e, q))
+        g = []
+        for s0 in range(0, N, nb):                                 # one routing group (block) at a time
+            ix = slice(s0, s0 + nb)
+            if method == "kmeans":
+                gb = kmeans_groups(q[ix], kb, seed=seed)
+            elif method == "frequency":
+                if routers is None:
+                    raise ValueError("method 'frequency' needs the router weights (routers=[...])")
+                gb = frequency_groups(mass[l, ix], routers[l][ix], kb)
+            elif method == "prune":
+                gb = prune_groups(mass[l, ix], kb)
+            else:
+                gb = agglomerate(d[ix, ix], p[ans, ix], kb, lams[l], tau, linkage)
+            g += [[e + s0 for e in grp] for grp in gb]
         groups.append(g)
         info.append({"kappa": kappas[l], "lambda": lams[l], "tau": tau})
     return groups, info
