@@ -177,13 +177,16 @@ def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, 
 
 # ----------------------------------------------------------------------------- tensor merge
 
-def weighted_sum(tensors, weights, dtype):
+def weighted_sum(tensors, weights, dtype, acc=None, out=None):
     """sum_i w_i t_i accumulated in float32 in the given order, cast to dtype. The one place
-    both paths merge tensors, so their outputs agree bit for bit."""
-    acc = tensors[0].to(torch.float32) * weights[0]
+    both paths merge tensors, so their outputs agree bit for bit. acc (float32) and out
+    (dtype): optional scratch tensors of the tensors' shape, reused by the streaming path
+    (a fresh large allocation page-faults on every call); the result is out when given."""
+    acc = torch.empty(tensors[0].shape, dtype=torch.float32) if acc is None else acc
+    acc.copy_(tensors[0]).mul_(weights[0])
     for t, w in zip(tensors[1:], weights[1:]):
         acc.add_(t, alpha=w)                     # promotes t to float32 inside the kernel
-    return acc.to(dtype)
+    return acc.to(dtype) if out is None else out.copy_(acc)
 
 
 def merge_stacked(x, groups, weights):
@@ -348,6 +351,26 @@ def _expert_config(config):
     raise MergeError(f"config.json ({config.get('model_type')}) has none of the expert-count fields {cal.EXPERT_FIELDS}")
 
 
+def _streaming_config(path):
+    """The checks of cal.load_config without transformers: config.json is JSON of a supported
+    family and the safetensors shards are complete. Raises CalibrationError like it."""
+    from types import SimpleNamespace
+    from common.checkpoint import CheckpointError, checked_weights
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise cal.CalibrationError(f"{path}: cannot read its config.json ({e}); not a valid JSON file") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise cal.CalibrationError(f"{path}: cannot read its config.json (no model_type)")
+    cal.check_supported(SimpleNamespace(model_type=config["model_type"]))
+    try:
+        checked_weights(path)
+    except CheckpointError as e:
+        raise cal.CalibrationError(str(e)) from None
+    return config
+
+
 def streaming_info(path, config):
     """The model description check_stats compares against, from files only."""
     headers, where, layers = scan_checkpoint(path)
@@ -365,74 +388,88 @@ def streaming_info(path, config):
 def merge_streaming(src, dst, plan):
     """Merge from the checkpoint files alone into dst (created if missing; holds nothing else yet).
 
-    Output shard i holds the untouched tensors of input shard i (byte copies) and the merged
-    experts / routers of every MoE layer whose router lives in shard i. Raises MergeError for
-    quantised or non-float expert tensors."""
+    Output shard i holds the untouched tensors of input shard i (in-kernel byte copies of
+    coalesced ranges, first) and then the merged experts / routers of every MoE layer whose
+    router lives in shard i. One layer's expert bytes are read with a few large preads into a
+    reused buffer while the previous layer merges (two buffers, one prefetch thread, one
+    hand-off per layer); merging reuses one float32 accumulator (no fresh allocation per
+    tensor). Raises MergeError for quantised or non-float expert tensors."""
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     headers, where, layers = scan_checkpoint(src)
-    order = sorted(layers)
     K = len(plan["groups"][0])
-    # --- plan every output tensor: name -> (dtype, shape, producer)
-    out = {s: {} for s in headers}
+    # --- plan every output: per home shard, the layers' streams; a stream is one merged tensor
+    # family (per-expert `experts.{g}.{rest}`, or a fused [N, ...] tensor / router merged row-wise)
+    # = (output [(name, shape)], dtype, input shape of one expert, {e: (key, row or None)})
+    jobs = {s: [] for s in headers}
     merged_keys = set()
-    for li, lidx in enumerate(order):
+    for li, lidx in enumerate(sorted(layers)):
         lay, groups, weights = layers[lidx], plan["groups"][li], plan["weights"][li]
         home = where[lay["router"][0]] if lay["router"] else where[next(iter(lay["experts"]))]
-        per_rest = {}
+        per_rest, streams = {}, []
         for k, (e, rest) in lay["experts"].items():
             per_rest.setdefault(rest, {})[e] = k
-            merged_keys.add(k)
+        fused = [by_e[None] for _, by_e in sorted(per_rest.items()) if None in by_e] + list(lay["router"])
         for rest, by_e in sorted(per_rest.items()):
-            if None in by_e:                     # fused [N, ...]
-                k = by_e[None]
-                ent = headers[where[k]][0][k]
-                if ent["dtype"] not in FLOATS:
-                    raise MergeError(f"{k}: dtype {ent['dtype']} (quantised experts are not supported)")
-                out[home][k] = (ent["dtype"], [K] + ent["shape"][1:], ("fused", k, groups, weights))
-            else:                                # per expert: experts.{g}.{rest}
+            if None not in by_e:
                 ent = headers[where[by_e[0]]][0][by_e[0]]
                 if ent["dtype"] not in FLOATS:
                     raise MergeError(f"{by_e[0]}: dtype {ent['dtype']} (quantised experts are not supported)")
-                for g, (grp, w) in enumerate(zip(groups, weights)):
-                    name = f"{lay['block']}.experts.{g}.{rest}"
-                    out[home][name] = (ent["dtype"], ent["shape"], ("sum", [by_e[e] for e in grp], w))
-        for k in lay["router"]:
-            merged_keys.add(k)
+                streams.append(([(f"{lay['block']}.experts.{g}.{rest}", ent["shape"]) for g in range(K)],
+                                ent["dtype"], ent["shape"], {e: (k, None) for e, k in by_e.items()}))
+        for k in fused:
             ent = headers[where[k]][0][k]
-            out[home][k] = (ent["dtype"], [K] + ent["shape"][1:], ("fused", k, groups, weights))
-    for s, (entries, _) in headers.items():
-        for k, ent in entries.items():
-            if k not in merged_keys:
-                out[s][k] = (ent["dtype"], ent["shape"], ("copy", k))
+            if ent["dtype"] not in FLOATS:
+                raise MergeError(f"{k}: dtype {ent['dtype']} (quantised experts are not supported)")
+            streams.append(([(k, [K] + ent["shape"][1:])], ent["dtype"], ent["shape"][1:],
+                            {e: (k, e) for e in range(ent["shape"][0])}))
+        merged_keys.update(k for st in streams for k, _ in st[3].values())
+        jobs[home].append((streams, groups, weights))
     # --- write shards: header first (sizes are known), then the data in header order
     os.makedirs(dst, exist_ok=True)
     weight_map, total = {}, 0
-    for s in sorted(headers):
-        if not out[s]:
-            continue
-        names = sorted(out[s])
-        hdr, off = {"__metadata__": {"format": "pt"}}, 0
-        for n in names:
-            dt, shape, _ = out[s][n]
-            size = math.prod(shape) * torch.empty((), dtype=DTYPES[dt]).element_size()
-            hdr[n] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + size]}
-            off += size
-            weight_map[n] = s
-        total += off
-        hb = json.dumps(hdr, separators=(",", ":")).encode()
-        hb += b" " * (-len(hb) % 8)
-        with open(os.path.join(dst, s), "wb") as f:
-            f.write(len(hb).to_bytes(8, "little"))
-            f.write(hb)
-            specs = [out[s][n] for n in names]
-            with ThreadPoolExecutor(1) as pool:      # read tensor i+1 while merging / writing tensor i
-                nxt = pool.submit(_read_inputs, src, headers, where, specs[0])
-                for i, spec in enumerate(specs):
-                    inputs = nxt.result()
-                    if i + 1 < len(specs):
-                        nxt = pool.submit(_read_inputs, src, headers, where, specs[i + 1])
-                    _write_one(f, src, headers, where, spec, inputs)
+    files = {s: open(os.path.join(src, s), "rb") for s in headers}
+    bufs, acc = [None, None], [torch.empty(0), None]   # input buffers; float32 accumulator, output scratch
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            for s in sorted(headers):
+                entries, start = headers[s]
+                copies = sorted((k for k in entries if k not in merged_keys), key=lambda k: entries[k]["data_offsets"])
+                if not copies and not jobs[s]:
+                    continue
+                hdr, off = {}, 0
+                for name, dt, shape in ([(k, entries[k]["dtype"], entries[k]["shape"]) for k in copies] +
+                                        [(n, st[1], sh) for streams, _, _ in jobs[s] for st in streams
+                                         for n, sh in st[0]]):
+                    size = math.prod(shape) * DTYPES[dt].itemsize
+                    hdr[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + size]}
+                    off += size
+                    weight_map[name] = s
+                total += off
+                hb = json.dumps({"__metadata__": {"format": "pt"}, **hdr}, separators=(",", ":")).encode()
+                hb += b" " * (-len(hb) % 8)
+                with open(os.path.join(dst, s), "wb") as f:
+                    f.write(len(hb).to_bytes(8, "little"))
+                    f.write(hb)
+                    nxt = pool.submit(_read_layer, files, headers, where, jobs[s][0][0], bufs, 0) if jobs[s] else None
+                    for a, b in _coalesce([(start + entries[k]["data_offsets"][0], start + entries[k]["data_offsets"][1])
+                                           for k in copies], gap=0):
+                        _write_one(f, ("copy", os.path.join(src, s), a, b - a))
+                    for i, (streams, groups, weights) in enumerate(jobs[s]):
+                        inputs = nxt.result()
+                        if i + 1 < len(jobs[s]):
+                            nxt = pool.submit(_read_layer, files, headers, where, jobs[s][i + 1][0], bufs, (i + 1) % 2)
+                        for (outs, dt, shape, _), x in zip(streams, inputs):
+                            n = math.prod(shape)
+                            if acc[0].numel() < n:
+                                acc[0], acc[1] = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float64)
+                            a32, o = acc[0][:n].view(shape), acc[1].view(torch.uint8)[:n * DTYPES[dt].itemsize]
+                            o = o.view(DTYPES[dt]).view(shape)
+                            for grp, w in zip(groups, weights):
+                                _write_one(f, weighted_sum([x[e] for e in grp], w, DTYPES[dt], acc=a32, out=o))
+    finally:
+        for fh in files.values():
+            fh.close()
     # --- config, index, side files
     sub = _expert_config(config)
     sub[next(f for f in cal.EXPERT_FIELDS if f in sub)] = K
@@ -445,34 +482,75 @@ def merge_streaming(src, dst, plan):
     copy_side_files(src, dst)
 
 
-def _read_inputs(src, headers, where, spec):
-    """The expert tensors one output tensor is merged from (None for a byte copy).
-    Runs in the prefetch thread, so reading overlaps merging and writing."""
-    prod = spec[2]
-    if prod[0] == "copy":
-        return None
-    rd = lambda k, e=None: read_tensor(os.path.join(src, where[k]), headers[where[k]][1], headers[where[k]][0][k], e)
-    if prod[0] == "sum":
-        return [rd(k) for k in prod[1]]
-    return [[rd(prod[1], e) for e in g] for g in prod[2]]   # fused: rows of one [N, ...] tensor
+def _coalesce(ranges, gap):
+    """Sorted [(start, end)] byte ranges -> fewer ranges, joining neighbours at most `gap` apart."""
+    out = []
+    for a, b in sorted(ranges):
+        if out and a - out[-1][1] <= gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
 
 
-def _write_one(f, src, headers, where, spec, inputs):
-    """Append one output tensor's bytes to the open shard f: a byte copy, or the merge of
-    `inputs` (from _read_inputs) with the group weights."""
-    dt, shape, prod = spec
-    if prod[0] == "copy":
-        k = prod[1]
-        entries, start = headers[where[k]]
-        a, b = entries[k]["data_offsets"]
-        copy_bytes(os.path.join(src, where[k]), f, start + a, b - a)
-        return
-    if prod[0] == "sum":
-        t = weighted_sum(inputs, prod[2], DTYPES[dt])
-    else:
-        t = torch.stack([weighted_sum(x, w, DTYPES[dt]) for x, w in zip(inputs, prod[3])])
-    if t.numel():
-        f.write(t.contiguous().view(torch.uint8).numpy())
+def _read_layer(files, headers, where, streams, bufs, slot, gap=1 << 20):
+    """Read every expert input of one layer into the reused buffer bufs[slot] with one pread
+    per run of nearby tensors (gaps <= 1 MiB are read through); returns, per stream, a dict
+    {e: tensor view}. Runs in the prefetch thread, so reading overlaps merging and writing."""
+    want = {}                                   # (key, row) -> (shard, start, end, dtype, shape)
+    for _, dt, shape, src_of in streams:
+        for key, row in src_of.values():
+            entries, start = headers[where[key]]
+            a, b = entries[key]["data_offsets"]
+            if row is not None:
+                n = (b - a) // entries[key]["shape"][0]
+                a, b = a + row * n, a + (row + 1) * n
+            want[key, row] = (where[key], start + a, start + b, DTYPES[dt], shape)
+    runs = {}
+    for shard in {v[0] for v in want.values()}:
+        runs[shard] = _coalesce([(v[1], v[2]) for v in want.values() if v[0] == shard], gap)
+    need = sum(b - a + 8 for r in runs.values() for a, b in r)
+    if bufs[slot] is None or bufs[slot].numel() < need:
+        bufs[slot] = None                       # drop the old buffer before allocating the new one
+        bufs[slot] = torch.empty(need, dtype=torch.uint8)
+    buf, pos, at = bufs[slot], 0, {}
+    mv = memoryview(buf.numpy())
+    for shard, rs in sorted(runs.items()):
+        fd = files[shard].fileno()
+        for a, b in rs:
+            pos += (a - pos) % 8                # same alignment as in the file: dtype views stay aligned
+            done = 0
+            while done < b - a:
+                n = os.preadv(fd, [mv[pos + done:pos + b - a]], a + done)
+                if n == 0:
+                    raise MergeError(f"{files[shard].name}: short read at {a + done}; the file is truncated")
+                done += n
+            at[shard, a, b] = pos
+            pos += b - a
+    starts = {shard: [a for a, _ in rs] for shard, rs in runs.items()}
+    out = []
+    for _, dt, shape, src_of in streams:
+        views = {}
+        for e, (key, row) in src_of.items():
+            shard, a, b, dtype, shp = want[key, row]
+            i = max(j for j, s0 in enumerate(starts[shard]) if s0 <= a)
+            r0, r1 = runs[shard][i]
+            p = at[shard, r0, r1] + a - r0
+            raw = buf[p:p + b - a]
+            if p % dtype.itemsize:               # a misaligned tensor in the file: copy it out
+                raw = raw.clone()
+            views[e] = raw.view(dtype).view(shp) if b > a else torch.empty(shp, dtype=dtype)
+        out.append(views)
+    return out
+
+
+def _write_one(f, item):
+    """Append one piece of output to the open shard f: ("copy", src file, offset, nbytes), a
+    byte range copied in the kernel, or a merged tensor."""
+    if isinstance(item, tuple):
+        copy_bytes(item[1], f, item[2], item[3])
+    elif item.numel():
+        f.write(memoryview(item.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -515,7 +593,9 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     if force and os.path.lexists(out) and not _ours(old, (REPORT,)):
         raise MergeError(f"{old} exists and is not a previous RoleMerge output (no {REPORT}); refusing to delete "
                          f"it even with --force: move it away or choose a new --out")
-    cal.load_config(src)                     # readable, supported family, complete safetensors shards
+    # readable, supported family, complete safetensors shards (streaming: from config.json alone, so the
+    # merge never imports transformers, whose import costs seconds)
+    cal.load_config(src) if not streaming else _streaming_config(src)
     stats = cal.load_stats(stats_paths)
     t0 = time.time()
     if streaming:
@@ -533,7 +613,9 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 key = [x for x in layers[lidx]["router"] if x.endswith(".weight")][0]
                 out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
             return out_r
+        tp = time.time()
         plan = make_plan(stats, K, method, lam, linkage, seed, routers, routing)
+        plan_s = time.time() - tp
         _start_tmp(tmp)
         merge_streaming(src, tmp, plan)
     else:
@@ -543,14 +625,16 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         K = target_k(info["num_experts"], info["top_k"], rho, k)
         routing = routing_groups(model.config.model_type, cal.text_config(model.config).to_dict(),
                                  info["num_experts"], K, info["top_k"])
+        tp = time.time()
         plan = make_plan(stats, K, method, lam, linkage, seed,
                          lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)], routing)
+        plan_s = time.time() - tp
         merge_model(model, plan)
         _start_tmp(tmp)
         model.save_pretrained(tmp)
         copy_side_files(src, tmp)
     report = dict(plan, model=str(model_path), stats=list(stats_paths) if not isinstance(stats_paths, str)
-                  else [stats_paths], streaming=streaming, merge_seconds=time.time() - t0)
+                  else [stats_paths], streaming=streaming, merge_seconds=time.time() - t0, plan_seconds=plan_s)
     with open(os.path.join(tmp, REPORT), "w") as f:      # last file: its presence marks a complete output
         json.dump(report, f, indent=1)
     os.remove(os.path.join(tmp, TMP_MARK))                # the report marks it from here on
