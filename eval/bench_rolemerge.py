@@ -217,6 +217,17 @@ def main(argv=None):
           f"{res['merge_over_raw']:.2f}, copy/raw {res['copy_over_raw']:.2f}")
     print(f"peak RSS: merge {peak / 1e9:.2f} GB, copy {res['copy_peak_rss_gb']:.2f} GB (floor {floor / 1e9:.2f} GB; "
           f"bound floor+shard+layer {res['rss_bound_gb']:.2f} GB, merge/bound {res['peak_rss_over_bound']:.2f}, goal < 1)")
+    # planning alone at Qwen3-30B-A3B's shape (48 MoE layers x 128 experts), in this process
+    from rolemerge import calibrate as cal
+    from rolemerge import merge as mg
+    s48 = os.path.join(a.dir, "stats48.safetensors")
+    write_stats(s48, 48, 128, a.top_k, fp)
+    st = cal.load_stats([s48])
+    t, c = time.perf_counter(), time.process_time()
+    mg.make_plan(st, 64)
+    res.update(plan48_wall_s=time.perf_counter() - t, plan48_cpu_s=time.process_time() - c)
+    print(f"planning 48 layers x 128 experts (K = 64): {res['plan48_wall_s']:.2f}s wall, {res['plan48_cpu_s']:.2f}s CPU "
+          f"(goal <= 1 s)")
     from common.data import atomic_write_text
     atomic_write_text(os.path.join(a.dir, "bench.json"), json.dumps(res, indent=1))
     if not a.keep:

@@ -262,10 +262,19 @@ def read_header(path):
     Raises MergeError naming the file when it is truncated or corrupt (its size must match
     the header exactly), so no tensor is ever read past the end of a short file."""
     from common.checkpoint import CheckpointError, check_safetensors
-    try:
-        return check_safetensors(path)
-    except CheckpointError as e:
-        raise MergeError(str(e)) from None
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HEADERS:                  # a run reads every header 2-3 times: parse it once
+        try:
+            if len(_HEADERS) > 1024:
+                _HEADERS.clear()
+            _HEADERS[key] = check_safetensors(path)
+        except CheckpointError as e:
+            raise MergeError(str(e)) from None
+    return _HEADERS[key]
+
+
+_HEADERS = {}
 
 
 def read_tensor(path, start, entry, index=None):
