@@ -302,6 +302,18 @@ def adapter_layers(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoDLinear)]
 
 
+def compile_adapters(model, backend="inductor", **kw):
+    """torch.compile the hot path only: every adapter layer's forward (routing window, top-r
+    gates, expert mix; one graph per layer, no graph break) while the transformers model around
+    it stays eager (its Qwen-VL code graph-breaks and a whole-model compile costs minutes).
+    Compiles in place (nn.Module.compile): parameter names, state_dict and saving unchanged.
+    kw go to torch.compile (dynamic, mode, ...). Returns the number of layers compiled."""
+    layers = adapter_layers(model)
+    for _, m in layers:
+        m.compile(backend=backend, **kw)
+    return len(layers)
+
+
 def adapter_state_dict(model):
     """Trainable adapter tensors only (names relative to the model)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
