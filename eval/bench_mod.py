@@ -124,8 +124,8 @@ def main(argv=None):
 
     comp = {}
     if args.compile:   # the hot path as the trainer compiles it: the adapter layer's forward, in place
-        import copy
-        cmod = copy.deepcopy(mod)
+        cmod = MoDLinear(base, mod.cfg, ctx)
+        cmod.load_state_dict(mod.state_dict())
         cmod.compile()
         t0 = time.perf_counter()
         step(cmod)()
