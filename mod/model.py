@@ -371,6 +371,8 @@ def load_adapters(model, path):
     the message names both bases), on missing/unexpected
     tensors or shapes, and on an unreadable (e.g. truncated) weights file. Returns the config."""
     from safetensors.torch import load_file
+    if is_peft(path):                                     # peft's LoRA format: renamed tensors, same maths
+        return load_peft(model, path)
     cfg, saved = load_config(path)
     if saved is not None:
         now = base_identity(model)
@@ -393,6 +395,93 @@ def load_adapters(model, path):
         raise ValueError(f"{path} does not fit this base model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     with torch.no_grad():
         for k, v in state.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
+            own[k].copy_(v)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- peft's file format (LoRA baseline)
+
+PEFT_PREFIX = "base_model.model."
+
+
+def save_peft(model, path):
+    """Write the attached LoRA baseline in peft's format: path/adapter_config.json with
+    `peft_type: "LORA"`, r, lora_alpha, target_modules (the wrapped modules' full names, so peft
+    wraps exactly these) and path/adapter_model.safetensors with peft's key names
+    `base_model.model.<module>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r] (ours:
+    `<module>.lora_A` / `.lora_B`, same tensors). `PeftModel.from_pretrained(base, path)` loads it
+    (peft is not needed here). Raises ValueError for MoD / MoE-LoRA adapters (peft has no format
+    for them). Atomic per file, weights first."""
+    from common.checkpoint import atomic_save_file
+    from common.data import atomic_write_text
+    cfg = model._adapter["config"]
+    if cfg.method != "lora":
+        raise ValueError(f"peft's format holds plain LoRA only; these adapters are {cfg.method!r} "
+                         f"(save them with save_adapters)")
+    state = {f"{PEFT_PREFIX}{k}.weight": v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
+    mods = sorted({k[:-len(".lora_A")] for k in adapter_state_dict(model) if k.endswith(".lora_A")})
+    os.makedirs(path, exist_ok=True)
+    atomic_save_file(state, os.path.join(path, WEIGHTS_NAME))
+    meta = {"peft_type": "LORA", "task_type": None, "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0,
+            "target_modules": mods, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
+            "base_model_name_or_path": base_identity(model).get("name_or_path")}
+    atomic_write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))
+
+
+def is_peft(path):
+    """True if path/adapter_config.json is peft's (has `peft_type`)."""
+    try:
+        with open(os.path.join(path, CONFIG_NAME)) as f:
+            return "peft_type" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def load_peft(model, path):
+    """Attach a peft LoRA adapter (adapter_config.json + adapter_model.safetensors written by
+    peft's save_pretrained, or save_peft) to a fresh base as our LoRA baseline and load it.
+    Raises ValueError naming the problem: not LORA, options we do not implement (rslora, DoRA,
+    bias, fan_in_fan_out, per-module ranks / alphas, modules_to_save), target modules outside
+    the language model's nn.Linear layers, or tensors that do not fit. Returns the AdapterConfig."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, CONFIG_NAME)) as f:
+        pc = json.load(f)
+    if pc.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {pc.get('peft_type')!r}; only LORA maps to the LoRA baseline")
+    unsupported = {k: pc.get(k) for k, ok in (("use_rslora", False), ("use_dora", False), ("bias", "none"),
+                                               ("fan_in_fan_out", False), ("modules_to_save", None),
+                                               ("rank_pattern", {}), ("alpha_pattern", {}))
+                   if pc.get(k) not in (ok, None) and not (ok == {} and not pc.get(k))}
+    if unsupported:
+        raise ValueError(f"{path}: peft options the LoRA baseline does not implement: {unsupported}")
+    state = load_file(os.path.join(path, WEIGHTS_NAME))
+    ours = {}
+    for k, v in state.items():
+        if not (k.startswith(PEFT_PREFIX) and k.endswith((".lora_A.weight", ".lora_B.weight"))):
+            raise ValueError(f"{path}: unexpected tensor {k} (want {PEFT_PREFIX}<module>.lora_A/B.weight)")
+        ours[k[len(PEFT_PREFIX):-len(".weight")]] = v
+    full = dict(model.named_modules())
+    mods = sorted({k[:-len(".lora_A")] for k in ours if k.endswith(".lora_A")})
+    from common.backbone import text_model
+    lm = text_model(model)
+    prefix = next(n for n, m in model.named_modules() if m is lm)
+    cut = len(prefix) + 1 if prefix else 0
+    outside = [m for m in mods if m not in full or (prefix and not m.startswith(prefix + "."))]
+    if not mods or outside:
+        raise ValueError(f"{path}: LoRA modules outside the language model (or missing in this base): "
+                         f"{outside[:3] or 'none given'}")
+    cfg = AdapterConfig(method="lora", r=int(pc["r"]), lora_alpha=float(pc["lora_alpha"]),
+                        target_modules=[m[cut:] for m in mods])
+    attach(model, cfg)
+    own = dict(model.named_parameters())
+    missing = [k for k, p in own.items() if p.requires_grad and k not in ours]
+    if missing:
+        raise ValueError(f"{path}: no tensors for {missing[:3]}")
+    with torch.no_grad():
+        for k, v in ours.items():
             if own[k].shape != v.shape:
                 raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
             own[k].copy_(v)
