@@ -254,7 +254,8 @@ class MoDLinear(nn.Module):
         self._bookkeeping(pa, ia, pb, ib)
         return out + self.scaling * (w @ self.B)  # eq. 6
 
-    def _bookkeeping(self, pa, ia, pb, ib):
+    @torch.compiler.disable   # appends to the shared ctx lists: compiled, it would guard on their lengths and
+    def _bookkeeping(self, pa, ia, pb, ib):   # recompile per layer (compile_adapters compiles the rest)
         ctx = self.ctx
         if self.training:  # eq. 9 per layer: E/2 sum_i (f_A P_A + f_B P_B), probabilities for P
             ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask) + load_balance_loss(pb, ib, ctx.mask)))
@@ -304,7 +305,8 @@ def adapter_layers(model):
 
 def compile_adapters(model, backend="inductor", **kw):
     """torch.compile the hot path only: every adapter layer's forward (routing window, top-r
-    gates, expert mix; one graph per layer, no graph break) while the transformers model around
+    gates, expert mix: two graphs around the eager aux-loss bookkeeping, compiled once and
+    shared by all layers of a shape, no per-layer recompiles) while the transformers model around
     it stays eager (its Qwen-VL code graph-breaks and a whole-model compile costs minutes).
     Compiles in place (nn.Module.compile): parameter names, state_dict and saving unchanged.
     kw go to torch.compile (dynamic, mode, ...). Returns the number of layers compiled."""
