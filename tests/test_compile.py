@@ -74,3 +74,27 @@ def test_mole_compiled_hot_functions_match_eager():
     for layer, p in ref["pass"].attn.items():                  # Z_vis attention over the routed tokens
         torch.testing.assert_close(got["pass"].attn[layer], p, rtol=1e-4, atol=1e-6)
     assert set(mole.state_dict()) == set(make(layers=2).state_dict())
+
+
+def test_mod_compiled_layers_share_one_compile():
+    """Layers of one shape compile once: no guard on the per-forward aux list (its length grows
+    layer by layer), so a deep model does not recompile per layer or fall back to eager."""
+    torch._dynamo.reset()
+    ctx = RoutingContext()
+    layers = [MoDLinear(nn.Linear(8, 8), AdapterConfig(num_experts=4, r=2, window=3), ctx) for _ in range(4)]
+    for i, m in enumerate(layers):
+        m.name = str(i)
+        m.train()
+        m.compile(backend="eager")
+    x = torch.randn(1, 5, 8)
+    ctx.mask, ctx.continuing, ctx.aux = None, False, []
+    y = x
+    for m in layers[:2]:                  # compiles: input without / with requires_grad (layer 1 on)
+        y = m(y)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            ctx.aux = []
+            y = x
+            for m in layers:
+                y = m(y)
+            assert len(ctx.aux) == 4
