@@ -309,8 +309,17 @@ def compile_adapters(model, backend="inductor", **kw):
     shared by all layers of a shape, no per-layer recompiles) while the transformers model around
     it stays eager (its Qwen-VL code graph-breaks and a whole-model compile costs minutes).
     Compiles in place (nn.Module.compile): parameter names, state_dict and saving unchanged.
-    kw go to torch.compile (dynamic, mode, ...). Returns the number of layers compiled."""
+    kw go to torch.compile (dynamic, mode, ...). Returns the number of layers compiled.
+
+    Layers of one kind (in / out features, bias) share their compiled graphs; each kind also
+    compiles per input requires_grad, train / eval and static / dynamic length, so dynamo's
+    recompile limit (default 8, after which it silently runs eager) is raised to 8 per kind."""
+    import torch._dynamo
     layers = adapter_layers(model)
+    kinds = {(m.base_layer.in_features, m.base_layer.out_features, m.base_layer.bias is not None) for _, m in layers}
+    cfg = torch._dynamo.config
+    field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, field, max(getattr(cfg, field), 8 * len(kinds)))
     for _, m in layers:
         m.compile(backend=backend, **kw)
     return len(layers)

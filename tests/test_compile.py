@@ -98,3 +98,15 @@ def test_mod_compiled_layers_share_one_compile():
             for m in layers:
                 y = m(y)
             assert len(ctx.aux) == 4
+
+
+def test_compile_adapters_raises_the_recompile_limit_per_layer_kind():
+    """q / k / v / o of a real model are several kinds (widths, bias); with dynamo's default
+    limit of 8 compiles per function the later kinds silently ran eager."""
+    from common.backbone import build_tiny
+    from mod.model import attach
+    model, _ = build_tiny("qwen2_5_vl", hidden=64, layers=2)
+    attach(model, AdapterConfig())
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert compile_adapters(model, backend="eager") == 8
+        assert torch._dynamo.config.recompile_limit == 24        # q/o (bias / none) and k/v widths: 3 kinds
