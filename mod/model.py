@@ -262,7 +262,8 @@ class MoDLinear(nn.Module):
         self._bookkeeping(pa, ia, pb, ib)
         return self.scaling * (w @ self.B)  # eq. 6
 
-    def _bookkeeping(self, pa, ia, pb, ib):
+    @torch.compiler.disable   # appends to the shared ctx lists: compiled, it would guard on their lengths and
+    def _bookkeeping(self, pa, ia, pb, ib):   # recompile per layer (compile_adapters compiles the rest)
         ctx = self.ctx
         if self.training:  # eq. 9 per layer: E/2 sum_i (f_A P_A + f_B P_B), probabilities for P
             ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask) + load_balance_loss(pb, ib, ctx.mask)))
@@ -308,6 +309,28 @@ def attach(model, cfg):
 def adapter_layers(model):
     """[(name, MoDLinear)] in model order."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoDLinear)]
+
+
+def compile_adapters(model, backend="inductor", **kw):
+    """torch.compile the hot path only: every adapter layer's forward (routing window, top-r
+    gates, expert mix: two graphs around the eager aux-loss bookkeeping, compiled once and
+    shared by all layers of a shape, no per-layer recompiles) while the transformers model around
+    it stays eager (its Qwen-VL code graph-breaks and a whole-model compile costs minutes).
+    Compiles in place (nn.Module.compile): parameter names, state_dict and saving unchanged.
+    kw go to torch.compile (dynamic, mode, ...). Returns the number of layers compiled.
+
+    Layers of one kind (in / out features, bias) share their compiled graphs; each kind also
+    compiles per input requires_grad, train / eval and static / dynamic length, so dynamo's
+    recompile limit (default 8, after which it silently runs eager) is raised to 8 per kind."""
+    import torch._dynamo
+    layers = adapter_layers(model)
+    kinds = {(m.base_layer.in_features, m.base_layer.out_features, m.base_layer.bias is not None) for _, m in layers}
+    cfg = torch._dynamo.config
+    field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, field, max(getattr(cfg, field), 8 * len(kinds)))
+    for _, m in layers:
+        m.compile(backend=backend, **kw)
+    return len(layers)
 
 
 def adapter_state_dict(model):
@@ -368,6 +391,8 @@ def load_adapters(model, path):
     the message names both bases), on missing/unexpected
     tensors or shapes, and on an unreadable (e.g. truncated) weights file. Returns the config."""
     from safetensors.torch import load_file
+    if is_peft(path):                                     # peft's LoRA format: renamed tensors, same maths
+        return load_peft(model, path)
     cfg, saved = load_config(path)
     if saved is not None:
         now = base_identity(model)
@@ -390,6 +415,93 @@ def load_adapters(model, path):
         raise ValueError(f"{path} does not fit this base model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     with torch.no_grad():
         for k, v in state.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
+            own[k].copy_(v)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- peft's file format (LoRA baseline)
+
+PEFT_PREFIX = "base_model.model."
+
+
+def save_peft(model, path):
+    """Write the attached LoRA baseline in peft's format: path/adapter_config.json with
+    `peft_type: "LORA"`, r, lora_alpha, target_modules (the wrapped modules' full names, so peft
+    wraps exactly these) and path/adapter_model.safetensors with peft's key names
+    `base_model.model.<module>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r] (ours:
+    `<module>.lora_A` / `.lora_B`, same tensors). `PeftModel.from_pretrained(base, path)` loads it
+    (peft is not needed here). Raises ValueError for MoD / MoE-LoRA adapters (peft has no format
+    for them). Atomic per file, weights first."""
+    from common.checkpoint import atomic_save_file
+    from common.data import atomic_write_text
+    cfg = model._adapter["config"]
+    if cfg.method != "lora":
+        raise ValueError(f"peft's format holds plain LoRA only; these adapters are {cfg.method!r} "
+                         f"(save them with save_adapters)")
+    state = {f"{PEFT_PREFIX}{k}.weight": v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
+    mods = sorted({k[:-len(".lora_A")] for k in adapter_state_dict(model) if k.endswith(".lora_A")})
+    os.makedirs(path, exist_ok=True)
+    atomic_save_file(state, os.path.join(path, WEIGHTS_NAME))
+    meta = {"peft_type": "LORA", "task_type": None, "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0,
+            "target_modules": mods, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
+            "base_model_name_or_path": base_identity(model).get("name_or_path")}
+    atomic_write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))
+
+
+def is_peft(path):
+    """True if path/adapter_config.json is peft's (has `peft_type`)."""
+    try:
+        with open(os.path.join(path, CONFIG_NAME)) as f:
+            return "peft_type" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def load_peft(model, path):
+    """Attach a peft LoRA adapter (adapter_config.json + adapter_model.safetensors written by
+    peft's save_pretrained, or save_peft) to a fresh base as our LoRA baseline and load it.
+    Raises ValueError naming the problem: not LORA, options we do not implement (rslora, DoRA,
+    bias, fan_in_fan_out, per-module ranks / alphas, modules_to_save), target modules outside
+    the language model's nn.Linear layers, or tensors that do not fit. Returns the AdapterConfig."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, CONFIG_NAME)) as f:
+        pc = json.load(f)
+    if pc.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {pc.get('peft_type')!r}; only LORA maps to the LoRA baseline")
+    unsupported = {k: pc.get(k) for k, ok in (("use_rslora", False), ("use_dora", False), ("bias", "none"),
+                                               ("fan_in_fan_out", False), ("modules_to_save", None),
+                                               ("rank_pattern", {}), ("alpha_pattern", {}))
+                   if pc.get(k) not in (ok, None) and not (ok == {} and not pc.get(k))}
+    if unsupported:
+        raise ValueError(f"{path}: peft options the LoRA baseline does not implement: {unsupported}")
+    state = load_file(os.path.join(path, WEIGHTS_NAME))
+    ours = {}
+    for k, v in state.items():
+        if not (k.startswith(PEFT_PREFIX) and k.endswith((".lora_A.weight", ".lora_B.weight"))):
+            raise ValueError(f"{path}: unexpected tensor {k} (want {PEFT_PREFIX}<module>.lora_A/B.weight)")
+        ours[k[len(PEFT_PREFIX):-len(".weight")]] = v
+    full = dict(model.named_modules())
+    mods = sorted({k[:-len(".lora_A")] for k in ours if k.endswith(".lora_A")})
+    from common.backbone import text_model
+    lm = text_model(model)
+    prefix = next(n for n, m in model.named_modules() if m is lm)
+    cut = len(prefix) + 1 if prefix else 0
+    outside = [m for m in mods if m not in full or (prefix and not m.startswith(prefix + "."))]
+    if not mods or outside:
+        raise ValueError(f"{path}: LoRA modules outside the language model (or missing in this base): "
+                         f"{outside[:3] or 'none given'}")
+    cfg = AdapterConfig(method="lora", r=int(pc["r"]), lora_alpha=float(pc["lora_alpha"]),
+                        target_modules=[m[cut:] for m in mods])
+    attach(model, cfg)
+    own = dict(model.named_parameters())
+    missing = [k for k, p in own.items() if p.requires_grad and k not in ours]
+    if missing:
+        raise ValueError(f"{path}: no tensors for {missing[:3]}")
+    with torch.no_grad():
+        for k, v in ours.items():
             if own[k].shape != v.shape:
                 raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
             own[k].copy_(v)

@@ -43,8 +43,8 @@ from common.data import IMAGE_ROOT_HELP
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
                         read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
                         token_ce, add_threads)
-from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, num_trainable,
-                       save_adapters)
+from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, compile_adapters,
+                       num_trainable, save_adapters)
 
 CKPT = "ckpt"  # the training checkpoint inside --out: a common.checkpoint directory
 OWN = (CKPT, CKPT + ".tmp", CKPT + ".old", "ckpt.pt", "log.jsonl", CONFIG_NAME, WEIGHTS_NAME)  # what a run writes
@@ -281,11 +281,11 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     start, log = load_ckpt(ckpt, raw, opt, settings) if resume else (0, [])
     saved_at = start if start else None  # step of the last checkpoint of this run on disk
     run = raw
+    if compile:               # the adapters' hot path, in place, before DDP (the base model stays eager)
+        compile_adapters(raw)
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
         run = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None)
-    if compile:
-        run = torch.compile(run)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     batcher = batcher or Batcher(proc, records)
     batcher.proc = proc
@@ -360,7 +360,8 @@ def main(argv=None):
     again.add_argument("--overwrite", action="store_true",
                        help="delete an earlier run's files in OUT (ckpt/, log.jsonl, adapter files) and start over")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (worth it on GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the adapters' forward (routing + expert mix; the base model stays eager; "
+                        "worth it on GPU)")
     add_threads(p)
     return run_cli(train, p.parse_args(argv))
 

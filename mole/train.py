@@ -99,7 +99,8 @@ def get_parser():
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target module name suffixes")
     # system
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (worth it on GPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile MoLE's latent attention and ESVA (the base model stays eager; worth it on GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed (init, data order)")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
@@ -374,7 +375,9 @@ def train(a):
         elif rank == 0:
             print(f"--resume: no checkpoint in {a.out}; starting at step 0", file=sys.stderr)
     saved_at = step or None  # step of the last checkpoint of this run on disk
-    fwd = torch.compile(net) if a.compile else net  # compile before DDP; save from `net`
+    if a.compile and isinstance(net, MoLE):   # MoLE's hot functions (latent attention, ESVA MLPs) in place; the base model stays eager
+        net.compile_hot()
+    fwd = net
     if ddp:
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=True)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
