@@ -82,7 +82,7 @@ def stage_tables(title, rows):
             cell = {r["family"]: r for r in sub if r["model"] == m}
             n = (cell.get("all") or max(cell.values(), key=lambda r: r.get("n") or 0)).get("n")
             show = lambda r: "" if r is None else (fmt(r["value"]) if r.get("ci_low") is None else
-                                                   f"{fmt(r['value'])} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]")
+                                                   f"{r['value']:.3f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]")
             lines.append(f"| {m} | {'' if n is None else n} | " + " | ".join(show(cell.get(f)) for f in fams) + " |")
         lines.append("")
     return lines
