@@ -384,6 +384,16 @@ def load_config(path):
         raise ValueError(f"{f} is not a valid adapter config ({e})") from None
 
 
+def _copy_checked(own, state, path):
+    """Copy `state` (name -> tensor) into the model parameters `own` (name -> parameter),
+    raising ValueError naming `path` for a tensor whose shape differs from its parameter."""
+    with torch.no_grad():
+        for k, v in state.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
+            own[k].copy_(v)
+
+
 def load_adapters(model, path):
     """Attach the adapters saved in `path` to a fresh base model and load their weights.
     Raises ValueError when the base differs from the one the adapters were trained on
@@ -413,11 +423,7 @@ def load_adapters(model, path):
     unexpected = [k for k in state if k not in own]
     if missing or unexpected:
         raise ValueError(f"{path} does not fit this base model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    with torch.no_grad():
-        for k, v in state.items():
-            if own[k].shape != v.shape:
-                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
-            own[k].copy_(v)
+    _copy_checked(own, state, path)
     return cfg
 
 
@@ -500,9 +506,5 @@ def load_peft(model, path):
     missing = [k for k, p in own.items() if p.requires_grad and k not in ours]
     if missing:
         raise ValueError(f"{path}: no tensors for {missing[:3]}")
-    with torch.no_grad():
-        for k, v in ours.items():
-            if own[k].shape != v.shape:
-                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
-            own[k].copy_(v)
+    _copy_checked(own, ours, path)
     return cfg
