@@ -207,9 +207,27 @@ def target_text(scene, answer, question=""):
 
 
 def final_answer(text):
-    """Short answer from a generated turn: the text after the last 'Answer:' (stripped of
-    trailing punctuation / JSON quotes), or the whole text if there is none."""
-    t = text.rsplit("Answer", 1)[-1] if "Answer" in text else text
+    """Short answer of a turn: the JSON "Answer" value of a `{"Reasoning", "Answer"}` reply;
+    else the rest of the line after the last "Answer" marker (stripped of the marker's colon /
+    JSON quotes and trailing punctuation); else the whole text, stripped of surrounding white
+    space only, so a free-form LLaVA answer such as `The sign says "STOP".` stays whole (it is
+    the gold of a record without an "answer" field; `eval.metrics` normalises it when scoring).
+
+        final_answer('... Answer: yes')                  -> 'yes'
+        final_answer('{"Reasoning": "x", "Answer": "B"}') -> 'B'
+        final_answer('The sign says "STOP".')            -> 'The sign says "STOP".'
+    """
+    t = text.strip()
+    if t.startswith("{"):
+        try:
+            obj = json.loads(t)
+            if isinstance(obj, dict) and "Answer" in obj:
+                return str(obj["Answer"]).strip()
+        except json.JSONDecodeError:
+            pass
+    if "Answer" not in t:
+        return t
+    t = t.rsplit("Answer", 1)[-1]
     return t.lstrip("\":' ").split("\"")[0].split("\n")[0].strip().rstrip(".}\"' ")
 
 

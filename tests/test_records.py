@@ -447,3 +447,14 @@ def test_docstrings_point_at_nothing_outside_the_repo():
                 hits += [f"{d}/{f}: {w}" for w in ("shared/", "papers/0", "NOTES-transformers", "DESIGN.md")
                          if w in text]
     assert hits == []
+
+
+def test_final_answer_keeps_free_form_gold_whole():
+    """A LLaVA record without an "answer" field takes its gold from the last gpt turn; a
+    quote inside a free-form answer used to cut it ('The sign says ')."""
+    from common.data import final_answer
+    assert final_answer('The sign says "STOP".') == 'The sign says "STOP".'
+    assert final_answer("two lines\nof answer") == "two lines\nof answer"
+    assert final_answer('{"Reasoning": "r", "Answer": "a \\"quoted\\" word"}') == 'a "quoted" word'
+    assert final_answer('scene. Answer: "red".') == "red"
+    assert final_answer('{"Reasoning": "r", "Answer": "B"') == "B"  # truncated JSON: marker rule
