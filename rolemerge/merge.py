@@ -90,6 +90,9 @@ def check_rho_k(rho=None, k=None):
         raise MergeError("give exactly one of rho and K")
     if rho is not None and not 0 < rho <= 1:   # also refuses nan
         raise MergeError(f"rho={rho} must be in (0, 1] (the fraction of experts kept per layer)")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+        raise MergeError(f"K={k!r} must be one int for every layer: per-layer K is not supported "
+                         f"(a transformers config holds a single expert count)")
     if k is not None and k < 1:
         raise MergeError(f"K={k} must be a positive number of experts")
 
@@ -112,14 +115,16 @@ def check_k_family(model_type, tc, K):
         raise MergeError(f"K={K} is not a multiple of n_group={n_group} (group-limited routing of this model)")
 
 
-def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None):
+def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, features=None):
     """Groups, weights and diagnostics for every MoE layer.
 
     stats: cal.load_stats output; routers: callable -> list of [N, H] router weights (only
-    called for the frequency baseline). Returns a dict with 'groups' [L][G][members],
+    called for the frequency baseline); features: per-layer `rolemerge.baselines.collect_features`
+    output (only for msmoe / hcsmoe / reap). Returns a dict with 'groups' [L][G][members],
     'weights' [L][G][w], 'layers' (per-layer diagnostics) and summary ACR / MI retention."""
     counts = cal.total_counts(stats).double()                    # [L, B, N]
-    groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None)
+    groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None,
+                           features)
     mass = counts.sum(1)                                          # [L, N]
     weights = [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)]
     records = [(n, s["counts"].double()) for n, s in stats["sources"].items()]
@@ -436,7 +441,7 @@ def _write_one(f, src, headers, where, spec, inputs):
 # ----------------------------------------------------------------------------- entry point
 
 def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge", lam=0.03, linkage="single",
-              seed=0, streaming=False, force=False, dtype=None):
+              seed=0, streaming=False, force=False, dtype=None, features=None):
     """Plan + merge + save + report. Returns the report dict. Raises MergeError / CalibrationError.
 
     The output is written to `{out}.tmp` and renamed to `out` only when complete (report
@@ -491,7 +496,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 key = [x for x in layers[lidx]["router"] if x.endswith(".weight")][0]
                 out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
             return out_r
-        plan = make_plan(stats, K, method, lam, linkage, seed, routers)
+        plan = make_plan(stats, K, method, lam, linkage, seed, routers, features)
         _start_tmp(tmp)
         merge_streaming(src, tmp, plan)
     else:
@@ -501,7 +506,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         K = target_k(info["num_experts"], info["top_k"], rho, k)
         check_k_family(model.config.model_type, cal.text_config(model.config).to_dict(), K)
         plan = make_plan(stats, K, method, lam, linkage, seed,
-                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)])
+                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)], features)
         merge_model(model, plan)
         _start_tmp(tmp)
         model.save_pretrained(tmp)

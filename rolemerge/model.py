@@ -20,6 +20,7 @@ All maths in float64; ties are exact float comparisons, broken by a fixed key, s
 is a deterministic function of the counts.
 """
 import math
+import operator
 
 import torch
 
@@ -297,10 +298,12 @@ def mi_retention(record_counts, groups):
 
 # ----------------------------------------------------------------------------- whole-model plan
 
-METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune")
+METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune",
+           "msmoe", "hcsmoe", "reap")
+FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need rolemerge.baselines.collect_features
 
 
-def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None):
+def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, features=None):
     """Groupings for every MoE layer.
 
     counts [L, B, N]: phase-separated counts summed over sources; K: experts kept per layer;
@@ -308,10 +311,26 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     so every RRP is the same and only the collision term on the pooled distribution acts),
     "lambda0", "permuted" (RRPs and p_ans shuffled across expert identities, seeded),
     "kmeans" (k-means++ on RRPs, seeded), baselines "frequency" (needs routers: list of
-    [N, H] router weights) and "prune"; linkage applies to the agglomerative methods.
-    Returns (groups: list over layers of list of groups, info: list of per-layer dicts)."""
+    [N, H] router weights), "prune", and the papers' own criteria "msmoe", "hcsmoe", "reap"
+    (rolemerge/baselines.py; need features: list over layers of `collect_features` dicts);
+    linkage applies to the agglomerative methods (validated for every method; HC-SMoE always uses average).
+    Returns (groups: list over layers of list of groups, info: list of per-layer dicts).
+    Raises ValueError for an unknown method or linkage, a K that is not one int (per-layer K
+    cannot be saved: transformers configs hold one expert count), or missing routers / features."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    if linkage not in LINKAGES:
+        raise ValueError(f"unknown linkage {linkage!r}; choose from {LINKAGES}")
+    K_in = K
+    try:
+        K = operator.index(K) if not isinstance(K, bool) else None
+    except TypeError:
+        K = None
+    if K is None:
+        raise ValueError(f"K must be one int for every layer, got {K_in!r}: per-layer K is not supported "
+                         f"(a transformers config holds a single expert count)")
+    if method in FEATURE_METHODS and features is None:
+        raise ValueError(f"method {method!r} needs the calibration features (features=collect_features(...))")
     counts = torch.as_tensor(counts, dtype=torch.float64)
     L, B, N = counts.shape
     mass = counts.sum(1)                                           # [L, N] pooled over phases
@@ -338,6 +357,9 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
             g = frequency_groups(mass[l], routers[l], K)
         elif method == "prune":
             g = prune_groups(mass[l], K)
+        elif method in FEATURE_METHODS:
+            from rolemerge.baselines import baseline_groups
+            g = baseline_groups(method, features[l], K)     # HC-SMoE: average linkage, its paper's choice
         else:
             g = agglomerate(normalise_by_max(pair_loss(P_e, q)), p[ans], K, lams[l], tau, linkage)
         groups.append(g)
