@@ -196,3 +196,34 @@ def test_plan_dispatches_to_the_feature_baselines():
     assert rm.plan(counts, 2, "msmoe", features=feats)[0][0] == [[0, 3], [1, 2]]
     assert rm.plan(counts, 2, "reap", features=feats)[0][0] == [[1], [3]]      # S = (.2, 3, 0, 2)
     assert len(rm.plan(counts, 2, "hcsmoe", features=feats)[0][0]) == 2
+
+
+# ----------------------------------------------------------------------------- oracle routing
+
+@pytest.mark.parametrize("groups", [[[0, 1], [2, 3]], [[0, 3], [1], [2]], [[0], [2]]])
+def test_oracle_routing_sends_each_token_to_its_original_experts_groups(groups):
+    from rolemerge import calibrate as cal
+    from rolemerge import infer
+    from rolemerge import merge as mg
+    model = _tiny_moe()
+    block = cal.moe_blocks(model)[0][1]
+    W0 = block.gate.weight.detach().clone()
+    x = torch.randn(6, 16)
+    probs = torch.softmax(x @ W0.T, -1)
+    w, idx = probs.topk(2, -1)
+    w = w / w.sum(-1, keepdim=True)
+    weights = rm.merge_weights(torch.tensor([3., 1, 2, 5]), groups)
+    mg.merge_model(model, {"groups": [groups], "weights": [weights]})
+    y = bl.expert_outputs(block.experts, x)                      # merged experts [T, K, H]
+    lut = {e: gi for gi, g in enumerate(groups) for e in g}
+    want = torch.zeros(6, 16)
+    for t in range(6):
+        kept = [(float(w[t, j]), lut[int(idx[t, j])]) for j in range(2) if int(idx[t, j]) in lut]
+        tot = sum(a for a, _ in kept)
+        for a, gi in kept:
+            want[t] += a / tot * y[t, gi]
+    with torch.no_grad(), infer.oracle_routing(model, [W0], [groups]):
+        got = block(x[None])[0]
+    assert torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():                                        # hooks removed on exit: merged router again
+        assert not torch.allclose(block(x[None])[0], want, atol=1e-3) or len(groups) == 4
