@@ -454,6 +454,9 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     if not os.path.exists(os.path.join(src, "config.json")):
         raise MergeError(f"{src}: no config.json (not a save_pretrained checkpoint directory)")
     check_rho_k(rho, k)
+    if method in rm.FEATURE_METHODS and features is None:
+        raise MergeError(f"method {method!r} needs calibration features (expert outputs, router logits): collect "
+                         f"them with rolemerge.baselines.collect_features and pass run_merge(features=...)")
     if not (lam >= 0 and math.isfinite(lam)):
         raise MergeError(f"lambda={lam} must be a finite number >= 0 (paper: 0.03)")
     if streaming and dtype is not None:
