@@ -368,7 +368,7 @@ def grouping_png(stats_path, groups_by_arm, layer, path):
     W = 160 + N * cell + 40 * gap
     im = Image.new("RGB", (W, 40 + 40 * len(rows)), "white")
     dr = ImageDraw.Draw(im)
-    dr.text((10, 8), f"layer {layer}: experts coloured by phase role (R image, G question, B answer); groups separated",
+    dr.text((10, 8), f"layer {layer}: experts coloured by phase role (R image, G question, B answer; black = never routed); groups separated",
             fill="black")
     for i, (name, groups) in enumerate(rows):
         y = 36 + 40 * i
