@@ -454,6 +454,8 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     if not os.path.exists(os.path.join(src, "config.json")):
         raise MergeError(f"{src}: no config.json (not a save_pretrained checkpoint directory)")
     check_rho_k(rho, k)
+    if linkage not in rm.LINKAGES:   # every method, before any loading
+        raise MergeError(f"unknown linkage {linkage!r}; choose from {rm.LINKAGES}")
     if method in rm.FEATURE_METHODS and features is None:
         raise MergeError(f"method {method!r} needs calibration features (expert outputs, router logits): collect "
                          f"them with rolemerge.baselines.collect_features and pass run_merge(features=...)")

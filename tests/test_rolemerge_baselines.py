@@ -182,10 +182,16 @@ def test_plan_feature_methods_need_features():
         rm.plan(planted_layer()[None], 4, "reap")
 
 
-def test_merge_api_rejects_per_layer_K():
+def test_merge_api_rejects_per_layer_K_unknown_linkage_and_missing_features(tmp_path):
     from rolemerge import merge as mg
     with pytest.raises(mg.MergeError, match="one int for every layer"):
         mg.check_rho_k(k=[4, 5])
+    for method in ("prune", "frequency", "rolemerge"):
+        with pytest.raises(mg.MergeError, match="unknown linkage 'ward'"):
+            mg.run_merge("tiny-moe", "unused.safetensors", str(tmp_path / "o"), rho=0.5, method=method, linkage="ward")
+    with pytest.raises(mg.MergeError, match="needs calibration features"):
+        mg.run_merge("tiny-moe", "unused.safetensors", str(tmp_path / "o"), rho=0.5, method="hcsmoe")
+    assert not (tmp_path / "o").exists()
 
 
 def test_plan_dispatches_to_the_feature_baselines():
