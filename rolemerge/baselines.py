@@ -127,6 +127,15 @@ def reap_groups(saliency, K):
     return [[e] for e in sorted(keep)]
 
 
+def slice_features(feats, ix):
+    """One block of experts' features (for group-limited routing, `rolemerge.model.plan(blocks=)`):
+    feats: a `collect_features` layer dict; ix: a slice of expert indices. count / reap_sum [n],
+    logit_gram [n, n] (the block's rows and columns: cosines between its experts are unchanged),
+    out_sum [n, H]; tokens unchanged."""
+    return {"count": feats["count"][ix], "logit_gram": feats["logit_gram"][ix, ix],
+            "out_sum": feats["out_sum"][ix], "reap_sum": feats["reap_sum"][ix], "tokens": feats["tokens"]}
+
+
 def baseline_groups(method, feats, K, linkage="average"):
     """Groups of one layer for `method` in BASELINES from that layer's features (dict of
     `collect_features`). Raises ValueError for an unknown method."""

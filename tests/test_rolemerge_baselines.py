@@ -204,6 +204,23 @@ def test_plan_dispatches_to_the_feature_baselines():
     assert len(rm.plan(counts, 2, "hcsmoe", features=feats)[0][0]) == 2
 
 
+def test_feature_baselines_stay_inside_routing_blocks():
+    """Group-limited routing (plan(blocks=)): each baseline's criterion on its block's slice."""
+    from rolemerge.baselines import slice_features
+    Z = torch.tensor([[1., 1, 0, 3], [0, 2, 1, 1], [0, 0, 0, 1]], dtype=torch.float64)
+    feats = [{"count": torch.tensor([10., 1, 5, 2]), "logit_gram": Z.T @ Z, "tokens": 3,
+              "out_sum": torch.eye(4, dtype=torch.float64), "reap_sum": torch.tensor([30., 2, .5, 0])}]
+    counts = torch.ones(1, 3, 4)
+    assert rm.plan(counts, 2, "reap", features=feats)[0][0] == [[0], [1]]              # S = (3, 2, .1, 0)
+    assert rm.plan(counts, 2, "reap", features=feats, blocks=2)[0][0] == [[0], [2]]    # best of {0,1}, of {2,3}
+    assert rm.plan(counts, 2, "msmoe", features=feats)[0][0] == [[0, 3], [1, 2]]
+    for method in ("msmoe", "hcsmoe"):
+        assert rm.plan(counts, 2, method, features=feats, blocks=2)[0][0] == [[0, 1], [2, 3]]
+    sl = slice_features(feats[0], slice(2, 4))
+    assert sl["logit_gram"].tolist() == (Z.T @ Z)[2:, 2:].tolist() and sl["reap_sum"].tolist() == [.5, 0]
+    assert sl["out_sum"].tolist() == [[0, 0, 1, 0], [0, 0, 0, 1]] and sl["tokens"] == 3
+
+
 # ----------------------------------------------------------------------------- oracle routing
 
 @pytest.mark.parametrize("groups", [[[0, 1], [2, 3]], [[0, 3], [1], [2]], [[0], [2]]])
