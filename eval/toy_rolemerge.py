@@ -384,22 +384,31 @@ def grouping_png(stats_path, groups_by_arm, layer, path):
     os.replace(path + ".tmp.png", path)
 
 
-def main(argv=None):
+def parser():
+    """The command line (also used by the tests)."""
+    from common.cli import Deprecated, add_threads
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="rho=.5 with RoleMerge and the two baselines only")
     p.add_argument("--data", default="out/data", help="shapes data directory (val + test generated if missing)")
     p.add_argument("--out", default="out/rolemerge", help="output directory (results.json, merged checkpoints)")
-    p.add_argument("--base", default="tiny-moe", help="MoE-VLM to merge (tiny-moe = the committed tiny Qwen3-VL-MoE)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--model", default="tiny-moe",
+                   help="MoE-VLM to merge (tiny-moe = the committed tiny Qwen3-VL-MoE)")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    add_threads(p)
     p.add_argument("--paper", default="",
                    help="comma-separated base directories with the paper's structure (common.pretrain "
                         "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --no-look): run the pre-registered "
                         "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
     p.add_argument("--arms", default=",".join(PAPER_ARMS), help="--paper arms, comma-separated")
+    return p
+
+
+def main(argv=None):
+    from common.cli import set_threads
+    p = parser()
     a = p.parse_args(argv)
+    set_threads(a.threads, a.paper.split(",")[0] if a.paper else a.model)
     if a.paper:
-        if a.threads:
-            torch.set_num_threads(a.threads)
         outp = os.path.join(a.out, "paper")
         arms = tuple(x for x in a.arms.split(",") if x)
         bad = [x for x in arms if x not in PAPER_ARMS]
@@ -415,7 +424,7 @@ def main(argv=None):
         data.atomic_write_text(os.path.join(outp, "report.md"), md + "\n")
         print(md)
         return
-    run(a.quick, a.data, a.out, a.base, a.threads)
+    run(a.quick, a.data, a.out, a.model)
     out = json.load(open(os.path.join(a.out, "results_quick.json" if a.quick else "results.json")))
     print(table(out))
 

@@ -250,3 +250,14 @@ def test_oracle_routing_sends_each_token_to_its_original_experts_groups(groups):
     assert torch.allclose(got, want, atol=1e-5)
     with torch.no_grad():                                        # hooks removed on exit: merged router again
         assert not torch.allclose(block(x[None])[0], want, atol=1e-3) or len(groups) == 4
+
+
+def test_toy_rolemerge_model_flag_with_deprecated_base_and_threads(capsys):
+    from eval import toy_rolemerge as toy
+    a = toy.parser().parse_args([])
+    assert a.model == "tiny-moe" and a.threads is None and capsys.readouterr().err == ""
+    a = toy.parser().parse_args(["--base", "out/b", "--threads", "1"])
+    assert a.model == "out/b" and a.threads == 1
+    assert "--base is deprecated; use --model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        toy.parser().parse_args(["--threads", "-1"])
