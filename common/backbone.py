@@ -237,9 +237,12 @@ def patchify(images_uint8, patch=14, temporal=2, merge=2, mean=(0.48145466, 0.45
 
 # ----------------------------------------------------------------------------- tiny configs
 
-def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch_size=14, merge_size=2):
+def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch_size=14, merge_size=2,
+                expert_width=None):
     """Config of a tiny VLM of a real transformers architecture.
 
+    expert_width: each routed expert's intermediate size (qwen3_vl_moe; default `hidden`);
+    32 experts of width 32 hold as many expert parameters as 8 of width 128 (fine-grained experts).
     patch_size / merge_size: the vision tower's patch and spatial merge (Qwen3-VL archs only);
     the 84 px shapes image gives (84 / (patch_size * merge_size))^2 image tokens (14/2: 9,
     7/1: 144).
@@ -261,7 +264,7 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [half - 2 * hw, hw, hw],
                                    "mrope_interleaved": True}
         if arch == "qwen3_vl_moe":
-            text.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=hidden,
+            text.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width or hidden,
                         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01)
         vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=patch_size,
                       spatial_merge_size=merge_size, temporal_patch_size=2, out_hidden_size=hidden,

@@ -37,12 +37,29 @@ from common.checkpoint import CheckpointError, load_train_state, save_train_stat
 from common.cli import add_threads, fail, number, set_threads
 
 
-def encode_examples(proc, ex, prompts=None, targets=None, look=True):
+LOOKS = ("full", "objects", "none")
+
+
+def look_target(look, scene, answer, question):
+    """The assistant turn a base is trained on, by look step: "full" (`data.target_text`, all nine
+    cells marked), "objects" (`data.short_target_text`, the occupied cells only), "none" (the short
+    "Answer: {answer}"). A bool is read as in older logs (True = "full", False = "none").
+    Raises ValueError for an unknown look."""
+    look = {True: "full", False: "none"}.get(look, look)
+    if look == "full":
+        return data.target_text(scene, answer, question)
+    if look == "objects":
+        return data.short_target_text(scene, answer, question)
+    if look == "none":
+        return f"Answer: {answer}"
+    raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
+
+
+def encode_examples(proc, ex, prompts=None, targets=None, look="full"):
     """(scene, family, question, answer) tuples -> training batch (rendered, patchified with the
     processor's patch / merge size through `VLProcessor.images`, the one image path, encoded).
-    prompts / targets: per-example texts (default: the question and the marked-scene target;
-    look=False: the short "Answer: {answer}" only)."""
-    default = (lambda s, a, q: data.target_text(s, a, q)) if look else (lambda s, a, q: f"Answer: {a}")
+    prompts / targets: per-example texts (default: the question and `look_target(look, ...)`)."""
+    default = lambda s, a, q: look_target(look, s, a, q)
     return proc.encode([data.render(s) for s, _, _, _ in ex], prompts or [q for _, _, q, _ in ex],
                        targets or [default(s, a, q) for s, _, q, a in ex])
 
@@ -84,7 +101,7 @@ def chat_example(rng, ex, fmt, wrong_priors=0.5):
     return vs.judge_prompt(q, response(False), response(False)), gold, " " + a
 
 
-def make_batch(proc, step, batch_size, seed, chat_mix=None, wrong_priors=0.5, look=True):
+def make_batch(proc, step, batch_size, seed, chat_mix=None, wrong_priors=0.5, look="full"):
     """Training batch for `step` (deterministic in (seed, step)), plus `answer_mask` [B, L]:
     True at the label positions of the final short answer and <|im_end|> (after "Answer:").
     chat_mix: None (the plain format only) or weights over CHAT_FORMATS (`chat_example`)."""
@@ -150,7 +167,7 @@ def _pixels_of(batch, rows):
 
 
 @torch.no_grad()
-def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100, look=True):
+def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100, look="full"):
     """Fast validation: per family, the share of examples whose *whole* target (marked scene +
     answer) is the greedy argmax under teacher forcing (= greedy generation reproduces it
     exactly; a lower bound on answer accuracy), and answer-token accuracy given the true look
@@ -176,7 +193,8 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100, look=Tru
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --stop-at, may change).
 RECIPE_KEYS = ("arch", "steps", "batch_size", "lr", "warmup", "hidden", "layers", "experts", "top_k", "seed",
-               "answer_weight", "init", "chat_mix", "wrong_priors", "patch_size", "merge_size", "look")
+               "answer_weight", "init", "chat_mix", "wrong_priors", "patch_size", "merge_size", "look",
+               "expert_width")
 
 
 def lr_at(step, steps, lr, warmup):
@@ -204,8 +222,12 @@ def main():
     p.add_argument("--patch-size", type=int, default=14, help="vision patch size (84 px image: 14 -> 6x6 patches)")
     p.add_argument("--merge-size", type=int, default=2,
                    help="vision spatial merge; image tokens = (84 / (patch * merge))^2 (14/2: 9, 7/1: 144)")
-    p.add_argument("--no-look", dest="look", action="store_false",
-                   help="train the short answer only ('Answer: yes'), without the marked-scene look step")
+    p.add_argument("--expert-width", type=int, default=0,
+                   help="routed expert intermediate size (MoE arch; 0 = --hidden)")
+    p.add_argument("--look", default="full", choices=LOOKS,
+                   help="assistant turn: full (all nine cells marked, then the answer), objects (the occupied "
+                        "cells only: a short look step), none (the short 'Answer: yes' only)")
+    p.add_argument("--no-look", dest="look", action="store_const", const="none", help="same as --look none")
     p.add_argument("--answer-weight", type=float, default=1.0,
                    help="weight of the extra CE term on the short answer after 'Answer:' (0 = plain CE)")
     p.add_argument("--stop-at", type=int, default=0,
@@ -240,6 +262,8 @@ def main():
         a.arch = model.config.model_type
     else:
         kw = dict(patch_size=a.patch_size, merge_size=a.merge_size) if a.arch.startswith("qwen3_vl") else {}
+        if a.expert_width:
+            kw["expert_width"] = a.expert_width
         model, proc = bb.build_tiny(a.arch, seed=a.seed, hidden=a.hidden, layers=a.layers,
                                     experts=a.experts, top_k=a.top_k, **kw)
     is_moe = a.arch.endswith("moe")
@@ -256,7 +280,9 @@ def main():
     except CheckpointError as e:
         fail(f"{e}; or pass --fresh to start over")
     if tensors is not None:
-        saved = state.get("recipe", recipe)
+        saved = dict(state.get("recipe", recipe))
+        if isinstance(saved.get("look"), bool):                     # older checkpoints: --no-look as a bool
+            saved["look"] = "full" if saved["look"] else "none"
         diff = {k: (saved[k], v) for k, v in recipe.items() if k in saved and saved[k] != v}  # keys both define
         if diff:
             fail(f"{ckpt} was written with other settings {diff} (saved, now); "
