@@ -216,6 +216,24 @@ def short_target_text(scene, answer, question=""):
     return f"{cells}. Answer: {answer}"
 
 
+def short_look(look):
+    """A record's full look step (its "scene" field, `target_text` before " Answer:") -> the short
+    one of `short_target_text` before " Answer:": "tl red circle + tc empty - ... br empty -." ->
+    "tl red circle +." Raises ValueError on text that is not a nine-cell look step."""
+    words, out, i = look.rstrip(".").split(), [], 0
+    for tag in CELL_TAGS:
+        if i >= len(words) or words[i] != tag:
+            raise ValueError(f"not a nine-cell look step (expected {tag!r} at word {i}): {look!r}")
+        if words[i + 1] == "empty":
+            i += 3
+        else:
+            out.append(" ".join(words[i:i + 4]))
+            i += 4
+    if i != len(words):
+        raise ValueError(f"not a nine-cell look step (extra words after br): {look!r}")
+    return " ".join(out) + "."
+
+
 def final_answer(text):
     """Short answer from a generated turn: the text after the last 'Answer:' (stripped of
     trailing punctuation / JSON quotes), or the whole text if there is none."""

@@ -177,9 +177,12 @@ PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too)
     "hcsmoe": ("hcsmoe", "single", True),
     "reap": ("reap", "single", False),
     "prune": ("prune", "single", False),
+    "complete_link": ("rolemerge", "complete", False),
+    "kmeans": ("kmeans", "single", False),
 }
 PAPER_BASELINES = ("msmoe", "hcsmoe", "reap", "prune")
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
+MAX_NEW = {"none": 8, "objects": 32, "full": 64}   # new tokens by the base's look step (its longest turn fits)
 
 
 def premise(stats):
@@ -193,16 +196,29 @@ def premise(stats):
             "kappa": [rm.answer_concentration(rm.phase_distributions(tot[l])[-1]) for l in range(tot.shape[0])]}
 
 
+def gold_turn(record, look):
+    """The assistant turn a `look` base ("full" / "objects" / "none", common.pretrain.LOOKS) was
+    trained to produce for a shapes record: its look step (from the record's "scene") + answer."""
+    from common.pretrain import LOOKS
+    look = {True: "full", False: "none"}.get(look, look)
+    if look == "full":
+        return f"{record['scene']} Answer: {record['answer']}"
+    if look == "objects":
+        return f"{data.short_look(record['scene'])} Answer: {record['answer']}"
+    if look == "none":
+        return f"Answer: {record['answer']}"
+    raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
+
+
 def _features(model, proc, records, look, batch_size=16):
     """Baseline features (rolemerge.baselines) over the calibration records, teacher-forced on
-    prompt + gold short answer ("Answer: x"; prompt only for a look-step base)."""
+    prompt + the gold assistant turn of the base's look step (`gold_turn`)."""
     from rolemerge import baselines as bl
     batches = []
     for i in range(0, len(records), batch_size):
         chunk = records[i:i + batch_size]
         ims = [data.load_image(r["image"], r.get("id", "?")) for r in chunk]
-        ans = None if look else [f"Answer: {r['answer']}" for r in chunk]
-        batches.append(proc.encode(ims, [r["question"] for r in chunk], ans))
+        batches.append(proc.encode(ims, [r["question"] for r in chunk], [gold_turn(r, look) for r in chunk]))
     return bl.collect_features(model, batches)
 
 
@@ -229,6 +245,9 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
     sources = {f: [r for r in val if r["family"] == f][: cfg["n_cal"]] for f in data.FAMILIES}
     look = json.load(open(os.path.join(base, "pretrain_log.json")))["args"].get("look", True) \
         if os.path.exists(os.path.join(base, "pretrain_log.json")) else True
+    look = {True: "full", False: "none"}.get(look, look)
+    cfg = dict(cfg, max_new=MAX_NEW[look], look=look)
+    res["config"] = dict(res["config"], max_new=cfg["max_new"], look=look)
     ck = os.path.join(out_dir, "ckpt", name)
     stats_path = os.path.join(ck, "stats.safetensors")
     model, proc = cal.load_model(base)
@@ -276,7 +295,7 @@ def paper_report(results, out_dir):
     from eval.metrics import bootstrap_ci, paired_bootstrap
     rhos = results[0]["config"]["rhos"]
     arms = [a for a in PAPER_ARMS if all(f"{a}@{rhos[0]}" in r["arms"] for r in results)]
-    fams = results[0]["families"]
+    fams = list(dict.fromkeys(f for r in results for f in r["families"]))
     cat = lambda key, field="correct": sum((list(r["arms"][key][field]) for r in results), [])
     lines = [f"Bases: {', '.join(os.path.basename(r['base'].rstrip('/')) for r in results)}; "
              f"{len(results[0]['arms']['full']['correct'])} test examples per base.", "",
@@ -312,13 +331,22 @@ def paper_report(results, out_dir):
             acr = sum(r["arms"][key]["acr"] for r in results) / len(results)
             lines.append(f"| {a} | {rho} | {results[0]['arms'][key]['K']} | {acc:.3f} [{lo:.3f}, {hi:.3f}] | "
                          f"{macro:.3f} | {orc} | {ds} | {acr:.3f} | {mis} |")
+    lines += ["", "Per-family accuracy (pooled over bases):", "",
+              "| arm | rho | " + " | ".join(fams) + " |", "|---" * (len(fams) + 2) + "|"]
+    for key in ["full"] + [f"{a}@{rho}" for rho in rhos for a in arms]:
+        by = {f: [] for f in fams}
+        for r in results:
+            for ok, f in zip(r["arms"][key]["correct"], r["families"]):
+                by[f].append(ok)
+        a, _, rho = key.partition("@")
+        lines.append(f"| {a} | {rho} | " + " | ".join(f"{sum(v) / len(v):.2f}" if v else "" for v in by.values()) + " |")
     os.makedirs(out_dir, exist_ok=True)
     accuracy_png(curves, sum(full) / len(full), os.path.join(out_dir, "accuracy_vs_rho.png"))
     return "\n".join(lines)
 
 
 PALETTE = [(220, 50, 47), (38, 139, 210), (133, 153, 0), (211, 54, 130), (42, 161, 152), (181, 137, 0),
-           (108, 113, 196), (203, 75, 22), (88, 110, 117)]
+           (108, 113, 196), (203, 75, 22), (88, 110, 117), (0, 0, 0), (150, 150, 150)]
 
 
 def accuracy_png(curves, full_acc, path, W=760, H=480):

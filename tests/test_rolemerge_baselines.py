@@ -261,3 +261,15 @@ def test_toy_rolemerge_model_flag_with_deprecated_base_and_threads(capsys):
     assert "--base is deprecated; use --model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parser().parse_args(["--threads", "-1"])
+
+
+def test_toy_gold_turn_follows_the_base_look_step():
+    from eval import toy_rolemerge as toy
+    look = "tl blue square 1tl tc empty - tr empty - ml empty - mc empty - mr red circle - bl empty - bc blue circle 2bc br empty -."
+    rec = {"scene": look, "answer": "yes", "question": "Is the blue square to the left of the blue circle?"}
+    assert toy.gold_turn(rec, "full") == toy.gold_turn(rec, True) == look + " Answer: yes"
+    assert toy.gold_turn(rec, "objects") == "tl blue square 1tl mr red circle - bc blue circle 2bc. Answer: yes"
+    assert toy.gold_turn(rec, "none") == toy.gold_turn(rec, False) == "Answer: yes"
+    with pytest.raises(ValueError, match="unknown look"):
+        toy.gold_turn(rec, "short")
+    assert toy.MAX_NEW["objects"] >= 32 and set(toy.MAX_NEW) == {"full", "objects", "none"}
