@@ -68,11 +68,12 @@ def build_tokenizer(vocab_size=400, seed=0):
     return tok
 
 
-def build_image_processor(image_size=84):
-    """Qwen2-VL image processor with patch 14 / merge 2 that keeps `image_size` images as they are."""
+def build_image_processor(image_size=84, patch_size=14, merge_size=2):
+    """Qwen2-VL image processor with patch `patch_size` / merge `merge_size` that keeps
+    `image_size` images as they are (image tokens = (image_size / (patch_size * merge_size))^2)."""
     from transformers import Qwen2VLImageProcessorPil
     return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": max(image_size, 112) ** 2},
-                                    patch_size=14, temporal_patch_size=2, merge_size=2)
+                                    patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size)
 
 
 # ----------------------------------------------------------------------------- processor
@@ -236,9 +237,15 @@ def patchify(images_uint8, patch=14, temporal=2, merge=2, mean=(0.48145466, 0.45
 
 # ----------------------------------------------------------------------------- tiny configs
 
-def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2):
+def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch_size=14, merge_size=2,
+                expert_width=None):
     """Config of a tiny VLM of a real transformers architecture.
 
+    expert_width: each routed expert's intermediate size (qwen3_vl_moe; default `hidden`);
+    32 experts of width 32 hold as many expert parameters as 8 of width 128 (fine-grained experts).
+    patch_size / merge_size: the vision tower's patch and spatial merge (Qwen3-VL archs only);
+    the 84 px shapes image gives (84 / (patch_size * merge_size))^2 image tokens (14/2: 9,
+    7/1: 144).
     arch: "qwen3_vl" (dense, the default base), "qwen3_vl_moe" (MoE, `experts` top-`top_k`),
     or "qwen2_5_vl" (for tests / method code on the papers' architecture; rope_theta=3 with
     mrope_section [2,7,7] so height/width get usable rotary frequencies, see NOTES).
@@ -257,11 +264,11 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2):
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [half - 2 * hw, hw, hw],
                                    "mrope_interleaved": True}
         if arch == "qwen3_vl_moe":
-            text.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=hidden,
+            text.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_width or hidden,
                         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01)
-        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden,
-                      num_position_embeddings=36, deepstack_visual_indexes=[1])
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=patch_size,
+                      spatial_merge_size=merge_size, temporal_patch_size=2, out_hidden_size=hidden,
+                      num_position_embeddings=(84 // patch_size) ** 2, deepstack_visual_indexes=[1])
     elif arch == "qwen2_5_vl":
         hw = (half - 2) // 2
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 3.0, "mrope_section": [2, hw, hw]}
@@ -281,7 +288,8 @@ def build_tiny(arch="qwen3_vl", seed=0, **kw):
     model = AutoModelForImageTextToText.from_config(tiny_config(arch, tok, **kw))
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.pad_token_id = tok.pad_token_id
-    return model, VLProcessor(tok, build_image_processor(), model.config)
+    improc = build_image_processor(patch_size=kw.get("patch_size", 14), merge_size=kw.get("merge_size", 2))
+    return model, VLProcessor(tok, improc, model.config)
 
 
 # ----------------------------------------------------------------------------- loading

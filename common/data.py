@@ -206,6 +206,34 @@ def target_text(scene, answer, question=""):
     return f"{cells}. Answer: {answer}"
 
 
+def short_target_text(scene, answer, question=""):
+    """The short look step (the RoleMerge base with the paper's structure): only the occupied
+    cells, each with its content and its mark for `question`, then the answer:
+        "tl red circle + br blue square -. Answer: yes" (1-4 objects: ~5-20 tokens, against
+    ~36 for `target_text`'s nine cells)."""
+    by_cell = {o.cell: o.name for o in scene}
+    cells = " ".join(f"{CELL_TAGS[c]} {by_cell[c]} {m}" for c, m in enumerate(marks(scene, question)) if c in by_cell)
+    return f"{cells}. Answer: {answer}"
+
+
+def short_look(look):
+    """A record's full look step (its "scene" field, `target_text` before " Answer:") -> the short
+    one of `short_target_text` before " Answer:": "tl red circle + tc empty - ... br empty -." ->
+    "tl red circle +." Raises ValueError on text that is not a nine-cell look step."""
+    words, out, i = look.rstrip(".").split(), [], 0
+    for tag in CELL_TAGS:
+        if i >= len(words) or words[i] != tag:
+            raise ValueError(f"not a nine-cell look step (expected {tag!r} at word {i}): {look!r}")
+        if words[i + 1] == "empty":
+            i += 3
+        else:
+            out.append(" ".join(words[i:i + 4]))
+            i += 4
+    if i != len(words):
+        raise ValueError(f"not a nine-cell look step (extra words after br): {look!r}")
+    return " ".join(out) + "."
+
+
 def final_answer(text):
     """Short answer of a turn: the JSON "Answer" value of a `{"Reasoning", "Answer"}` reply;
     else the rest of the line after the last "Answer" marker (stripped of the marker's colon /

@@ -37,11 +37,31 @@ from common.checkpoint import CheckpointError, load_train_state, save_train_stat
 from common.cli import add_threads, fail, number, set_threads
 
 
-def encode_examples(proc, ex, prompts=None, targets=None):
-    """(scene, family, question, answer) tuples -> training batch (rendered, patchified, encoded).
-    prompts / targets: per-example texts (default: the question and the marked-scene target)."""
+LOOKS = ("full", "objects", "none")
+
+
+def look_target(look, scene, answer, question):
+    """The assistant turn a base is trained on, by look step: "full" (`data.target_text`, all nine
+    cells marked), "objects" (`data.short_target_text`, the occupied cells only), "none" (the short
+    "Answer: {answer}"). A bool is read as in older logs (True = "full", False = "none").
+    Raises ValueError for an unknown look."""
+    look = {True: "full", False: "none"}.get(look, look)
+    if look == "full":
+        return data.target_text(scene, answer, question)
+    if look == "objects":
+        return data.short_target_text(scene, answer, question)
+    if look == "none":
+        return f"Answer: {answer}"
+    raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
+
+
+def encode_examples(proc, ex, prompts=None, targets=None, look="full"):
+    """(scene, family, question, answer) tuples -> training batch (rendered, patchified with the
+    processor's patch / merge size through `VLProcessor.images`, the one image path, encoded).
+    prompts / targets: per-example texts (default: the question and `look_target(look, ...)`)."""
+    default = lambda s, a, q: look_target(look, s, a, q)
     return proc.encode([data.render(s) for s, _, _, _ in ex], prompts or [q for _, _, q, _ in ex],
-                       targets or [data.target_text(s, a, q) for s, _, q, a in ex])  # VLProcessor.images: one image path
+                       targets or [default(s, a, q) for s, _, q, a in ex])
 
 
 CHAT_FORMATS = ("plain", "json", "debate", "review", "mad")
@@ -81,14 +101,14 @@ def chat_example(rng, ex, fmt, wrong_priors=0.5):
     return vs.judge_prompt(q, response(False), response(False)), gold, " " + a
 
 
-def make_batch(proc, step, batch_size, seed, chat_mix=None, wrong_priors=0.5):
+def make_batch(proc, step, batch_size, seed, chat_mix=None, wrong_priors=0.5, look="full"):
     """Training batch for `step` (deterministic in (seed, step)), plus `answer_mask` [B, L]:
     True at the label positions of the final short answer and <|im_end|> (after "Answer:").
     chat_mix: None (the plain format only) or weights over CHAT_FORMATS (`chat_example`)."""
     rng = random.Random(seed * 1_000_003 + step)
     ex = [data.sample_example(rng) for _ in range(batch_size)]
     if chat_mix is None:
-        batch = encode_examples(proc, ex)
+        batch = encode_examples(proc, ex, look=look)
         tails = [" " + a for _, _, _, a in ex]
     else:
         rows = [chat_example(rng, e, rng.choices(CHAT_FORMATS, weights=chat_mix)[0], wrong_priors) for e in ex]
@@ -147,7 +167,7 @@ def _pixels_of(batch, rows):
 
 
 @torch.no_grad()
-def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
+def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100, look="full"):
     """Fast validation: per family, the share of examples whose *whole* target (marked scene +
     answer) is the greedy argmax under teacher forcing (= greedy generation reproduces it
     exactly; a lower bound on answer accuracy), and answer-token accuracy given the true look
@@ -158,7 +178,7 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
     full, ans = {}, {}
     for i in range(0, n, batch_size):
         chunk = ex[i:i + batch_size]
-        b = encode_examples(proc, chunk)
+        b = encode_examples(proc, chunk, look=look)
         logits = model(**{k: v for k, v in b.items() if k != "labels"}).logits
         pred, lab = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
         for j, (s, fam, q, a) in enumerate(chunk):
@@ -173,7 +193,8 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100):
 
 # Settings a resumed run must share with the checkpoint (the rest, e.g. --stop-at, may change).
 RECIPE_KEYS = ("arch", "steps", "batch_size", "lr", "warmup", "hidden", "layers", "experts", "top_k", "seed",
-               "answer_weight", "init", "chat_mix", "wrong_priors")
+               "answer_weight", "init", "chat_mix", "wrong_priors", "patch_size", "merge_size", "look",
+               "expert_width")
 
 
 def lr_at(step, steps, lr, warmup):
@@ -198,6 +219,15 @@ def main():
     p.add_argument("--layers", type=int, default=4, help="text decoder layers")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer (MoE arch)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (MoE arch)")
+    p.add_argument("--patch-size", type=int, default=14, help="vision patch size (84 px image: 14 -> 6x6 patches)")
+    p.add_argument("--merge-size", type=int, default=2,
+                   help="vision spatial merge; image tokens = (84 / (patch * merge))^2 (14/2: 9, 7/1: 144)")
+    p.add_argument("--expert-width", type=int, default=0,
+                   help="routed expert intermediate size (MoE arch; 0 = --hidden)")
+    p.add_argument("--look", default="full", choices=LOOKS,
+                   help="assistant turn: full (all nine cells marked, then the answer), objects (the occupied "
+                        "cells only: a short look step), none (the short 'Answer: yes' only)")
+    p.add_argument("--no-look", dest="look", action="store_const", const="none", help="same as --look none")
     p.add_argument("--answer-weight", type=float, default=1.0,
                    help="weight of the extra CE term on the short answer after 'Answer:' (0 = plain CE)")
     p.add_argument("--stop-at", type=int, default=0,
@@ -231,8 +261,11 @@ def main():
         model, proc = bb.load_backbone(a.init)
         a.arch = model.config.model_type
     else:
+        kw = dict(patch_size=a.patch_size, merge_size=a.merge_size) if a.arch.startswith("qwen3_vl") else {}
+        if a.expert_width:
+            kw["expert_width"] = a.expert_width
         model, proc = bb.build_tiny(a.arch, seed=a.seed, hidden=a.hidden, layers=a.layers,
-                                    experts=a.experts, top_k=a.top_k)
+                                    experts=a.experts, top_k=a.top_k, **kw)
     is_moe = a.arch.endswith("moe")
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.98), weight_decay=0.01)
     ckpt, step, log = a.out.rstrip("/") + ".ckpt", 0, []
@@ -247,7 +280,9 @@ def main():
     except CheckpointError as e:
         fail(f"{e}; or pass --fresh to start over")
     if tensors is not None:
-        saved = state.get("recipe", recipe)
+        saved = dict(state.get("recipe", recipe))
+        if isinstance(saved.get("look"), bool):                     # older checkpoints: --no-look as a bool
+            saved["look"] = "full" if saved["look"] else "none"
         diff = {k: (saved[k], v) for k, v in recipe.items() if k in saved and saved[k] != v}  # keys both define
         if diff:
             fail(f"{ckpt} was written with other settings {diff} (saved, now); "
@@ -264,7 +299,7 @@ def main():
     while step < last:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a.steps, a.lr, warmup)
-        batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed, chat_mix, a.wrong_priors)
+        batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed, chat_mix, a.wrong_priors, a.look)
         loss = accumulate(model, batch, answer_mask, a.grad_accum, a.answer_weight, is_moe)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss at step {step}; last good checkpoint kept in {ckpt}")
@@ -275,7 +310,7 @@ def main():
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % a.eval_every == 0 or step == last:
-            ev = teacher_forced_eval(model, proc)
+            ev = teacher_forced_eval(model, proc, look=a.look)
             log.append({"step": step, "loss": loss.item(), "minutes": (time.time() - t0) / 60, "val": ev})
             tqdm.write(f"step {step} loss {loss.item():.3f} " + " ".join(
                 f"{f}={v['answer']:.2f}/{v['full']:.2f}" for f, v in ev.items()))

@@ -22,6 +22,7 @@ Results are what this run measures; nothing is copied from the paper.
 import argparse
 import json
 import os
+import shutil
 import time
 
 import torch
@@ -162,15 +163,296 @@ def table(out):
     return "\n".join(lines)
 
 
-def main(argv=None):
+# ----------------------------------------------------------------------------- paper-structure experiment
+# (issue 11): a base with the paper's structure (32 experts, top-4, 144 image tokens, short answers),
+# the papers' own baselines, oracle routing; pre-registered in rolemerge/README.md.
+
+PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too)
+    "rolemerge": ("rolemerge", "single", True),
+    "no_phase_split": ("no_phase_split", "single", True),
+    "lambda0": ("lambda0", "single", False),
+    "permuted": ("permuted", "single", False),
+    "average_link": ("rolemerge", "average", False),
+    "msmoe": ("msmoe", "single", True),
+    "hcsmoe": ("hcsmoe", "single", True),
+    "reap": ("reap", "single", False),
+    "prune": ("prune", "single", False),
+    "complete_link": ("rolemerge", "complete", False),
+    "kmeans": ("kmeans", "single", False),
+}
+PAPER_BASELINES = ("msmoe", "hcsmoe", "reap", "prune")
+PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
+MAX_NEW = {"none": 8, "objects": 32, "full": 64}   # new tokens by the base's look step (its longest turn fits)
+
+
+def premise(stats):
+    """Per-phase token shares and per-layer answer concentration kappa of calibration stats."""
+    from rolemerge import calibrate as cal
+    from rolemerge import model as rm
+    tok = sum(s["tokens"] for s in stats["sources"].values()).double()
+    tot = cal.total_counts(stats).double()
+    return {"token_share": dict(zip(stats["buckets"], (tok / tok.sum()).tolist())),
+            "tokens": dict(zip(stats["buckets"], tok.tolist())),
+            "kappa": [rm.answer_concentration(rm.phase_distributions(tot[l])[-1]) for l in range(tot.shape[0])]}
+
+
+def gold_turn(record, look):
+    """The assistant turn a `look` base ("full" / "objects" / "none", common.pretrain.LOOKS) was
+    trained to produce for a shapes record: its look step (from the record's "scene") + answer."""
+    from common.pretrain import LOOKS
+    look = {True: "full", False: "none"}.get(look, look)
+    if look == "full":
+        return f"{record['scene']} Answer: {record['answer']}"
+    if look == "objects":
+        return f"{data.short_look(record['scene'])} Answer: {record['answer']}"
+    if look == "none":
+        return f"Answer: {record['answer']}"
+    raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
+
+
+def _features(model, proc, records, look, batch_size=16):
+    """Baseline features (rolemerge.baselines) over the calibration records, teacher-forced on
+    prompt + the gold assistant turn of the base's look step (`gold_turn`)."""
+    from rolemerge import baselines as bl
+    batches = []
+    for i in range(0, len(records), batch_size):
+        chunk = records[i:i + batch_size]
+        ims = [data.load_image(r["image"], r.get("id", "?")) for r in chunk]
+        batches.append(proc.encode(ims, [r["question"] for r in chunk], [gold_turn(r, look) for r in chunk]))
+    return bl.collect_features(model, batches)
+
+
+def _eval_acc(model, proc, test, max_new, desc):
+    from eval.evaluate import evaluate
+    with torch.inference_mode():
+        res = evaluate(model, proc, test, batch_size=50, max_new_tokens=max_new, desc=desc)
+    return [bool(r["correct"]) for r in res], [r["family"] for r in res]
+
+
+def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
+    """One base: calibrate, collect baseline features, merge every (rho, arm), evaluate with the
+    merged router and (merging arms) with oracle routing. Resumable: results are written to
+    {out_dir}/{base name}.json after every arm and arms already there are skipped."""
+    from rolemerge import calibrate as cal
+    from rolemerge import infer
+    from rolemerge import merge as mg
+    name = os.path.basename(base.rstrip("/"))
+    path = os.path.join(out_dir, f"{name}.json")
+    res = json.load(open(path)) if os.path.exists(path) else {"base": base, "config": dict(cfg), "arms": {}}
+    _ensure_data(data_dir, 500, cfg["n_test"])
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))
+    sources = {f: [r for r in val if r["family"] == f][: cfg["n_cal"]] for f in data.FAMILIES}
+    look = json.load(open(os.path.join(base, "pretrain_log.json")))["args"].get("look", True) \
+        if os.path.exists(os.path.join(base, "pretrain_log.json")) else True
+    look = {True: "full", False: "none"}.get(look, look)
+    cfg = dict(cfg, max_new=MAX_NEW[look], look=look)
+    res["config"] = dict(res["config"], max_new=cfg["max_new"], look=look)
+    ck = os.path.join(out_dir, "ckpt", name)
+    stats_path = os.path.join(ck, "stats.safetensors")
+    model, proc = cal.load_model(base)
+    if not os.path.exists(stats_path):
+        t = time.time()
+        stats = cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"], model_id=base)
+        cal.save_stats(stats, stats_path)
+        res["calibration_s"] = time.time() - t
+    res["premise"] = premise(cal.load_stats(stats_path))
+    print(f"[paper] {name}: token shares {res['premise']['token_share']} kappa {res['premise']['kappa']}", flush=True)
+    feats = _features(model, proc, [r for s in sources.values() for r in s], look)
+    routers = [b.gate.weight.detach().clone() for _, b in cal.moe_blocks(model)]
+    if "full" not in res["arms"]:
+        acc, fam = _eval_acc(model, proc, test, cfg["max_new"], "full")
+        res["arms"]["full"], res["families"] = {"correct": acc}, fam
+    del model
+    for rho in cfg["rhos"]:
+        for arm in arms:
+            key = f"{arm}@{rho}"
+            if key in res["arms"]:
+                continue
+            method, linkage, oracle = PAPER_ARMS[arm]
+            out = os.path.join(ck, key)
+            rep = mg.run_merge(base, stats_path, out, rho=rho, method=method, linkage=linkage, force=True,
+                               features=feats)
+            m, p, _ = infer.load_timed(out)
+            row = {"K": rep["K"], "acr": rep["acr_mean"], "mi_retention": rep["mi_retention"], "groups": rep["groups"]}
+            row["correct"], _ = _eval_acc(m, p, test, cfg["max_new"], key)
+            if oracle:
+                with infer.oracle_routing(m, routers, rep["groups"]):
+                    row["oracle_correct"], _ = _eval_acc(m, p, test, cfg["max_new"], key + " oracle")
+            res["arms"][key] = row
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"[paper] {name} {key}: acc {sum(row['correct']) / len(test):.3f}" +
+                  (f" oracle {sum(row['oracle_correct']) / len(test):.3f}" if oracle else "") +
+                  f" ACR {row['acr']:.3f}", flush=True)
+            data.atomic_write_text(path, json.dumps(res))
+    data.atomic_write_text(path, json.dumps(res))
+    return res
+
+
+def paper_report(results, out_dir):
+    """Markdown tables + PNG figures from the per-base result dicts (pooled over bases: the
+    examples of every base are concatenated, paired by (base, example))."""
+    from eval.metrics import bootstrap_ci, paired_bootstrap
+    rhos = results[0]["config"]["rhos"]
+    arms = [a for a in PAPER_ARMS if all(f"{a}@{rhos[0]}" in r["arms"] for r in results)]
+    fams = list(dict.fromkeys(f for r in results for f in r["families"]))
+    cat = lambda key, field="correct": sum((list(r["arms"][key][field]) for r in results), [])
+    lines = [f"Bases: {', '.join(os.path.basename(r['base'].rstrip('/')) for r in results)}; "
+             f"{len(results[0]['arms']['full']['correct'])} test examples per base.", "",
+             "| premise | " + " | ".join(os.path.basename(r["base"].rstrip("/")) for r in results) + " |",
+             "|---" * (len(results) + 1) + "|"]
+    for b in results[0]["premise"]["token_share"]:
+        lines.append(f"| token share {b} | " + " | ".join(f"{r['premise']['token_share'][b]:.3f}" for r in results) + " |")
+    lines.append("| kappa per layer | " + " | ".join(", ".join(f"{k:.2f}" for k in r["premise"]["kappa"]) for r in results) + " |")
+    full = cat("full")
+    lo, hi = bootstrap_ci(full)
+    lines += ["", f"Full model: accuracy {sum(full) / len(full):.3f} [{lo:.3f}, {hi:.3f}].", "",
+              "| arm | rho | K | acc [95% CI] | macro | oracle acc | RoleMerge - arm [95% CI] | ACR | MI ret. |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    curves = {}
+    for rho in rhos:
+        for a in arms:
+            key = f"{a}@{rho}"
+            c = cat(key)
+            lo, hi = bootstrap_ci(c)
+            acc = sum(c) / len(c)
+            curves.setdefault(a, []).append((rho, acc, lo, hi))
+            fam_acc = {}
+            for r in results:
+                for ok, f in zip(r["arms"][key]["correct"], r["families"]):
+                    fam_acc.setdefault(f, []).append(ok)
+            macro = sum(sum(v) / len(v) for v in fam_acc.values()) / len(fam_acc)
+            orc = results[0]["arms"][key].get("oracle_correct")
+            orc = f"{sum(cat(key, 'oracle_correct')) / len(c):.3f}" if orc is not None else ""
+            d = paired_bootstrap(cat(f"rolemerge@{rho}"), c) if a != "rolemerge" else None
+            ds = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
+            mi = [r["arms"][key]["mi_retention"] for r in results]
+            mis = f"{sum(mi) / len(mi):.3f}" if None not in mi else "n/a"
+            acr = sum(r["arms"][key]["acr"] for r in results) / len(results)
+            lines.append(f"| {a} | {rho} | {results[0]['arms'][key]['K']} | {acc:.3f} [{lo:.3f}, {hi:.3f}] | "
+                         f"{macro:.3f} | {orc} | {ds} | {acr:.3f} | {mis} |")
+    lines += ["", "Per-family accuracy (pooled over bases):", "",
+              "| arm | rho | " + " | ".join(fams) + " |", "|---" * (len(fams) + 2) + "|"]
+    for key in ["full"] + [f"{a}@{rho}" for rho in rhos for a in arms]:
+        by = {f: [] for f in fams}
+        for r in results:
+            for ok, f in zip(r["arms"][key]["correct"], r["families"]):
+                by[f].append(ok)
+        a, _, rho = key.partition("@")
+        lines.append(f"| {a} | {rho} | " + " | ".join(f"{sum(v) / len(v):.2f}" if v else "" for v in by.values()) + " |")
+    os.makedirs(out_dir, exist_ok=True)
+    accuracy_png(curves, sum(full) / len(full), os.path.join(out_dir, "accuracy_vs_rho.png"))
+    return "\n".join(lines)
+
+
+PALETTE = [(220, 50, 47), (38, 139, 210), (133, 153, 0), (211, 54, 130), (42, 161, 152), (181, 137, 0),
+           (108, 113, 196), (203, 75, 22), (88, 110, 117), (0, 0, 0), (150, 150, 150)]
+
+
+def accuracy_png(curves, full_acc, path, W=760, H=480):
+    """Accuracy vs rho per method with 95% CI bars (the paper's main-figure layout), Pillow."""
+    from PIL import Image, ImageDraw
+    im = Image.new("RGB", (W, H), "white")
+    dr = ImageDraw.Draw(im)
+    L, R, T, B = 60, 200, 30, 50
+    rhos = sorted({x[0] for c in curves.values() for x in c})
+    X = lambda r: L + (r - rhos[0]) / max(rhos[-1] - rhos[0], 1e-9) * (W - L - R)
+    Y = lambda a: T + (1 - a) * (H - T - B)
+    dr.line([(L, T), (L, H - B), (W - R, H - B)], fill="black")
+    for a in (0, .25, .5, .75, 1):
+        dr.line([(L - 4, Y(a)), (W - R, Y(a))], fill=(230, 230, 230))
+        dr.text((L - 40, Y(a) - 6), f"{a:.2f}", fill="black")
+    for r in rhos:
+        dr.text((X(r) - 12, H - B + 8), f"{r}", fill="black")
+    dr.text(((W - R) // 2 - 20, H - 20), "rho (experts kept)", fill="black")
+    dr.text((L, 8), "accuracy vs rho, 95% bootstrap CI", fill="black")
+    dr.line([(L, Y(full_acc)), (W - R, Y(full_acc))], fill=(120, 120, 120), width=1)
+    dr.text((W - R + 5, Y(full_acc) - 6), "full model", fill=(120, 120, 120))
+    for i, (name, pts) in enumerate(curves.items()):
+        col = PALETTE[i % len(PALETTE)]
+        off = (i - len(curves) / 2) * 3
+        pts = sorted(pts)
+        dr.line([(X(r) + off, Y(a)) for r, a, _, _ in pts], fill=col, width=2)
+        for r, a, lo, hi in pts:
+            dr.line([(X(r) + off, Y(lo)), (X(r) + off, Y(hi))], fill=col, width=1)
+            dr.ellipse([X(r) + off - 3, Y(a) - 3, X(r) + off + 3, Y(a) + 3], fill=col)
+        dr.rectangle([W - R + 10, T + 20 * i + 30, W - R + 22, T + 20 * i + 42], fill=col)
+        dr.text((W - R + 28, T + 20 * i + 30), name, fill="black")
+    im.save(path + ".tmp.png")
+    os.replace(path + ".tmp.png", path)
+
+
+def grouping_png(stats_path, groups_by_arm, layer, path):
+    """One layer's grouping per arm: every expert a box, boxes of a group side by side, colour =
+    the expert's phase role q_e (red = image, green = question, blue = answer share)."""
+    from PIL import Image, ImageDraw
+    from rolemerge import calibrate as cal
+    from rolemerge import model as rm
+    stats = cal.load_stats(stats_path)
+    _, q = rm.role_profiles(rm.phase_distributions(cal.total_counts(stats).double()[layer]))
+    rows = list(groups_by_arm.items())
+    N = q.shape[0]
+    cell, gap = 18, 8
+    W = 160 + N * cell + 40 * gap
+    im = Image.new("RGB", (W, 40 + 40 * len(rows)), "white")
+    dr = ImageDraw.Draw(im)
+    dr.text((10, 8), f"layer {layer}: experts coloured by phase role (R image, G question, B answer; black = never routed); groups separated",
+            fill="black")
+    for i, (name, groups) in enumerate(rows):
+        y = 36 + 40 * i
+        dr.text((10, y + 4), name, fill="black")
+        x = 160
+        for g in sorted(groups, key=lambda g: (-len(g), g)):
+            for e in g:
+                c = tuple(int(255 * float(v)) for v in q[e])
+                dr.rectangle([x, y, x + cell - 2, y + 22], fill=c, outline="black")
+                x += cell
+            x += gap
+    im.save(path + ".tmp.png")
+    os.replace(path + ".tmp.png", path)
+
+
+def parser():
+    """The command line (also used by the tests)."""
+    from common.cli import Deprecated, add_threads
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="rho=.5 with RoleMerge and the two baselines only")
     p.add_argument("--data", default="out/data", help="shapes data directory (val + test generated if missing)")
     p.add_argument("--out", default="out/rolemerge", help="output directory (results.json, merged checkpoints)")
-    p.add_argument("--base", default="tiny-moe", help="MoE-VLM to merge (tiny-moe = the committed tiny Qwen3-VL-MoE)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--model", default="tiny-moe",
+                   help="MoE-VLM to merge (tiny-moe = the committed tiny Qwen3-VL-MoE)")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    add_threads(p)
+    p.add_argument("--paper", default="",
+                   help="comma-separated base directories with the paper's structure (common.pretrain "
+                        "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --no-look): run the pre-registered "
+                        "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
+    p.add_argument("--arms", default=",".join(PAPER_ARMS), help="--paper arms, comma-separated")
+    return p
+
+
+def main(argv=None):
+    from common.cli import set_threads
+    p = parser()
     a = p.parse_args(argv)
-    run(a.quick, a.data, a.out, a.base, a.threads)
+    set_threads(a.threads, a.paper.split(",")[0] if a.paper else a.model)
+    if a.paper:
+        outp = os.path.join(a.out, "paper")
+        arms = tuple(x for x in a.arms.split(",") if x)
+        bad = [x for x in arms if x not in PAPER_ARMS]
+        if bad:
+            p.error(f"unknown arms {bad}; choose from {list(PAPER_ARMS)}")
+        res = [run_paper(b, a.data, outp, PAPER, arms) for b in a.paper.split(",") if b]
+        md = paper_report(res, outp)
+        r0 = res[0]
+        groups = {k.split("@")[0]: r0["arms"][k]["groups"][0] for k in r0["arms"]
+                  if k.endswith(f"@{PAPER['rhos'][0]}") and k.split("@")[0] in ("rolemerge", "no_phase_split", "msmoe", "hcsmoe")}
+        name = os.path.basename(r0["base"].rstrip("/"))
+        grouping_png(os.path.join(outp, "ckpt", name, "stats.safetensors"), groups, 0, os.path.join(outp, "grouping_layer0.png"))
+        data.atomic_write_text(os.path.join(outp, "report.md"), md + "\n")
+        print(md)
+        return
+    run(a.quick, a.data, a.out, a.model)
     out = json.load(open(os.path.join(a.out, "results_quick.json" if a.quick else "results.json")))
     print(table(out))
 

@@ -18,6 +18,62 @@ import torch
 from rolemerge import calibrate as cal
 
 
+class oracle_routing:
+    """Context manager: route every token of a merged model to the groups of the experts the
+    *original* router picks (issue "oracle-routing evaluation"), separating the quality of a
+    grouping from the routing mass lost by averaging router rows.
+
+    model: the merged model (K experts per layer); base_routers: list over MoE layers of the
+    original router weights [N, H]; groups: the merge plan's groups [L][K][members] (pruning:
+    K singletons, the other experts dropped). For each token x of layer l: s = softmax(W0 x),
+    top-k of s renormalised (Qwen3-MoE / Qwen3-VL-MoE routing), expert e -> its group g(e);
+    the gate weight of a dropped expert is removed and the others renormalised (a token whose
+    experts were all dropped gets no MoE output). Two of a token's experts in one group add
+    their weights. Needs softmax top-k routers (norm_topk_prob) and the eager experts path
+    (set here, restored on exit); raises ValueError otherwise."""
+
+    def __init__(self, model, base_routers, groups):
+        self.model, self.handles = model, []
+        self.blocks = [b for _, b in cal.moe_blocks(model)]
+        if len(self.blocks) != len(groups) or len(base_routers) != len(groups):
+            raise ValueError(f"{len(self.blocks)} MoE layers, {len(base_routers)} routers, {len(groups)} plan layers")
+        tc = cal.text_config(model.config)
+        if model.config.model_type not in ("qwen3_vl_moe", "qwen3_moe") or not getattr(tc, "norm_topk_prob", True):
+            raise ValueError(f"oracle routing is implemented for softmax top-k renormalised routers "
+                             f"(qwen3_moe, qwen3_vl_moe), not {model.config.model_type}")
+        self.routers, self.luts, self.k = base_routers, [], tc.num_experts_per_tok
+        for g in groups:
+            K = len(g)
+            lut = torch.full((base_routers[0].shape[0],), K, dtype=torch.long)   # K = dropped
+            for gi, members in enumerate(g):
+                lut[list(members)] = gi
+            self.luts.append(lut)
+
+    def _hook(self, i):
+        def fn(module, args, out):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            probs = torch.softmax(x.float() @ self.routers[i].float().T.to(x.device), dim=-1)
+            w, idx = probs.topk(self.k, dim=-1)
+            gid = self.luts[i].to(x.device)[idx]
+            keep = gid < len(module.weight)
+            w = torch.where(keep, w, torch.zeros_like(w))
+            w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+            return out[0], w.to(out[1].dtype), gid
+        return fn
+
+    def __enter__(self):
+        self.impl = getattr(self.model.config, "_experts_implementation", None)
+        self.model.set_experts_implementation("eager")       # the eager loop skips index K (dropped)
+        self.handles = [b.gate.register_forward_hook(self._hook(i)) for i, b in enumerate(self.blocks)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        if self.impl:
+            self.model.set_experts_implementation(self.impl)
+
+
 def checkpoint_bytes(path):
     """Bytes of the weight files (*.safetensors) of a checkpoint directory."""
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))

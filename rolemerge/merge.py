@@ -91,6 +91,9 @@ def check_rho_k(rho=None, k=None):
         raise MergeError("give exactly one of rho and K")
     if rho is not None and not 0 < rho <= 1:   # also refuses nan
         raise MergeError(f"rho={rho} must be in (0, 1] (the fraction of experts kept per layer)")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+        raise MergeError(f"K={k!r} must be one int for every layer: per-layer K is not supported "
+                         f"(a transformers config holds a single expert count)")
     if k is not None and k < 1:
         raise MergeError(f"K={k} must be a positive number of experts")
 
@@ -145,16 +148,18 @@ def routing_groups(model_type, tc, N, K, top_k):
     return got[0], ({} if got == (n, tg) else {"n_group": got[0], "topk_group": got[1]})
 
 
-def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, routing=(1, {})):
+def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, features=None,
+              routing=(1, {})):
     """Groups, weights and diagnostics for every MoE layer.
 
     stats: cal.load_stats output; routers: callable -> list of [N, H] router weights (only
-    called for the frequency baseline); routing: routing_groups' (blocks, config fields).
+    called for the frequency baseline); features: per-layer `rolemerge.baselines.collect_features`
+    output (only for msmoe / hcsmoe / reap); routing: routing_groups' (blocks, config fields).
     Returns a dict with 'groups' [L][G][members], 'weights' [L][G][w], 'layers' (per-layer
     diagnostics), 'routing' (config fields rewritten) and summary ACR / MI retention."""
     counts = cal.total_counts(stats).double()                    # [L, B, N]
     groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None,
-                           blocks=routing[0])
+                           features, blocks=routing[0])
     mass = counts.sum(1)                                          # [L, N]
     weights = [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)]
     records = [(n, s["counts"].double()) for n, s in stats["sources"].items()]
@@ -566,7 +571,7 @@ def _write_one(f, item):
 # ----------------------------------------------------------------------------- entry point
 
 def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge", lam=0.03, linkage="single",
-              seed=0, streaming=False, force=False, dtype=None):
+              seed=0, streaming=False, force=False, dtype=None, features=None):
     """Plan + merge + save + report. Returns the report dict. Raises MergeError / CalibrationError.
 
     The output is written to `{out}.tmp` and renamed to `out` only when complete (report
@@ -579,6 +584,11 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     if not os.path.exists(os.path.join(src, "config.json")):
         raise MergeError(f"{src}: no config.json (not a save_pretrained checkpoint directory)")
     check_rho_k(rho, k)
+    if linkage not in rm.LINKAGES:   # every method, before any loading
+        raise MergeError(f"unknown linkage {linkage!r}; choose from {rm.LINKAGES}")
+    if method in rm.FEATURE_METHODS and features is None:
+        raise MergeError(f"method {method!r} needs calibration features (expert outputs, router logits): collect "
+                         f"them with rolemerge.baselines.collect_features and pass run_merge(features=...)")
     if not (lam >= 0 and math.isfinite(lam)):
         raise MergeError(f"lambda={lam} must be a finite number >= 0 (paper: 0.03)")
     if streaming and dtype is not None:
@@ -624,7 +634,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
             return out_r
         tp = time.time()
-        plan = make_plan(stats, K, method, lam, linkage, seed, routers, routing)
+        plan = make_plan(stats, K, method, lam, linkage, seed, routers, features, routing)
         plan_s = time.time() - tp
         _start_tmp(tmp)
         merge_streaming(src, tmp, plan)
@@ -637,7 +647,8 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                                  info["num_experts"], K, info["top_k"])
         tp = time.time()
         plan = make_plan(stats, K, method, lam, linkage, seed,
-                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)], routing)
+                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)],
+                         features, routing)
         plan_s = time.time() - tp
         merge_model(model, plan)
         _start_tmp(tmp)

@@ -20,6 +20,7 @@ All maths in float64; ties are exact float comparisons, broken by a fixed key, s
 is a deterministic function of the counts.
 """
 import math
+import operator
 
 import numpy as np
 import torch
@@ -330,10 +331,13 @@ def mi_retention(record_counts, groups):
 
 # ----------------------------------------------------------------------------- whole-model plan
 
-METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune")
+METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune",
+           "msmoe", "hcsmoe", "reap")
+FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need rolemerge.baselines.collect_features
 
 
-def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, blocks=1):
+def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, features=None,
+         blocks=1):
     """Groupings for every MoE layer.
 
     counts [L, B, N]: phase-separated counts summed over sources; K: experts kept per layer;
@@ -341,14 +345,31 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     so every RRP is the same and only the collision term on the pooled distribution acts),
     "lambda0", "permuted" (RRPs and p_ans shuffled across expert identities, seeded),
     "kmeans" (k-means++ on RRPs, seeded), baselines "frequency" (needs routers: list of
-    [N, H] router weights) and "prune"; linkage applies to the agglomerative methods.
+    [N, H] router weights), "prune", and the papers' own criteria "msmoe", "hcsmoe", "reap"
+    (rolemerge/baselines.py; need features: list over layers of `collect_features` dicts);
+    linkage applies to the agglomerative methods (validated for every method; HC-SMoE always uses average).
     blocks: experts form `blocks` contiguous equal blocks (DeepSeek's routing groups) and every
     group stays inside one block, K / blocks groups per block (d_EP's max, kappa, lambda and tau
-    stay per layer). Returns (groups: list over layers of list of groups, sorted by smallest
-    index, so merged expert g lies in block g // (K / blocks); info: list of per-layer dicts).
-    Raises ValueError when blocks does not divide N and K."""
+    stay per layer; a feature baseline applies its criterion to each block's slice of the features).
+    Returns (groups: list over layers of list of groups, sorted by smallest index, so merged
+    expert g lies in block g // (K / blocks); info: list of per-layer dicts).
+    Raises ValueError for an unknown method or linkage, a K that is not one int (per-layer K
+    cannot be saved: transformers configs hold one expert count), missing routers / features,
+    or blocks not dividing N and K."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    if linkage not in LINKAGES:
+        raise ValueError(f"unknown linkage {linkage!r}; choose from {LINKAGES}")
+    K_in = K
+    try:
+        K = operator.index(K) if not isinstance(K, bool) else None
+    except TypeError:
+        K = None
+    if K is None:
+        raise ValueError(f"K must be one int for every layer, got {K_in!r}: per-layer K is not supported "
+                         f"(a transformers config holds a single expert count)")
+    if method in FEATURE_METHODS and features is None:
+        raise ValueError(f"method {method!r} needs the calibration features (features=collect_features(...))")
     counts = torch.as_tensor(counts, dtype=torch.float64)
     L, B, N = counts.shape
     if N % blocks or K % blocks:
@@ -370,7 +391,7 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
         p = p_all[l]
         P_e, q = role_profiles(p)
         tau = collision_scale(p[ans])
-        d = None if method in ("kmeans", "frequency", "prune") else normalise_by_max(pair_loss(P_e, q))
+        d = None if method in ("kmeans", "frequency", "prune") + FEATURE_METHODS else normalise_by_max(pair_loss(P_e, q))
         g = []
         for s0 in range(0, N, nb):                                 # one routing group (block) at a time
             ix = slice(s0, s0 + nb)
@@ -382,6 +403,10 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
                 gb = frequency_groups(mass[l, ix], routers[l][ix], kb)
             elif method == "prune":
                 gb = prune_groups(mass[l, ix], kb)
+            elif method in FEATURE_METHODS:
+                from rolemerge.baselines import baseline_groups, slice_features
+                # HC-SMoE: average linkage, its paper's choice
+                gb = baseline_groups(method, slice_features(features[l], ix), kb)
             else:
                 gb = agglomerate(d[ix, ix], p[ans, ix], kb, lams[l], tau, linkage)
             g += [[e + s0 for e in grp] for grp in gb]

@@ -123,6 +123,7 @@ ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --d
     "rolemerge.calibrate": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
     "rolemerge.merge": ("--model", "--out", "--threads", "--seed"),
     "rolemerge.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "eval.toy_rolemerge": ("--model", "--data", "--out", "--threads"),
 }
 
 

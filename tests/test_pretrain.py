@@ -105,3 +105,79 @@ def test_truncated_checkpoint_is_named_and_kept(tmp_path, monkeypatch, capsys):
         _run(monkeypatch, "--out", str(tmp_path / "a"))
     assert e.value.code == 2 and re.search(r"error: .*model\.safetensors.*--fresh", capsys.readouterr().err)
     assert f.exists() and (tmp_path / "a.ckpt" / "state.json").exists()  # nothing deleted
+
+
+def test_look_steps_full_objects_none_hand_case():
+    from common import data
+    rng = __import__("random").Random(3)
+    scene, _, q, a = data.sample_example(rng)
+    full = pretrain.look_target("full", scene, a, q)
+    assert full == data.target_text(scene, a, q) and pretrain.look_target(True, scene, a, q) == full
+    assert pretrain.look_target("none", scene, a, q) == pretrain.look_target(False, scene, a, q) == f"Answer: {a}"
+    short = pretrain.look_target("objects", scene, a, q)
+    # the short look keeps exactly the occupied cells of the full one, in raster order, with their marks
+    assert short == data.short_look(full.rsplit(" Answer:", 1)[0]) + f" Answer: {a}"
+    assert short.count(" ") < full.count(" ") and "empty" not in short
+    with pytest.raises(ValueError, match="unknown look 'short'"):
+        pretrain.look_target("short", scene, a, q)
+
+
+def test_short_look_hand_case_and_errors():
+    from common import data
+    full = "tl red circle + tc empty - tr empty - ml empty - mc empty - mr empty - bl empty - bc empty - br blue square -."
+    assert data.short_look(full) == "tl red circle + br blue square -."
+    two = "tl blue square 1tl tc empty - tr empty - ml empty - mc empty - mr red circle - bl empty - bc blue circle 2bc br empty -."
+    assert data.short_look(two) == "tl blue square 1tl mr red circle - bc blue circle 2bc."
+    with pytest.raises(ValueError, match="not a nine-cell look step"):
+        data.short_look("tl red circle + br blue square -.")
+    with pytest.raises(ValueError, match="extra words"):
+        data.short_look(full[:-1] + " x.")
+
+
+def test_short_look_matches_short_target_text_on_random_scenes():
+    import random
+
+    from common import data
+    rng = random.Random(0)
+    for _ in range(200):
+        scene, _, q, a = data.sample_example(rng)
+        look = data.target_text(scene, a, q).rsplit(" Answer:", 1)[0]
+        assert data.short_look(look) + f" Answer: {a}" == data.short_target_text(scene, a, q)
+
+
+def test_objects_look_base_recipe_shapes():
+    """The RoleMerge base of the paper's structure: 32 experts of width 32, top-4, 144 image
+    tokens (84 px, patch 7, merge 1), short look targets; labels cover the turn only."""
+    from common import backbone as bb
+    model, proc = bb.build_tiny("qwen3_vl_moe", hidden=32, layers=1, experts=32, top_k=4, patch_size=7,
+                                merge_size=1, expert_width=8)
+    tc = model.config.text_config
+    assert (tc.num_experts, tc.num_experts_per_tok, tc.moe_intermediate_size) == (32, 4, 8)
+    assert tuple(model.model.language_model.layers[0].mlp.experts.down_proj.shape) == (32, 32, 8)
+    batch, answer_mask = pretrain.make_batch(proc, 0, 3, 0, look="objects")
+    assert ((batch["input_ids"] == model.config.image_token_id).sum(1) == 144).all()
+    tok = proc._tok
+    import random
+
+    from common import data
+    rng = random.Random(0 * 1_000_003 + 0)
+    ex = [data.sample_example(rng) for _ in range(3)]
+    for row, (s, _, q, a) in enumerate(ex):
+        lab = batch["labels"][row][batch["labels"][row] != -100].tolist()
+        assert lab[:len(tok(data.short_target_text(s, a, q)))] == tok(data.short_target_text(s, a, q))
+    assert bb.tiny_config("qwen3_vl_moe", bb.build_tokenizer(), hidden=32).text_config.moe_intermediate_size == 32
+
+
+def test_resume_reads_an_older_bool_look_recipe(tmp_path, monkeypatch, capsys):
+    import json
+
+    _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "1", "--look", "none")
+    st = tmp_path / "a.ckpt" / "state.json"
+    state = json.loads(st.read_text())
+    state["recipe"]["look"] = False                                   # as the first --no-look runs wrote it
+    st.write_text(json.dumps(state))
+    _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "2", "--no-look")
+    assert "resumed from" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "a" / "pretrain_log.json"))["args"]["look"] == "none"
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, "--out", str(tmp_path / "a"), "--look", "full")   # other look step: refused

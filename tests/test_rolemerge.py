@@ -135,13 +135,16 @@ def test_controls_and_baselines():
     torch.manual_seed(0)
     counts = torch.randint(0, 50, (2, 3, 8)).double()
     router = [torch.randn(8, 5) for _ in range(2)]
+    z = [torch.randn(6, 8).double() for _ in range(2)]   # baseline features (rolemerge/baselines.py)
+    feats = [{"count": counts[l].sum(0), "logit_gram": z[l].T @ z[l], "out_sum": torch.randn(8, 5).double(),
+              "reap_sum": torch.rand(8).double(), "tokens": 6} for l in range(2)]
     for method in rm.METHODS:
-        g, info = rm.plan(counts, 4, method=method, routers=router, seed=1)
+        g, info = rm.plan(counts, 4, method=method, routers=router, seed=1, features=feats)
         for layer in g:
             assert len(layer) == 4
             flat = sorted(e for grp in layer for e in grp)
-            assert flat == (sorted(flat) if method == "prune" else list(range(8)))
-        assert g == rm.plan(counts, 4, method=method, routers=router, seed=1)[0]   # deterministic
+            assert flat == (sorted(flat) if method in ("prune", "reap") else list(range(8)))
+        assert g == rm.plan(counts, 4, method=method, routers=router, seed=1, features=feats)[0]   # deterministic
     g, info = rm.plan(counts, 4, method="lambda0")
     assert all(i["lambda"] == 0 for i in info)
     g, _ = rm.plan(counts, 4, method="prune")

@@ -1,0 +1,275 @@
+"""RoleMerge's comparison criteria (rolemerge/baselines.py), the planted-structure mechanism test,
+oracle routing and the API checks of plan(), against hand-computed values."""
+import math
+
+import pytest
+import torch
+
+from rolemerge import baselines as bl
+from rolemerge import model as rm
+
+
+# ----------------------------------------------------------------------------- M-SMoE
+
+def test_msmoe_dominant_by_frequency_join_by_router_logit_cosine():
+    # router-logit columns over T = 3 tokens: e0 = (1,0,0), e1 = (1,2,0), e2 = (0,1,0), e3 = (3,1,1)
+    Z = torch.tensor([[1., 1, 0, 3], [0, 2, 1, 1], [0, 0, 0, 1]], dtype=torch.float64)   # [T, N]
+    count = torch.tensor([10., 1, 5, 2])                    # dominant (K = 2): e0, e2
+    # cos(e1, e0) = 1/sqrt5 = .447 < cos(e1, e2) = 2/sqrt5 = .894 -> e1 joins e2
+    # cos(e3, e0) = 3/sqrt11 = .905 > cos(e3, e2) = 1/sqrt11 -> e3 joins e0
+    assert bl.msmoe_groups(count, Z.T @ Z, 2) == [[0, 3], [1, 2]]
+    # frequency decides the dominant set: make e1, e3 the most frequent -> e0 joins e3, e2 joins e1
+    assert bl.msmoe_groups(torch.tensor([1., 10, 2, 5]), Z.T @ Z, 2) == [[0, 3], [1, 2]]
+    assert bl.msmoe_groups(torch.tensor([1., 10, 5, 2]), Z.T @ Z, 3) == [[0, 3], [1], [2]]
+    with pytest.raises(ValueError, match="K=5"):
+        bl.msmoe_groups(count, Z.T @ Z, 5)
+
+
+# ----------------------------------------------------------------------------- HC-SMoE
+
+def _at(deg, r=1.0):
+    return [r * math.cos(math.radians(deg)), r * math.sin(math.radians(deg))]
+
+
+def test_hcsmoe_average_linkage_on_cosine_of_mean_outputs():
+    # directions 0, 20, 45, 75, 90 degrees; norms differ (cosine ignores them, Euclidean would not)
+    X = torch.tensor([_at(0), _at(20, 3), _at(45, 9), _at(75, 0.2), _at(90)], dtype=torch.float64)
+    # merges: (75, 90) at 1 - cos15; (0, 20) at 1 - cos20; then 45 -> {0, 20}: average
+    # (1-cos45 + 1-cos25)/2 = .193 < to {75, 90}: (1-cos30 + 1-cos45)/2 = .213
+    assert bl.hcsmoe_groups(X, 2) == [[0, 1, 2], [3, 4]]
+    assert bl.hcsmoe_groups(X, 3) == [[0, 1], [2], [3, 4]]
+    assert bl.hcsmoe_groups(X, 4) == [[0], [1], [2], [3, 4]]
+    # average vs complete linkage differ here: 45 sits 25 deg from 20 and 45 from 0 (complete 1-cos45),
+    # 30 deg from 75 and 45 from 90 (complete 1-cos45) -> tie -> lower member list {0,1,2}
+    assert bl.hcsmoe_groups(X, 2, "complete") == [[0, 1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="unknown linkage"):
+        bl.hcsmoe_groups(X, 2, "ward")
+
+
+def test_hcsmoe_average_linkage_is_size_weighted():
+    # angles 0, 10, 20, 34, 100: (0,10) and (10,20) tie at 10 deg -> lower members: {0,1} first.
+    # Then average linkage: {0,1}-20 = (d20 + d10)/2 = .0378 > 20-34 = d14 = .0297 -> (2,3) merge;
+    # single linkage: {0,1}-20 = d10 = .0152 < d14 -> {0,1,2}
+    X = torch.tensor([_at(0), _at(10), _at(20), _at(34), _at(100)], dtype=torch.float64)
+    d = lambda a, b: 1 - math.cos(math.radians(b - a))
+    assert d(14, 0) < (d(20, 0) + d(10, 0)) / 2 and d(10, 0) < d(14, 0)
+    assert bl.hcsmoe_groups(X, 3) == [[0, 1], [2, 3], [4]]
+    assert bl.hcsmoe_groups(X, 3, "single") == [[0, 1, 2], [3], [4]]
+
+
+# ----------------------------------------------------------------------------- REAP
+
+def test_reap_saliency_is_mean_gated_norm_over_routed_tokens():
+    count = torch.tensor([2., 1, 0, 4])
+    reap_sum = torch.tensor([2., 3, 0, 4])                 # S = (1, 3, 0, 1)
+    s = bl.reap_saliency(reap_sum, count)
+    assert torch.equal(s, torch.tensor([1., 3, 0, 1], dtype=torch.float64))
+    assert bl.reap_groups(s, 2) == [[0], [1]]              # 3 first, then the tie 1 = 1 -> lower index
+    # frequency pruning keeps the most used instead: e3 (4) and e0 (2)
+    assert rm.prune_groups(count, 2) == [[0], [3]]
+
+
+def _tiny_moe(N=4, k=2, H=16):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=32, moe_intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_experts=N, num_experts_per_tok=k, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[])
+    m = Qwen3MoeForCausalLM(cfg).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return m
+
+
+def test_collect_features_matches_a_brute_force_pass():
+    from rolemerge import calibrate as cal
+    model = _tiny_moe()
+    block = cal.moe_blocks(model)[0][1]
+    seen = {}
+    h = block.experts.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach(), idx=a[1], w=a[2], out=o))
+    ids = torch.tensor([[1, 5, 7, 9, 2], [3, 4, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    feats = bl.collect_features(model, [{"input_ids": ids, "attention_mask": mask}])[0]
+    h.remove()
+    keep = mask.reshape(-1).bool()
+    x, idx, w, out = seen["x"][keep], seen["idx"][keep], seen["w"][keep], seen["out"][keep]
+    y = bl.expert_outputs(block.experts, x)                               # [T, N, H]
+    # the model's own MoE output is the gated sum of our per-expert outputs
+    assert torch.allclose((y.gather(1, idx[..., None].expand(-1, -1, y.shape[-1])) * w[..., None]).sum(1), out,
+                          atol=1e-5)
+    T, N = x.shape[0], 4
+    assert feats["tokens"] == T == 7
+    count = torch.zeros(N)
+    reap = torch.zeros(N, dtype=torch.float64)
+    for t in range(T):
+        for j in range(2):
+            e = int(idx[t, j])
+            count[e] += 1
+            reap[e] += float(w[t, j]) * float(y[t, e].detach().norm())
+    assert torch.equal(feats["count"], count.double())
+    assert torch.allclose(feats["reap_sum"], reap, rtol=1e-5)
+    z = x.double() @ block.gate.weight.double().T
+    assert torch.allclose(feats["logit_gram"], z.T @ z, rtol=1e-4)
+    assert torch.allclose(feats["out_sum"], y.double().sum(0), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- planted structure
+
+def planted_layer(seed=0):
+    """8 experts: 0-3 'image-role' (I), 4-7 'answer-role' (A); expert j and j+4 form a pair with
+    equal pooled frequency, pairs at four different frequency levels; 31x more image than answer
+    tokens (image 3100, question 400, answer 100 routed positions). Small seeded jitter so that
+    same-role experts are not exactly identical."""
+    g = torch.Generator().manual_seed(seed)
+    level = torch.tensor([1.3, 1.1, 0.9, 0.7])              # pair frequency levels
+    img_I = 400 * level                                      # I experts: image only
+    ans_A = torch.full((4,), 25.0)                           # A experts: all the answer tokens
+    img_A = img_I - ans_A                                    # equal pooled count within each pair
+    image = torch.cat([img_I, img_A])
+    image = image * 3100 / image.sum()
+    question = torch.full((8,), 50.0)
+    answer = torch.cat([torch.zeros(4), ans_A])
+    c = torch.stack([image, question, answer]) * (1 + 0.02 * torch.rand(3, 8, generator=g))
+    return c.double()
+
+
+def role_pure(groups):
+    return all(len({e // 4 for e in grp}) == 1 for grp in groups)
+
+
+@pytest.mark.parametrize("K", [4, 5, 6])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_planted_phase_aware_grouping_is_role_consistent_frequency_only_is_not(K, seed):
+    c = planted_layer(seed)
+    pooled = c.sum(0)
+    ratio = float(c[0].sum() / c[2].sum())
+    assert 20 <= ratio <= 50
+    pair_gap = (pooled[:4] - pooled[4:]).abs() / pooled[:4]
+    assert float(pair_gap.max()) < 0.05                     # partners: (almost) equal overall frequency
+    groups, _ = rm.plan(c[None], K, "rolemerge")
+    assert role_pure(groups[0]), groups
+    # frequency-only grouping: the same greedy agglomeration, but the dissimilarity sees only the
+    # pooled frequency (|P(i) - P(j)|, max-normalised): it pairs the equal-frequency partners
+    P = pooled / pooled.sum()
+    d = rm.normalise_by_max((P[:, None] - P[None, :]).abs())
+    freq_groups = rm.agglomerate(d, rm.phase_distributions(c)[2], K, lam=0.0)
+    assert not role_pure(freq_groups), freq_groups
+    assert any(sorted(grp) == [j, j + 4] for grp in freq_groups for j in range(4))
+    # the empirical (token-weighted) aggregation RoleMerge argues against: pooled counts hide the
+    # answer role; the no_phase_split control mixes roles as well
+    groups_np, _ = rm.plan(c[None], K, "no_phase_split")
+    assert not role_pure(groups_np[0]), groups_np
+
+
+# ----------------------------------------------------------------------------- plan() API checks
+
+def test_plan_rejects_unknown_linkage_for_every_method():
+    c = planted_layer()[None]
+    for method in rm.METHODS:
+        with pytest.raises(ValueError, match="unknown linkage 'ward'"):
+            rm.plan(c, 4, method, linkage="ward", routers=[torch.eye(8)], features=[{}])
+
+
+@pytest.mark.parametrize("K", [[4], (4, 5), 4.0, "4", True, None])
+def test_plan_rejects_a_per_layer_or_non_int_K(K):
+    with pytest.raises(ValueError, match="K must be one int for every layer"):
+        rm.plan(planted_layer()[None], K, "rolemerge")
+
+
+def test_plan_feature_methods_need_features():
+    with pytest.raises(ValueError, match="needs the calibration features"):
+        rm.plan(planted_layer()[None], 4, "reap")
+
+
+def test_merge_api_rejects_per_layer_K_unknown_linkage_and_missing_features(tmp_path):
+    from rolemerge import merge as mg
+    with pytest.raises(mg.MergeError, match="one int for every layer"):
+        mg.check_rho_k(k=[4, 5])
+    for method in ("prune", "frequency", "rolemerge"):
+        with pytest.raises(mg.MergeError, match="unknown linkage 'ward'"):
+            mg.run_merge("tiny-moe", "unused.safetensors", str(tmp_path / "o"), rho=0.5, method=method, linkage="ward")
+    with pytest.raises(mg.MergeError, match="needs calibration features"):
+        mg.run_merge("tiny-moe", "unused.safetensors", str(tmp_path / "o"), rho=0.5, method="hcsmoe")
+    assert not (tmp_path / "o").exists()
+
+
+def test_plan_dispatches_to_the_feature_baselines():
+    Z = torch.tensor([[1., 1, 0, 3], [0, 2, 1, 1], [0, 0, 0, 1]], dtype=torch.float64)
+    feats = [{"count": torch.tensor([10., 1, 5, 2]), "logit_gram": Z.T @ Z, "tokens": 3,
+              "out_sum": torch.eye(4, dtype=torch.float64), "reap_sum": torch.tensor([2., 3, 0, 4])}]
+    counts = torch.ones(1, 3, 4)
+    assert rm.plan(counts, 2, "msmoe", features=feats)[0][0] == [[0, 3], [1, 2]]
+    assert rm.plan(counts, 2, "reap", features=feats)[0][0] == [[1], [3]]      # S = (.2, 3, 0, 2)
+    assert len(rm.plan(counts, 2, "hcsmoe", features=feats)[0][0]) == 2
+
+
+def test_feature_baselines_stay_inside_routing_blocks():
+    """Group-limited routing (plan(blocks=)): each baseline's criterion on its block's slice."""
+    from rolemerge.baselines import slice_features
+    Z = torch.tensor([[1., 1, 0, 3], [0, 2, 1, 1], [0, 0, 0, 1]], dtype=torch.float64)
+    feats = [{"count": torch.tensor([10., 1, 5, 2]), "logit_gram": Z.T @ Z, "tokens": 3,
+              "out_sum": torch.eye(4, dtype=torch.float64), "reap_sum": torch.tensor([30., 2, .5, 0])}]
+    counts = torch.ones(1, 3, 4)
+    assert rm.plan(counts, 2, "reap", features=feats)[0][0] == [[0], [1]]              # S = (3, 2, .1, 0)
+    assert rm.plan(counts, 2, "reap", features=feats, blocks=2)[0][0] == [[0], [2]]    # best of {0,1}, of {2,3}
+    assert rm.plan(counts, 2, "msmoe", features=feats)[0][0] == [[0, 3], [1, 2]]
+    for method in ("msmoe", "hcsmoe"):
+        assert rm.plan(counts, 2, method, features=feats, blocks=2)[0][0] == [[0, 1], [2, 3]]
+    sl = slice_features(feats[0], slice(2, 4))
+    assert sl["logit_gram"].tolist() == (Z.T @ Z)[2:, 2:].tolist() and sl["reap_sum"].tolist() == [.5, 0]
+    assert sl["out_sum"].tolist() == [[0, 0, 1, 0], [0, 0, 0, 1]] and sl["tokens"] == 3
+
+
+# ----------------------------------------------------------------------------- oracle routing
+
+@pytest.mark.parametrize("groups", [[[0, 1], [2, 3]], [[0, 3], [1], [2]], [[0], [2]]])
+def test_oracle_routing_sends_each_token_to_its_original_experts_groups(groups):
+    from rolemerge import calibrate as cal
+    from rolemerge import infer
+    from rolemerge import merge as mg
+    model = _tiny_moe()
+    block = cal.moe_blocks(model)[0][1]
+    W0 = block.gate.weight.detach().clone()
+    x = torch.randn(6, 16)
+    probs = torch.softmax(x @ W0.T, -1)
+    w, idx = probs.topk(2, -1)
+    w = w / w.sum(-1, keepdim=True)
+    weights = rm.merge_weights(torch.tensor([3., 1, 2, 5]), groups)
+    mg.merge_model(model, {"groups": [groups], "weights": [weights]})
+    y = bl.expert_outputs(block.experts, x)                      # merged experts [T, K, H]
+    lut = {e: gi for gi, g in enumerate(groups) for e in g}
+    want = torch.zeros(6, 16)
+    for t in range(6):
+        kept = [(float(w[t, j]), lut[int(idx[t, j])]) for j in range(2) if int(idx[t, j]) in lut]
+        tot = sum(a for a, _ in kept)
+        for a, gi in kept:
+            want[t] += a / tot * y[t, gi]
+    with torch.no_grad(), infer.oracle_routing(model, [W0], [groups]):
+        got = block(x[None])[0]
+    assert torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():                                        # hooks removed on exit: merged router again
+        assert not torch.allclose(block(x[None])[0], want, atol=1e-3) or len(groups) == 4
+
+
+def test_toy_rolemerge_model_flag_with_deprecated_base_and_threads(capsys):
+    from eval import toy_rolemerge as toy
+    a = toy.parser().parse_args([])
+    assert a.model == "tiny-moe" and a.threads is None and capsys.readouterr().err == ""
+    a = toy.parser().parse_args(["--base", "out/b", "--threads", "1"])
+    assert a.model == "out/b" and a.threads == 1
+    assert "--base is deprecated; use --model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        toy.parser().parse_args(["--threads", "-1"])
+
+
+def test_toy_gold_turn_follows_the_base_look_step():
+    from eval import toy_rolemerge as toy
+    look = "tl blue square 1tl tc empty - tr empty - ml empty - mc empty - mr red circle - bl empty - bc blue circle 2bc br empty -."
+    rec = {"scene": look, "answer": "yes", "question": "Is the blue square to the left of the blue circle?"}
+    assert toy.gold_turn(rec, "full") == toy.gold_turn(rec, True) == look + " Answer: yes"
+    assert toy.gold_turn(rec, "objects") == "tl blue square 1tl mr red circle - bc blue circle 2bc. Answer: yes"
+    assert toy.gold_turn(rec, "none") == toy.gold_turn(rec, False) == "Answer: yes"
+    with pytest.raises(ValueError, match="unknown look"):
+        toy.gold_turn(rec, "short")
+    assert toy.MAX_NEW["objects"] >= 32 and set(toy.MAX_NEW) == {"full", "objects", "none"}
