@@ -399,10 +399,11 @@ def read_records(path):
     return read(path)
 
 
-def check_training_records(records, path):
-    """What training needs per record: an image and a non-empty answer (an empty gpt turn
-    would train only <|im_end|>). Raises DataError naming up to three bad records."""
-    for what, bad in (("no image", [r["id"] for r in records if not r["image"]]),
+def check_training_records(records, path, need_image=True):
+    """What training needs per record: an image (unless need_image=False: text-only records
+    allowed) and a non-empty answer (an empty gpt turn would train only <|im_end|>).
+    Raises DataError naming up to three bad records."""
+    for what, bad in (("no image", [r["id"] for r in records if need_image and not r["image"]]),
                       ("an empty answer (gpt turn)", [r["id"] for r in records if not str(r["target"]).strip()])):
         if bad:
             raise DataError(f"{path}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}; fix or drop them")

@@ -46,13 +46,15 @@ from mod.train import fit
 
 # (about) equal trainable parameters on the tiny chat/dense base (hidden 128, 4 layers, q/k/v/o):
 # MoD E=8 rank-1 experts per pool + 2 routers: 61,440; LoRA rank 17: 60,928;
-# MoE-LoRA 4 experts of rank 4 + router, top-2: 65,536.
+# MoE-LoRA 4 experts of rank 4 + router, top-2, token-level routing: 65,536.
 METHODS = {"lora": dict(method="lora", r=17, lora_alpha=34.0),
            "moelora": dict(method="moelora", num_experts=4, expert_rank=4, r=2, lora_alpha=4.0),
            "mod": dict(method="mod")}
 ABLATIONS = {"token": dict(granularity="token"), "region": dict(granularity="region"),
              "W4": dict(window=4), "W32": dict(window=32), "shared_router": dict(shared_router=True),
-             "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0)}
+             "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0),
+             # MoE-LoRA routes per token by default (the paper's baseline); its W=16 window variant:
+             "moelora_window": dict(METHODS["moelora"], granularity="window")}
 SETTINGS = {True: dict(n_train=120, n_test=80, k=2, steps=80, batch_size=8, max_priors=1),
             False: dict(n_train=600, n_test=300, k=4, steps=200, batch_size=8, max_priors=2,
                         ablation_steps=100, ablation_test=150)}

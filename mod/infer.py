@@ -29,9 +29,7 @@ from mod.train import Batcher
 
 
 def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
-    pixels = batcher.pixels(recs)
-    images = None if pixels is not None else [batcher.images[batcher.slot[r["image"]]] for r in recs]
-    return generate(model, proc, images, questions, max_new_tokens, pixels=pixels, **kw)
+    return generate(model, proc, batcher.image_list(recs), questions, max_new_tokens, pixels=batcher.pixels(recs), **kw)
 
 
 def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=96, sample_kw=None):

@@ -62,8 +62,9 @@ def add_adapter_args(p):
     p.add_argument("--num-experts", type=number(min=1), default=d.num_experts, help="experts per pool (E)")
     p.add_argument("--expert-rank", type=number(min=1), default=d.expert_rank, help="rank of each MoE-LoRA expert")
     p.add_argument("--window", type=number(min=1), default=d.window, help="routing window / region size W")
-    p.add_argument("--granularity", default=d.granularity, choices=["token", "region", "window"],
-                   help="routing input: the token, its block of W, or the sliding mean of the last W")
+    p.add_argument("--granularity", default="", choices=["token", "region", "window"],
+                   help="routing input: the token, its block of W, or the sliding mean of the last W "
+                   "(default: window for mod, token for moelora as in the paper's MoE-LoRA baseline)")
     p.add_argument("--combine", default=d.combine, choices=["sqrt_product", "product", "mean"],
                    help="how A and B gates combine (eq. 5)")
     p.add_argument("--shared-router", action="store_true", help="one router for both pools (I_A = I_B)")
@@ -85,29 +86,30 @@ def adapter_config(args):
 
 def load_records(path):
     """Training records from LLaVA JSON/JSONL or canonical JSONL (`common.data.read_records`),
-    checked for what training needs: at least one record, and per record an image and a
-    non-empty answer (`common.data.check_training_records`). Raises DataError."""
+    checked for what training needs: at least one record, and per record a non-empty answer
+    (`common.data.check_training_records`; text-only records, image None, are allowed, as in
+    the paper's MMLU rows). Raises DataError."""
     from common.data import check_training_records, read_records
     records = read_records(path)
-    check_training_records(records, path)
+    check_training_records(records, path, need_image=False)
     return records
 
 
 class Batcher:
     """Turns training records into model batches; images are decoded once and kept as uint8.
 
-    records: dicts with id, image (path), question, target. 84x84-style images (sides multiple
-    of 28) are patchified in torch (`common.backbone.patchify`), others go through the
-    processor. Raises DataError naming the record for a missing or unreadable image."""
+    records: dicts with id, image (path, or None for a text-only record), question, target.
+    For Qwen-VL, 84x84-style images (sides multiple of 28) are patchified in torch
+    (`common.backbone.patchify`), others go through the processor. Raises DataError naming
+    the record for a missing or unreadable image."""
 
     def __init__(self, proc, records):
-        from common.data import DataError, load_image
+        from common.data import load_image
         self.proc, self.records = proc, records
         first = {}  # image path -> id of the first record using it (for error messages)
         for r in records:
-            if not r.get("image"):
-                raise DataError(f"record {r.get('id', '?')} has no image (MoD needs one per record)")
-            first.setdefault(r["image"], r.get("id", "?"))
+            if r.get("image"):
+                first.setdefault(r["image"], r.get("id", "?"))
         self.slot = {p: i for i, p in enumerate(first)}
         self.images = [load_image(p, rid) for p, rid in first.items()]
         sizes = {im.size for im in self.images}
@@ -115,18 +117,22 @@ class Batcher:
         if len(sizes) == 1 and all(s % 28 == 0 for s in next(iter(sizes))):
             self.uint8 = torch.from_numpy(np.stack([np.asarray(im) for im in self.images]))
 
+    def image_list(self, recs):
+        """The decoded image of each record, None for a text-only one."""
+        return [self.images[self.slot[r["image"]]] if r.get("image") else None for r in recs]
+
     def pixels(self, recs):
+        """patchify pixels of the records that have an image (None: use the processor)."""
         from common.backbone import patchify
-        if self.uint8 is None:
+        shown = [self.slot[r["image"]] for r in recs if r.get("image")]
+        if self.uint8 is None or not shown or not getattr(self.proc, "mm_token_types", True):  # Qwen-VL layout only
             return None
-        return patchify(self.uint8[[self.slot[r["image"]] for r in recs]])
+        return patchify(self.uint8[shown])
 
     def encode(self, recs, answers=None, questions=None):
         """Model inputs for records; with answers: training batch (right padding, labels)."""
         questions = questions or [r["question"] for r in recs]
-        px = self.pixels(recs)
-        images = None if px is not None else [self.images[self.slot[r["image"]]] for r in recs]
-        return self.proc.encode(images, questions, answers=answers, pixels=px)
+        return self.proc.encode(self.image_list(recs), questions, answers=answers, pixels=self.pixels(recs))
 
 
 def batch_indices(n, batch_size, seed, step, micro, rank):
