@@ -19,8 +19,10 @@ instruction following:
      router, sqrt-product vs product vs mean, with vs without the aux loss (expert usage
      entropy), plus the router-A per-family heatmap.
 
-    python -m eval.toy_mod --quick      # main rows only, ~3 CPU minutes
-    python -m eval.toy_mod              # everything -> out/mod/results.json (~20 CPU minutes)
+    python -m eval.toy_mod --quick      # main rows only, ~1-3 CPU minutes
+    python -m eval.toy_mod --part e2e   # the pipeline below -> out/mod/results.json (~20 CPU minutes)
+    python -m eval.toy_mod --part mechanism   # frozen single-layer mechanism experiments -> out/mod/mechanism/
+    python -m eval.toy_mod              # both
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
@@ -193,9 +195,17 @@ def main(argv=None):
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
     p.add_argument("--base", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--part", default="all", choices=["all", "mechanism", "e2e"],
+                   help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
+                   "e2e: the shapes-world pipeline below; all: both (--quick runs e2e only)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.part in ("all", "mechanism") and not a.quick:
+        from eval import toy_mod_mechanism
+        toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
+    if a.part == "mechanism":
+        return
     rows = run(a.quick, a.data, a.out, a.base)
     main_rows = [r for r in rows if r["family"] == "all" and r["metric"] in ("accuracy", "tokens_per_question",
                                                                               "latency_vs_base")]
