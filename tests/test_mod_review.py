@@ -151,3 +151,18 @@ def test_llava_next_image_tokens_match_the_model():
     assert (batch["input_ids"][1] == proc.image_token_id).sum() == 0
     assert (batch["input_ids"][0] == proc.image_token_id).sum() == 10  # 2x2 base tile + 2x2 tile + 2 newlines
     assert torch.isfinite(model(**batch).loss)
+
+
+def test_text_only_rows_have_no_vision_markers():
+    """A text-only row's prompt is the plain chat turn (no <|vision_start|>, no image tokens),
+    also next to an image row in the same batch."""
+    _, proc = build_tiny("qwen3_vl", hidden=64, layers=2)
+    vs_id = proc.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    img = data.render(data.sample_scene(__import__("random").Random(0)))
+    batch = proc.encode([img, None], ["What colour?", "No image here."])
+    ids = batch["input_ids"]
+    assert (ids[1] == vs_id).sum() == 0 and (ids[1] == proc.image_token_id).sum() == 0
+    assert (ids[0] == vs_id).sum() == 1 and batch["image_grid_thw"].shape[0] == 1
+    alone = proc.encode([None], ["No image here."])
+    assert set(alone) == {"input_ids", "attention_mask", "mm_token_type_ids"}
+    assert alone["input_ids"][0].tolist() == proc.prompt_ids("No image here.", 0)
