@@ -195,16 +195,20 @@ def main(argv=None):
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
     p.add_argument("--base", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
-    p.add_argument("--part", default="all", choices=["all", "mechanism", "e2e"],
+    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "e2e"],
                    help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
-                   "e2e: the shapes-world pipeline below; all: both (--quick runs e2e only)")
+                   "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
+                   "e2e: the shapes-world pipeline below; all: every part (--quick runs e2e only)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.part in ("all", "mechanism") and not a.quick:
         from eval import toy_mod_mechanism
         toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
-    if a.part == "mechanism":
+    if a.part in ("all", "debate") and not a.quick:
+        from eval import toy_mod_debate
+        toy_mod_debate.run(a.data, a.out, a.base)
+    if a.part in ("mechanism", "debate"):
         return
     rows = run(a.quick, a.data, a.out, a.base)
     main_rows = [r for r in rows if r["family"] == "all" and r["metric"] in ("accuracy", "tokens_per_question",
