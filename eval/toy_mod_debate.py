@@ -36,7 +36,7 @@ from mod.train import fit
 ARMS = {"MoD": dict(method="mod"),
         "MoE-LoRA token": dict(method="moelora", num_experts=4, expert_rank=4, r=2, lora_alpha=4.0),
         "LoRA r=17 (matched)": dict(method="lora", r=17, lora_alpha=34.0)}
-SETTINGS = dict(n_train=300, n_test=600, k=8, n_samples=900, ratios=(1.0, 1.0, 1.0), max_priors=2, steps=300,
+SETTINGS = dict(n_train=200, n_test=300, k=8, n_samples=600, ratios=(1.0, 1.0, 1.0), max_priors=2, steps=300,
                 batch_size=8, lr=2e-3, seeds=(0,), max_new_tokens=96)
 
 
