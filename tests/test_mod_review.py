@@ -115,7 +115,7 @@ def test_router_logits_are_fp32_under_autocast(method):
 def _text_only_and_image_records(d):
     """LLaVA JSON with image records and text-only ones (no "image" key / "image": null)."""
     recs = data.generate_split(d, "train", 4)
-    text = [{"id": f"t{i}", "family": "mmlu", "answer": "B", "image": None if i else None,
+    text = [{"id": f"t{i}", "family": "mmlu", "answer": "B", "image": None,
              "conversations": [{"from": "human", "value": f"Which letter is second? A B C D ({i})"},
                                {"from": "gpt", "value": '{"Reasoning": "order", "Answer": "B"}'}]} for i in range(3)]
     del text[0]["image"]
