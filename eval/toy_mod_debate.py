@@ -180,6 +180,14 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTING
            "mix_share": prep["mix_share"], "json_sample_accuracy": prep["json_sample_accuracy"],
            "n_own_wrong": len(own), "table": table,
            "trainable": {k: r["trainable"] for k, r in results.items()}, "wall_s": time.time() - t0}
+    from eval.plots import bar_ci_png
+    out["figures"] = []
+    for metric, title in (("single", "single round (JSON prompt)"), ("misled_own", "misled in distribution"),
+                          ("misled_ood", "misled out of distribution")):
+        bars = [(k.replace("|", " s").replace(" (", "\n("), v[metric]["accuracy"], v[metric]["ci_low"],
+                 v[metric]["ci_high"]) for k, v in table.items() if metric in v]
+        out["figures"].append(bar_ci_png(bars, os.path.join(root, f"debate_{metric}.png"),
+                                         f"debate part: accuracy, {title}, 95% CI (1 seed)", "accuracy"))
     atomic_write_text(os.path.join(root, "results.json"), json.dumps(out, indent=1))
     for key, d in table.items():
         log(f"  {key:24s} " + "  ".join(f"{m} {v['accuracy']:.3f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}]"
