@@ -33,9 +33,13 @@ from mod.infer import misled, mod_debate, plain, run_rounds, _results, summarize
 from mod.model import AdapterConfig, attach, num_trainable, save_adapters
 from mod.train import fit
 
-ARMS = {"MoD": dict(method="mod"),
-        "MoE-LoRA token": dict(method="moelora", num_experts=4, expert_rank=4, r=2, lora_alpha=4.0),
-        "LoRA r=17 (matched)": dict(method="lora", r=17, lora_alpha=34.0)}
+# arm -> (folder name under OUT/debate, AdapterConfig kwargs); parameter counts as the e2e toy's
+MOELORA = dict(method="moelora", num_experts=4, expert_rank=4, r=2, lora_alpha=4.0)
+ARMS = {"MoD": ("MoD", dict(method="mod")),
+        "MoE-LoRA token": ("MoE-LoRA", MOELORA),
+        "LoRA r=17 (matched)": ("LoRA", dict(method="lora", r=17, lora_alpha=34.0)),
+        "MoD shared router": ("MoD_shared", dict(method="mod", shared_router=True)),
+        "MoE-LoRA window": ("MoE-LoRA_window", dict(MOELORA, granularity="window"))}
 SETTINGS = dict(n_train=200, n_test=300, k=8, n_samples=600, ratios=(1.0, 1.0, 1.0), max_priors=2, steps=300,
                 batch_size=8, lr=2e-3, seeds=(0,), max_new_tokens=96)
 
@@ -141,8 +145,8 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTING
 
     results = {"base": scored("base", score_base)}
     for seed in S["seeds"]:
-        for arm, kw in ARMS.items():
-            name = f"{arm.split()[0]}_s{seed}"
+        for arm, (slug, kw) in ARMS.items():
+            name = f"{slug}_s{seed}"
 
             def train_score(arm=arm, kw=kw, seed=seed, name=name):
                 model = copy.deepcopy(base)
