@@ -37,6 +37,7 @@ import torch
 
 from common import data
 from common.backbone import load_backbone
+from common.cli import Deprecated, add_threads, set_threads
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
@@ -193,24 +194,24 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="main rows only (~3 CPU minutes)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
-    p.add_argument("--base", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--model", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    add_threads(p)
     p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "e2e"],
                    help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
                    "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
                    "e2e: the shapes-world pipeline below; all: every part (--quick runs e2e only)")
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    set_threads(a.threads, a.model)
     if a.part in ("all", "mechanism") and not a.quick:
         from eval import toy_mod_mechanism
         toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
     if a.part in ("all", "debate") and not a.quick:
         from eval import toy_mod_debate
-        toy_mod_debate.run(a.data, a.out, a.base)
+        toy_mod_debate.run(a.data, a.out, a.model)
     if a.part in ("mechanism", "debate"):
         return
-    rows = run(a.quick, a.data, a.out, a.base)
+    rows = run(a.quick, a.data, a.out, a.model)
     main_rows = [r for r in rows if r["family"] == "all" and r["metric"] in ("accuracy", "tokens_per_question",
                                                                               "latency_vs_base")]
     by_model = {}
