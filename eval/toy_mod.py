@@ -197,18 +197,34 @@ def main(argv=None):
     p.add_argument("--model", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     add_threads(p)
+    p.add_argument("--debate-arms", default="", help="debate part: arms to train / score when missing, comma "
+                   "separated folder names (default: all; every arm on disk is reported)")
+    p.add_argument("--debate-seeds", default="0", help="debate part: training seeds, comma separated")
+    p.add_argument("--debate-rounds", default="2", help="debate part: MoD-Multi rounds scored, comma separated")
     p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "e2e"],
                    help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
                    "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
                    "e2e: the shapes-world pipeline below; all: every part (--quick runs e2e only)")
     a = p.parse_args(argv)
+    from eval import toy_mod_debate
+    arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
+    if [x for x in arms if x not in toy_mod_debate.SLUGS]:
+        p.error(f"--debate-arms: unknown {[x for x in arms if x not in toy_mod_debate.SLUGS]}; "
+                f"choose from {sorted(toy_mod_debate.SLUGS)}")
+    try:
+        seeds = [int(x) for x in a.debate_seeds.split(",") if x.strip()]
+        rounds = [int(x) for x in a.debate_rounds.split(",") if x.strip()]
+    except ValueError:
+        p.error("--debate-seeds / --debate-rounds take comma-separated integers, e.g. 0,1,2")
+    if not seeds or any(k < 1 for k in rounds):
+        p.error("--debate-seeds needs at least one seed; --debate-rounds values must be >= 1")
+    debate = dict(toy_mod_debate.SETTINGS, arms=arms or None, seeds=tuple(seeds), rounds=tuple(rounds))
     set_threads(a.threads, a.model)
     if a.part in ("all", "mechanism") and not a.quick:
         from eval import toy_mod_mechanism
         toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
     if a.part in ("all", "debate") and not a.quick:
-        from eval import toy_mod_debate
-        toy_mod_debate.run(a.data, a.out, a.model)
+        toy_mod_debate.run(a.data, a.out, a.model, S=debate)
     if a.part in ("mechanism", "debate"):
         return
     rows = run(a.quick, a.data, a.out, a.model)
