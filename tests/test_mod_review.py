@@ -180,3 +180,19 @@ def test_toy_mod_takes_model_threads_and_the_deprecated_base(monkeypatch, capsys
     finally:
         torch.set_num_threads(before)
     assert seen == ["m1", "m2"] and "--base is deprecated; use --model" in capsys.readouterr().err
+
+
+def test_debate_paired_comparison_over_seeds():
+    """eval.toy_mod_debate._paired: the seed-averaged item difference, per-seed differences and
+    the all-seeds-agree flag, on a hand case (4 items, 2 seeds)."""
+    from eval.toy_mod_debate import _paired
+    r = lambda *c: [{"correct": bool(x)} for x in c]
+    a = {0: r(1, 1, 0, 1), 1: r(1, 0, 0, 1)}
+    b = {0: r(1, 0, 0, 0), 1: r(0, 0, 0, 1)}
+    pb = _paired(a, b, [0, 1])
+    assert pb["per_seed"] == [0.5, 0.25] and pb["seeds_agree"] and pb["n"] == 4
+    assert pb["diff"] == pytest.approx(0.375)   # items: (1-.5) + (.5-0) + 0 + (1-.5) = 1.5, / 4
+    b[1] = r(1, 0, 1, 1)                          # seed 1 now goes the other way: -0.25
+    pb = _paired(a, b, [0, 1])                    # items: 0 + .5 - .5 + .5 = .5, / 4
+    assert pb["per_seed"] == [0.5, -0.25] and not pb["seeds_agree"] and pb["diff"] == pytest.approx(0.125)
+    assert _paired(a, b, [0])["seeds_agree"] and _paired(a, b, [0])["seeds"] == [0]
