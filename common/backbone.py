@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SUPPORTED_VLMS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+SUPPORTED_VLMS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "llava_next")
 
 
 class BackboneError(ValueError):
@@ -86,13 +86,14 @@ class VLProcessor:
         <|im_start|>user\\n<|vision_start|><|image_pad|>*n<|vision_end|>{question}<|im_end|>\\n
         <|im_start|>assistant\\n{answer}<|im_end|>
     """
+    mm_token_types = True  # Qwen-VL takes mm_token_type_ids; `patchify` gives its pixel layout
 
     def __init__(self, tokenizer, image_processor, config):
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.image_token_id = config.image_token_id
         self.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
-        self.merge = image_processor.merge_size
+        self.merge = getattr(image_processor, "merge_size", 1)
         self._ids = {}
 
     def _tok(self, text, escape=False):
@@ -130,6 +131,14 @@ class VLProcessor:
                             mean=tuple(ip.image_mean), std=tuple(ip.image_std))
         out = ip(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
+
+    def vision(self, images=None, pixels=None):
+        """Vision inputs of N images (PIL list via `images`, or `pixels` = (pixel_values,
+        image_grid_thw) already made, e.g. by `images` or `patchify`) -> ({tensor name: tensor}
+        for the model, [image tokens per image]). Subclasses for other families (LLaVA-NeXT)
+        override this one method."""
+        pixel_values, grid = pixels if pixels is not None else self.images(images)
+        return {"pixel_values": pixel_values, "image_grid_thw": grid}, (grid.prod(-1) // self.merge ** 2).tolist()
 
     def _keeps_size(self, size):
         """True if the (PIL) Qwen2-VL image processor leaves a (width, height) image unresized."""
@@ -170,24 +179,22 @@ class VLProcessor:
         """Batch inputs for the model.
 
         images: list of PIL images, one per row, None for a text-only row (or images=None with
-        `pixels=(pixel_values, image_grid_thw)` given, one image per row); questions: list[str];
-        answers: list[str] or None; history: None or per row a list of earlier (question,
-        answer) turns (multi-turn records).
+        `pixels=(pixel_values, image_grid_thw)` given for every row; with both, `pixels` holds the
+        rows whose image is not None, in order); questions: list[str]; answers: list[str] or
+        None; history: None or per row a list of earlier (question, answer) turns (multi-turn
+        records).
         With answers (training): right padding, `labels` = -100 except on every answer turn
         (history answers included) + its <|im_end|>.
         Without (generation): left padding, so every row's last token is its prompt's end.
-        Always returns input_ids, attention_mask, mm_token_type_ids (1 at image tokens; the
-        model silently falls back to 1-D positions without it), and pixel_values,
-        image_grid_thw unless no row has an image. User text is escaped (`text_ids`).
+        Returns input_ids, attention_mask, the vision tensors of `vision` (none when no row has
+        an image) and, for Qwen-VL (`mm_token_types`), mm_token_type_ids (1 at image tokens; the
+        model silently falls back to 1-D positions without it). User text is escaped (`text_ids`).
         Raises ValueError if all labels would be masked (empty answers)."""
-        if pixels is not None:
-            pixel_values, grid = pixels
-            n_img = (grid.prod(-1) // self.merge ** 2).tolist()
-        else:
-            present = [im for im in images if im is not None]
-            pixel_values, grid = self.images(present) if present else (None, None)
-            counts = iter((grid.prod(-1) // self.merge ** 2).tolist() if present else [])
-            n_img = [next(counts) if im is not None else 0 for im in images]
+        has = [True] * len(questions) if images is None else [im is not None for im in images]
+        shown = None if images is None else [im for im in images if im is not None]
+        vis, counts = self.vision(shown, pixels) if any(has) else ({}, [])
+        counts = iter(counts)
+        n_img = [next(counts) if h else 0 for h in has]
         rows, labels = [], []
         for i, q in enumerate(questions):
             p, lab = self.prompt_and_labels(q, n_img[i], history[i] if history else ())
@@ -202,10 +209,9 @@ class VLProcessor:
         pad = lambda r, v: (r + [v] * (L - len(r))) if side == "right" else ([v] * (L - len(r)) + r)
         input_ids = torch.tensor([pad(r, self.pad_token_id) for r in rows])
         mask = torch.tensor([pad([1] * len(r), 0) for r in rows])
-        batch = {"input_ids": input_ids, "attention_mask": mask,
-                 "mm_token_type_ids": (input_ids == self.image_token_id).long() * mask}
-        if pixel_values is not None:
-            batch.update(pixel_values=pixel_values, image_grid_thw=grid)
+        batch = {"input_ids": input_ids, "attention_mask": mask, **vis}
+        if self.mm_token_types:
+            batch["mm_token_type_ids"] = (input_ids == self.image_token_id).long() * mask
         if answers is not None:
             batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
         return batch
@@ -216,6 +222,36 @@ class VLProcessor:
     def save_pretrained(self, path):
         self.tokenizer.save_pretrained(path)
         self.image_processor.save_pretrained(path)
+
+
+class LlavaNextVLProcessor(VLProcessor):
+    """`VLProcessor` for LLaVA-NeXT (any-resolution tiles + a newline token per row): the same
+    prompt format, but `vision` returns pixel_values [N, tiles, 3, h, w] and image_sizes [N, 2]
+    and counts each image's tokens with transformers' `LlavaNextProcessor` rule (base tile + the
+    unpadded high-resolution tiles + one newline per row). No mm_token_type_ids."""
+    mm_token_types = False
+
+    def __init__(self, tokenizer, image_processor, config):
+        from transformers import LlavaNextProcessor
+        super().__init__(tokenizer, image_processor, config)
+        # CLIP's CLS token counts as an additional image token, which the "default" strategy drops again
+        self.counter = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                          patch_size=config.vision_config.patch_size, num_additional_image_tokens=1,
+                                          vision_feature_select_strategy=config.vision_feature_select_strategy,
+                                          image_token=tokenizer.convert_ids_to_tokens(config.image_token_id))
+
+    def vision(self, images=None, pixels=None):
+        if pixels is not None:
+            raise ValueError("LLaVA-NeXT images go through its image processor, not `patchify` pixels")
+        out = self.image_processor(images=images, return_tensors="pt")
+        n = self.counter._get_num_multimodal_tokens(image_sizes=out["image_sizes"].tolist())["num_image_tokens"]
+        return {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}, list(n)
+
+
+def make_processor(tokenizer, image_processor, config):
+    """The `VLProcessor` (subclass) for a model config."""
+    cls = LlavaNextVLProcessor if config.model_type == "llava_next" else VLProcessor
+    return cls(tokenizer, image_processor, config)
 
 
 def patchify(images_uint8, patch=14, temporal=2, merge=2, mean=(0.48145466, 0.4578275, 0.40821073),
@@ -247,8 +283,9 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch
     the 84 px shapes image gives (84 / (patch_size * merge_size))^2 image tokens (14/2: 9,
     7/1: 144).
     arch: "qwen3_vl" (dense, the default base), "qwen3_vl_moe" (MoE, `experts` top-`top_k`),
-    or "qwen2_5_vl" (for tests / method code on the papers' architecture; rope_theta=3 with
-    mrope_section [2,7,7] so height/width get usable rotary frequencies, see NOTES).
+    "qwen2_5_vl" (for tests / method code on the papers' architecture; rope_theta=3 with
+    mrope_section [2,7,7] so height/width get usable rotary frequencies, see NOTES), or
+    "llava_next" (LLaVA-NeXT: CLIP tower, one 28 px any-resolution tile, Llama decoder).
     Raises ValueError on an unknown arch."""
     from transformers import AutoConfig
     ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in [
@@ -275,8 +312,16 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch
         vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, window_size=112,
                       fullatt_block_indexes=[1])
+    elif arch == "llava_next":  # the MoD paper's second family (LLaVA-1.6): CLIP tower + Llama decoder
+        text = {k: v for k, v in text.items() if k != "tie_word_embeddings"}
+        text.update(model_type="llama", rope_theta=1e4)
+        vision = dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=28, patch_size=14, projection_dim=64)
+        from transformers import LlavaNextConfig
+        return LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=ids["image_token_id"],
+                               image_grid_pinpoints=[[28, 28]], vision_feature_layer=-1, tie_word_embeddings=False)
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose qwen3_vl, qwen3_vl_moe or qwen2_5_vl")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose qwen3_vl, qwen3_vl_moe, qwen2_5_vl or llava_next")
     return AutoConfig.for_model(arch, text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
@@ -288,6 +333,11 @@ def build_tiny(arch="qwen3_vl", seed=0, **kw):
     model = AutoModelForImageTextToText.from_config(tiny_config(arch, tok, **kw))
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.pad_token_id = tok.pad_token_id
+    if arch == "llava_next":  # 28 px tiles: 84x84 shapes images become 10 image tokens
+        from transformers import LlavaNextImageProcessorPil
+        improc = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                            image_grid_pinpoints=[[28, 28]])
+        return model, LlavaNextVLProcessor(tok, improc, model.config)
     improc = build_image_processor(patch_size=kw.get("patch_size", 14), merge_size=kw.get("merge_size", 2))
     return model, VLProcessor(tok, improc, model.config)
 
@@ -354,7 +404,7 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
         model.to(device)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     improc = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model.eval(), VLProcessor(tok, improc, model.config)
+    return model.eval(), make_processor(tok, improc, model.config)
 
 
 def save_backbone(model, proc, path):

@@ -19,8 +19,10 @@ instruction following:
      router, sqrt-product vs product vs mean, with vs without the aux loss (expert usage
      entropy), plus the router-A per-family heatmap.
 
-    python -m eval.toy_mod --quick      # main rows only, ~3 CPU minutes
-    python -m eval.toy_mod              # everything -> out/mod/results.json (~20 CPU minutes)
+    python -m eval.toy_mod --quick      # main rows only, ~1-3 CPU minutes
+    python -m eval.toy_mod --part e2e   # the pipeline below -> out/mod/results.json (~20 CPU minutes)
+    python -m eval.toy_mod --part mechanism   # frozen single-layer mechanism experiments -> out/mod/mechanism/
+    python -m eval.toy_mod              # both
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
@@ -35,6 +37,7 @@ import torch
 
 from common import data
 from common.backbone import load_backbone
+from common.cli import Deprecated, add_threads, set_threads
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
@@ -46,13 +49,15 @@ from mod.train import fit
 
 # (about) equal trainable parameters on the tiny chat/dense base (hidden 128, 4 layers, q/k/v/o):
 # MoD E=8 rank-1 experts per pool + 2 routers: 61,440; LoRA rank 17: 60,928;
-# MoE-LoRA 4 experts of rank 4 + router, top-2: 65,536.
+# MoE-LoRA 4 experts of rank 4 + router, top-2, token-level routing: 65,536.
 METHODS = {"lora": dict(method="lora", r=17, lora_alpha=34.0),
            "moelora": dict(method="moelora", num_experts=4, expert_rank=4, r=2, lora_alpha=4.0),
            "mod": dict(method="mod")}
 ABLATIONS = {"token": dict(granularity="token"), "region": dict(granularity="region"),
              "W4": dict(window=4), "W32": dict(window=32), "shared_router": dict(shared_router=True),
-             "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0)}
+             "product": dict(combine="product"), "mean": dict(combine="mean"), "no_aux": dict(aux_coef=0.0),
+             # MoE-LoRA routes per token by default (the paper's baseline); its W=16 window variant:
+             "moelora_window": dict(METHODS["moelora"], granularity="window")}
 SETTINGS = {True: dict(n_train=120, n_test=80, k=2, steps=80, batch_size=8, max_priors=1),
             False: dict(n_train=600, n_test=300, k=4, steps=200, batch_size=8, max_priors=2,
                         ablation_steps=100, ablation_test=150)}
@@ -189,12 +194,40 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="main rows only (~3 CPU minutes)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
-    p.add_argument("--base", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--model", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    add_threads(p)
+    p.add_argument("--debate-arms", default="", help="debate part: arms to train / score when missing, comma "
+                   "separated folder names (default: all; every arm on disk is reported)")
+    p.add_argument("--debate-seeds", default="0", help="debate part: training seeds, comma separated")
+    p.add_argument("--debate-rounds", default="2", help="debate part: MoD-Multi rounds scored, comma separated")
+    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "e2e"],
+                   help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
+                   "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
+                   "e2e: the shapes-world pipeline below; all: every part (--quick runs e2e only)")
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    rows = run(a.quick, a.data, a.out, a.base)
+    from eval import toy_mod_debate
+    arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
+    if [x for x in arms if x not in toy_mod_debate.SLUGS]:
+        p.error(f"--debate-arms: unknown {[x for x in arms if x not in toy_mod_debate.SLUGS]}; "
+                f"choose from {sorted(toy_mod_debate.SLUGS)}")
+    try:
+        seeds = [int(x) for x in a.debate_seeds.split(",") if x.strip()]
+        rounds = [int(x) for x in a.debate_rounds.split(",") if x.strip()]
+    except ValueError:
+        p.error("--debate-seeds / --debate-rounds take comma-separated integers, e.g. 0,1,2")
+    if not seeds or any(k < 1 for k in rounds):
+        p.error("--debate-seeds needs at least one seed; --debate-rounds values must be >= 1")
+    debate = dict(toy_mod_debate.SETTINGS, arms=arms or None, seeds=tuple(seeds), rounds=tuple(rounds))
+    set_threads(a.threads, a.model)
+    if a.part in ("all", "mechanism") and not a.quick:
+        from eval import toy_mod_mechanism
+        toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
+    if a.part in ("all", "debate") and not a.quick:
+        toy_mod_debate.run(a.data, a.out, a.model, S=debate)
+    if a.part in ("mechanism", "debate"):
+        return
+    rows = run(a.quick, a.data, a.out, a.model)
     main_rows = [r for r in rows if r["family"] == "all" and r["metric"] in ("accuracy", "tokens_per_question",
                                                                               "latency_vs_base")]
     by_model = {}

@@ -69,7 +69,8 @@ def sample_responses(model, proc, records, k=4, temperature=1.0, batch_size=64, 
     texts = []
     for i in tqdm(range(0, len(flat), batch_size), desc="sample K", leave=False):
         b = flat[i:i + batch_size]
-        out, _ = generate(model, proc, [load_image(r["image"], r["id"]) for r in b], [r["question"] for r in b],
+        out, _ = generate(model, proc, [load_image(r["image"], r["id"]) if r.get("image") else None for r in b],
+                          [r["question"] for r in b],
                           max_new_tokens, do_sample=True, temperature=temperature)
         texts += out
     return [texts[i * k:(i + 1) * k] for i in range(len(records))]
@@ -127,7 +128,8 @@ def synthesize(records, pools, n_per_question=2, ratios=(1.0, 1.0, 1.0), min_pri
             counts[cat] += 1
             out.append({"id": f"{r['id']}_vs{j}", "image": r["image"], "family": r["family"], "answer": r["answer"],
                         "category": cat, "n_priors": len(priors),
-                        "conversations": [{"from": "human", "value": "<image>\n" + debate_prompt(r["question"], priors)},
+                        "conversations": [{"from": "human", "value": ("<image>\n" if r.get("image") else "")
+                                                    + debate_prompt(r["question"], priors)},
                                           {"from": "gpt", "value": target}]})
     return out, counts
 

@@ -30,8 +30,7 @@ from mod.train import Batcher
 
 
 def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
-    images = [batcher.images[batcher.slot[r["image"]]] for r in recs]
-    return generate(model, proc, images, questions, max_new_tokens, **kw)
+    return generate(model, proc, batcher.image_list(recs), questions, max_new_tokens, **kw)
 
 
 def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=96, sample_kw=None):
@@ -252,7 +251,7 @@ def run(args, methods):
             check_out_file(path, flag)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     records = read_records(args.data, args.image_root)[:args.limit or None]  # DataError for an empty file
-    check_support(records, "mod.infer")  # one image, one turn per record: before any model loads
+    check_support(records, "mod.infer", text_only=True)  # at most one image, one turn per record: before any model loads
     if {"misled", "base-misled"} & set(methods):  # every method's data check before any method runs
         import random
         from mod.data import wrong_response

@@ -61,7 +61,9 @@ class AdapterConfig:
     r: top-r experts per token for mod/moelora (mod's effective rank), LoRA rank for lora.
     lora_alpha: output scale alpha / r (eq. 6).
     num_experts: E of each pool. window: W of the routing input. granularity: token
-      (x_route = x), region (mean inside blocks of W), window (sliding mean of the last W).
+      (x_route = x), region (mean inside blocks of W), window (sliding mean of the last W);
+      "" (default) = window for mod (momentum switching, eq. 1) and token for moelora (the
+      paper's MixLoRA baseline routes each token; "window" there is an explicit variant).
     combine: how g_A and g_B combine (eq. 5 default sqrt_product). shared_router: one router,
       I_A = I_B. noise_std: Gaussian router-logit noise in training. router_init_std: std of
       the router init. aux_coef: lambda of eq. 7 (used by the training loop).
@@ -73,7 +75,7 @@ class AdapterConfig:
     num_experts: int = 8
     expert_rank: int = 1
     window: int = 16
-    granularity: str = "window"
+    granularity: str = ""
     combine: str = "sqrt_product"
     shared_router: bool = False
     noise_std: float = 0.0
@@ -83,6 +85,8 @@ class AdapterConfig:
     def __post_init__(self):
         if isinstance(self.target_modules, str):
             self.target_modules = [s.strip() for s in self.target_modules.split(",") if s.strip()]
+        if not self.granularity:
+            self.granularity = "token" if self.method == "moelora" else "window"
         checks = [(self.method in METHODS, f"method must be one of {METHODS}"),
                   (self.granularity in GRANULARITIES, f"granularity must be one of {GRANULARITIES}"),
                   (self.combine in COMBINES, f"combine must be one of {COMBINES}"),
@@ -218,14 +222,18 @@ class MoDLinear(nn.Module):
 
     def router_logits(self, x):
         """Routing logits of eq. 2 for every token: W_g x_route, [B, T, E] per router
-        (A and B concatenated on the last axis for dual routing: [B, T, 2E])."""
+        (A and B concatenated on the last axis for dual routing: [B, T, 2E]), always fp32:
+        computed outside autocast, since in bf16 many window-mean logits tie and the
+        tie-break, not the router, would decide top-r and the A/B pairing."""
         if self.cfg.method == "moelora":
             w = self.router
         elif self.router_B is None:
             w = self.router_A
         else:
             w = torch.cat([self.router_A, self.router_B])
-        return self.window(x @ w.T)  # window mean of W_g x == W_g x_route (linearity)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = x.float() @ w.float().T  # [B, T, E or 2E] fp32
+        return self.window(logits)  # window mean of W_g x == W_g x_route (linearity)
 
     def _route(self, logits):
         """logits [B,T,E] -> (probs fp32, idx [B,T,r], gates fp32 [B,T,r]) (eq. 3-4)."""
@@ -257,7 +265,7 @@ class MoDLinear(nn.Module):
         else:
             g = 0.5 * (ga + gb)
         z = x @ self.A.T  # [B,T,E]: every A expert's projection (rank 1 each)
-        coef = z.gather(-1, ia) * g.to(x.dtype)  # [B,T,r]: g_j * (A[I_A_j] . x)
+        coef = z.gather(-1, ia) * g.to(z.dtype)  # [B,T,r]: g_j * (A[I_A_j] . x); z is bf16 under autocast
         w = torch.zeros_like(z).scatter_add(-1, ib, coef)  # [B,T,E] weight of each B expert
         self._bookkeeping(pa, ia, pb, ib)
         return self.scaling * (w @ self.B)  # eq. 6

@@ -64,8 +64,9 @@ def add_adapter_args(p):
     p.add_argument("--num-experts", type=number(min=1), default=d.num_experts, help="experts per pool (E)")
     p.add_argument("--expert-rank", type=number(min=1), default=d.expert_rank, help="rank of each MoE-LoRA expert")
     p.add_argument("--window", type=number(min=1), default=d.window, help="routing window / region size W")
-    p.add_argument("--granularity", default=d.granularity, choices=["token", "region", "window"],
-                   help="routing input: the token, its block of W, or the sliding mean of the last W")
+    p.add_argument("--granularity", default="", choices=["token", "region", "window"],
+                   help="routing input: the token, its block of W, or the sliding mean of the last W "
+                   "(default: window for mod, token for moelora as in the paper's MoE-LoRA baseline)")
     p.add_argument("--combine", default=d.combine, choices=["sqrt_product", "product", "mean"],
                    help="how A and B gates combine (eq. 5)")
     p.add_argument("--shared-router", action="store_true", help="one router for both pools (I_A = I_B)")
@@ -88,41 +89,45 @@ def adapter_config(args):
 def load_records(path, image_root=None, entry="mod.train", multi_turn=True):
     """Training records from LLaVA JSON/JSONL or canonical JSONL (`common.data.read_records`,
     relative image paths against `image_root`, default the file's folder), checked for what
-    `entry` needs: at least one record, one image per record (`common.data.check_support`;
-    multi-turn records only if `multi_turn`: mod.train trains on every gpt turn) and a
-    non-empty answer (`common.data.check_training_records`). Raises DataError."""
+    `entry` needs: at least one record, at most one image per record (`common.data.check_support`;
+    text-only records, image None, are allowed, as in the paper's MMLU rows; multi-turn records
+    only if `multi_turn`: mod.train trains on every gpt turn) and a non-empty answer
+    (`common.data.check_training_records`). Raises DataError."""
     from common.data import check_support, check_training_records, read_records
     records = read_records(path, image_root)
-    check_support(records, entry, multi_turn=multi_turn)
+    check_support(records, entry, text_only=True, multi_turn=multi_turn)
     check_training_records(records, path)
     return records
 
 
 class Batcher:
-    """Turns training records into model batches; images are decoded once and kept as uint8.
+    """Turns training records into model batches; each image file is decoded once and kept.
 
-    records: dicts with id, image (path), question, target[, history]. Pixels come from
-    `VLProcessor.images`, the one image path of every entry point (the processor's resize
-    rules; a torch fast path for images it keeps as they are). Raises DataError naming the
-    record for a missing or unreadable image."""
+    records: dicts with id, image (path, or None for a text-only record), question, target[,
+    history]. Pixels come from `VLProcessor.vision` / `images`, the one image path of every
+    entry point (the processor's resize rules; a torch fast path for images it keeps as they
+    are). Raises DataError naming the record for a missing or unreadable image."""
 
     def __init__(self, proc, records):
-        from common.data import DataError, load_image
+        from common.data import load_image
         self.proc, self.records = proc, records
         first = {}  # image path -> id of the first record using it (for error messages)
         for r in records:
-            if not r.get("image"):
-                raise DataError(f"record {r.get('id', '?')} has no image (MoD needs one per record)")
-            first.setdefault(r["image"], r.get("id", "?"))
+            if r.get("image"):
+                first.setdefault(r["image"], r.get("id", "?"))
         self.slot = {p: i for i, p in enumerate(first)}
         self.images = [load_image(p, rid) for p, rid in first.items()]
+
+    def image_list(self, recs):
+        """The decoded image of each record, None for a text-only one."""
+        return [self.images[self.slot[r["image"]]] if r.get("image") else None for r in recs]
 
     def encode(self, recs, answers=None, questions=None):
         """Model inputs for records; with answers: training batch (right padding, labels on
         every answer turn of a multi-turn record)."""
         questions = questions or [r["question"] for r in recs]
-        images = [self.images[self.slot[r["image"]]] for r in recs]
-        return self.proc.encode(images, questions, answers=answers, history=[r.get("history", []) for r in recs])
+        return self.proc.encode(self.image_list(recs), questions, answers=answers,
+                                history=[r.get("history", []) for r in recs])
 
 
 def batch_indices(n, batch_size, seed, step, micro, rank):

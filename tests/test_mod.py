@@ -142,12 +142,15 @@ def test_cached_decoding_needs_the_token_cache(tiny, monkeypatch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_left_padded_batch_equals_single_examples(tiny, arch):
+    """Tolerance relative to the logits' scale: float amplification differs by arch and machine
+    (measured up to 1.1e-4 of the scale on qwen2_5_vl); letting the pads into the routing
+    window changes the logits by more than the scale itself (1.6-1.8x, measured)."""
     model, proc, batch, (images, questions) = wrapped(tiny, arch, window=8)
     randomise(model)
     got = logits(model, batch)
     for i in range(2):
         one = logits(model, proc.encode(images[i:i + 1], questions[i:i + 1]))
-        assert torch.allclose(got[i, -one.shape[1]:], one[0], atol=1e-4)
+        assert (got[i, -one.shape[1]:] - one[0]).abs().max() <= 1e-3 * one.abs().max()
 
 
 @pytest.mark.parametrize("method", ["mod", "lora", "moelora"])

@@ -114,6 +114,7 @@ ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --d
     # --threads, --seed)
     "eval.evaluate": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
     "eval.quickstart": ("--data", "--out", "--threads"),
+    "eval.toy_mod": ("--model", "--data", "--out", "--threads"),
     "mod.data": ("--model", "--data", "--image-root", "--limit", "--out", "--threads", "--seed"),
     "mod.train": ("--model", "--data", "--image-root", "--out", "--threads", "--seed"),
     "mod.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),

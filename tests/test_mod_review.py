@@ -1,0 +1,198 @@
+"""MoD: hand-computed pins for what the review's mutations survived (scaling, aux padding mask,
+MoD-Multi history), the review's fixes (token-level MoE-LoRA default, fp32 router logits under
+autocast), text-only records and the LLaVA-NeXT family through mod.train / mod.infer."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from common import data
+from common.backbone import build_tiny, save_backbone
+from mod.model import AdapterConfig, MoDLinear, RoutingContext
+
+
+def _layer(din, dout, **kw):
+    base = torch.nn.Linear(din, dout, bias=False)
+    with torch.no_grad():
+        base.weight.zero_()  # the output is the adapter's term alone
+    return MoDLinear(base, AdapterConfig(**kw), RoutingContext())
+
+
+def test_lora_scaling_is_alpha_over_r():
+    """h = (alpha / r) B A x with r = 2, alpha = 8: scale 4, by hand."""
+    layer = _layer(2, 2, method="lora", r=2, lora_alpha=8.0)
+    with torch.no_grad():
+        layer.lora_A.copy_(torch.eye(2)), layer.lora_B.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+        out = layer(torch.tensor([[[1.0, 1.0]]]))
+    assert out[0, 0].tolist() == [4.0, 8.0]  # alpha alone (8) would give [8, 16]
+
+
+def test_mod_scaling_is_alpha_over_r_by_hand():
+    """MoD with E = r = 2, alpha = 4 (scale 2), A = B = I, both routers [[1, 0], [0, 0]] so the
+    logits of x = (2, 4) are (2, 0) for both pools: I_A = I_B = (0, 1), g = softmax(2, 0) = (p, 1-p),
+    h = 2 * (p * 2 * e_0 + (1 - p) * 4 * e_1)   (eq. 4-6, token routing)."""
+    layer = _layer(2, 2, method="mod", num_experts=2, r=2, lora_alpha=4.0, granularity="token")
+    with torch.no_grad():
+        layer.A.copy_(torch.eye(2)), layer.B.copy_(torch.eye(2))
+        router = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+        layer.router_A.copy_(router), layer.router_B.copy_(router)
+        out = layer(torch.tensor([[[2.0, 4.0]]]))
+    p = 1 / (1 + math.exp(-2))
+    assert out[0, 0].tolist() == pytest.approx([2 * p * 2, 2 * (1 - p) * 4], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["mod", "moelora"])
+def test_aux_loss_inside_the_layer_ignores_padding(method):
+    """Token routing: a left-padded batch has the aux loss of its real tokens laid out in one
+    unpadded row. The pads hold large values that route them all to one expert, so counting
+    them would change f and P."""
+    torch.manual_seed(0)
+    layer = _layer(6, 5, method=method, num_experts=4, r=2, granularity="token", router_init_std=1.0)
+    layer.train()
+    real0, real1 = torch.randn(6, 6), torch.randn(4, 6)
+    pads = torch.full((2, 6), 50.0)
+    x = torch.stack([real0, torch.cat([pads, real1])])  # [2, 6, 6], row 1 left-padded by 2
+    mask = torch.tensor([[True] * 6, [False] * 2 + [True] * 4])
+    layer.ctx.mask, layer.ctx.aux = mask, []
+    layer(x)
+    padded = layer.ctx.aux[0]
+    layer.ctx.mask, layer.ctx.aux = None, []
+    layer(torch.cat([real0, real1])[None])  # [1, 10, 6], no padding
+    assert padded.item() == pytest.approx(layer.ctx.aux[0].item(), rel=1e-6)
+
+
+def test_mod_multi_round_k_sees_the_whole_history(monkeypatch):
+    """Alg. 2: round k's prompt lists every earlier response of the record (rounds >= 2)."""
+    from mod import data as vs
+    from mod import infer
+    seen = []
+
+    def fake(model, proc, batcher, recs, questions, max_new_tokens, **kw):
+        call = len(seen)
+        seen.append(list(questions))
+        return [f'{{"Reasoning": "r{call}", "Answer": "{call}"}}' for _ in recs], [3] * len(recs)
+
+    monkeypatch.setattr(infer, "_generate", fake)
+    recs = [{"id": "q1", "image": None, "question": "How many?", "answer": "2", "family": "count"}]
+    res, _ = infer.mod_debate(None, None, recs, rounds=3)
+    answers = [f'{{"Reasoning": "r{c}", "Answer": "{c}"}}' for c in range(4)]
+    assert seen[0] == [vs.single_prompt("How many?")]
+    for k in (1, 2, 3):
+        assert seen[k] == [vs.debate_prompt("How many?", answers[:k])]  # all k earlier responses
+    assert res[0]["pred"] == answers[3] and res[0]["n_tokens"] == 12
+
+
+def test_moelora_routes_per_token_by_default_and_window_is_explicit():
+    assert AdapterConfig(method="moelora").granularity == "token" and AdapterConfig(method="moelora").route_window == 1
+    assert AdapterConfig(method="mod").granularity == "window" and AdapterConfig(method="mod").route_window == 16
+    assert AdapterConfig(method="moelora", granularity="window").route_window == 16
+    import argparse
+    from mod.train import add_adapter_args, adapter_config
+    p = argparse.ArgumentParser()
+    add_adapter_args(p)
+    assert adapter_config(p.parse_args(["--method", "moelora"])).granularity == "token"
+    assert adapter_config(p.parse_args([])).granularity == "window"
+
+
+@pytest.mark.parametrize("method", ["mod", "moelora"])
+def test_router_logits_are_fp32_under_autocast(method):
+    """bf16 autocast must not reach the router: its logits equal the fp32 product exactly."""
+    torch.manual_seed(0)
+    layer = _layer(64, 8, method=method, num_experts=8, r=2, granularity="token", router_init_std=1.0)
+    x = torch.randn(2, 5, 64)
+    w = layer.router if method == "moelora" else torch.cat([layer.router_A, layer.router_B])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer.router_logits(x)
+        layer(x)  # the whole adapter still runs under autocast
+    assert got.dtype == torch.float32
+    assert torch.equal(got, (x @ w.T).float())
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def _text_only_and_image_records(d):
+    """LLaVA JSON with image records and text-only ones (no "image" key / "image": null)."""
+    recs = data.generate_split(d, "train", 4)
+    text = [{"id": f"t{i}", "family": "mmlu", "answer": "B", "image": None,
+             "conversations": [{"from": "human", "value": f"Which letter is second? A B C D ({i})"},
+                               {"from": "gpt", "value": '{"Reasoning": "order", "Answer": "B"}'}]} for i in range(3)]
+    del text[0]["image"]
+    path = os.path.join(d, "mixed.json")
+    data.atomic_write_text(path, json.dumps(recs + text))
+    return path
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "llava_next"])
+def test_train_and_infer_text_only_and_llava_next(tmp_path, arch):
+    """mod.train -> mod.infer through their mains on a saved tiny base (Qwen3-VL, and the paper's
+    second family LLaVA-NeXT), on data mixing image records with text-only ones."""
+    from mod import infer, train
+    base, proc = build_tiny(arch, hidden=64, layers=2)
+    save_backbone(base, proc, str(tmp_path / "base"))
+    path = _text_only_and_image_records(str(tmp_path / "d"))
+    res = train.main(["--model", str(tmp_path / "base"), "--data", path, "--out", str(tmp_path / "run"),
+                      "--steps", "3", "--batch-size", "4", "--window", "4"])
+    assert all(math.isfinite(r["loss"]) for r in res["log"])
+    out = infer.main(["--model", str(tmp_path / "base"), "--adapter", str(tmp_path / "run"), "--data", path,
+                      "--methods", "base,single,multi", "--max-new-tokens", "3", "--batch-size", "4"])
+    assert [len(v) for v in out["results"].values()] == [7, 7, 7]
+    assert {r["id"] for r in out["results"]["multi"]} >= {"t0", "t1", "t2", "train_000000"}
+
+
+def test_llava_next_image_tokens_match_the_model():
+    """The processor's image-token count is what the model's vision features fill (a mismatch
+    raises in the forward), for a batch mixing an image row with a text-only row."""
+    model, proc = build_tiny("llava_next", hidden=64, layers=2)
+    ims = [data.render(data.sample_scene(__import__("random").Random(0))), None]
+    batch = proc.encode(ims, ["What colour?", "No image here."], answers=["red", "ok"])
+    assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "image_sizes", "labels"}
+    assert (batch["input_ids"][1] == proc.image_token_id).sum() == 0
+    assert (batch["input_ids"][0] == proc.image_token_id).sum() == 10  # 2x2 base tile + 2x2 tile + 2 newlines
+    assert torch.isfinite(model(**batch).loss)
+
+
+def test_text_only_rows_have_no_vision_markers():
+    """A text-only row's prompt is the plain chat turn (no <|vision_start|>, no image tokens),
+    also next to an image row in the same batch."""
+    _, proc = build_tiny("qwen3_vl", hidden=64, layers=2)
+    vs_id = proc.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    img = data.render(data.sample_scene(__import__("random").Random(0)))
+    batch = proc.encode([img, None], ["What colour?", "No image here."])
+    ids = batch["input_ids"]
+    assert (ids[1] == vs_id).sum() == 0 and (ids[1] == proc.image_token_id).sum() == 0
+    assert (ids[0] == vs_id).sum() == 1 and batch["image_grid_thw"].shape[0] == 1
+    alone = proc.encode([None], ["No image here."])
+    assert set(alone) == {"input_ids", "attention_mask", "mm_token_type_ids"}
+    assert alone["input_ids"][0].tolist() == proc.prompt_ids("No image here.", 0)
+
+
+def test_toy_mod_takes_model_threads_and_the_deprecated_base(monkeypatch, capsys):
+    """eval.toy_mod speaks the entry points' vocabulary: --model (the old --base still works,
+    with a warning) and --threads."""
+    from eval import toy_mod
+    seen, before = [], torch.get_num_threads()
+    monkeypatch.setattr(toy_mod, "run", lambda quick, data_dir, out_dir, model: seen.append(model) or [])
+    try:
+        toy_mod.main(["--quick", "--model", "m1", "--threads", "1"])
+        toy_mod.main(["--quick", "--base", "m2", "--threads", "1"])
+    finally:
+        torch.set_num_threads(before)
+    assert seen == ["m1", "m2"] and "--base is deprecated; use --model" in capsys.readouterr().err
+
+
+def test_debate_paired_comparison_over_seeds():
+    """eval.toy_mod_debate._paired: the seed-averaged item difference, per-seed differences and
+    the all-seeds-agree flag, on a hand case (4 items, 2 seeds)."""
+    from eval.toy_mod_debate import _paired
+    r = lambda *c: [{"correct": bool(x)} for x in c]
+    a = {0: r(1, 1, 0, 1), 1: r(1, 0, 0, 1)}
+    b = {0: r(1, 0, 0, 0), 1: r(0, 0, 0, 1)}
+    pb = _paired(a, b, [0, 1])
+    assert pb["per_seed"] == [0.5, 0.25] and pb["seeds_agree"] and pb["n"] == 4
+    assert pb["diff"] == pytest.approx(0.375)   # items: (1-.5) + (.5-0) + 0 + (1-.5) = 1.5, / 4
+    b[1] = r(1, 0, 1, 1)                          # seed 1 now goes the other way: -0.25
+    pb = _paired(a, b, [0, 1])                    # items: 0 + .5 - .5 + .5 = .5, / 4
+    assert pb["per_seed"] == [0.5, -0.25] and not pb["seeds_agree"] and pb["diff"] == pytest.approx(0.125)
+    assert _paired(a, b, [0])["seeds_agree"] and _paired(a, b, [0])["seeds"] == [0]
