@@ -17,7 +17,9 @@ diagnostics (x100). Results are what this run measures; nothing is copied from t
 """
 import argparse
 import json
+import math
 import os
+import re
 import time
 
 import torch
@@ -129,6 +131,209 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None):
     return rows
 
 
+# ----------------------------------------------------------------------------- stage-1 bottleneck
+
+BOTTLENECK_ARMS = {  # name -> mole.train flags; all at 8 latent tokens, stage 1 only
+    "plain_latent": MAIN["plain_latent"],
+    "mole": [],
+    "no_esva": ["--no-esva"],
+    "no_router": ["--no-router"],
+    "causal_mixing": ["--latent-mixing", "causal"],
+}
+BOTTLENECK = dict(n_train=4800, n_val=150, n_test=500, batch_size=32, steps=150, sweep_steps=50,
+                  sweep_lrs=(2e-3, 6e-3), seeds=(0, 1, 2))
+CELL_RE = re.compile(r"\b(" + "|".join(data.CELL_TAGS) + r") (empty|" + "|".join(data.OBJECT_NAMES) + r")\b")
+
+
+def cells_of(text):
+    """{cell tag: content} of a transcription "tl red circle + tc empty - ..." (first mention
+    of each tag wins; tags that never appear are missing)."""
+    out = {}
+    for tag, content in CELL_RE.findall(text):
+        out.setdefault(tag, content)
+    return out
+
+
+def cell_accuracy(pred, target, objects_only=False):
+    """Fraction of the 9 cells whose content in `pred` equals the one in `target` (a missing
+    cell counts as wrong). Both are assistant turns in the shapes format. objects_only: only
+    the cells that hold an object in `target` (colour and shape must both be right)."""
+    gold, got = cells_of(target), cells_of(pred)
+    if objects_only:
+        gold = {t: c for t, c in gold.items() if c != "empty"}
+    return sum(got.get(t) == c for t, c in gold.items()) / max(len(gold), 1)
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _bottleneck_one(name, lr, seed, steps, recs, data_dir, out_dir, base, threads, tag):
+    """Train one arm in stage 1 only (resumable checkpoint), evaluate it with stage-1
+    attention on `recs`, write {out_dir}/{tag}.json atomically and return it. A result
+    file that exists is returned as is (the experiment resumes where it stopped)."""
+    from mole import train as mt
+    from mole.infer import evaluate as mole_evaluate
+    path = os.path.join(out_dir, f"{tag}.json")
+    if os.path.exists(path):
+        return _json(path)
+    cfg = BOTTLENECK
+    n_train = steps * cfg["batch_size"]  # one epoch: every step sees fresh examples
+    ckpt = os.path.join(out_dir, "ckpt", tag)
+    t = time.time()
+    net, proc, log = mt.main(["--base", base, "--data", data_dir, "--n-train", str(n_train),
+                              "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
+                              "--stage1-epochs", "1", "--stage2-epochs", "0", "--lr", str(lr), "--seed", str(seed),
+                              "--threads", str(threads or 0), "--save-every", "25", "--resume",
+                              "--out", ckpt] + BOTTLENECK_ARMS[name])
+    train_s = time.time() - t
+    t = time.time()
+    with torch.inference_mode():
+        res = mole_evaluate(net, recs, stage=1, max_new_tokens=64, desc=f"eval {tag}")
+    for r, rec in zip(res, recs):
+        r["cell_acc"] = cell_accuracy(r["pred"], rec["target"])
+        r["obj_acc"] = cell_accuracy(r["pred"], rec["target"], objects_only=True)
+    out = {"arm": name, "lr": lr, "seed": seed, "steps": steps, "train_s": train_s, "infer_s": time.time() - t,
+           "ce_log": [[x["step"], x["ce"]] for x in log], "items": res}
+    data.atomic_write_text(path, json.dumps(out))
+    return out
+
+
+def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None):
+    """The stage-1 bottleneck experiment (pre-registered in mole/README.md).
+
+    1. lr sweep: every arm at each of BOTTLENECK["sweep_lrs"], seed 0, sweep_steps steps,
+       scored by per-cell transcription accuracy on the validation split; the best lr per arm wins.
+    2. every arm at its lr for each seed, `steps` steps of stage 1 (only Z_vis read the image),
+       scored on the test split: per-cell transcription accuracy and final-answer accuracy.
+    Each (arm, lr/seed) result is its own atomic JSON file, so a stopped run resumes.
+    Returns the summary dict (also {out_dir}/bottleneck.json)."""
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = BOTTLENECK
+    seeds = list(seeds if seeds is not None else cfg["seeds"])
+    arms = list(arms or BOTTLENECK_ARMS)
+    data.ensure_splits(data_dir, {"train": cfg["n_train"], "val": cfg["n_val"], "test": cfg["n_test"]})
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))[: cfg["n_val"]]
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    os.makedirs(out_dir, exist_ok=True)
+    lr_of, sweep = {}, {}
+    for name in arms:
+        for lr in cfg["sweep_lrs"]:
+            r = _bottleneck_one(name, lr, 0, cfg["sweep_steps"], val, data_dir, out_dir, base, threads,
+                                f"sweep_{name}_lr{lr:g}")
+            sweep.setdefault(name, {})[f"{lr:g}"] = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
+            print(f"[bottleneck] sweep {name} lr {lr:g}: val cell acc {sweep[name][f'{lr:g}']:.3f}", flush=True)
+        lr_of[name] = float(max(sweep[name], key=sweep[name].get))
+    results = {}
+    for seed in seeds:
+        for name in arms:
+            r = _bottleneck_one(name, lr_of[name], seed, cfg["steps"], test, data_dir, out_dir, base, threads,
+                                f"{name}_seed{seed}")
+            results[(name, seed)] = r
+            acc = sum(x["correct"] for x in r["items"]) / len(r["items"])
+            cell = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
+            print(f"[bottleneck] {name} seed {seed} lr {lr_of[name]:g}: cell {cell:.3f} answer {acc:.3f} "
+                  f"train {r['train_s']:.0f}s", flush=True)
+    return summarise_bottleneck(out_dir)
+
+
+def summarise_bottleneck(out_dir):
+    """Summary of whatever result files of the bottleneck experiment exist in `out_dir`
+    (a partial run gives a partial summary): {out_dir}/bottleneck.json and the PNG figures."""
+    sweep, lr_of, results = {}, {}, {}
+    for f in sorted(os.listdir(out_dir)):
+        if not f.endswith(".json") or f == "bottleneck.json":
+            continue
+        r = _json(os.path.join(out_dir, f))
+        acc = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
+        if f.startswith("sweep_"):
+            sweep.setdefault(r["arm"], {})[f"{r['lr']:g}"] = acc
+        else:
+            results[(r["arm"], r["seed"])] = r
+            lr_of[r["arm"]] = r["lr"]
+    summary = bottleneck_summary(results, sweep, lr_of)
+    data.atomic_write_text(os.path.join(out_dir, "bottleneck.json"), json.dumps(summary, indent=1))
+    for m, what in (("cell_acc", "per-cell transcription accuracy"), ("obj_acc", "object-cell accuracy"),
+                    ("answer_acc", "final-answer accuracy")):
+        bar_png(summary["rows"], m, os.path.join(out_dir, f"bottleneck_{m}.png"), f"stage-1 bottleneck: {what}")
+    return summary
+
+
+def bottleneck_summary(results, sweep, lr_of):
+    """Per arm and seed: cell / answer accuracy with bootstrap CIs and the paired-bootstrap
+    difference vs plain latents; per arm the mean over seeds and the range."""
+    from eval.metrics import bootstrap_ci, paired_bootstrap
+    rows = []
+    for (name, seed), r in results.items():
+        row = {"arm": name, "seed": seed, "lr": lr_of[name], "train_s": r["train_s"]}
+        for m, key in (("cell_acc", "cell_acc"), ("obj_acc", "obj_acc"), ("answer_acc", "correct")):
+            x = [float(i[key]) for i in r["items"]]
+            lo, hi = bootstrap_ci(x)
+            row[m] = {"value": sum(x) / len(x), "ci_low": lo, "ci_high": hi, "n": len(x)}
+            for other, label in (("plain_latent", "plain"), ("mole", "mole")):
+                ref = results.get((other, seed))
+                if ref is None or name == other:
+                    continue
+                y = [float(i[key]) for i in ref["items"]]
+                d = paired_bootstrap(x, y)
+                d["sd"] = float(torch.tensor(x, dtype=torch.float64).sub(torch.tensor(y, dtype=torch.float64)).std())
+                row[f"{m}_vs_{label}"] = d
+        rows.append(row)
+    return {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in BOTTLENECK.items()},
+            "sweep_val_cell_acc": sweep, "lr": lr_of, "rows": rows}
+
+
+def bar_png(rows, metric, path, title, w=640, h=360):
+    """Accuracy per arm with 95% CIs (one bar per arm and seed, seeds side by side), drawn
+    with Pillow. rows: [{"arm", "seed", metric: {"value","ci_low","ci_high"}}]."""
+    from PIL import Image, ImageDraw
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    seeds = sorted({r["seed"] for r in rows})
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    left, right, top, bottom = 50, w - 10, 30, h - 40
+    d.text((left, 8), title, fill="black")
+    for k in range(0, 11, 2):  # y grid 0..1
+        y = bottom - (bottom - top) * k / 10
+        d.line([left, y, right, y], fill=(220, 220, 220))
+        d.text((8, y - 6), f"{k / 10:.1f}", fill="black")
+    slot = (right - left) / max(len(arms), 1)
+    bw = slot * 0.8 / max(len(seeds), 1)
+    shades = [(70, 110, 200), (120, 160, 230), (170, 200, 245)]
+    for i, arm in enumerate(arms):
+        d.text((left + i * slot + 2, bottom + 6), arm[:14], fill="black")
+        for j, seed in enumerate(seeds):
+            r = next((r for r in rows if r["arm"] == arm and r["seed"] == seed), None)
+            if r is None:
+                continue
+            v = r[metric]
+            x0 = left + i * slot + slot * 0.1 + j * bw
+            y = lambda a: bottom - (bottom - top) * a
+            d.rectangle([x0, y(v["value"]), x0 + bw - 2, bottom], fill=shades[j % len(shades)])
+            xc = x0 + bw / 2 - 1
+            d.line([xc, y(v["ci_low"]), xc, y(v["ci_high"])], fill="black", width=2)
+    d.text((left, h - 18), "bars: seeds " + ", ".join(map(str, seeds)) + " (left to right); whiskers: 95% bootstrap CI",
+           fill="black")
+    with data.atomic_target(path) as tmp:
+        img.save(tmp, format="PNG")
+
+
+def bottleneck_table(summary):
+    """Markdown table of the bottleneck experiment: per arm and seed, cell and answer
+    accuracy [95% CI] and the paired difference vs plain latents [95% CI]."""
+    f = lambda v: f"{v['value']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
+    lines = ["| arm | seed | lr | cell acc [CI] | object-cell acc [CI] | answer acc [CI] | cell vs plain [CI] | "
+             "object-cell vs plain [CI] | answer vs plain [CI] |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(summary["rows"], key=lambda r: (list(BOTTLENECK_ARMS).index(r["arm"]), r["seed"])):
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['lr']:g} | {f(r['cell_acc'])} | {f(r['obj_acc'])} | "
+                     f"{f(r['answer_acc'])} | {g(r.get('cell_acc_vs_plain'))} | {g(r.get('obj_acc_vs_plain'))} | "
+                     f"{g(r.get('answer_acc_vs_plain'))} |")
+    return "\n".join(lines)
+
+
 def table(rows):
     """Markdown table: accuracy per family [CI] and diff vs SFT on all, per model."""
     acc = [r for r in rows if r["metric"] == "accuracy"]
@@ -149,11 +354,23 @@ def table(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="main rows only, small budget (~3 CPU minutes)")
+    p.add_argument("--part", default="full", choices=("full", "bottleneck"),
+                   help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
+    p.add_argument("--seeds", default="", help="bottleneck: comma-separated seeds (default 0,1,2)")
+    p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--base", default="tiny-dense", help="base VLM")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     a = p.parse_args(argv)
+    if a.part == "bottleneck":
+        out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
+        dd = a.data if a.data != "out/data" else os.path.join(out, "data")
+        s = run_bottleneck(dd, out, base=a.base, threads=a.threads or None,
+                           seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
+                           arms=a.arms.split(",") if a.arms else None)
+        print(bottleneck_table(s))
+        return
     rows = run(a.quick, a.data, a.out, base=a.base, threads=a.threads or None)
     print(table(rows))
 
