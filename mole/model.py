@@ -56,9 +56,13 @@ PAD, TEXT, VIS, ZVIS, ZSUM = 0, 1, 2, 3, 4
 class MoLEConfig:
     """Everything that defines a MoLE variant (saved with every checkpoint).
 
-    n_vis (E), n_sum (S), top_k (K): paper section 3; the paper's main model uses E=S=4.
+    n_vis (E), n_sum (S), top_k (K): paper section 3; the paper's balanced allocation at a
+    budget of 8 latents is E=S=4 (its Table 2(a)). K = 2 is our default: the paper text
+    we have does not state its K.
     alpha, eps: router prior b = alpha * log(K * rho + eps).
     router: False = every visual token visible to every visual expert, no prior ("w/o router").
+      There is then no top-K selection, so the diversity loss (defined over the pairs of
+      experts a visual token selected) is not computed: "w/o router" also drops L_div.
     esva: False = shared value projection only ("w/o ESVA").
     esva_hidden: MLP_e hidden width (0 = the flattened value width Hkv * head_dim).
     latent_mixing: "topological" (no Z_vis <-> Z_vis attention) or "causal" (ablation).

@@ -3,7 +3,7 @@
     python -m mole.train --data out/data --out out/mole/mole                # MoLE, tiny dense base
     python -m mole.train --data out/data --out out/mole/sft --method sft   # SFT control
     python -m mole.train ... --n-vis 8 --n-sum 0 --no-router --no-esva --latent-mixing causal   # LIVR-like
-    torchrun --nproc_per_node 8 -m mole.train --base /ckpt/Qwen2.5-VL-7B-Instruct --data ... --compile
+    torchrun --nproc_per_node 8 -m mole.train --base /ckpt/Qwen2.5-VL-7B-Instruct --data ... --lr 2e-4 --compile
 
 Schedule (paper, "Training stages"): `--stage1-epochs` epochs with the visual attention
 bottleneck (only Z_vis read the image), then `--stage2-epochs` with direct visual access
@@ -61,12 +61,13 @@ def get_parser():
     p.add_argument("--out", default="out/mole/mole", help="checkpoint directory (written atomically)")
     p.add_argument("--method", default="mole", choices=("mole", "sft"),
                    help="mole: latent experts; sft: the same trainer on the plain VLM (data-matched control)")
-    # MoLE architecture (defaults: paper's E = S = 4, K = 2)
+    # MoLE architecture (defaults: E = S = 4, the paper's balanced 8-latent allocation; K = 2 is ours)
     p.add_argument("--n-vis", type=number(min=1), default=4, help="E, latent visual experts")
     p.add_argument("--n-sum", type=number(min=0), default=4, help="S, latent summary experts")
     p.add_argument("--top-k", type=number(min=1), default=2, help="K, visual experts per visual token (<= E)")
     p.add_argument("--alpha", type=number(float, min=0), default=1.0, help="router prior scale alpha")
-    p.add_argument("--no-router", action="store_true", help="ablation: all visual tokens visible to all experts")
+    p.add_argument("--no-router", action="store_true",
+                   help="ablation: all visual tokens visible to all experts (no top-K, so no diversity loss)")
     p.add_argument("--no-esva", action="store_true", help="ablation: shared value projection only")
     p.add_argument("--esva-hidden", type=number(min=0), default=0, help="ESVA MLP width (0 = value width)")
     p.add_argument("--latent-mixing", default="topological", choices=("topological", "causal"),
@@ -80,7 +81,9 @@ def get_parser():
     p.add_argument("--stage2-epochs", type=number(float, min=0), default=1,
                    help="epochs with direct visual access (stage 2)")
     p.add_argument("--batch-size", type=number(min=1), default=32, help="global batch size (split over DDP ranks)")
-    p.add_argument("--lr", type=number(float, above=0), default=2e-3, help="peak learning rate (AdamW, warmup + cosine)")
+    p.add_argument("--lr", type=number(float, above=0), default=None,
+                   help="peak learning rate (AdamW, warmup + cosine); default 2e-3 for the tiny bases only "
+                        "(a toy value), required for any other --base")
     p.add_argument("--warmup", type=number(float, min=0), default=0.05, help="warmup fraction of all steps (0-1)")
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient norm clip (0 = off)")
@@ -175,6 +178,27 @@ class Loader:
         perm = torch.randperm(len(self.recs), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
         idx = perm[i * self.bs:(i + 1) * self.bs][self.rank::self.world].tolist()
         return [self.recs[j] for j in idx], self.images[idx]
+
+
+TOY_LR, TOY_WIDTH = 2e-3, 512
+
+
+def toy_lr(base):
+    """The default --lr: 2e-3 (a toy value) for a tiny base (tiny-dense etc., or a checkpoint whose
+    text hidden size is <= 512); RunError for a bigger base, which must pass --lr. A base without a
+    readable config.json is left to the loader's own error (returns 2e-3, never used)."""
+    if base in bb.TINY:
+        return TOY_LR
+    try:
+        with open(os.path.join(base, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return TOY_LR
+    width = (cfg.get("text_config") or {}).get("hidden_size") or cfg.get("hidden_size") or 0
+    if width > TOY_WIDTH:
+        raise RunError(f"--lr is required with --base {base} (hidden size {width}): the default 2e-3 is a toy "
+                       f"value for the tiny bases; e.g. --lr 2e-4 for LoRA, 1e-5 for --train full on a 7B model")
+    return TOY_LR
 
 
 def lr_at(step, total, lr, warmup):
@@ -304,6 +328,8 @@ def train(a):
         mole_config(a)  # ValueError for e.g. --top-k > --n-vis, before anything loads
     if a.stage1_epochs + a.stage2_epochs == 0:
         raise RunError("--stage1-epochs and --stage2-epochs are both 0: nothing to train")
+    if a.lr is None:
+        a.lr = toy_lr(a.base)
     if a.threads:
         torch.set_num_threads(a.threads)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
