@@ -140,8 +140,9 @@ BOTTLENECK_ARMS = {  # name -> mole.train flags; all at 8 latent tokens, stage 1
     "no_router": ["--no-router"],
     "causal_mixing": ["--latent-mixing", "causal"],
 }
-BOTTLENECK = dict(n_train=4800, n_val=150, n_test=500, batch_size=32, steps=150, sweep_steps=50,
+BOTTLENECK = dict(n_train=4800, n_val=150, n_test=500, batch_size=32, steps=100, sweep_steps=50,
                   sweep_lrs=(2e-3, 6e-3), seeds=(0, 1, 2))
+SWEPT = ("plain_latent", "mole")  # the ablations are MoLE minus one part: they take MoLE's lr
 CELL_RE = re.compile(r"\b(" + "|".join(data.CELL_TAGS) + r") (empty|" + "|".join(data.OBJECT_NAMES) + r")\b")
 
 
@@ -200,7 +201,7 @@ def _bottleneck_one(name, lr, seed, steps, recs, data_dir, out_dir, base, thread
     return out
 
 
-def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None):
+def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None, phase="all"):
     """The stage-1 bottleneck experiment (pre-registered in mole/README.md).
 
     1. lr sweep: every arm at each of BOTTLENECK["sweep_lrs"], seed 0, sweep_steps steps,
@@ -208,6 +209,9 @@ def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=Non
     2. every arm at its lr for each seed, `steps` steps of stage 1 (only Z_vis read the image),
        scored on the test split: per-cell transcription accuracy and final-answer accuracy.
     Each (arm, lr/seed) result is its own atomic JSON file, so a stopped run resumes.
+    phase: "sweep" (step 1 only), "main" (step 2 only; the sweeps it needs must exist) or
+    "all"; two processes may share the work when they get disjoint arms / phases.
+    Only the arms in SWEPT are swept; the ablations use MoLE's lr.
     Returns the summary dict (also {out_dir}/bottleneck.json)."""
     if threads:
         torch.set_num_threads(threads)
@@ -219,13 +223,23 @@ def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=Non
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     os.makedirs(out_dir, exist_ok=True)
     lr_of, sweep = {}, {}
-    for name in arms:
+    swept = [a for a in SWEPT if a in arms or (phase != "sweep" and a == "mole" and set(arms) - set(SWEPT))]
+    if phase == "main":  # read the sweep results, never train them here
+        missing = [f"sweep_{n}_lr{lr:g}" for n in swept for lr in cfg["sweep_lrs"]
+                   if not os.path.exists(os.path.join(out_dir, f"sweep_{n}_lr{lr:g}.json"))]
+        if missing:
+            raise SystemExit(f"error: --phase main needs the sweep results {missing}; run --phase sweep first")
+    for name in swept:
         for lr in cfg["sweep_lrs"]:
             r = _bottleneck_one(name, lr, 0, cfg["sweep_steps"], val, data_dir, out_dir, base, threads,
                                 f"sweep_{name}_lr{lr:g}")
             sweep.setdefault(name, {})[f"{lr:g}"] = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
             print(f"[bottleneck] sweep {name} lr {lr:g}: val cell acc {sweep[name][f'{lr:g}']:.3f}", flush=True)
         lr_of[name] = float(max(sweep[name], key=sweep[name].get))
+    for name in arms:
+        lr_of.setdefault(name, lr_of.get("mole"))
+    if phase == "sweep":
+        return sweep
     results = {}
     for seed in seeds:
         for name in arms:
@@ -358,6 +372,9 @@ def main(argv=None):
                    help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
     p.add_argument("--seeds", default="", help="bottleneck: comma-separated seeds (default 0,1,2)")
     p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
+    p.add_argument("--phase", default="all", choices=("all", "sweep", "main", "summary"),
+                   help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
+                        "the result files that exist")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--base", default="tiny-dense", help="base VLM")
@@ -366,10 +383,13 @@ def main(argv=None):
     if a.part == "bottleneck":
         out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
         dd = a.data if a.data != "out/data" else os.path.join(out, "data")
+        if a.phase == "summary":
+            print(bottleneck_table(summarise_bottleneck(out)))
+            return
         s = run_bottleneck(dd, out, base=a.base, threads=a.threads or None,
                            seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
-                           arms=a.arms.split(",") if a.arms else None)
-        print(bottleneck_table(s))
+                           arms=a.arms.split(",") if a.arms else None, phase=a.phase)
+        print(bottleneck_table(s) if a.phase != "sweep" else s)
         return
     rows = run(a.quick, a.data, a.out, base=a.base, threads=a.threads or None)
     print(table(rows))
