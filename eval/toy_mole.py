@@ -348,6 +348,54 @@ def bottleneck_table(summary):
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- position shift
+
+@torch.no_grad()
+def position_shift(data_dir, n=64, base="tiny-dense", stage=2, n_lat=8):
+    """Answer cross-entropy of the untouched base on n validation items (stage-2 attention:
+    every row may read the image) under four inputs, to separate the two effects of inserting
+    n_lat untrained latent tokens before the assistant header:
+      none      the plain prompt (no latents)
+      latents   latents inserted (header and answer at positions shifted by n_lat)
+      hidden    latents inserted but masked from every row after them (positions still shifted)
+      kept_pos  latents inserted and visible, header and answer at their no-latent positions
+    CE = mean over the assistant-turn tokens (answer + <|im_end|>), as in training.
+    The latents are plain causal tokens (no router / ESVA), as in the plain-latent arm.
+    Returns {condition: CE}."""
+    from mole.model import MoLEPass, topology_mask, ZSUM, ZVIS
+    import torch.nn.functional as F
+    from mole.model import MoLE, MoLEConfig
+    model, proc = bb.load_backbone(base)
+    model.eval()
+    data.ensure_splits(data_dir, {"val": n})
+    recs = data.read_llava_json(os.path.join(data_dir, "val.json"))[:n]
+    imgs = [data.load_image(r["image"], r["id"]) for r in recs]
+    qs, ts = [r["question"] for r in recs], [r["target"] for r in recs]
+    out = {"none": float(model(**proc.encode(imgs, qs, ts)).loss)}
+    mole = MoLE(model, proc, MoLEConfig(n_vis=n_lat, n_sum=0, router=False, esva=False, latent_mixing="causal"))
+    batch = mole.encode(imgs, qs, ts)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    types = mole.token_types(ids, am)
+    latent = (types == ZVIS) | (types == ZSUM)
+    after = latent.long().cumsum(1).eq(n_lat) & ~latent  # rows after the last latent
+    pos = mole.positions(batch)
+    for cond in ("latents", "hidden", "kept_pos"):
+        mask = topology_mask(types, stage, mole.cfg)
+        p = pos
+        if cond == "hidden":
+            mask = mask & ~(after[:, None, :, None] & latent[:, None, None, :])
+        if cond == "kept_pos":
+            p = pos - n_lat * after[None].long()
+        st = MoLEPass(mole, types, mole.zvis_positions(ids))
+        logits = mole.model(inputs_embeds=mole.embed(ids), attention_mask=mask, position_ids=p,
+                            pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                            mole=st).logits
+        lab = batch["labels"][:, 1:]
+        out[cond] = float(F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), lab.reshape(-1),
+                                          ignore_index=-100))
+    return out
+
+
 def table(rows):
     """Markdown table: accuracy per family [CI] and diff vs SFT on all, per model."""
     acc = [r for r in rows if r["metric"] == "accuracy"]
@@ -368,7 +416,7 @@ def table(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="main rows only, small budget (~3 CPU minutes)")
-    p.add_argument("--part", default="full", choices=("full", "bottleneck"),
+    p.add_argument("--part", default="full", choices=("full", "bottleneck", "shift"),
                    help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
     p.add_argument("--seeds", default="", help="bottleneck: comma-separated seeds (default 0,1,2)")
     p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
@@ -380,6 +428,15 @@ def main(argv=None):
     p.add_argument("--base", default="tiny-dense", help="base VLM")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     a = p.parse_args(argv)
+    if a.part == "shift":
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
+        dd = a.data if a.data != "out/data" else os.path.join(out, "data")
+        res = position_shift(dd, base=a.base)
+        data.atomic_write_text(os.path.join(out, "position_shift.json"), json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return
     if a.part == "bottleneck":
         out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
         dd = a.data if a.data != "out/data" else os.path.join(out, "data")
