@@ -19,9 +19,8 @@ import json
 
 import torch
 
-from common import data
 from common.cli import check_out_file, number, run_cli
-from mole.model import ZSUM, ZVIS
+from mole.model import ZSUM, ZVIS, load_record_images
 
 
 def pairwise_sq_cos(h):
@@ -56,7 +55,7 @@ def latent_stats(mole, records, stage=2, batch_size=64):
     sims, kls = [], []
     for i in range(0, len(records), batch_size):
         chunk = records[i:i + batch_size]
-        imgs = [data.load_image(r["image"], r["id"]) for r in chunk]
+        imgs = [load_record_images(r) for r in chunk]
         batch = {k: v.to(mole.model.device) for k, v in mole.encode(imgs, [r["question"] for r in chunk]).items()}
         out = mole(batch, stage, record=True, hidden=True)
         types, st = out["types"], out["pass"]

@@ -40,7 +40,7 @@ from common.checkpoint import save_train_state
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
                         read_checkpoint, restore_optimizer, run_cli, sigterm_flag)
 from mole.lora import add_lora
-from mole.model import MoLE, MoLEConfig
+from mole.model import MoLE, MoLEConfig, record_images
 
 # flags that do not change what a run computes: everything else must match on --resume
 NOT_SETTINGS = ("base", "data", "out", "resume", "overwrite", "device", "compile", "quiet", "save_every",
@@ -158,14 +158,17 @@ class Loader:
     torch (identical to the PIL image processor for these fixed-size images). The order of
     epoch e is a permutation seeded by (seed, e): any step's batch is reproducible.
     Raises DataError for unreadable images or sizes patchify cannot take (all images must
-    share one size whose sides are multiples of 28)."""
+    share one size whose sides are multiples of 28). A record may hold several images
+    ("images" list): batch() then returns them in record order."""
 
     def __init__(self, records, batch_size, seed, rank=0, world=1):
         self.recs, self.bs, self.seed, self.rank, self.world = records, batch_size, seed, rank, world
-        ims = [np.asarray(data.load_image(r["image"], r["id"]).convert("RGB")) for r in records]
+        paths = [(r["id"], p) for r in records for p in record_images(r)]
+        ims = [np.asarray(data.load_image(p, rid).convert("RGB")) for rid, p in paths]
+        self.first = np.cumsum([0] + [len(record_images(r)) for r in records]).tolist()  # record -> first image
         sizes = {}
-        for r, im in zip(records, ims):
-            sizes.setdefault(im.shape[:2], r["id"])
+        for (rid, _), im in zip(paths, ims):
+            sizes.setdefault(im.shape[:2], rid)
         if len(sizes) > 1 or any(h % 28 or w % 28 for h, w in sizes):
             seen = ", ".join(f"{w}x{h} (record {rid})" for (h, w), rid in list(sizes.items())[:3])
             raise data.DataError(f"mole.train needs images of one size with sides that are multiples of 28 "
@@ -177,7 +180,7 @@ class Loader:
         epoch, i = divmod(step, self.steps_per_epoch)
         perm = torch.randperm(len(self.recs), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
         idx = perm[i * self.bs:(i + 1) * self.bs][self.rank::self.world].tolist()
-        return [self.recs[j] for j in idx], self.images[idx]
+        return [self.recs[j] for j in idx], self.images[[k for j in idx for k in range(self.first[j], self.first[j + 1])]]
 
 
 TOY_LR, TOY_WIDTH = 2e-3, 512
@@ -339,6 +342,9 @@ def train(a):
     recs = data.read_records(path)
     recs = recs[: a.n_train] if a.n_train else recs
     data.check_training_records(recs, path)
+    if a.method == "sft" and any(len(record_images(r)) > 1 for r in recs):
+        raise RunError(f"{path}: --method sft takes one image per record; records with several images "
+                       f"('images' list) train with --method mole")
     loader = Loader(recs, a.batch_size, a.seed, rank, world)  # images checked before the model loads
     device = a.device
     if ddp:
@@ -383,8 +389,11 @@ def train(a):
             qs, ts = [r["question"] for r in chunk], [r["target"] for r in chunk]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, a.lr, a.warmup)
-            enc = proc.encode if a.method == "sft" else net.encode
-            batch = {k: v.to(device) for k, v in enc(None, qs, ts, pixels=pixels).items()}
+            if a.method == "sft":
+                batch = proc.encode(None, qs, ts, pixels=pixels)
+            else:
+                batch = net.encode(None, qs, ts, pixels=pixels, n_images=[len(record_images(r)) for r in chunk])
+            batch = {k: v.to(device) for k, v in batch.items()}
             check_labels(batch["labels"], step, chunk)
             with amp:
                 if a.method == "sft":
