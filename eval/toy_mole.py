@@ -17,7 +17,6 @@ diagnostics (x100). Results are what this run measures; nothing is copied from t
 """
 import argparse
 import json
-import math
 import os
 import re
 import time
@@ -165,6 +164,36 @@ def cell_accuracy(pred, target, objects_only=False):
     return sum(got.get(t) == c for t, c in gold.items()) / max(len(gold), 1)
 
 
+@torch.no_grad()
+def cell_ce(net, recs, stage=1, batch_size=50):
+    """Teacher-forced cross-entropy of the cell contents, per item: mean CE over the 9 cell
+    content tokens (" empty" or an object name, one token each in the tiny tokenizer), and over
+    the object cells only. Continuous, so it separates arms that greedy decoding ties (e.g. all
+    writing "empty"). Returns two lists (all cells, object cells; nan for an item without objects)."""
+    import torch.nn.functional as F
+    tok = net.proc.tokenizer
+    empty = tok(" empty", add_special_tokens=False)["input_ids"]
+    objs = {tok(" " + n, add_special_tokens=False)["input_ids"][0] for n in data.OBJECT_NAMES}
+    assert len(empty) == 1, "cell contents must be single tokens"
+    empty = empty[0]
+    all_ce, obj_ce = [], []
+    for i in range(0, len(recs), batch_size):
+        chunk = recs[i:i + batch_size]
+        imgs = [data.load_image(r["image"], r["id"]) for r in chunk]
+        b = net.encode(imgs, [r["question"] for r in chunk], [r["target"] for r in chunk])
+        logits = net(b, stage)["logits"][:, :-1].float()
+        lab = b["labels"][:, 1:]
+        ce = F.cross_entropy(logits.transpose(1, 2), lab.clamp(min=0), reduction="none")  # [B,L-1]
+        is_obj = torch.zeros_like(lab, dtype=torch.bool)
+        for o in objs:
+            is_obj |= lab == o
+        is_cell = is_obj | (lab == empty)
+        for k in range(len(chunk)):
+            all_ce.append(float(ce[k][is_cell[k]].mean()))
+            obj_ce.append(float(ce[k][is_obj[k]].mean()) if is_obj[k].any() else float("nan"))
+    return all_ce, obj_ce
+
+
 def _json(path):
     with open(path) as f:
         return json.load(f)
@@ -195,6 +224,9 @@ def _bottleneck_one(name, lr, seed, steps, recs, data_dir, out_dir, base, thread
     for r, rec in zip(res, recs):
         r["cell_acc"] = cell_accuracy(r["pred"], rec["target"])
         r["obj_acc"] = cell_accuracy(r["pred"], rec["target"], objects_only=True)
+    with torch.inference_mode():
+        for r, c, o in zip(res, *cell_ce(net, recs, stage=1)):
+            r["cell_ce"], r["obj_ce"] = c, o
     out = {"arm": name, "lr": lr, "seed": seed, "steps": steps, "train_s": train_s, "infer_s": time.time() - t,
            "ce_log": [[x["step"], x["ce"]] for x in log], "items": res}
     data.atomic_write_text(path, json.dumps(out))
@@ -282,15 +314,21 @@ def bottleneck_summary(results, sweep, lr_of):
     rows = []
     for (name, seed), r in results.items():
         row = {"arm": name, "seed": seed, "lr": lr_of[name], "train_s": r["train_s"]}
-        for m, key in (("cell_acc", "cell_acc"), ("obj_acc", "obj_acc"), ("answer_acc", "correct")):
-            x = [float(i[key]) for i in r["items"]]
+        for m, key in (("cell_acc", "cell_acc"), ("obj_acc", "obj_acc"), ("answer_acc", "correct"),
+                       ("cell_ce", "cell_ce"), ("obj_ce", "obj_ce")):
+            if key not in r["items"][0]:
+                continue
+            keep = [k for k, i in enumerate(r["items"]) if i[key] == i[key]]  # drop nan (no object cell)
+            x = [float(r["items"][k][key]) for k in keep]
             lo, hi = bootstrap_ci(x)
             row[m] = {"value": sum(x) / len(x), "ci_low": lo, "ci_high": hi, "n": len(x)}
             for other, label in (("plain_latent", "plain"), ("mole", "mole")):
                 ref = results.get((other, seed))
                 if ref is None or name == other:
                     continue
-                y = [float(i[key]) for i in ref["items"]]
+                if key not in ref["items"][0]:
+                    continue
+                y = [float(ref["items"][k][key]) for k in keep]
                 d = paired_bootstrap(x, y)
                 d["sd"] = float(torch.tensor(x, dtype=torch.float64).sub(torch.tensor(y, dtype=torch.float64)).std())
                 row[f"{m}_vs_{label}"] = d
