@@ -304,6 +304,12 @@ def summarise_bottleneck(out_dir):
     for m, what in (("cell_acc", "per-cell transcription accuracy"), ("obj_acc", "object-cell accuracy"),
                     ("answer_acc", "final-answer accuracy")):
         bar_png(summary["rows"], m, os.path.join(out_dir, f"bottleneck_{m}.png"), f"stage-1 bottleneck: {what}")
+    ckpt = os.path.join(out_dir, "ckpt", "mole_seed0")
+    if os.path.exists(os.path.join(ckpt, "state.json")) and os.path.exists(os.path.join(out_dir, "mole_seed0.json")):
+        from mole.train import load_mole
+        net, _, _ = load_mole(ckpt)
+        rec = data.read_llava_json(os.path.join(out_dir, "data", "test.json"))[0]
+        routing_png(net, rec, os.path.join(out_dir, "routing_mole_seed0.png"))
     return summary
 
 
@@ -370,6 +376,41 @@ def bar_png(rows, metric, path, title, w=640, h=360):
            fill="black")
     with data.atomic_target(path) as tmp:
         img.save(tmp, format="PNG")
+
+
+@torch.no_grad()
+def routing_png(net, rec, path, stage=1, cell=24):
+    """One example's Z_vis routing over the image grid: the image (left), then one row per
+    decoder layer and one column per visual expert, each a heat map over the merged visual
+    tokens (3 x 3 for the 84-px shapes images) of that expert's attention (mean over heads;
+    white = 0, black = the largest weight in the figure). Unrouted tokens get exactly 0."""
+    from PIL import Image, ImageDraw
+    img = data.load_image(rec["image"], rec["id"]).convert("RGB")
+    b = net.encode([img], [rec["question"]])
+    out = net(b, stage, record=True)
+    st = out["pass"]
+    vis = st.is_vis[0]
+    gh, gw = (int(x) // net.proc.merge for x in b["image_grid_thw"][0, 1:])
+    maps = [st.attn[layer][0].mean(0)[:, vis].reshape(-1, gh, gw) for layer in sorted(st.attn)]  # [E,gh,gw]
+    top = max(float(m.max()) for m in maps) or 1.0
+    E, n_layers = maps[0].shape[0], len(maps)
+    side = gh * cell
+    W = side + 20 + E * (gw * cell + 8) + 10
+    H = max(side, n_layers * (side + 8)) + 40
+    canvas = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(canvas)
+    canvas.paste(img.resize((side, side)), (0, 30))
+    d.text((0, 4), f"{rec['question'][:60]}  (rows: layers, cols: Z_vis experts)", fill="black")
+    for layer, m in enumerate(maps):
+        for e in range(E):
+            x0, y0 = side + 20 + e * (gw * cell + 8), 30 + layer * (side + 8)
+            for i in range(gh):
+                for j in range(gw):
+                    v = int(255 * (1 - float(m[e, i, j]) / top))
+                    d.rectangle([x0 + j * cell, y0 + i * cell, x0 + (j + 1) * cell - 1, y0 + (i + 1) * cell - 1],
+                                fill=(v, v, v), outline=(200, 200, 200))
+    with data.atomic_target(path) as tmp:
+        canvas.save(tmp, format="PNG")
 
 
 def bottleneck_table(summary):
