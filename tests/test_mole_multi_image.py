@@ -140,3 +140,11 @@ def test_two_image_records_train_and_infer_end_to_end(tmp_path, monkeypatch):
     except ValueError as e:
         err = str(e)
     assert err and "--method sft takes one image per record" in err
+
+
+def test_data_fingerprint_covers_every_image():
+    from common.cli import data_fingerprint
+    r = {"question": "q", "target": "t", "image": "/d/a.png"}
+    assert data_fingerprint([r]) == data_fingerprint([dict(r, images=["/d/a.png"])])  # one image: as before
+    assert data_fingerprint([dict(r, images=["/d/a.png", "/d/b.png"])]) != \
+        data_fingerprint([dict(r, images=["/d/a.png", "/d/c.png"])])
