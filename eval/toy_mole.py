@@ -140,7 +140,7 @@ BOTTLENECK_ARMS = {  # name -> mole.train flags; all at 8 latent tokens, stage 1
     "causal_mixing": ["--latent-mixing", "causal"],
 }
 BOTTLENECK = dict(n_train=4800, n_val=150, n_test=500, batch_size=32, steps=100, sweep_steps=50,
-                  sweep_lrs=(2e-3, 6e-3), seeds=(0, 1, 2))
+                  sweep_lrs=(2e-3, 6e-3), seeds=(0, 1, 2), long_steps=300)
 SWEPT = ("plain_latent", "mole")  # the ablations are MoLE minus one part: they take MoLE's lr
 CELL_RE = re.compile(r"\b(" + "|".join(data.CELL_TAGS) + r") (empty|" + "|".join(data.OBJECT_NAMES) + r")\b")
 
@@ -209,12 +209,14 @@ def _bottleneck_one(name, lr, seed, steps, recs, data_dir, out_dir, base, thread
     if os.path.exists(path):
         return _json(path)
     cfg = BOTTLENECK
-    n_train = steps * cfg["batch_size"]  # one epoch: every step sees fresh examples
+    n_train = min(steps * cfg["batch_size"], cfg["n_train"])  # one epoch of fresh examples when they suffice
+    epochs = steps * cfg["batch_size"] / n_train
     ckpt = os.path.join(out_dir, "ckpt", tag)
     t = time.time()
     net, proc, log = mt.main(["--base", base, "--data", data_dir, "--n-train", str(n_train),
                               "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
-                              "--stage1-epochs", "1", "--stage2-epochs", "0", "--lr", str(lr), "--seed", str(seed),
+                              "--stage1-epochs", f"{epochs:g}", "--stage2-epochs", "0", "--lr", str(lr),
+                              "--seed", str(seed),
                               "--threads", str(threads or 0), "--save-every", "25", "--resume",
                               "--out", ckpt] + BOTTLENECK_ARMS[name])
     train_s = time.time() - t
@@ -256,7 +258,7 @@ def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=Non
     os.makedirs(out_dir, exist_ok=True)
     lr_of, sweep = {}, {}
     swept = [a for a in SWEPT if a in arms or (phase != "sweep" and a == "mole" and set(arms) - set(SWEPT))]
-    if phase == "main":  # read the sweep results, never train them here
+    if phase in ("main", "long"):  # read the sweep results, never train them here
         missing = [f"sweep_{n}_lr{lr:g}" for n in swept for lr in cfg["sweep_lrs"]
                    if not os.path.exists(os.path.join(out_dir, f"sweep_{n}_lr{lr:g}.json"))]
         if missing:
@@ -272,6 +274,12 @@ def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=Non
         lr_of.setdefault(name, lr_of.get("mole"))
     if phase == "sweep":
         return sweep
+    if phase == "long":  # exploratory: seed 0, long_steps steps (epochs over the 4,800 training examples)
+        for name in arms:
+            r = _bottleneck_one(name, lr_of[name], 0, cfg["long_steps"], test, data_dir,
+                                os.path.join(out_dir, "long"), base, threads, f"{name}_seed0")
+            print(f"[bottleneck] long {name}: obj CE {sum(x['obj_ce'] for x in r['items'] if x['obj_ce'] == x['obj_ce']) / sum(1 for x in r['items'] if x['obj_ce'] == x['obj_ce']):.4f}", flush=True)
+        return {}
     results = {}
     for seed in seeds:
         for name in arms:
@@ -376,6 +384,39 @@ def bar_png(rows, metric, path, title, w=640, h=360):
            fill="black")
     with data.atomic_target(path) as tmp:
         img.save(tmp, format="PNG")
+
+
+def image_dependence(out_dir, seeds=(0,), data_dir=None):
+    """Does anything of the image pass the stage-1 bottleneck? For each trained arm and seed:
+    teacher-forced cell / object-cell CE on the test items with their own image vs with the
+    image of the next item (a wrong image of the same distribution), paired bootstrap of
+    (wrong - own): > 0 with the CI above 0 means the cell predictions use the image.
+    Writes {out_dir}/image_dependence.json; returns it."""
+    from eval.metrics import paired_bootstrap
+    from mole.train import load_mole
+    cfg = BOTTLENECK
+    test = data.read_llava_json(os.path.join(data_dir or os.path.join(out_dir, "data"), "test.json"))[: cfg["n_test"]]
+    wrong = [dict(r, image=test[(i + 1) % len(test)]["image"]) for i, r in enumerate(test)]
+    out = {}
+    for name in BOTTLENECK_ARMS:
+        for seed in seeds:
+            tag = f"{name}_seed{seed}"
+            if not os.path.exists(os.path.join(out_dir, f"{tag}.json")):
+                continue
+            net, _, _ = load_mole(os.path.join(out_dir, "ckpt", tag))
+            with torch.inference_mode():
+                own, wrong_ce = cell_ce(net, test), cell_ce(net, wrong)
+            row = {}
+            for k, label in ((0, "cell_ce"), (1, "obj_ce")):
+                keep = [i for i, v in enumerate(own[k]) if v == v]
+                row[label] = paired_bootstrap([wrong_ce[k][i] for i in keep], [own[k][i] for i in keep])
+                row[label]["own"] = sum(own[k][i] for i in keep) / len(keep)
+            out[tag] = row
+            print(f"[image dependence] {tag}: obj CE own {row['obj_ce']['own']:.4f}, wrong - own "
+                  f"{row['obj_ce']['diff']:+.4f} [{row['obj_ce']['ci_low']:+.4f}, {row['obj_ce']['ci_high']:+.4f}]",
+                  flush=True)
+    data.atomic_write_text(os.path.join(out_dir, "image_dependence.json"), json.dumps(out, indent=1))
+    return out
 
 
 @torch.no_grad()
@@ -499,7 +540,7 @@ def main(argv=None):
                    help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
     p.add_argument("--seeds", default="", help="bottleneck: comma-separated seeds (default 0,1,2)")
     p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
-    p.add_argument("--phase", default="all", choices=("all", "sweep", "main", "summary"),
+    p.add_argument("--phase", default="all", choices=("all", "sweep", "main", "summary", "image", "long"),
                    help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
                         "the result files that exist")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
@@ -521,6 +562,11 @@ def main(argv=None):
         dd = a.data if a.data != "out/data" else os.path.join(out, "data")
         if a.phase == "summary":
             print(bottleneck_table(summarise_bottleneck(out)))
+            return
+        if a.phase == "image":  # exploratory: do the cell predictions depend on the image at all?
+            if a.threads:
+                torch.set_num_threads(a.threads)
+            image_dependence(out, seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (0,), data_dir=dd)
             return
         s = run_bottleneck(dd, out, base=a.base, threads=a.threads or None,
                            seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
