@@ -298,7 +298,7 @@ def summarise_bottleneck(out_dir):
     (a partial run gives a partial summary): {out_dir}/bottleneck.json and the PNG figures."""
     sweep, lr_of, results = {}, {}, {}
     for f in sorted(os.listdir(out_dir)):
-        if not f.endswith(".json") or f == "bottleneck.json":
+        if not re.fullmatch(r"(sweep_.*_lr[0-9.e-]+|.*_seed\d+)\.json", f):
             continue
         r = _json(os.path.join(out_dir, f))
         acc = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
@@ -460,11 +460,13 @@ def bottleneck_table(summary):
     f = lambda v: f"{v['value']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
     g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
     lines = ["| arm | seed | lr | cell acc [CI] | object-cell acc [CI] | answer acc [CI] | cell vs plain [CI] | "
-             "object-cell vs plain [CI] | answer vs plain [CI] |", "|---|---|---|---|---|---|---|---|---|"]
+             "object-cell vs plain [CI] | answer vs plain [CI] | object-cell CE [CI] | object-cell CE vs plain [CI] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: (list(BOTTLENECK_ARMS).index(r["arm"]), r["seed"])):
         lines.append(f"| {r['arm']} | {r['seed']} | {r['lr']:g} | {f(r['cell_acc'])} | {f(r['obj_acc'])} | "
                      f"{f(r['answer_acc'])} | {g(r.get('cell_acc_vs_plain'))} | {g(r.get('obj_acc_vs_plain'))} | "
-                     f"{g(r.get('answer_acc_vs_plain'))} |")
+                     f"{g(r.get('answer_acc_vs_plain'))} | {f(r['obj_ce']) if 'obj_ce' in r else ''} | "
+                     f"{g(r.get('obj_ce_vs_plain'))} |")
     return "\n".join(lines)
 
 
