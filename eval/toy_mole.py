@@ -355,7 +355,8 @@ def bar_png(rows, metric, path, title, w=640, h=360):
     """Accuracy per arm with 95% CIs (one bar per arm and seed, seeds side by side), drawn
     with Pillow. rows: [{"arm", "seed", metric: {"value","ci_low","ci_high"}}]."""
     from PIL import Image, ImageDraw
-    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    order = list(BOTTLENECK_ARMS)
+    arms = sorted(dict.fromkeys(r["arm"] for r in rows), key=lambda a: order.index(a) if a in order else len(order))
     seeds = sorted({r["seed"] for r in rows})
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
