@@ -2,6 +2,8 @@
 
     python -m eval.toy_mole            # every row below, writes out/mole/results.json
     python -m eval.toy_mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
+    python -m eval.toy_mole --part bottleneck --threads 1   # stage-1 bottleneck experiment (mole/README.md)
+    python -m eval.toy_mole --part shift                    # answer CE: position shift vs latent content
 
 Rows (all trained with the same data, steps, optimiser and LoRA on the same base):
   base              the tiny dense Qwen3-VL, untouched
