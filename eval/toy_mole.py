@@ -276,11 +276,13 @@ def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=Non
         lr_of.setdefault(name, lr_of.get("mole"))
     if phase == "sweep":
         return sweep
-    if phase == "long":  # exploratory: seed 0, long_steps steps (epochs over the 4,800 training examples)
-        for name in arms:
-            r = _bottleneck_one(name, lr_of[name], 0, cfg["long_steps"], test, data_dir,
-                                os.path.join(out_dir, "long"), base, threads, f"{name}_seed0")
-            print(f"[bottleneck] long {name}: obj CE {sum(x['obj_ce'] for x in r['items'] if x['obj_ce'] == x['obj_ce']) / sum(1 for x in r['items'] if x['obj_ce'] == x['obj_ce']):.4f}", flush=True)
+    if phase == "long":  # exploratory: long_steps steps (epochs over the 4,800 training examples)
+        for seed in seeds:
+            for name in arms:
+                r = _bottleneck_one(name, lr_of[name], seed, cfg["long_steps"], test, data_dir,
+                                    os.path.join(out_dir, "long"), base, threads, f"{name}_seed{seed}")
+                ce = [x["obj_ce"] for x in r["items"] if x["obj_ce"] == x["obj_ce"]]
+                print(f"[bottleneck] long {name} seed {seed}: obj CE {sum(ce) / len(ce):.4f}", flush=True)
         return {}
     results = {}
     for seed in seeds:
@@ -318,7 +320,9 @@ def summarise_bottleneck(out_dir):
     if os.path.exists(os.path.join(ckpt, "state.json")) and os.path.exists(os.path.join(out_dir, "mole_seed0.json")):
         from mole.train import load_mole
         net, _, _ = load_mole(ckpt)
-        rec = data.read_llava_json(os.path.join(out_dir, "data", "test.json"))[0]
+        dd = os.path.join(out_dir, "data")
+        dd = dd if os.path.isdir(dd) else os.path.join(os.path.dirname(os.path.abspath(out_dir)), "data")
+        rec = data.read_llava_json(os.path.join(dd, "test.json"))[0]
         routing_png(net, rec, os.path.join(out_dir, "routing_mole_seed0.png"))
     return summary
 
@@ -576,7 +580,7 @@ def main(argv=None):
         s = run_bottleneck(dd, out, base=a.base, threads=a.threads or None,
                            seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
                            arms=a.arms.split(",") if a.arms else None, phase=a.phase)
-        print(bottleneck_table(s) if a.phase != "sweep" else s)
+        print(bottleneck_table(s) if a.phase not in ("sweep", "long") else s)
         return
     rows = run(a.quick, a.data, a.out, base=a.base, threads=a.threads or None)
     print(table(rows))
