@@ -94,52 +94,117 @@ class VLProcessor:
         self.merge = image_processor.merge_size
         self._ids = {}
 
-    def _tok(self, text):
-        if text not in self._ids:  # prompts/templates repeat: cache their ids
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def _tok(self, text, escape=False):
+        """Token ids of `text`; escape=True (user text: questions, answers) tokenizes
+        special-token strings such as "<|image_pad|>" as the characters they are made of, so a
+        question can never inject an image / turn marker (template text keeps them special)."""
+        key = (text, escape)
+        if key not in self._ids:  # prompts/templates repeat: cache their ids
+            ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=escape)["input_ids"]
             if len(self._ids) > 100_000:
                 self._ids.clear()
-            self._ids[text] = ids
-        return self._ids[text]
+            self._ids[key] = ids
+        return self._ids[key]
+
+    def text_ids(self, text):
+        """Token ids of user text (a question, an answer, an option letter): special-token
+        strings escaped (`_tok`). Every entry point tokenizes user text through here."""
+        return self._tok(text, escape=True)
 
     def images(self, images):
-        """list of PIL images -> (pixel_values [sum patches, C*T*p*p], image_grid_thw [N,3])."""
-        out = self.image_processor(images=images, return_tensors="pt")
+        """list of PIL images -> (pixel_values [sum patches, C*T*p*p], image_grid_thw [N,3]).
+
+        The one image path of every entry point: the image processor's own resize rules
+        (min / max pixels, sides a multiple of patch * merge) decide each image's grid. When all
+        images share one size that the processor keeps as it is (e.g. the shapes world's 84x84),
+        the pixels are patchified in torch (`patchify`, equal to the processor's output) instead
+        of by PIL, which is much faster; any other size (a 2800x2100 photo, mixed sizes) goes
+        through the processor, so an image gives the same visual tokens whatever file or batch
+        it comes in."""
+        ip = self.image_processor
+        if images and self._keeps_size(images[0].size) and len({im.size for im in images}) == 1:
+            import numpy as np
+            return patchify(torch.from_numpy(np.stack([np.asarray(im.convert("RGB")) for im in images])),
+                            patch=ip.patch_size, temporal=ip.temporal_patch_size, merge=ip.merge_size,
+                            mean=tuple(ip.image_mean), std=tuple(ip.image_std))
+        out = ip(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
-    def prompt_ids(self, question, n_image_tokens):
-        ids = self._tok("<|im_start|>user\n<|vision_start|>") + [self.image_token_id] * n_image_tokens
-        return ids + self._tok("<|vision_end|>" + question) + self._tok("<|im_end|>\n<|im_start|>assistant\n")
+    def _keeps_size(self, size):
+        """True if the (PIL) Qwen2-VL image processor leaves a (width, height) image unresized."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (Qwen2VLImageProcessorPil,
+                                                                                smart_resize)
+        ip = self.image_processor
+        if type(ip) is not Qwen2VLImageProcessorPil or ip.do_resize is False:
+            return False
+        w, h = size
+        if max(w, h) > 200 * min(w, h):
+            return False
+        return smart_resize(h, w, ip.patch_size * ip.merge_size, ip.size.shortest_edge, ip.size.longest_edge) == (h, w)
 
-    def encode(self, images, questions, answers=None, padding_side=None, pixels=None):
+    def prompt_ids(self, question, n_image_tokens, history=()):
+        """Prompt token ids (Qwen chat): the user turn with `n_image_tokens` image pads (none
+        and no vision markers when 0: a text-only record), earlier (question, answer) turns of
+        `history` if any, then the assistant header."""
+        return self.prompt_and_labels(question, n_image_tokens, history)[0]
+
+    def prompt_and_labels(self, question, n_image_tokens, history=()):
+        """(ids, labels) of `prompt_ids`; labels are -100 except on the answers of `history`
+        (+ their <|im_end|>): a multi-turn record trains on every gpt turn."""
+        ids = self._tok("<|im_start|>user\n")
+        if n_image_tokens:
+            ids = ids + self._tok("<|vision_start|>") + [self.image_token_id] * n_image_tokens + \
+                self._tok("<|vision_end|>")
+        labels = [-100] * len(ids)
+        head = self._tok("<|im_end|>\n<|im_start|>assistant\n")
+        for q, a in history:
+            ask, ans, nxt = self.text_ids(q) + head, self.text_ids(a) + [self.eos_token_id], \
+                self._tok("\n<|im_start|>user\n")
+            ids = ids + ask + ans + nxt
+            labels = labels + [-100] * len(ask) + ans + [-100] * len(nxt)
+        ask = self.text_ids(question) + head
+        return ids + ask, labels + [-100] * len(ask)
+
+    def encode(self, images, questions, answers=None, padding_side=None, pixels=None, history=None):
         """Batch inputs for the model.
 
-        images: list of PIL images (or None with `pixels=(pixel_values, image_grid_thw)` given);
-        questions: list[str]; answers: list[str] or None.
-        With answers (training): right padding, `labels` = -100 except on the answer + <|im_end|>.
+        images: list of PIL images, one per row, None for a text-only row (or images=None with
+        `pixels=(pixel_values, image_grid_thw)` given, one image per row); questions: list[str];
+        answers: list[str] or None; history: None or per row a list of earlier (question,
+        answer) turns (multi-turn records).
+        With answers (training): right padding, `labels` = -100 except on every answer turn
+        (history answers included) + its <|im_end|>.
         Without (generation): left padding, so every row's last token is its prompt's end.
         Always returns input_ids, attention_mask, mm_token_type_ids (1 at image tokens; the
-        model silently falls back to 1-D positions without it), pixel_values, image_grid_thw.
+        model silently falls back to 1-D positions without it), and pixel_values,
+        image_grid_thw unless no row has an image. User text is escaped (`text_ids`).
         Raises ValueError if all labels would be masked (empty answers)."""
-        pixel_values, grid = pixels if pixels is not None else self.images(images)
-        n_img = (grid.prod(-1) // self.merge ** 2).tolist()
+        if pixels is not None:
+            pixel_values, grid = pixels
+            n_img = (grid.prod(-1) // self.merge ** 2).tolist()
+        else:
+            present = [im for im in images if im is not None]
+            pixel_values, grid = self.images(present) if present else (None, None)
+            counts = iter((grid.prod(-1) // self.merge ** 2).tolist() if present else [])
+            n_img = [next(counts) if im is not None else 0 for im in images]
         rows, labels = [], []
         for i, q in enumerate(questions):
-            p = self.prompt_ids(q, n_img[i])
+            p, lab = self.prompt_and_labels(q, n_img[i], history[i] if history else ())
             if answers is None:
                 rows.append(p)
                 continue
-            a = self._tok(answers[i]) + [self.eos_token_id]
+            a = self.text_ids(answers[i]) + [self.eos_token_id]
             rows.append(p + a)
-            labels.append([-100] * len(p) + a)
+            labels.append(lab + a)
         side = padding_side or ("right" if answers is not None else "left")
         L = max(map(len, rows))
         pad = lambda r, v: (r + [v] * (L - len(r))) if side == "right" else ([v] * (L - len(r)) + r)
         input_ids = torch.tensor([pad(r, self.pad_token_id) for r in rows])
         mask = torch.tensor([pad([1] * len(r), 0) for r in rows])
         batch = {"input_ids": input_ids, "attention_mask": mask,
-                 "mm_token_type_ids": (input_ids == self.image_token_id).long() * mask,
-                 "pixel_values": pixel_values, "image_grid_thw": grid}
+                 "mm_token_type_ids": (input_ids == self.image_token_id).long() * mask}
+        if pixel_values is not None:
+            batch.update(pixel_values=pixel_values, image_grid_thw=grid)
         if answers is not None:
             batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
         return batch
@@ -294,6 +359,8 @@ def save_backbone(model, proc, path):
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     proc.save_pretrained(tmp)
+    from common.data import follow_umask
+    follow_umask(tmp)
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
@@ -344,10 +411,12 @@ def text_model(model):
 
 
 @torch.no_grad()
-def generate(model, proc, images, questions, max_new_tokens=48, pixels=None, **gen_kw):
+def generate(model, proc, images, questions, max_new_tokens=48, pixels=None, history=None, **gen_kw):
     """Batched greedy generation (left padding). Returns (texts, n_generated_tokens list).
-    Bounded by `max_new_tokens` even if the model never emits <|im_end|>."""
-    batch = proc.encode(images, questions, pixels=pixels)
+    images: PIL images, None for a text-only row; history: per row earlier (question, answer)
+    turns or None (`VLProcessor.encode`). Bounded by `max_new_tokens` even if the model never
+    emits <|im_end|>."""
+    batch = proc.encode(images, questions, pixels=pixels, history=history)
     batch = {k: v.to(model.device) for k, v in batch.items()}
     gen_kw.setdefault("do_sample", False)
     out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=proc.eos_token_id,

@@ -19,7 +19,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.data import atomic_target
+from common.data import atomic_target, follow_umask
 
 MAX_HEADER = 100 << 20   # safetensors' own cap on the JSON header (100 MB)
 
@@ -111,6 +111,7 @@ def save_train_state(path, tensors, optimizer, state):
         torch.save(optimizer.state_dict(), os.path.join(tmp, "optim.pt"))
     with open(os.path.join(tmp, "state.json"), "w") as f:
         json.dump(state, f)
+    follow_umask(tmp)
     old = path.rstrip("/") + ".old"
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)

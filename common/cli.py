@@ -63,8 +63,50 @@ def run_cli(fn, *args):
         fail(e)
 
 
+class Deprecated(argparse.Action):
+    """An old flag spelling kept for one release: stores into the new flag's dest and prints
+    `warning: --base is deprecated; use --model`. Usage:
+        p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)"""
+
+    def __init__(self, option_strings, dest, new=None, **kw):
+        kw["default"] = argparse.SUPPRESS  # the new flag's default stands
+        super().__init__(option_strings, dest, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use {self.new} (the old spelling goes in the next "
+              f"release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_threads(p):
+    """Add `--threads` (torch CPU threads) to an argparse parser; apply it with `set_threads`."""
+    p.add_argument("--threads", type=number(min=0), default=None,
+                   help="torch CPU threads (default: 1 for the tiny bases, which run about as fast on one thread "
+                        "idle and ~10x faster than torch's default on a busy machine; for a real checkpoint every "
+                        "core this process may use; 0 = torch's own default)")
+
+
+def set_threads(threads, model=None):
+    """Set torch's intra-op threads from a `--threads` value and return the number used.
+
+    threads None = the default: 1 when `model` names a committed tiny base (tiny-dense /
+    tiny-moe / tiny-chat, or a path under common/tiny), else every core this process may use
+    (`os.sched_getaffinity`, which respects taskset / cgroup CPU sets, unlike os.cpu_count).
+    0 leaves torch's own default. Measured in the README (Setup): on a 2-core machine busy
+    with other jobs, torch's default threads made a 200-example evaluation ~10x slower."""
+    import torch
+    from common.backbone import TINY, TINY_DIR
+    if threads is None:
+        tiny = model is None or model in TINY or os.path.abspath(str(model)).startswith(TINY_DIR)
+        threads = 1 if tiny else len(os.sched_getaffinity(0))
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return threads or torch.get_num_threads()
+
+
 @contextmanager
-def sigterm_flag():
+def sigterm_flag(message="finishing this step and writing a checkpoint"):
     """Inside the block SIGTERM and the first Ctrl-C (SIGINT) only set flag["stop"] to the
     signal's name and flag["signum"]: the loop finishes its step, writes a checkpoint and
     stops (a kill in the middle of a write cannot happen this way; SIGKILL is covered by the
@@ -79,8 +121,7 @@ def sigterm_flag():
             raise KeyboardInterrupt
         flag.update(stop=signal.Signals(signum).name, signum=signum)
         if signum == signal.SIGINT:
-            print("\nCtrl-C: finishing this step and writing a checkpoint (Ctrl-C again to stop at once)",
-                  file=sys.stderr)
+            print(f"\nCtrl-C: {message} (Ctrl-C again to stop at once)", file=sys.stderr)
 
     old = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -181,6 +222,38 @@ def check_labels(labels, step, recs):
     if not bool((labels != -100).any()):
         raise RunError(f"step {step}: every label of the batch is masked: no answer token to train on "
                        f"(records {[r['id'] for r in recs][:3]}); check their answers")
+
+
+def label_tokens(labels):
+    """Number of label tokens the loss is taken over: positions t >= 1 with labels[:, t] != -100
+    (the model predicts token t at t - 1), as an int."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def step_tokens(micro_labels, world=1):
+    """Label tokens of one optimizer step: summed over its micro-batches (`label_tokens`) and, with
+    world > 1, over all ranks (all-reduce), divided by world because DDP averages gradients over
+    ranks. `token_ce(..., step_tokens(...))` then gives every rank's micro-batches the weight of
+    their tokens in the whole step."""
+    n = sum(label_tokens(lab) for lab in micro_labels)
+    if world > 1:
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor(float(n), device=micro_labels[0].device)
+        dist.all_reduce(t)
+        return float(t) / world
+    return float(n)
+
+
+def token_ce(logits, labels, n_tokens):
+    """Next-token cross-entropy summed over the label positions of `labels` [B, L] (logits
+    [B, L, V], computed in fp32) and divided by `n_tokens`, the label tokens of the whole
+    optimizer step (`step_tokens`). Summed over a step's micro-batches this is the token-mean
+    CE of the step however it is split, so gradient accumulation (--grad-accum) gives the
+    gradient of one big batch: each token weighs the same, not each micro-batch."""
+    import torch.nn.functional as F
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction="sum") / n_tokens
 
 
 def diverged(step, values, ckpt, saved_at, save_every):

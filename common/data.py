@@ -21,6 +21,7 @@ images + LLaVA-style conversation JSON, the format real instruction data uses, s
 `read_llava_json` serves both.
 """
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import re
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 
 COLOURS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240), "yellow": (235, 220, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -226,10 +227,21 @@ def sample_example(rng, families=FAMILIES):
 SPLIT_SEEDS = {"train": 0, "val": 1, "test": 2}
 
 
+def split_of(scene, question):
+    """The split an (image, question) pair belongs to, fixed by a hash of the scene (every
+    object's cell, colour, shape and size: the image) and the question: "test" for 1 pair in
+    10, "val" for 1 in 10, else "train". `generate_split` keeps only its own split's pairs, so
+    train / val / test never share a pair, whatever their sizes and seeds."""
+    key = json.dumps([[o.cell, o.colour, o.shape, o.size] for o in scene] + [question])
+    h = int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) % 10
+    return "test" if h == 0 else "val" if h == 1 else "train"
+
+
 def generate_split(out_dir, split, n, seed=None, overwrite=False):
     """Write `n` examples of `split` to out_dir/{split}.json + out_dir/images/{split}_*.png.
 
-    Seeded: the same (split, n, seed) gives the same files. Written atomically
+    Disjoint by construction: only (image, question) pairs whose `split_of` is `split` are
+    kept, so no pair of one split appears in another. Seeded: the same (split, n, seed) gives the same files. Written atomically
     (temp file + rename). An existing image of the same name is kept (the same seed draws
     the same scene) unless `overwrite`, which also redraws them and removes this split's
     images numbered n and above (left by a larger earlier run). Returns the list of records."""
@@ -242,6 +254,8 @@ def generate_split(out_dir, split, n, seed=None, overwrite=False):
     records = []
     for i in range(n):
         scene, family, q, a = sample_example(rng)
+        while split_of(scene, q) != split:
+            scene, family, q, a = sample_example(rng)
         name = f"images/{split}_{i:06d}.png"
         path = os.path.join(out_dir, name)
         if overwrite or not os.path.exists(path):
@@ -284,6 +298,23 @@ def ensure_splits(data_dir, sizes):
             print(f"[data] {path} has {have} records (< {n} asked); using them as they are")
 
 
+def follow_umask(path):
+    """Give `path` (a file, or every file and folder under a directory) the mode a plain
+    `open()` / `os.makedirs` would: 0o666 / 0o777 minus the user's umask. safetensors' writer
+    (and so `save_pretrained`) creates its files 0600, which collaborators on a shared
+    cluster cannot read; every writer of weights in this repo calls this before its rename."""
+    mask = os.umask(0)
+    os.umask(mask)
+    if not os.path.isdir(path):
+        os.chmod(path, 0o666 & ~mask)
+        return
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~mask)
+
+
 @contextmanager
 def atomic_target(path):
     """Yields a temp path next to `path` to write to (its folder created if missing); renames it
@@ -293,6 +324,7 @@ def atomic_target(path):
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         yield tmp
+        follow_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):
@@ -344,12 +376,62 @@ def load_records(path):
     return out
 
 
-def read_llava_json(path, image_root=None, check_images=True):
-    """Read LLaVA-style conversation JSON (a list) or JSONL into a list of dicts
-    {id, image (absolute path), question, answer, family, conversations}.
+# ----------------------------------------------------------------------------- records
+#
+# Every reader returns the same record dicts (README, "Records"):
+#   id        str
+#   images    list of absolute image paths, in order ([] for a text-only record)
+#   image     images[0], or None for a text-only record
+#   question  the last human turn (single-image records: "<image>" placeholders removed;
+#             multi-image records keep one "<image>" per image, in order)
+#   target    the last gpt turn (the training target)
+#   answer    the gold answer of the last turn (the record's "answer" field, else
+#             `final_answer(target)`); a list of acceptable answers stays a list
+#   history   earlier (question, target) pairs of a multi-turn conversation, [] otherwise
+#   family    the record's "family", default "all"
+#   conversations  the human / gpt turns as read
+#   options   [(letter, text), ...] for canonical multiple-choice records only
+# Relative image paths resolve against `image_root` when given (--image-root), else the data
+# file's folder; absolute paths are used as they are.
 
-    Raises DataError for a file without records and naming the file/record for malformed
-    records, missing answer turns, and missing image files."""
+IMAGE_ROOT_HELP = ("folder that relative image paths in --data are resolved against (default: the data file's "
+                   "folder); absolute paths are used as they are")
+
+
+def _image_paths(value, root, path, rid, check_images):
+    """The absolute image paths of a record's "image" field: None / "" -> [], a path -> [it],
+    a list of paths -> them in order. Raises DataError naming the record for other types and
+    (check_images) missing or unreadable files (`check_image`, header only)."""
+    if value in (None, "", []):
+        return []
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, str) and v for v in items):
+        raise DataError(f"{path}: record {rid}: 'image' must be a file path or a list of file paths (text), got "
+                        f"{type(value).__name__} {value!r:.40}")
+    out = [v if os.path.isabs(v) else os.path.join(root, v) for v in items]
+    if check_images:
+        for im in out:
+            if not os.path.exists(im):
+                raise DataError(f"{path}: record {rid}: image {im} not found (relative paths resolve against "
+                                f"--image-root, default the data file's folder)")
+            check_image(im, rid)  # header only: fails here, not hours into a run
+    return out
+
+
+def _strip_image(text, n_images):
+    """A human turn without its "<image>" placeholders (kept when the record has several images)."""
+    return text.strip() if n_images > 1 else text.replace("<image>\n", "").replace("<image>", "").strip()
+
+
+def read_llava_json(path, image_root=None, check_images=True):
+    """Read LLaVA-style conversation JSON (a list) or JSONL into record dicts (the keys above).
+
+    `image` may be one path, a list of paths (one "<image>" placeholder per image in the human
+    turns) or absent (a text-only record). Conversations alternate human / gpt turns; every
+    pair is kept (`history` holds all but the last).
+    Raises DataError for a file without records and, naming the record, for malformed turns,
+    a conversation that does not alternate human / gpt, a placeholder count that differs from
+    the image count, and missing image files."""
     records = load_records(path)
     if not records:
         raise DataError(f"{path}: no records (an empty file or list)")
@@ -364,48 +446,180 @@ def read_llava_json(path, image_root=None, check_images=True):
             if not isinstance(t["value"], str):
                 raise DataError(f"{path}: record {rid}: turn {k} ('from': {t.get('from')!r}) has a 'value' of type "
                                 f"{type(t['value']).__name__} ({t['value']!r:.40}); every turn's value must be text")
-        humans = [t["value"] for t in conv if t.get("from") == "human"]
-        gpts = [t["value"] for t in conv if t.get("from") == "gpt"]
-        if not humans or not gpts:
+        turns = [t for t in conv if t.get("from") in ("human", "gpt")]
+        roles = [t["from"] for t in turns]
+        if "human" not in roles or "gpt" not in roles:
             raise DataError(f"{path}: record {rid} needs a 'human' turn and a 'gpt' (answer) turn")
-        image = None
-        if isinstance(r.get("image"), list):
-            raise DataError(f"{path}: record {rid} has {len(r['image'])} images ('image' is a list): one image per "
-                            f"record is supported; split it into one record per image")
-        if r.get("image") and not isinstance(r["image"], str):
-            raise DataError(f"{path}: record {rid}: 'image' must be a file path (text), got "
-                            f"{type(r['image']).__name__} {r['image']!r:.40}")
-        if r.get("image"):
-            image = r["image"] if os.path.isabs(r["image"]) else os.path.join(root, r["image"])
-            if check_images:
-                if not os.path.exists(image):
-                    raise DataError(f"{path}: record {rid}: image {image} not found (set image_root / --image-root)")
-                check_image(image, rid)  # header only: fails here, not hours into a run
-        q = humans[0].replace("<image>\n", "").replace("<image>", "").strip()
-        out.append({"id": rid, "image": image, "question": q, "target": gpts[0],
-                    "answer": r.get("answer", final_answer(gpts[0])), "family": r.get("family", "all"),
+        if roles != ["human", "gpt"] * (len(roles) // 2):
+            raise DataError(f"{path}: record {rid}: turns go {roles}; a conversation alternates human, gpt, "
+                            f"human, gpt, ... and ends with a gpt (answer) turn")
+        images = _image_paths(r.get("image"), root, path, rid, check_images)
+        n_ph = sum(t["value"].count("<image>") for t in turns if t["from"] == "human")
+        if len(images) > 1 and n_ph != len(images):
+            raise DataError(f"{path}: record {rid} has {len(images)} images but {n_ph} '<image>' placeholders in "
+                            f"its human turns; put one placeholder per image, in order")
+        pairs = [(_strip_image(turns[k]["value"], len(images)), turns[k + 1]["value"]) for k in range(0, len(turns), 2)]
+        q, target = pairs[-1]
+        out.append({"id": str(rid), "images": images, "image": images[0] if images else None, "question": q,
+                    "target": target, "answer": r.get("answer", final_answer(target)),
+                    "history": [list(p) for p in pairs[:-1]], "family": r.get("family", "all"),
                     "conversations": conv})
     return out
 
 
+REQUIRED = ("id", "question", "answer")  # "image" is optional: a record without one is text-only
+_LISTED = re.compile(r"(?:^|\s)([A-Z])\. (.+?)(?=\s+[A-Z]\. |\s+Answer with|$)")
 
-def read_records(path):
-    """Records of a LLaVA JSON/JSONL or canonical JSONL file: `eval.readers.read_any`, or
-    `read_llava_json` where eval/ is not installed. Raises DataError (an empty file too)."""
-    try:
-        from eval.readers import read_any as read
-    except ImportError:
-        read = read_llava_json
-    return read(path)
+
+def parse_options(question):
+    """Lettered options listed in a question, "... A. red circle B. blue square ..." ->
+    [("A", "red circle"), ("B", "blue square"), ...] (letters must run A, B, C, ...);
+    [] if fewer than two are found."""
+    found = _LISTED.findall(question)
+    letters = [L for L, _ in found]
+    if len(found) < 2 or letters != [chr(ord("A") + i) for i in range(len(found))]:
+        return []
+    return [(L, t.strip()) for L, t in found]
+
+
+def _golds(path, rid, answer):
+    """A record's gold answers as a list of non-empty strings: one answer (text or number) or
+    a list of acceptable ones (DocVQA / VQAv2 style). Raises DataError for anything else (an
+    object, a nested list, an empty string in the list)."""
+    items = answer if isinstance(answer, list) else [answer]
+    if any(isinstance(a, (dict, list, bool)) or a is None or not str(a).strip() for a in items):
+        raise DataError(f"{path}: record {rid}: 'answer' must be a text (or number) or a list of acceptable "
+                        f"texts, got {answer!r:.60} (write yes/no answers as text)")
+    return [str(a).strip() for a in items]
+
+
+def read_jsonl(path, image_root=None, check_images=True):
+    """Read a canonical benchmark JSONL -> record dicts (the keys above):
+        {"id": "q1", "image": "images/q1.png", "question": "Is there a dog?", "answer": "yes",
+         "family": "existence",                      # optional, default "all"
+         "options": ["cat", "dog", "cow", "pig"]}    # optional, multiple choice
+    "image" may be one path, a list of paths, or absent (a text-only record, ScienceQA / MMLU
+    style). Multiple choice: options are lettered A, B, C, ...; if the question does not
+    already list them, " A. cat B. dog ... Answer with the letter." is appended; a gold
+    answer given as an option's text becomes its letter. Several acceptable answers
+    ("answer": ["1986", "1986."]) stay a list: `eval.metrics.is_correct` accepts any of them and
+    ANLS takes the best; training needs one target, so "target" is the first gold.
+    Raises DataError naming the record for a non-object line, missing/empty required fields
+    (id, question, answer), an 'answer' that is not a text / number / list of them (`_golds`),
+    an 'image' that is not a path or list of paths, duplicate ids,
+    fewer than 2 options, an answer that is neither a letter nor an option's text, and
+    (check_images) missing, empty, unreadable or oversized image files (`check_image`)."""
+    root = image_root or os.path.dirname(os.path.abspath(path))
+    out, seen = [], set()
+    for i, r in enumerate(load_records(path)):
+        if not isinstance(r, dict):
+            raise DataError(f"{path}: record #{i} is not a JSON object")
+        rid = r.get("id", f"#{i}")
+        missing = [k for k in REQUIRED if r.get(k) in (None, "") or r.get(k) == []]
+        if missing:
+            raise DataError(f"{path}: record {rid} lacks required field(s) {missing} "
+                            f"(canonical JSONL needs {list(REQUIRED)}; 'image' is optional)")
+        rid = str(rid)
+        if rid in seen:
+            raise DataError(f"{path}: record {rid}: duplicate id")
+        seen.add(rid)
+        images = _image_paths(r.get("image"), root, path, rid, check_images)
+        q, golds = _strip_image(str(r["question"]), len(images)), _golds(path, rid, r["answer"])
+        keep = (lambda g: g) if isinstance(r["answer"], list) else (lambda g: g[0])  # a list stays a list
+        rec = {"id": rid, "images": images, "image": images[0] if images else None, "question": q,
+               "target": golds[0], "answer": keep(golds), "history": [], "family": r.get("family") or "all"}
+        if r.get("options") is not None:
+            opts = r["options"]
+            if not isinstance(opts, list) or len(opts) < 2 or len(opts) > 26:
+                raise DataError(f"{path}: record {rid}: 'options' must be a list of 2-26 strings")
+            opts = [(chr(ord("A") + j), str(t)) for j, t in enumerate(opts)]
+            if not parse_options(q):
+                q = f"{q} {' '.join(f'{L}. {t}' for L, t in opts)} Answer with the letter."
+            letters = [L for L, _ in opts]
+            by_text = {t.strip().lower(): L for L, t in opts}
+            for a in golds:
+                if a not in letters and a.lower() not in by_text:
+                    raise DataError(f"{path}: record {rid}: answer {a!r} is neither an option letter "
+                                    f"{letters} nor an option's text")
+            golds = [a if a in letters else by_text[a.lower()] for a in golds]
+            rec.update(question=q, target=golds[0], answer=keep(golds), options=opts)
+        head = "<image>\n" if len(images) == 1 else ""
+        rec["conversations"] = [{"from": "human", "value": head + rec["question"]},
+                                {"from": "gpt", "value": rec["target"]}]
+        out.append(rec)
+    return out
+
+
+def read_any(path, image_root=None, check_images=True):
+    """Read a data file of either format, decided by content: records with "conversations"
+    -> `read_llava_json`, records with "question" -> `read_jsonl`.
+    Raises DataError for an empty file or records of neither kind."""
+    records = load_records(path)
+    if not records:
+        raise DataError(f"{path}: no records")
+    first = records[0]
+    if isinstance(first, dict) and "conversations" in first:
+        return read_llava_json(path, image_root=image_root, check_images=check_images)
+    if isinstance(first, dict) and "question" in first:
+        return read_jsonl(path, image_root=image_root, check_images=check_images)
+    raise DataError(f"{path}: first record has neither 'conversations' (LLaVA JSON) nor 'question' "
+                    f"(canonical JSONL); keys: {sorted(first) if isinstance(first, dict) else type(first).__name__}")
+
+
+def read_records(path, image_root=None):
+    """Records of a LLaVA JSON/JSONL or canonical JSONL file (`read_any`). Raises DataError."""
+    return read_any(path, image_root=image_root)
+
+
+def expand_turns(records):
+    """One evaluation item per (question, answer) pair: a multi-turn record `rid` with n pairs
+    becomes items `rid#1` .. `rid#n`, item k asking question k with the k-1 earlier pairs (gold
+    answers) as its `history`; single-turn records are returned unchanged."""
+    out = []
+    for r in records:
+        if not r.get("history"):
+            out.append(r)
+            continue
+        pairs = r["history"] + [[r["question"], r["target"]]]
+        for k, (q, t) in enumerate(pairs, 1):
+            last = k == len(pairs)
+            out.append({**r, "id": f"{r['id']}#{k}", "question": q, "target": t, "history": pairs[:k - 1],
+                        "answer": r["answer"] if last else final_answer(t)})
+    return out
+
+
+def check_support(records, entry, text_only=False, multi_image=False, multi_turn=False):
+    """Refuse, before any model loads, the records `entry` (e.g. "mole.infer") cannot handle,
+    with one message per kind shared by every entry point (README, "Records"):
+    a text-only record unless `text_only`, several images unless `multi_image`, several
+    question / answer turns unless `multi_turn`. Raises DataError naming up to three records."""
+    kinds = []
+    if not text_only:
+        kinds.append((lambda r: not r["images"], "no image (a text-only record)",
+                      "it needs one image per record; evaluate text-only records with eval.evaluate"))
+    if not multi_image:
+        kinds.append((lambda r: len(r["images"]) > 1, "several images",
+                      "it takes one image per record; split such records into one record per image"))
+    if not multi_turn:
+        kinds.append((lambda r: bool(r.get("history")), "several question/answer turns",
+                      "it takes single-turn records; split each conversation into one record per turn"))
+    for bad_if, what, fix in kinds:
+        bad = [r["id"] for r in records if bad_if(r)]
+        if bad:
+            raise DataError(f"{entry}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}: {fix} "
+                            f"(README, 'Records')")
 
 
 def check_training_records(records, path):
-    """What training needs per record: an image and a non-empty answer (an empty gpt turn
-    would train only <|im_end|>). Raises DataError naming up to three bad records."""
-    for what, bad in (("no image", [r["id"] for r in records if not r["image"]]),
-                      ("an empty answer (gpt turn)", [r["id"] for r in records if not str(r["target"]).strip()])):
-        if bad:
-            raise DataError(f"{path}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}; fix or drop them")
+    """What training needs per record: a non-empty answer (an empty gpt turn would train only
+    <|im_end|>). Raises DataError naming up to three bad records."""
+    bad = [r["id"] for r in records if not str(r["target"]).strip()]
+    bad += [f"{r['id']} (turn {k + 1})" for r in records for k, (_, t) in enumerate(r.get("history", []))
+            if not str(t).strip()]
+    if bad:
+        raise DataError(f"{path}: {len(bad)} record(s) with an empty answer (gpt turn), e.g. {bad[:3]}; "
+                        f"fix or drop them")
+
 
 # Pixel bound of every image read: PIL's decompression-bomb threshold (~89 Mpx, e.g. 9459 x
 # 9459). A small PNG can declare 10000 x 10000 pixels; decoding it costs 300 MB of RGB and
@@ -463,11 +677,14 @@ def load_image(path, rid="?"):
     convert("RGB") would clip them to black and white. Transparency (RGBA, LA, PA, palette or
     greyscale with a transparent colour) is composited over white, as transformers'
     `convert_to_rgb` does: a plain convert("RGB") would show whatever colour the invisible
-    pixels happen to store."""
+    pixels happen to store. EXIF orientation is applied (`PIL.ImageOps.exif_transpose`), as every
+    viewer and transformers' image loader do: a phone photo stored sideways with Orientation = 6
+    reaches the model upright (an 84x56 file as 56x84)."""
     if not os.path.exists(path):
         raise DataError(f"record {rid}: image {path} not found")
     try:
-        with _open_image(path, rid) as im:
+        with _open_image(path, rid) as raw:
+            im = ImageOps.exif_transpose(raw)
             if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
                 import numpy as np
                 a = np.asarray(im, dtype=np.float64)

@@ -34,15 +34,14 @@ from tqdm import tqdm
 from common import backbone as bb
 from common import data
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
-from common.cli import fail, number
+from common.cli import add_threads, fail, number, set_threads
 
 
 def encode_examples(proc, ex, prompts=None, targets=None):
     """(scene, family, question, answer) tuples -> training batch (rendered, patchified, encoded).
     prompts / targets: per-example texts (default: the question and the marked-scene target)."""
-    imgs = torch.from_numpy(np.stack([np.asarray(data.render(s)) for s, _, _, _ in ex]))
-    return proc.encode(None, prompts or [q for _, _, q, _ in ex],
-                       targets or [data.target_text(s, a, q) for s, _, q, a in ex], pixels=bb.patchify(imgs))
+    return proc.encode([data.render(s) for s, _, _, _ in ex], prompts or [q for _, _, q, _ in ex],
+                       targets or [data.target_text(s, a, q) for s, _, q, a in ex])  # VLProcessor.images: one image path
 
 
 CHAT_FORMATS = ("plain", "json", "debate", "review", "mad")
@@ -61,7 +60,7 @@ def chat_example(rng, ex, fmt, wrong_priors=0.5):
     prior agrees with the target, so copying the prior's answer is as good as reading the image
     and the base may learn to anchor on priors. The answer tail is the target's
     last characters that hold the short answer (weighted by --answer-weight)."""
-    from mod import data as vs
+    from common import prompts as vs
     scene, family, q, a = ex
     gold = data.target_text(scene, a, q)
 
@@ -102,10 +101,49 @@ def make_batch(proc, step, batch_size, seed, chat_mix=None, wrong_priors=0.5):
     return batch, answer_mask
 
 
-def answer_ce(logits, labels, answer_mask):
-    """Mean next-token cross-entropy over the answer positions only (fp32)."""
+def answer_ce(logits, labels, answer_mask, n_tokens=None):
+    """Next-token cross-entropy over the answer positions only (fp32): their mean, or with
+    `n_tokens` their sum divided by it (the answer tokens of a whole optimizer step)."""
     lg, lab, m = logits[:, :-1], labels[:, 1:], answer_mask[:, 1:]
-    return torch.nn.functional.cross_entropy(lg[m].float(), lab[m])
+    if n_tokens is None:
+        return torch.nn.functional.cross_entropy(lg[m].float(), lab[m])
+    return torch.nn.functional.cross_entropy(lg[m].float(), lab[m], reduction="sum") / n_tokens
+
+
+def accumulate(model, batch, answer_mask, grad_accum=1, answer_weight=1.0, is_moe=False):
+    """Forward + backward of one optimizer step, its batch split into `grad_accum` micro-batches
+    (rows i::grad_accum). loss = CE over all answer-turn tokens + answer_weight * CE over the
+    short-answer tokens (the marked scene is ~32 of ~36 target tokens, so the answer gets its own
+    term), each summed and divided by its token count over the whole step (`common.cli.token_ce`):
+    1 x 4, 2 x 2 and 4 x 1 give the same gradient. The MoE router aux loss
+    (router_aux_loss_coef * aux, a per-micro-batch mean) weighs 1 / grad_accum per micro-batch.
+    Returns the step's loss (a detached scalar tensor)."""
+    from common.cli import step_tokens, token_ce
+    B = batch["input_ids"].shape[0]
+    parts = [list(range(m, B, grad_accum)) for m in range(min(grad_accum, B))]
+    n_lab = step_tokens([batch["labels"]])
+    n_ans = max(float(answer_mask[:, 1:].sum()), 1.0)
+    total = 0.0
+    for rows in parts:
+        mb = {k: (v[rows] if k not in ("pixel_values", "image_grid_thw") else v) for k, v in batch.items()}
+        mb.update(_pixels_of(batch, rows))
+        out = model(**{k: v for k, v in mb.items() if k != "labels"}, output_router_logits=is_moe)
+        loss = token_ce(out.logits, mb["labels"], n_lab) + answer_weight * answer_ce(out.logits, mb["labels"],
+                                                                                       answer_mask[rows], n_ans)
+        if is_moe:
+            loss = loss + model.config.get_text_config().router_aux_loss_coef * out.aux_loss / len(parts)
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def _pixels_of(batch, rows):
+    """pixel_values / image_grid_thw of the images of `rows` (one image per row)."""
+    grid = batch["image_grid_thw"]
+    n = grid.prod(-1)
+    start = torch.cumsum(n, 0) - n
+    return {"pixel_values": torch.cat([batch["pixel_values"][start[i]:start[i] + n[i]] for i in rows]),
+            "image_grid_thw": grid[rows]}
 
 
 @torch.no_grad()
@@ -151,6 +189,9 @@ def main():
     p.add_argument("--out", required=True, help="save_pretrained directory of the result")
     p.add_argument("--steps", type=int, default=6000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="examples per step")
+    p.add_argument("--grad-accum", type=number(min=1), default=1,
+                   help="split each step's batch into this many micro-batches (memory); the loss is normalised by "
+                        "the label tokens of the whole step, so the gradient is the same")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of --steps")
     p.add_argument("--hidden", type=int, default=128, help="text hidden size")
@@ -169,12 +210,11 @@ def main():
     p.add_argument("--wrong-priors", type=number(float, min=0), default=0.5,
                    help="with --chat-mix: probability that a prior response in a prompt is wrong (0 = all agree)")
     p.add_argument("--fresh", action="store_true", help="discard an existing {out}.ckpt instead of resuming it")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    add_threads(p)
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
     p.add_argument("--ckpt-every", type=int, default=250, help="atomic checkpoint every N steps")
     a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    set_threads(a.threads)  # the tiny bases: one thread unless asked
     chat_mix = None
     if a.chat_mix:
         try:
@@ -225,13 +265,9 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a.steps, a.lr, warmup)
         batch, answer_mask = make_batch(proc, step, a.batch_size, a.seed, chat_mix, a.wrong_priors)
-        out = model(**batch, output_router_logits=is_moe)
-        # out.loss: mean CE over all answer-turn tokens (+ router_aux_loss_coef * aux for the MoE).
-        # The scene is ~32 of ~36 target tokens, so the short answer gets its own weighted term.
-        loss = out.loss + a.answer_weight * answer_ce(out.logits, batch["labels"], answer_mask)
+        loss = accumulate(model, batch, answer_mask, a.grad_accum, a.answer_weight, is_moe)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss at step {step}; last good checkpoint kept in {ckpt}")
-        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

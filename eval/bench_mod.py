@@ -78,6 +78,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the layer compiled as mod.train --compile does (cold-compile seconds, "
+                        "compiled / eager step ratio; minutes of CPU)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,6 +122,21 @@ def main(argv=None):
     if "MoD per-expert loop" in t:
         print(f"  ratio loop / MoD           {t['MoD per-expert loop'] / t['MoD']:.2f}")
 
+    comp = {}
+    if args.compile:   # the hot path as the trainer compiles it: the adapter layer's forward, in place
+        cmod = MoDLinear(base, mod.cfg, ctx)
+        cmod.load_state_dict(mod.state_dict())
+        cmod.compile()
+        t0 = time.perf_counter()
+        step(cmod)()
+        sync()
+        comp["cold_compile_s"] = time.perf_counter() - t0
+        tc = timed({"MoD": step(mod), "MoD compiled": step(cmod)}, args.reps, sync)
+        comp["compiled_over_eager"] = tc["MoD compiled"] / tc["MoD"]
+        print(f"  compiled MoD layer: cold compile + first step {comp['cold_compile_s']:.1f} s; step "
+              f"{1000 * tc['MoD compiled']:.1f} ms vs eager {1000 * tc['MoD']:.1f} ms, "
+              f"compiled / eager {comp['compiled_over_eager']:.2f}")
+
     # decoding: prefill a context (fills the W-1 routing cache), then time one-token steps
     mod.eval()
     caches = {}
@@ -140,7 +158,7 @@ def main(argv=None):
     print(f"decoding one token with the routing cache (best of {max(200, 40 * args.reps)}): context {c1}: {1e6 * v1:.0f} us, context {c2}: "
           f"{1e6 * v2:.0f} us, ratio {v2 / v1:.2f} (goal ~1: no dependence on context length)")
     return {"fwd_bwd_ms": {k: 1000 * v for k, v in t.items()}, "mod_over_lora": t["MoD"] / t["LoRA"],
-            "decode_us": {str(k): 1e6 * v for k, v in res.items()}, "decode_ratio": v2 / v1}
+            "decode_us": {str(k): 1e6 * v for k, v in res.items()}, "decode_ratio": v2 / v1, **comp}
 
 
 if __name__ == "__main__":

@@ -53,9 +53,10 @@ def batch_inputs(n, image_size, seed=0):
     return pixels, [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex]
 
 
-def bench_size(size, reps, layers_3b):
+def bench_size(size, reps, layers_3b, compile=False):
     """Build plain-latent and MoLE on the same base and inputs, then time them alternately
-    (plain, mole, plain, ...) so that load on a shared machine hits both alike."""
+    (plain, mole, plain, ...) so that load on a shared machine hits both alike. compile: then
+    MoLE.compile_hot() (as mole.train --compile) and time its cold first step and compiled steps."""
     fns, out = {}, {}
     pixels = qs = ts = None  # the same inputs for both models
     for name, cfg in (("plain_latent", MoLEConfig(n_vis=8, n_sum=0, **PLAIN_LATENT)), ("mole", MoLEConfig())):
@@ -79,7 +80,7 @@ def bench_size(size, reps, layers_3b):
             with torch.no_grad():
                 mole(b, 2)
 
-        fns[name] = {"train_step_s": step, "prefill_s": prefill}
+        fns[name] = {"train_step_s": step, "prefill_s": prefill, "mole": mole}
         out[name] = {"seq_len": train_batch["input_ids"].shape[1], "batch": B, "visual_tokens":
                      int((train_batch["input_ids"][0] == proc.image_token_id).sum())}
     for what in ("train_step_s", "prefill_s"):
@@ -94,6 +95,18 @@ def bench_size(size, reps, layers_3b):
             out[n][what] = statistics.median(times[n])
     out["ratio_train_step"] = out["mole"]["train_step_s"] / out["plain_latent"]["train_step_s"]
     out["ratio_prefill"] = out["mole"]["prefill_s"] / out["plain_latent"]["prefill_s"]
+    if compile:
+        fns["mole"]["mole"].compile_hot()
+        t = time.perf_counter()
+        fns["mole"]["train_step_s"]()
+        out["mole"]["cold_compile_s"] = time.perf_counter() - t
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fns["mole"]["train_step_s"]()
+            times.append(time.perf_counter() - t)
+        out["mole"]["compiled_train_step_s"] = statistics.median(times)
+        out["mole"]["compiled_over_eager"] = out["mole"]["compiled_train_step_s"] / out["mole"]["train_step_s"]
     return out
 
 
@@ -104,17 +117,23 @@ def main(argv=None):
     p.add_argument("--layers-3b", type=int, default=2, help="decoder layers of the 3B-like size")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--out", default="out/mole/bench.json", help="where to write the measurements")
+    p.add_argument("--compile", action="store_true", help="also time MoLE with its hot functions compiled (cold-"
+                   "compile seconds, compiled / eager train-step ratio; minutes of CPU)")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     res = {"device": "cpu", "threads": torch.get_num_threads()}
     print(f"{'size':6s} {'model':13s} {'train step s':>12s} {'prefill s':>10s}")
     for size in a.sizes.split(","):
-        r = res[size] = bench_size(size, a.reps, a.layers_3b)
+        r = res[size] = bench_size(size, a.reps, a.layers_3b, a.compile)
         for name in ("plain_latent", "mole"):
             print(f"{size:6s} {name:13s} {r[name]['train_step_s']:12.4f} {r[name]['prefill_s']:10.4f}")
         print(f"{size:6s} {'MoLE / plain':13s} {r['ratio_train_step']:11.2f}x {r['ratio_prefill']:9.2f}x"
               f"   (goal: train step <= 1.5x)")
+        if a.compile:
+            m = r["mole"]
+            print(f"{size:6s} MoLE compiled: cold compile + first step {m['cold_compile_s']:.1f} s, train step "
+                  f"{m['compiled_train_step_s']:.4f} s, compiled / eager {m['compiled_over_eager']:.2f}")
     data.atomic_write_text(a.out, json.dumps(res, indent=1))
 
 

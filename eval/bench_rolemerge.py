@@ -1,4 +1,4 @@
-"""Scale benchmark of the RoleMerge streaming merge (issue item 7; not a test).
+"""Scale benchmark of the RoleMerge streaming merge (not a test).
 
     python -m eval.bench_rolemerge                       # ~1.2 GB synthetic checkpoint, 1-2 minutes
     python -m eval.bench_rolemerge --layers 48 --hidden 2048 --moe-intermediate 768   # Qwen3-30B-A3B experts (~58 GB)
@@ -6,13 +6,17 @@
 1. writes a synthetic Qwen3-MoE checkpoint (random bf16 weights, the real per-expert key
    names `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, 128 experts, several
    shards) and random phase-separated routing statistics stamped for it;
-2. measures the raw sequential read throughput of the shard files (the physical limit);
-3. merges it to rho = .5 with `python -m rolemerge.merge --streaming` in a child process and
-   reports its wall time, throughput (checkpoint bytes / wall time) and peak RSS, next to
-   the child's RSS after imports (the interpreter + torch floor) and the bound the design
-   aims at: floor + one shard + one layer's experts.
+2. times, side by side in one run: a raw sequential read of the shard files (the physical
+   limit), a plain safetensors copy (`load_file` + `save_file` of every shard, in a child
+   process: what any tool that rewrites a checkpoint pays), and the merge to rho = .5 with
+   `rolemerge.merge.run_merge(streaming=True)` in a child process (planning included);
+3. prints merge / copy and merge / raw-read time ratios (goal: merge <= 1.5 x copy), the
+   planning seconds alone, and the peak RSS of copy and merge next to the child's RSS after
+   imports (the interpreter + torch floor) and the bound the design aims at: floor + one
+   shard + one layer's experts.
 Page cache: every file is fsync'ed and dropped from the cache with posix_fadvise(DONTNEED)
-before each timed read, so both timings read from the device (as far as the kernel obliges).
+before each timed read (`--warm` keeps it warm instead: the files are read once first), so
+all three read from the same place.
 """
 import argparse
 import json
@@ -33,7 +37,23 @@ from rolemerge import merge as mg
 base = hwm()
 t = time.perf_counter()
 rep = mg.run_merge(sys.argv[1], sys.argv[2], sys.argv[3], rho=float(sys.argv[4]), streaming=True)
-print(json.dumps({"seconds": time.perf_counter() - t, "rss_floor_kb": base, "K": rep["K"], "peak_rss_kb": hwm()}))
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_floor_kb": base, "K": rep["K"], "peak_rss_kb": hwm(),
+                  "plan_seconds": rep.get("plan_seconds")}))
+"""
+# the baseline every checkpoint rewriter pays: safetensors' own load + save of each shard
+COPY = r"""
+import json, os, sys, time
+hwm = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
+import torch
+from safetensors.torch import load_file, save_file
+base = hwm()
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst)
+t = time.perf_counter()
+for s in sorted(os.listdir(src)):
+    if s.endswith(".safetensors"):
+        save_file(load_file(os.path.join(src, s)), os.path.join(dst, s), metadata={"format": "pt"})
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_floor_kb": base, "peak_rss_kb": hwm()}))
 """
 
 
@@ -131,6 +151,15 @@ def raw_read(paths, buf_mb=64):
     return n, time.perf_counter() - t
 
 
+def child(code, *args):
+    """Run `code` in a fresh interpreter (its own RSS high-water mark); returns its JSON line."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env)
+    if res.returncode:
+        raise SystemExit(f"child failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="out/bench_rolemerge", help="work directory (checkpoint, stats, merged output)")
@@ -141,45 +170,69 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=8, help="experts per token")
     p.add_argument("--shard-gb", type=float, default=0.3, help="shard size in GB")
     p.add_argument("--rho", type=float, default=0.5, help="retention ratio of the merge")
+    p.add_argument("--warm", action="store_true", help="time reads from the page cache instead of the device")
+    p.add_argument("--repeat", type=int, default=1, help="timed rounds (raw, copy, merge each); the best is kept")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and merged output")
     a = p.parse_args(argv)
     src, out, stats = os.path.join(a.dir, "src"), os.path.join(a.dir, "merged"), os.path.join(a.dir, "stats.safetensors")
+    cp = os.path.join(a.dir, "copy")
     shutil.rmtree(a.dir, ignore_errors=True)
     t = time.perf_counter()
     shards, fp = write_checkpoint(src, a.layers, a.hidden, a.moe_intermediate, a.experts, a.top_k, a.shard_gb)
     write_stats(stats, a.layers, a.experts, a.top_k, fp)
     total = sum(os.path.getsize(s) for s in shards)
-    print(f"synthetic checkpoint: {total / 1e9:.2f} GB in {len(shards)} shards, written in {time.perf_counter() - t:.0f}s")
-    drop_cache(shards)
-    nbytes, secs = raw_read(shards)
-    raw = nbytes / secs / 1e9
-    drop_cache(shards)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", CHILD, src, stats, out, str(a.rho)], capture_output=True, text=True,
-                         env=env)
-    if res.returncode:
-        raise SystemExit(f"merge failed:\n{res.stderr[-3000:]}")
-    m = json.loads(res.stdout.strip().splitlines()[-1])
+    print(f"synthetic checkpoint: {total / 1e9:.2f} GB in {len(shards)} shards, written in {time.perf_counter() - t:.0f}s; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    prep = (lambda: raw_read(shards)) if a.warm else (lambda: drop_cache(shards))
+    raws, copies, merges = [], [], []
+    for _ in range(a.repeat):
+        prep()
+        nbytes, secs = raw_read(shards)
+        raws.append(secs)
+        prep()
+        shutil.rmtree(cp, ignore_errors=True)
+        copies.append(child(COPY, src, cp))
+        prep()
+        shutil.rmtree(out, ignore_errors=True)
+        merges.append(child(CHILD, src, stats, out, a.rho))
+    raw_s = min(raws)
+    c = min(copies, key=lambda r: r["seconds"])
+    m = min(merges, key=lambda r: r["seconds"])
     merged = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
     shard_max = max(os.path.getsize(s) for s in shards)
     layer_experts = a.experts * 3 * a.hidden * a.moe_intermediate * 2
     floor, peak = m["rss_floor_kb"] * 1024, m["peak_rss_kb"] * 1024
-    merge_gbs = total / m["seconds"] / 1e9
     res = {"checkpoint_gb": total / 1e9, "shards": len(shards), "largest_shard_gb": shard_max / 1e9,
            "layer_experts_gb": layer_experts / 1e9, "merged_gb": merged / 1e9, "K": m["K"], "N": a.experts,
-           "raw_read_gb_s": raw, "merge_s": m["seconds"], "merge_gb_s": merge_gbs, "throughput_ratio": merge_gbs / raw,
+           "cache": "warm" if a.warm else "dropped", "load_average": os.getloadavg()[0], "repeat": a.repeat,
+           "raw_read_s": raw_s, "raw_read_gb_s": total / raw_s / 1e9, "copy_s": c["seconds"], "merge_s": m["seconds"],
+           "plan_s": m["plan_seconds"], "merge_over_copy": m["seconds"] / c["seconds"], "merge_over_raw": m["seconds"] / raw_s,
+           "copy_over_raw": c["seconds"] / raw_s, "copy_peak_rss_gb": c["peak_rss_kb"] * 1024 / 1e9,
            "peak_rss_gb": peak / 1e9, "rss_floor_gb": floor / 1e9, "peak_above_floor_gb": (peak - floor) / 1e9,
            "rss_bound_gb": (floor + shard_max + layer_experts) / 1e9,
            "peak_rss_over_bound": peak / (floor + shard_max + layer_experts)}
     print(json.dumps(res, indent=1))
-    print(f"merge {merge_gbs:.2f} GB/s vs raw read {raw:.2f} GB/s (ratio {res['throughput_ratio']:.2f}, goal >= 0.5); "
-          f"peak RSS {peak / 1e9:.2f} GB (floor {floor / 1e9:.2f} GB; bound floor+shard+layer "
-          f"{res['rss_bound_gb']:.2f} GB, ratio {res['peak_rss_over_bound']:.2f}, goal < 1)")
-    with open(os.path.join(a.dir, "bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    print(f"merge {m['seconds']:.2f}s (planning {m['plan_seconds']:.2f}s) | safetensors copy {c['seconds']:.2f}s | "
+          f"raw read {raw_s:.2f}s  ->  merge/copy {res['merge_over_copy']:.2f} (goal <= 1.5), merge/raw "
+          f"{res['merge_over_raw']:.2f}, copy/raw {res['copy_over_raw']:.2f}")
+    print(f"peak RSS: merge {peak / 1e9:.2f} GB, copy {res['copy_peak_rss_gb']:.2f} GB (floor {floor / 1e9:.2f} GB; "
+          f"bound floor+shard+layer {res['rss_bound_gb']:.2f} GB, merge/bound {res['peak_rss_over_bound']:.2f}, goal < 1)")
+    # planning alone at Qwen3-30B-A3B's shape (48 MoE layers x 128 experts), in this process
+    from rolemerge import calibrate as cal
+    from rolemerge import merge as mg
+    s48 = os.path.join(a.dir, "stats48.safetensors")
+    write_stats(s48, 48, 128, a.top_k, fp)
+    st = cal.load_stats([s48])
+    t, c = time.perf_counter(), time.process_time()
+    mg.make_plan(st, 64)
+    res.update(plan48_wall_s=time.perf_counter() - t, plan48_cpu_s=time.process_time() - c)
+    print(f"planning 48 layers x 128 experts (K = 64): {res['plan48_wall_s']:.2f}s wall, {res['plan48_cpu_s']:.2f}s CPU "
+          f"(goal <= 1 s)")
+    from common.data import atomic_write_text
+    atomic_write_text(os.path.join(a.dir, "bench.json"), json.dumps(res, indent=1))
     if not a.keep:
-        shutil.rmtree(src)
-        shutil.rmtree(out)
+        for d in (src, out, cp):
+            shutil.rmtree(d)
     return res
 
 

@@ -5,7 +5,8 @@ option log-likelihood.
     python -m eval.evaluate --model tiny-dense --data out/data/val.json
     python -m eval.evaluate --model /path/to/Qwen2.5-VL-3B-Instruct --data bench.jsonl --limit 200
 
-prints a table (model vs "majority", value [95% CI]) and writes out/eval/<model>_<data>.json:
+prints a table (model vs the best constant answer per family, fitted on the training split
+next to the data file or on --reference, value [95% CI]) and writes out/eval/<model>_<data>.json:
 {"model", "data", "rows": [report rows], "pope": {...}, "anls": {...}, "results": [...],
 "loglik": [...], "wall_s"}. Report rows are {"model","family","metric","value","ci_low",
 "ci_high","n"}, one per family plus "all", the format the quickstart report uses.
@@ -33,39 +34,45 @@ import torch
 from tqdm import tqdm
 
 from common.backbone import generate, load_backbone
-from common.cli import RunError, check_out_file, run_cli
-from common.data import ANSWER_TYPE, DataError, atomic_write_text, load_image
-from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table,
-                          is_correct, pope_prf, short_answer)
-from eval.readers import parse_options, read_any
+from common.cli import RunError, add_threads, check_out_file, run_cli, set_threads
+from common.data import (ANSWER_TYPE, IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns,
+                         load_image, read_any)
+from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table, gold_list,
+                          is_correct, option_letters, pope_prf, short_answer)
+from eval.readers import parse_options
 
 
 def _images(batch):
-    for r in batch:
-        if not r.get("image"):
-            raise DataError(f"record {r['id']}: no image; the evaluators expect one image per record")
-    return [load_image(r["image"], r["id"]) for r in batch]
+    """The image of each record, None for a text-only record (`check_support` refuses several)."""
+    check_support(batch, "eval.evaluate", text_only=True, multi_turn=True)
+    return [load_image(r["image"], r["id"]) if r["image"] else None for r in batch]
 
 
 @torch.no_grad()
 def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"):
     """Greedy generation on every record, scored with `is_correct` by family.
 
-    records: dicts from `eval.readers.read_any` / `common.data.read_llava_json`.
-    Returns one dict per record, in order: {id, family, pred (generated text), extracted
-    (the answer read from it), answer (gold), correct (bool), n_tokens (generated, incl. the
-    end token)}. Raises DataError for records without a readable image."""
+    records: dicts from `common.data.read_any` (after `expand_turns` for multi-turn records:
+    a record's `history` goes into the prompt); text-only records (image None) are asked
+    without an image. Returns one dict per record, in order: {id, family, pred (generated
+    text), extracted (the answer read from it), answer (gold: a string or the list of
+    acceptable answers), correct (bool), n_tokens (generated, incl. the end token)}.
+    Multiple-choice records are read with their own option letters (`options_of`: A..E for
+    five options). Raises DataError for an unreadable image or a record with several images."""
     was_training = model.training
     model.eval()
     results = []
     bar = tqdm(total=len(records), desc=desc, unit="ex", leave=False)
     for i in range(0, len(records), batch_size):
         batch = records[i:i + batch_size]
-        texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens)
+        texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens,
+                               history=[r.get("history", []) for r in batch])
         for r, t, n in zip(batch, texts, lens):
+            opts, typ = options_of(r), answer_type_of(r["family"])
+            letters = option_letters(opts, gold_list(r["answer"])) if typ == "letter" else None
             results.append({"id": r["id"], "family": r["family"], "pred": t,
-                            "extracted": extract(t, answer_type_of(r["family"])), "answer": r["answer"],
-                            "correct": is_correct(t, r["answer"], r["family"]), "n_tokens": n})
+                            "extracted": extract(t, typ, letters, opts), "answer": r["answer"],
+                            "correct": is_correct(t, r["answer"], r["family"], opts), "n_tokens": n})
         bar.update(len(batch))
     bar.close()
     model.train(was_training)
@@ -98,12 +105,14 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
     is empty or ends in whitespace). Context and continuation are tokenised separately and
     concatenated (as lm-eval-harness does), one row per (record, option), right padded:
         score(L) = sum_t log softmax(logits[t-1])[ids[t]]   over the continuation positions t
-    pred = argmax_L score(L). Returns per record {id, family, scores (list, option order),
-    pred (letter), answer (gold letter), correct}. Raises DataError for a record without options."""
+    pred = argmax_L score(L) over every option the record has (A..E for five; `pick_option`).
+    Returns per record {id, family, scores (list, option order), pred (letter), answer (gold
+    letter, or the list of acceptable letters), correct}. Raises DataError for a record
+    without options."""
     was_training = model.training
     model.eval()
     prefixes = prefixes if prefixes is not None else [""] * len(records)
-    tok = lambda s: proc.tokenizer(s, add_special_tokens=False)["input_ids"] if s else []
+    tok = lambda s: proc.text_ids(s) if s else []  # special-token strings escaped
     rows = []  # (record index, context ids, continuation ids), image pixels attached below
     for i, r in enumerate(records):
         opts = options_of(r)
@@ -117,15 +126,18 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
     bar = tqdm(total=len(rows), desc=desc, unit="opt", leave=False)
     for s in range(0, len(rows), batch_size):
         chunk = rows[s:s + batch_size]
-        uniq = list(dict.fromkeys(i for i, _, _ in chunk))
-        pv, grid = proc.images(_images([records[i] for i in uniq]))
-        n_patch = grid.prod(-1)
-        start = torch.cumsum(n_patch, 0) - n_patch
+        uniq = [i for i in dict.fromkeys(i for i, _, _ in chunk) if records[i]["image"]]  # text-only: no pixels
         where = {i: k for k, i in enumerate(uniq)}
-        ks = [where[i] for i, _, _ in chunk]
-        pixel_values = torch.cat([pv[start[k]:start[k] + n_patch[k]] for k in ks])
-        image_grid_thw = grid[ks]
-        ids = [proc.prompt_ids(records[i]["question"], int(n_patch[where[i]]) // proc.merge ** 2) + c + o
+        ks = [where[i] for i, _, _ in chunk if i in where]
+        pixels = {}
+        if uniq:
+            pv, grid = proc.images(_images([records[i] for i in uniq]))
+            n_patch = grid.prod(-1)
+            start = torch.cumsum(n_patch, 0) - n_patch
+            pixels = {"pixel_values": torch.cat([pv[start[k]:start[k] + n_patch[k]] for k in ks]),
+                      "image_grid_thw": grid[ks]}
+        n_img = lambda i: int(n_patch[where[i]]) // proc.merge ** 2 if i in where else 0
+        ids = [proc.prompt_ids(records[i]["question"], n_img(i), records[i].get("history", [])) + c + o
                for i, c, o in chunk]
         T = max(map(len, ids))
         input_ids = torch.tensor([x + [proc.pad_token_id] * (T - len(x)) for x in ids])
@@ -133,7 +145,7 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
         dev = model.device
         out = model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
                     mm_token_type_ids=((input_ids == proc.image_token_id).long() * mask).to(dev),
-                    pixel_values=pixel_values.to(dev), image_grid_thw=image_grid_thw.to(dev))
+                    **{k: v.to(dev) for k, v in pixels.items()})
         logp = torch.log_softmax(out.logits.float(), dim=-1)  # [R, T, V]
         for row, (i, _, o) in enumerate(chunk):
             end = len(ids[row])
@@ -145,12 +157,20 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
     model.train(was_training)
     results = []
     for r, sc in zip(records, scores):
-        letters = [L for L, _ in options_of(r)]
-        pred = letters[max(range(len(sc)), key=sc.__getitem__)]
-        gold = extract(str(r["answer"]), "letter")
-        results.append({"id": r["id"], "family": r["family"], "scores": sc, "pred": pred, "answer": gold,
-                        "correct": pred == gold})
+        pred, golds = pick_option(options_of(r), sc, r["answer"])
+        results.append({"id": r["id"], "family": r["family"], "scores": sc, "pred": pred,
+                        "answer": golds[0] if len(golds) == 1 else golds, "correct": pred in golds})
     return results
+
+
+def pick_option(options, scores, gold):
+    """(predicted letter, gold letters) of one multiple-choice record: the letter of the
+    highest score (first on ties) among all of `options` ([(letter, text)]), and each gold
+    (`gold_list`) read as a letter of those options (`eval.metrics.extract`)."""
+    letters = "".join(L for L, _ in options)
+    pred = letters[max(range(len(scores)), key=scores.__getitem__)]
+    golds = list(dict.fromkeys(extract(g, "letter", letters, options) for g in gold_list(gold)))
+    return pred, golds
 
 
 # ----------------------------------------------------------------------------- report rows
@@ -167,44 +187,67 @@ def family_rows(model_name, results, metric="accuracy", n_resamples=10_000, seed
     return rows
 
 
+def _gold_set(r):
+    """The extracted acceptable answers of a record (a set: one per gold in its list)."""
+    t = answer_type_of(r["family"])
+    golds = gold_list(r["answer"])
+    letters = option_letters(r.get("options"), golds) if t == "letter" else None
+    return {extract(g, t, letters, r.get("options")) for g in golds}
+
+
 def majority_answers(records):
     """{family: (constant answer, [correct per record])}: for each family the constant answer
     (gold answers normalised with the family's answer type) that maximises accuracy on these
-    records, i.e. the most frequent gold answer; ties go to the alphabetically first."""
+    records, i.e. the answer acceptable for the most records (the most frequent gold when each
+    record has one); ties go to the alphabetically first."""
     golds = {}
     for r in records:
-        golds.setdefault(r["family"], []).append(extract(str(r["answer"]), answer_type_of(r["family"])))
+        golds.setdefault(r["family"], []).append(_gold_set(r))
     out = {}
     for fam, g in golds.items():
-        counts = Counter(g)
+        counts = Counter(x for s in g for x in s)
         best = max(sorted(counts), key=counts.__getitem__)
-        out[fam] = (best, [x == best for x in g])
+        out[fam] = (best, [best in s for s in g])
     return out
 
 
-def majority_rows(records, n_resamples=10_000, seed=0):
-    """Best-constant-answer baseline as report rows with model "majority": per family the
-    accuracy of its best constant answer on these records (the evaluated split, a stricter
-    bar than the training-set majority), and "all" = every family answered with its own
-    constant."""
-    best = majority_answers(records)
+def majority_rows(records, reference, model="best constant (train)", n_resamples=10_000, seed=0):
+    """Best-constant-answer baseline as report rows named `model`: per family, the constant
+    that is most frequent among the *reference* records' gold answers (a training or other
+    held-out split; never the evaluated records, where it would be fitted on the answers it is
+    scored against: on one question it would score 1.0), scored on `records`; "all" =
+    every family answered with its own constant. A family absent from the reference has no
+    constant and scores 0. records, reference: lists of {family, answer}."""
+    best = majority_answers(reference)
     results = [{"family": r["family"],
-                "correct": extract(str(r["answer"]), answer_type_of(r["family"])) == best[r["family"]][0]}
-               for r in records]
-    return family_rows("majority", results, n_resamples=n_resamples, seed=seed)
+                "correct": r["family"] in best and best[r["family"]][0] in _gold_set(r)} for r in records]
+    return family_rows(model, results, n_resamples=n_resamples, seed=seed)
+
+
+def reference_split(data_path):
+    """The training split next to a benchmark file, used to fit the best-constant baseline:
+    `train.json` / `train.jsonl` in the same folder, if it exists and is not the file itself;
+    else None."""
+    folder = os.path.dirname(os.path.abspath(data_path))
+    for name in ("train.json", "train.jsonl"):
+        p = os.path.join(folder, name)
+        if os.path.exists(p) and os.path.realpath(p) != os.path.realpath(data_path):
+            return p
+    return None
 
 
 def extra_metrics(results):
-    """POPE precision/recall/F1/yes-ratio for yes/no families and ANLS for word/text
-    families -> ({family: pope dict}, {family: anls})."""
+    """POPE precision/recall/F1/yes-ratio for yes/no families (gold: the first acceptable
+    answer) and ANLS for word/text families (best over the acceptable answers)
+    -> ({family: pope dict}, {family: anls})."""
     pope, soft = {}, {}
     for fam in dict.fromkeys(r["family"] for r in results):
         rs = [r for r in results if r["family"] == fam]
         t = answer_type_of(fam)
         if t == "yesno":
-            pope[fam] = pope_prf([r["extracted"] for r in rs], [extract(str(r["answer"]), t) for r in rs])
+            pope[fam] = pope_prf([r["extracted"] for r in rs], [extract(gold_list(r["answer"])[0], t) for r in rs])
         elif t in ("word", "text"):
-            soft[fam] = anls([short_answer(r["pred"]) for r in rs], [str(r["answer"]) for r in rs])
+            soft[fam] = anls([short_answer(r["pred"]) for r in rs], [gold_list(r["answer"]) for r in rs])
     return pope, soft
 
 
@@ -214,7 +257,7 @@ def main(argv=None):
     p.add_argument("--model", required=True,
                    help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-moe")
     p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")
-    p.add_argument("--image-root", default=None, help="folder image paths are relative to (default: the data file's)")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
     p.add_argument("--batch-size", type=int, default=64, help="records per generation batch")
     p.add_argument("--max-new-tokens", type=int, default=48,
@@ -227,7 +270,12 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow checkpoint-shipped code (off by default: it executes code from the checkpoint)")
     p.add_argument("--out", default=None, help="output JSON (default out/eval/<model>_<data>.json)")
+    p.add_argument("--reference", default=None,
+                   help="split the best-constant baseline is fitted on (default: train.json / train.jsonl next to "
+                        "--data, if there is one; else the baseline row is left out)")
+    add_threads(p)
     a = p.parse_args(argv)
+    set_threads(a.threads, a.model)
     for flag in ("limit", "batch_size", "max_new_tokens"):  # -1 would silently drop the last record
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(a, flag)}")
@@ -241,10 +289,8 @@ def main(argv=None):
         p.error(str(e))
 
     t0 = time.time()
-    records = read_any(a.data, image_root=a.image_root)[:a.limit]
-    for r in records:  # before loading the model, which may take minutes
-        if not r.get("image"):
-            raise DataError(f"{a.data}: record {r['id']}: no image; the evaluators expect one image per record")
+    records = expand_turns(read_any(a.data, image_root=a.image_root))[:a.limit]  # rid#1, rid#2, ... per turn
+    check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
     unknown = sorted({r["family"] for r in records} - set(ANSWER_TYPE) - {"all"})
     for fam in unknown:  # a typo ("Count", "colours") silently switches scoring to exact text match
         near = difflib.get_close_matches(fam.lower(), list(ANSWER_TYPE), n=1, cutoff=0.6)
@@ -254,7 +300,12 @@ def main(argv=None):
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
     results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}")
-    rows = family_rows(name, results) + majority_rows(records)
+    rows = family_rows(name, results)
+    ref = a.reference or reference_split(a.data)
+    if ref:
+        rows += majority_rows(records, read_any(ref, check_images=False), model=f"best constant ({os.path.basename(ref)})")
+    else:
+        print("note: no reference split (train.json next to --data, or --reference): the best-constant row is left out")
     loglik = []
     if a.loglik:
         mc = [(r, res) for r, res in zip(records, results) if options_of(r)]

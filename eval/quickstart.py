@@ -12,9 +12,16 @@
    into out/quickstart/<method> (a full `python -m eval.toy_<method>` run in out/<method>
    is never touched),
 5. writes out/quickstart/report.json (a list of rows: model, family, metric, value, ci_low,
-   ci_high, n) and out/quickstart/report.md.
+   ci_high, n) and out/quickstart/report.md (accuracy first, one captioned table per metric,
+   grouped by stage).
+
+Every stage (data, each base's evaluation, each method) saves its rows to
+out/quickstart/stages/<stage>.json when it finishes. Ctrl-C finishes the current stage and
+exits with 130 (Ctrl-C again stops at once); a rerun skips the stages already done with the
+same settings and bases (`--fresh` redoes them all).
 """
 import argparse
+import hashlib
 import importlib
 import json
 import os
@@ -26,29 +33,102 @@ import torch
 
 from common import backbone as bb
 from common import data
-from common.cli import fail, number
+from common.cli import Interrupted, add_threads, fail, number, set_threads, sigterm_flag
 
 METHODS = ("mod", "rolemerge", "mole")
+BASES = ("tiny-dense", "tiny-moe", "tiny-chat")
+CAPTIONS = {  # one line per metric, shown above its table in report.md
+    "accuracy": "Accuracy on the shapes test split (greedy answers; 95% bootstrap CI).",
+    "accuracy_loglik": "Multiple choice scored by option log-likelihood (95% bootstrap CI).",
+    "diff_vs_moelora": "Accuracy difference vs MoE-LoRA, paired bootstrap [95% CI].",
+    "diff_vs_sft": "Accuracy difference vs SFT, paired bootstrap [95% CI].",
+    "diff_vs_best_baseline": "Accuracy difference vs the best baseline at the same rho, paired bootstrap [95% CI].",
+    "tokens_per_question": "Generated tokens per question (all rounds).",
+    "latency_vs_base": "Wall time per question relative to the base model.",
+    "switch_rate": "Fraction of adjacent tokens whose top-1 expert differs (MoD routing).",
+}
 
 
-def write_report(rows, out_dir, timings):
-    """report.json (list of rows) + report.md (a per-family table per metric), atomically."""
-    os.makedirs(out_dir, exist_ok=True)
-    data.atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(rows, indent=1))
-    lines = ["# Quickstart report", "", "Accuracy on the shapes test split (95% bootstrap CI).", ""]
-    for metric in sorted({r["metric"] for r in rows}):
+def fingerprint(paths):
+    """sha1 over the bytes of the given files (the tiny bases' weights): a stage done on other
+    bases is redone."""
+    h = hashlib.sha1()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def fmt(v):
+    """Report cell: integers as integers (8976680), other numbers with three decimals."""
+    if v is None:
+        return ""
+    return f"{int(v)}" if float(v).is_integer() and abs(v) >= 1 else f"{v:.3f}"
+
+
+def stage_tables(title, rows):
+    """Markdown lines for one stage: its accuracy table first, then one captioned table per
+    other metric, each row with its n."""
+    metrics = sorted({r["metric"] for r in rows}, key=lambda m: (m != "accuracy", m != "accuracy_loglik", m))
+    lines = [f"## {title}", ""]
+    for metric in metrics:
         sub = [r for r in rows if r["metric"] == metric]
         fams = list(dict.fromkeys(r["family"] for r in sub))
-        models = list(dict.fromkeys(r["model"] for r in sub))
-        lines += [f"## {metric}", "", "| model | " + " | ".join(fams) + " |", "|---" * (len(fams) + 1) + "|"]
-        for m in models:
+        fams = [f for f in fams if f != "all"] + (["all"] if "all" in fams else [])
+        lines += [f"**{metric}**: {CAPTIONS.get(metric, 'as the toy reproduction reports it (see the method README).')}",
+                  "", "| model | n | " + " | ".join(fams) + " |", "|---|---:" + "|---:" * len(fams) + "|"]
+        for m in dict.fromkeys(r["model"] for r in sub):
             cell = {r["family"]: r for r in sub if r["model"] == m}
-            fmt = lambda r: "" if r is None else (f"{r['value']:.3f}" if r.get("ci_low") is None else
-                                                  f"{r['value']:.3f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]")
-            lines.append(f"| {m} | " + " | ".join(fmt(cell.get(f)) for f in fams) + " |")
+            n = (cell.get("all") or max(cell.values(), key=lambda r: r.get("n") or 0)).get("n")
+            show = lambda r: "" if r is None else (fmt(r["value"]) if r.get("ci_low") is None else
+                                                   f"{r['value']:.3f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]")
+            lines.append(f"| {m} | {'' if n is None else n} | " + " | ".join(show(cell.get(f)) for f in fams) + " |")
         lines.append("")
+    return lines
+
+
+def write_report(stages, out_dir, timings):
+    """report.json (every row, with its stage) + report.md (per stage: accuracy first, then each
+    metric with a caption), atomically. stages: {title: rows}."""
+    rows = [dict(r, stage=t) for t, rs in stages.items() for r in rs]
+    data.atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(rows, indent=1))
+    lines = ["# Quickstart report", ""]
+    for title, rs in stages.items():
+        lines += stage_tables(title, rs)
     lines += ["## Wall time (s)", ""] + [f"- {k}: {v:.1f}" for k, v in timings.items()]
     data.atomic_write_text(os.path.join(out_dir, "report.md"), "\n".join(lines) + "\n")
+
+
+def run_stage(name, settings, out, fresh, fn):
+    """rows of a stage: read from OUT/stages/<name>.json when it finished before with the same
+    settings (and not --fresh), else computed by fn() and saved there atomically."""
+    path = os.path.join(out, "stages", f"{name}.json")
+    if not fresh and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("settings") == settings:
+            print(f"[quickstart] {name}: done in an earlier run ({saved['seconds']:.0f} s), reusing its rows")
+            return saved["rows"], saved["seconds"]
+    t = time.time()
+    rows = fn()
+    secs = time.time() - t
+    data.atomic_write_text(path, json.dumps({"settings": settings, "rows": rows, "seconds": secs}))
+    return rows, secs
+
+
+def retrain_bases():
+    """The README's three pretraining commands (the first two side by side, one thread each)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "common.pretrain", "--arch", arch, "--out", bb.TINY[name],
+                               "--steps", "6000", "--stop-at", "3500", "--threads", "1", "--fresh"])
+             for arch, name in (("qwen3_vl", "tiny-dense"), ("qwen3_vl_moe", "tiny-moe"))]
+    if any(p.wait() != 0 for p in procs):
+        fail("base pretraining failed (see its output above)")
+    chat = subprocess.run([sys.executable, "-m", "common.pretrain", "--init", bb.TINY["tiny-dense"],
+                           "--chat-mix", "1,1,2,1,1", "--wrong-priors", "0", "--steps", "800", "--batch-size", "16",
+                           "--lr", "1e-3", "--out", bb.TINY["tiny-chat"], "--threads", "1", "--fresh"])
+    if chat.returncode != 0:
+        fail("chat-base pretraining failed (see its output above)")
 
 
 def main(argv=None):
@@ -61,57 +141,71 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of method toy reproductions to run in quick mode ('' for none)")
     p.add_argument("--batch-size", type=number(min=1), default=100, help="generation batch size")
+    p.add_argument("--fresh", action="store_true", help="redo every stage (default: reuse the stages an "
+                                                        "earlier, interrupted run finished)")
+    add_threads(p)
     a = p.parse_args(argv)
     from eval import evaluate as ev
     methods = [m for m in a.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS]
     if bad:
         p.error(f"unknown method(s) {bad}; choose from {','.join(METHODS)}")
-    timings, rows, t0 = {}, [], time.time()
+    threads = set_threads(a.threads)
+    print(f"[quickstart] {threads} CPU thread(s) (--threads)")
+    timings, stages, t0 = {}, {}, time.time()
 
     # 1. data
     data.ensure_splits(a.data, {"train": 2000, "val": 500, "test": a.n_test})
     timings["data"] = time.time() - t0
     test = data.read_llava_json(os.path.join(a.data, "test.json"))[: a.n_test]
+    train = data.read_llava_json(os.path.join(a.data, "train.json"), check_images=False)
 
     # 2. bases
-    if a.retrain_base:  # the README's two commands, side by side (one thread each)
+    if a.retrain_base:
         t = time.time()
-        procs = [subprocess.Popen([sys.executable, "-m", "common.pretrain", "--arch", arch, "--out", bb.TINY[name],
-                                   "--steps", "6000", "--stop-at", "3500", "--threads", "1", "--fresh"])
-                 for arch, name in (("qwen3_vl", "tiny-dense"), ("qwen3_vl_moe", "tiny-moe"))]
-        if any(p.wait() != 0 for p in procs):
-            fail("base pretraining failed (see its output above)")
-        chat = subprocess.run([sys.executable, "-m", "common.pretrain", "--init", bb.TINY["tiny-dense"],
-                               "--chat-mix", "1,1,2,1,1", "--wrong-priors", "0", "--steps", "800", "--batch-size", "16", "--lr", "1e-3",
-                               "--out", bb.TINY["tiny-chat"], "--threads", "1", "--fresh"])
-        if chat.returncode != 0:
-            fail("chat-base pretraining failed (see its output above)")
+        retrain_bases()
         timings["retrain bases"] = time.time() - t
+    settings = {"n_test": a.n_test, "data": os.path.abspath(a.data), "batch_size": a.batch_size,
+                "bases": fingerprint([os.path.join(bb.TINY[b], "model.safetensors") for b in BASES])}
 
-    # 3. evaluate bases next to the best constant answer
-    rows += ev.majority_rows(test)
-    for name in ("tiny-dense", "tiny-moe", "tiny-chat"):
-        t = time.time()
+    # 3. evaluate the bases next to the best constant answer (fitted on the training split),
+    # 4. each method's toy reproduction in quick mode; every stage saved when it finishes
+    todo = [(f"eval {b}", b) for b in BASES] + [(m, m) for m in methods]
+    stage = None
+
+    def base_rows(name):
         model, proc = bb.load_backbone(name)
         with torch.inference_mode():
             res = ev.evaluate(model, proc, test, batch_size=a.batch_size, desc=f"eval {name}")
-        rows += ev.family_rows(name, res)
-        timings[f"eval {name}"] = time.time() - t
+        return ev.family_rows(name, res)
 
-    # 4. each method's toy reproduction, quick mode
-    for m in methods:
-        path = os.path.join(os.path.dirname(__file__), f"toy_{m}.py")
-        if not os.path.exists(path):
-            print(f"[quickstart] eval/toy_{m}.py not present: skipping {m}")
-            continue
-        t = time.time()
-        rows += importlib.import_module(f"eval.toy_{m}").run(quick=True, data_dir=a.data,
-                                                             out_dir=os.path.join(a.out, m))
-        timings[m] = time.time() - t
+    def method_rows(m):
+        return importlib.import_module(f"eval.toy_{m}").run(quick=True, data_dir=a.data, out_dir=os.path.join(a.out, m))
 
+    bases_rows = ev.majority_rows(test, train, model="best constant (train)")
+    try:
+        with sigterm_flag("finishing the current stage, then stopping; a rerun continues from there") as flag:
+            for stage, what in todo:
+                if what in METHODS and not os.path.exists(os.path.join(os.path.dirname(__file__), f"toy_{what}.py")):
+                    print(f"[quickstart] eval/toy_{what}.py not present: skipping {what}")
+                    continue
+                fn = (lambda w=what: base_rows(w)) if what in BASES else (lambda w=what: method_rows(w))
+                rows, timings[stage] = run_stage(stage.replace(" ", "_"), settings, a.out, a.fresh, fn)
+                if what in BASES:
+                    bases_rows += rows
+                else:
+                    stages[f"{what} (quick mode; {what}/README.md has the full toy)"] = rows
+                if flag["stop"]:
+                    raise Interrupted(f"stopped after stage '{stage}' ({flag['stop']})", flag["signum"])
+    except (Interrupted, KeyboardInterrupt) as e:  # ours after a stage, or a trainer's mid-stage, or a 2nd Ctrl-C
+        where = (f"after stage '{stage}'" if isinstance(e, Interrupted) and str(e).startswith("stopped after")
+                 else f"during stage '{stage}' (it reruns from its start)")
+        print(f"[quickstart] stopped {where}; finished stages are kept in {a.out}/stages: rerun the same "
+              f"command to continue", file=sys.stderr)
+        raise SystemExit(128 + getattr(e, "signum", 2))
+    stages = {"bases (shapes test split)": bases_rows, **stages}
     timings["total"] = time.time() - t0
-    write_report(rows, a.out, timings)
+    write_report(stages, a.out, timings)
     print(open(os.path.join(a.out, "report.md")).read())
     print(f"wrote {a.out}/report.json and report.md in {timings['total'] / 60:.1f} min")
 

@@ -1,4 +1,4 @@
-"""Viewpoint-shift data synthesis (MoD paper §3.2, App. B.2) and the debate prompts.
+"""Viewpoint-shift data synthesis (MoD paper §3.2, App. B.2); the debate prompts are in `common.prompts`.
 
 For every training question (image V, question Q, gold answer A*):
   1. sample K responses from the frozen base model (temperature sampling),
@@ -30,11 +30,14 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.cli import number, run_cli
-from common.data import DataError, atomic_write_text, final_answer, load_image, sample_scene, target_text
+from common.cli import add_threads, number, run_cli, set_threads
+from common.data import IMAGE_ROOT_HELP
+from common.data import DataError, atomic_write_text, final_answer, load_image
+# The prompt shapes live in common/ (the tiny chat base is pretrained on them too); mod.infer reads them here.
+from common.prompts import (ANSWER_SPACE, DEBATE_PROMPT, JSON_INSTRUCTION, debate_prompt,  # noqa: F401
+                            debater_prompt, judge_prompt, review_prompt, single_prompt, to_json_response,
+                            wrong_response)
 
-DEBATE_PROMPT = "Review the following responses from other assistants and determine your final answer."
-JSON_INSTRUCTION = 'Reply in JSON with the keys "Reasoning" and "Answer".'
 CATEGORIES = ("pos", "rev", "rob")
 
 
@@ -48,73 +51,10 @@ def is_correct(text, gold, family):
     return ev(text, gold, family)
 
 
-def to_json_response(text):
-    """A response in the debate format. Base-model outputs 'scene. Answer: X' become
-    {"Reasoning": "scene", "Answer": "X"}; text already in that JSON form is normalised;
-    anything else keeps its text as reasoning with `final_answer` as the answer."""
-    t = text.strip()
-    if t.startswith("{"):
-        try:
-            obj = json.loads(t)
-            if isinstance(obj, dict) and "Answer" in obj:
-                return json.dumps({"Reasoning": str(obj.get("Reasoning", "")), "Answer": str(obj["Answer"])}, ensure_ascii=False)
-        except json.JSONDecodeError:
-            pass
-    reasoning = t.rsplit("Answer", 1)[0].strip().rstrip(".").strip() if "Answer" in t else t
-    return json.dumps({"Reasoning": reasoning, "Answer": final_answer(t)}, ensure_ascii=False)
-
-
 def gold_response(record):
     """The ground-truth debate response of a shapes record (scene + gold answer)."""
     scene = record.get("scene") or record["target"].rsplit("Answer", 1)[0].strip().rstrip(".")
     return json.dumps({"Reasoning": scene, "Answer": str(record["answer"])}, ensure_ascii=False)
-
-
-def single_prompt(question):
-    """Round-0 prompt (MoD-Single, LoRA, MoE-LoRA): the question and the JSON instruction."""
-    return f"{question}\n{JSON_INSTRUCTION}"
-
-
-def debate_prompt(question, responses):
-    """Q + D + prior responses (eq. 8 context; Alg. 2 line 9). No responses -> single_prompt."""
-    if not responses:
-        return single_prompt(question)
-    listed = "\n".join(f"Response {i + 1}: {r}" for i, r in enumerate(responses))
-    return f"{question}\n{DEBATE_PROMPT}\n{listed}\n{JSON_INSTRUCTION}"
-
-
-def review_prompt(question, previous):
-    """Self-correction round on the base model: the question, its previous answer, a review request."""
-    return (f"{question}\nYour previous answer: {previous}\n"
-            "Review your previous answer, find any mistakes and give your final answer.")
-
-
-def debater_prompt(question, other, own):
-    """Multi-agent debate: a debater reads the other debater's latest response and its own."""
-    return f"{question}\n{DEBATE_PROMPT}\nResponse 1: {other}\nYour previous response: {own}"
-
-
-def judge_prompt(question, first, second):
-    """Multi-agent debate: the judge reads both debaters' final responses."""
-    return f"{question}\nYou are the judge. {DEBATE_PROMPT}\nResponse 1: {first}\nResponse 2: {second}"
-
-
-# Answers a response can give per family; a wrong response picks one that is not the gold one.
-ANSWER_SPACE = {"existence": ["yes", "no"], "spatial": ["yes", "no"], "count": ["0", "1", "2", "3", "4"],
-                "colour": ["red", "green", "blue", "yellow"], "mc": ["A", "B", "C", "D"]}
-
-
-def wrong_response(rng, question, answer, family):
-    """A plausible wrong response on the shapes world, in the base's plain format: the marked
-    scene of another random scene for the same question and an answer other than `answer`
-    ("tl empty - ... br red circle +. Answer: no"). Used as a misleading prior response.
-    Raises DataError for a family outside the shapes world (no answer space to draw from)."""
-    if family not in ANSWER_SPACE:
-        raise DataError(f"misled prompts need a shapes-world family ({', '.join(ANSWER_SPACE)}) to draw a "
-                             f"wrong answer from, got {family!r}; leave misled / base-misled out for this data")
-    scene = sample_scene(rng)
-    wrong = rng.choice([w for w in ANSWER_SPACE[family] if w != str(answer)])
-    return target_text(scene, wrong, question)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -208,6 +148,7 @@ def main(argv=None):
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
                    help="training questions (LLaVA JSON/JSONL with answer + family, or canonical JSONL)")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--out", required=True, help="output LLaVA JSON (image paths stay absolute)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--k", type=number(min=1), default=4, help="samples per question from the base model (K)")
@@ -220,7 +161,9 @@ def main(argv=None):
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=64, help="length cap of each sampled response")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling and mixing")
+    add_threads(p)
     args = p.parse_args(argv)
+    set_threads(args.threads, args.model)
     if args.min_priors > args.max_priors:
         p.error(f"--min-priors {args.min_priors} exceeds --max-priors {args.max_priors}")
     if os.path.abspath(args.out) == os.path.abspath(args.data):
@@ -235,7 +178,7 @@ def run(args):
     from common.backbone import load_backbone
     from common.data import DataError
     from mod.train import load_records
-    records = load_records(args.data)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
+    records = load_records(args.data, args.image_root, "mod.data", multi_turn=False)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # fail before the sampling
     model, proc = load_backbone(args.model)
     samples = sample_responses(model, proc, records, args.k, args.temperature, args.batch_size,

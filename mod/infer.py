@@ -23,15 +23,15 @@ import time
 import torch
 
 from common.backbone import generate
-from common.cli import check_out_file, number, run_cli
+from common.cli import add_threads, check_out_file, number, run_cli, set_threads
+from common.data import IMAGE_ROOT_HELP
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
 from mod.train import Batcher
 
 
 def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
-    pixels = batcher.pixels(recs)
-    images = None if pixels is not None else [batcher.images[batcher.slot[r["image"]]] for r in recs]
-    return generate(model, proc, images, questions, max_new_tokens, pixels=pixels, **kw)
+    images = [batcher.images[batcher.slot[r["image"]]] for r in recs]
+    return generate(model, proc, images, questions, max_new_tokens, **kw)
 
 
 def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=96, sample_kw=None):
@@ -219,6 +219,7 @@ def main(argv=None):
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")
     p.add_argument("--data", required=True, help="questions (LLaVA JSON/JSONL or canonical JSONL)")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--methods", default="single,multi,mad,sc",
                    help="comma list of: base, single, multi, misled (need --adapter), mad, sc, base-misled "
                    "(base model); misled = one debate round whose only prior response is wrong")
@@ -229,7 +230,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
     p.add_argument("--heatmap", default="", help="write a per-family router-A heatmap PNG here (needs --adapter)")
     p.add_argument("--out", default="", help="write summaries + per-question results as JSON here")
+    add_threads(p)
     args = p.parse_args(argv)
+    set_threads(args.threads, args.model)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:  # before any model loads or runs
@@ -242,13 +245,19 @@ def main(argv=None):
 def run(args, methods):
     """The body of `main` for parsed flags. Returns the JSON-able summaries + results."""
     from common.backbone import load_backbone
-    from common.data import atomic_write_text, read_records
+    from common.data import atomic_write_text, check_support, read_records
     from mod.model import load_adapters
     for flag, path in (("--out", args.out), ("--heatmap", args.heatmap)):  # fail now, not after the whole run
         if path:
             check_out_file(path, flag)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    records = read_records(args.data)[:args.limit or None]  # DataError for an empty file
+    records = read_records(args.data, args.image_root)[:args.limit or None]  # DataError for an empty file
+    check_support(records, "mod.infer")  # one image, one turn per record: before any model loads
+    if {"misled", "base-misled"} & set(methods):  # every method's data check before any method runs
+        import random
+        from mod.data import wrong_response
+        for r in records:
+            wrong_response(random.Random(0), r["question"], r["answer"], r["family"])  # DataError: not shapes
     base, proc = load_backbone(args.model, device=args.device)
     tuned = None
     if args.adapter:
@@ -263,7 +272,7 @@ def run(args, methods):
            "sc": lambda: self_correction(base, proc, records, args.batch_size, args.max_new_tokens),
            "base-misled": lambda: misled(base, proc, records, args.batch_size, args.max_new_tokens),
            "misled": lambda: misled(tuned, proc, records, args.batch_size, args.max_new_tokens)}
-    out = {"summaries": [], "results": {}}
+    out = {"summaries": [], "results": {}, "complete": False}
     print(f"{'method':11s} {'acc':>6s} {'tok/q':>7s} {'wall s':>7s}")
     for m in methods:
         res, wall = drivers[m]()
@@ -271,6 +280,9 @@ def run(args, methods):
         out["summaries"].append(s)
         out["results"][m] = res
         print(f"{m:11s} {s['accuracy']:6.3f} {s['tokens_per_q']:7.1f} {s['wall_s']:7.1f}")
+        if args.out:  # each finished method is on disk at once: a later failure loses nothing
+            atomic_write_text(args.out, json.dumps(out, indent=1))
+    out["complete"] = True
     if args.heatmap:
         diag = routing_trace(tuned, proc, records, args.batch_size, args.max_new_tokens)
         heatmap_png(diag["by_family_A"], args.heatmap)

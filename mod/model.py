@@ -1,6 +1,7 @@
 """Mixture of Debaters (MoD) adapters on a frozen VLM, and the LoRA / MoE-LoRA baselines.
 
-Paper: "Mixture of Debaters" (../shared/papers/000_*), §3.1, eq. 1-6 and 9-10, Algorithm 1.
+Paper: "Mixture of Debaters: Learn to Debate at Architectural Level in Multi-Agent Reasoning"
+(arXiv 2606.29425), §3.1, eq. 1-6 and 9-10, Algorithm 1.
 
 Every target `nn.Linear` (q/k/v/o of the language model by default) becomes
 
@@ -188,8 +189,11 @@ class MoDLinear(nn.Module):
             p.requires_grad_(False)
         self.scaling = cfg.lora_alpha / cfg.r
         E, din, dout = cfg.num_experts, base.in_features, base.out_features
-        dev, dt = base.weight.device, base.weight.dtype
-        new = lambda *shape: nn.Parameter(torch.zeros(*shape, device=dev, dtype=dt))
+        # Trainable weights live in fp32 whatever the base dtype (as peft does): a bf16 weight
+        # would drop most updates of lr * 1e-2 size. The adapter path computes in fp32 and is cast
+        # back to the base output's dtype (under CUDA autocast the matmuls still run in bf16).
+        dev = base.weight.device
+        new = lambda *shape: nn.Parameter(torch.zeros(*shape, device=dev, dtype=torch.float32))
         if cfg.method == "mod":
             self.A, self.B = new(E, din), new(E, dout)
             self.router_A = new(E, din)
@@ -229,9 +233,13 @@ class MoDLinear(nn.Module):
 
     def forward(self, x):
         out = self.base_layer(x)
+        return out + self._adapter(x.to(torch.float32)).to(out.dtype)
+
+    def _adapter(self, x):
+        """The adapter term (alpha/r) * h for fp32 input x [B,T,in] -> [B,T,out] fp32."""
         cfg = self.cfg
         if cfg.method == "lora":
-            return out + self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
+            return self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
         logits = self.router_logits(x)
         if cfg.method == "moelora":
             probs, idx, gates = self._route(logits)
@@ -239,7 +247,7 @@ class MoDLinear(nn.Module):
             z = (x @ self.lora_A.T).unflatten(-1, (cfg.num_experts, cfg.expert_rank))  # [B,T,E,k]
             h = (z * w[..., None]).flatten(-2) @ self.lora_B.T  # [B,T,out]
             self._bookkeeping(probs, idx, probs, idx)
-            return out + self.scaling * h
+            return self.scaling * h
         pa, ia, ga = self._route(logits[..., :cfg.num_experts])
         pb, ib, gb = (pa, ia, ga) if cfg.shared_router else self._route(logits[..., cfg.num_experts:])
         if cfg.combine == "sqrt_product":
@@ -252,9 +260,10 @@ class MoDLinear(nn.Module):
         coef = z.gather(-1, ia) * g.to(x.dtype)  # [B,T,r]: g_j * (A[I_A_j] . x)
         w = torch.zeros_like(z).scatter_add(-1, ib, coef)  # [B,T,E] weight of each B expert
         self._bookkeeping(pa, ia, pb, ib)
-        return out + self.scaling * (w @ self.B)  # eq. 6
+        return self.scaling * (w @ self.B)  # eq. 6
 
-    def _bookkeeping(self, pa, ia, pb, ib):
+    @torch.compiler.disable   # appends to the shared ctx lists: compiled, it would guard on their lengths and
+    def _bookkeeping(self, pa, ia, pb, ib):   # recompile per layer (compile_adapters compiles the rest)
         ctx = self.ctx
         if self.training:  # eq. 9 per layer: E/2 sum_i (f_A P_A + f_B P_B), probabilities for P
             ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask) + load_balance_loss(pb, ib, ctx.mask)))
@@ -302,6 +311,28 @@ def adapter_layers(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoDLinear)]
 
 
+def compile_adapters(model, backend="inductor", **kw):
+    """torch.compile the hot path only: every adapter layer's forward (routing window, top-r
+    gates, expert mix: two graphs around the eager aux-loss bookkeeping, compiled once and
+    shared by all layers of a shape, no per-layer recompiles) while the transformers model around
+    it stays eager (its Qwen-VL code graph-breaks and a whole-model compile costs minutes).
+    Compiles in place (nn.Module.compile): parameter names, state_dict and saving unchanged.
+    kw go to torch.compile (dynamic, mode, ...). Returns the number of layers compiled.
+
+    Layers of one kind (in / out features, bias) share their compiled graphs; each kind also
+    compiles per input requires_grad, train / eval and static / dynamic length, so dynamo's
+    recompile limit (default 8, after which it silently runs eager) is raised to 8 per kind."""
+    import torch._dynamo
+    layers = adapter_layers(model)
+    kinds = {(m.base_layer.in_features, m.base_layer.out_features, m.base_layer.bias is not None) for _, m in layers}
+    cfg = torch._dynamo.config
+    field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, field, max(getattr(cfg, field), 8 * len(kinds)))
+    for _, m in layers:
+        m.compile(backend=backend, **kw)
+    return len(layers)
+
+
 def adapter_state_dict(model):
     """Trainable adapter tensors only (names relative to the model)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
@@ -326,13 +357,14 @@ def routing_context(model):
 
 def save_adapters(model, path):
     """Write path/adapter_config.json (the AdapterConfig + `base_model`: the base's identity,
-    see `common.backbone.base_identity`) + path/adapter_model.safetensors (adapter tensors only); each file
-    atomically (temp file + rename), weights first."""
+    see `common.backbone.base_identity`) + path/adapter_model.safetensors (adapter tensors only, fp32
+    whatever the base dtype); each file atomically (temp file + rename), weights first."""
     from common.checkpoint import atomic_save_file
     from common.data import atomic_write_text
     os.makedirs(path, exist_ok=True)
     cfg = model._adapter["config"]
-    atomic_save_file({k: v.cpu() for k, v in adapter_state_dict(model).items()}, os.path.join(path, WEIGHTS_NAME))
+    atomic_save_file({k: v.detach().float().cpu() for k, v in adapter_state_dict(model).items()},
+                     os.path.join(path, WEIGHTS_NAME))
     meta = {**asdict(cfg), "base_model": base_identity(model)}
     atomic_write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))  # no temp file left on failure
 
@@ -352,6 +384,16 @@ def load_config(path):
         raise ValueError(f"{f} is not a valid adapter config ({e})") from None
 
 
+def _copy_checked(own, state, path):
+    """Copy `state` (name -> tensor) into the model parameters `own` (name -> parameter),
+    raising ValueError naming `path` for a tensor whose shape differs from its parameter."""
+    with torch.no_grad():
+        for k, v in state.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
+            own[k].copy_(v)
+
+
 def load_adapters(model, path):
     """Attach the adapters saved in `path` to a fresh base model and load their weights.
     Raises ValueError when the base differs from the one the adapters were trained on
@@ -359,6 +401,8 @@ def load_adapters(model, path):
     the message names both bases), on missing/unexpected
     tensors or shapes, and on an unreadable (e.g. truncated) weights file. Returns the config."""
     from safetensors.torch import load_file
+    if is_peft(path):                                     # peft's LoRA format: renamed tensors, same maths
+        return load_peft(model, path)
     cfg, saved = load_config(path)
     if saved is not None:
         now = base_identity(model)
@@ -379,9 +423,88 @@ def load_adapters(model, path):
     unexpected = [k for k in state if k not in own]
     if missing or unexpected:
         raise ValueError(f"{path} does not fit this base model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    with torch.no_grad():
-        for k, v in state.items():
-            if own[k].shape != v.shape:
-                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, model expects {tuple(own[k].shape)}")
-            own[k].copy_(v)
+    _copy_checked(own, state, path)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- peft's file format (LoRA baseline)
+
+PEFT_PREFIX = "base_model.model."
+
+
+def save_peft(model, path):
+    """Write the attached LoRA baseline in peft's format: path/adapter_config.json with
+    `peft_type: "LORA"`, r, lora_alpha, target_modules (the wrapped modules' full names, so peft
+    wraps exactly these) and path/adapter_model.safetensors with peft's key names
+    `base_model.model.<module>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r] (ours:
+    `<module>.lora_A` / `.lora_B`, same tensors). `PeftModel.from_pretrained(base, path)` loads it
+    (peft is not needed here). Raises ValueError for MoD / MoE-LoRA adapters (peft has no format
+    for them). Atomic per file, weights first."""
+    from common.checkpoint import atomic_save_file
+    from common.data import atomic_write_text
+    cfg = model._adapter["config"]
+    if cfg.method != "lora":
+        raise ValueError(f"peft's format holds plain LoRA only; these adapters are {cfg.method!r} "
+                         f"(save them with save_adapters)")
+    state = {f"{PEFT_PREFIX}{k}.weight": v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
+    mods = sorted({k[:-len(".lora_A")] for k in adapter_state_dict(model) if k.endswith(".lora_A")})
+    os.makedirs(path, exist_ok=True)
+    atomic_save_file(state, os.path.join(path, WEIGHTS_NAME))
+    meta = {"peft_type": "LORA", "task_type": None, "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0,
+            "target_modules": mods, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
+            "base_model_name_or_path": base_identity(model).get("name_or_path")}
+    atomic_write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))
+
+
+def is_peft(path):
+    """True if path/adapter_config.json is peft's (has `peft_type`)."""
+    try:
+        with open(os.path.join(path, CONFIG_NAME)) as f:
+            return "peft_type" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def load_peft(model, path):
+    """Attach a peft LoRA adapter (adapter_config.json + adapter_model.safetensors written by
+    peft's save_pretrained, or save_peft) to a fresh base as our LoRA baseline and load it.
+    Raises ValueError naming the problem: not LORA, options we do not implement (rslora, DoRA,
+    bias, fan_in_fan_out, per-module ranks / alphas, modules_to_save), target modules outside
+    the language model's nn.Linear layers, or tensors that do not fit. Returns the AdapterConfig."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, CONFIG_NAME)) as f:
+        pc = json.load(f)
+    if pc.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {pc.get('peft_type')!r}; only LORA maps to the LoRA baseline")
+    unsupported = {k: pc.get(k) for k, ok in (("use_rslora", False), ("use_dora", False), ("bias", "none"),
+                                               ("fan_in_fan_out", False), ("modules_to_save", None),
+                                               ("rank_pattern", {}), ("alpha_pattern", {}))
+                   if pc.get(k) not in (ok, None) and not (ok == {} and not pc.get(k))}
+    if unsupported:
+        raise ValueError(f"{path}: peft options the LoRA baseline does not implement: {unsupported}")
+    state = load_file(os.path.join(path, WEIGHTS_NAME))
+    ours = {}
+    for k, v in state.items():
+        if not (k.startswith(PEFT_PREFIX) and k.endswith((".lora_A.weight", ".lora_B.weight"))):
+            raise ValueError(f"{path}: unexpected tensor {k} (want {PEFT_PREFIX}<module>.lora_A/B.weight)")
+        ours[k[len(PEFT_PREFIX):-len(".weight")]] = v
+    full = dict(model.named_modules())
+    mods = sorted({k[:-len(".lora_A")] for k in ours if k.endswith(".lora_A")})
+    from common.backbone import text_model
+    lm = text_model(model)
+    prefix = next(n for n, m in model.named_modules() if m is lm)
+    cut = len(prefix) + 1 if prefix else 0
+    outside = [m for m in mods if m not in full or (prefix and not m.startswith(prefix + "."))]
+    if not mods or outside:
+        raise ValueError(f"{path}: LoRA modules outside the language model (or missing in this base): "
+                         f"{outside[:3] or 'none given'}")
+    cfg = AdapterConfig(method="lora", r=int(pc["r"]), lora_alpha=float(pc["lora_alpha"]),
+                        target_modules=[m[cut:] for m in mods])
+    attach(model, cfg)
+    own = dict(model.named_parameters())
+    missing = [k for k, p in own.items() if p.requires_grad and k not in ours]
+    if missing:
+        raise ValueError(f"{path}: no tensors for {missing[:3]}")
+    _copy_checked(own, ours, path)
     return cfg

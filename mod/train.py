@@ -39,10 +39,12 @@ from tqdm import tqdm
 
 from common.backbone import base_identity
 from common.checkpoint import save_train_state
+from common.data import IMAGE_ROOT_HELP
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
-                        read_checkpoint, restore_optimizer, run_cli, sigterm_flag)
-from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, num_trainable,
-                       save_adapters)
+                        read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
+                        token_ce, add_threads)
+from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, compile_adapters,
+                       num_trainable, save_adapters)
 
 CKPT = "ckpt"  # the training checkpoint inside --out: a common.checkpoint directory
 OWN = (CKPT, CKPT + ".tmp", CKPT + ".old", "ckpt.pt", "log.jsonl", CONFIG_NAME, WEIGHTS_NAME)  # what a run writes
@@ -83,12 +85,15 @@ def adapter_config(args):
 
 # ----------------------------------------------------------------------------- data
 
-def load_records(path):
-    """Training records from LLaVA JSON/JSONL or canonical JSONL (`common.data.read_records`),
-    checked for what training needs: at least one record, and per record an image and a
+def load_records(path, image_root=None, entry="mod.train", multi_turn=True):
+    """Training records from LLaVA JSON/JSONL or canonical JSONL (`common.data.read_records`,
+    relative image paths against `image_root`, default the file's folder), checked for what
+    `entry` needs: at least one record, one image per record (`common.data.check_support`;
+    multi-turn records only if `multi_turn`: mod.train trains on every gpt turn) and a
     non-empty answer (`common.data.check_training_records`). Raises DataError."""
-    from common.data import check_training_records, read_records
-    records = read_records(path)
+    from common.data import check_support, check_training_records, read_records
+    records = read_records(path, image_root)
+    check_support(records, entry, multi_turn=multi_turn)
     check_training_records(records, path)
     return records
 
@@ -96,9 +101,10 @@ def load_records(path):
 class Batcher:
     """Turns training records into model batches; images are decoded once and kept as uint8.
 
-    records: dicts with id, image (path), question, target. 84x84-style images (sides multiple
-    of 28) are patchified in torch (`common.backbone.patchify`), others go through the
-    processor. Raises DataError naming the record for a missing or unreadable image."""
+    records: dicts with id, image (path), question, target[, history]. Pixels come from
+    `VLProcessor.images`, the one image path of every entry point (the processor's resize
+    rules; a torch fast path for images it keeps as they are). Raises DataError naming the
+    record for a missing or unreadable image."""
 
     def __init__(self, proc, records):
         from common.data import DataError, load_image
@@ -110,23 +116,13 @@ class Batcher:
             first.setdefault(r["image"], r.get("id", "?"))
         self.slot = {p: i for i, p in enumerate(first)}
         self.images = [load_image(p, rid) for p, rid in first.items()]
-        sizes = {im.size for im in self.images}
-        self.uint8 = None
-        if len(sizes) == 1 and all(s % 28 == 0 for s in next(iter(sizes))):
-            self.uint8 = torch.from_numpy(np.stack([np.asarray(im) for im in self.images]))
-
-    def pixels(self, recs):
-        from common.backbone import patchify
-        if self.uint8 is None:
-            return None
-        return patchify(self.uint8[[self.slot[r["image"]] for r in recs]])
 
     def encode(self, recs, answers=None, questions=None):
-        """Model inputs for records; with answers: training batch (right padding, labels)."""
+        """Model inputs for records; with answers: training batch (right padding, labels on
+        every answer turn of a multi-turn record)."""
         questions = questions or [r["question"] for r in recs]
-        px = self.pixels(recs)
-        images = None if px is not None else [self.images[self.slot[r["image"]]] for r in recs]
-        return self.proc.encode(images, questions, answers=answers, pixels=px)
+        images = [self.images[self.slot[r["image"]]] for r in recs]
+        return self.proc.encode(images, questions, answers=answers, history=[r.get("history", []) for r in recs])
 
 
 def batch_indices(n, batch_size, seed, step, micro, rank):
@@ -238,6 +234,25 @@ def _write_log(path, rows):
     os.replace(tmp, path)
 
 
+def accumulate(run, raw, batches, aux_coef=0.0, amp=None, world=1):
+    """Forward + backward of one optimizer step over its micro-batches (gradients add up in
+    .grad). The task loss is the cross-entropy summed over label tokens and divided by the
+    label tokens of the whole step (`common.cli.token_ce`), so 1 x 4 records, 2 x 2 and 4 x 1
+    give the same gradient; the aux loss (eq. 9), a per-micro-batch average over routed tokens,
+    weighs 1 / len(batches) per micro-batch. Returns (task loss = the step's token-mean CE,
+    mean aux) as floats."""
+    n = step_tokens([b["labels"] for b in batches], world)
+    task_sum = aux_sum = 0.0
+    for batch in batches:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with amp or nullcontext():
+            out = run(**inputs)
+        task, aux = token_ce(out.logits, batch["labels"], n), aux_loss(raw)
+        (task + aux_coef * aux / len(batches)).backward()
+        task_sum, aux_sum = task_sum + task.item(), aux_sum + aux.item() / len(batches)
+    return task_sum, aux_sum
+
+
 def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, lr=2e-3, warmup=20,
         weight_decay=0.0, clip=1.0, seed=0, aux_coef=0.01, save_every=0, resume=False, compile=False,
         log_every=10, rank=0, world=1, desc="train", quiet=False, batcher=None):
@@ -266,11 +281,11 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     start, log = load_ckpt(ckpt, raw, opt, settings) if resume else (0, [])
     saved_at = start if start else None  # step of the last checkpoint of this run on disk
     run = raw
+    if compile:               # the adapters' hot path, in place, before DDP (the base model stays eager)
+        compile_adapters(raw)
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
         run = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None)
-    if compile:
-        run = torch.compile(run)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     batcher = batcher or Batcher(proc, records)
     batcher.proc = proc
@@ -284,17 +299,13 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
         for step in bar:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, steps, lr, warmup)
-            task_sum = aux_sum = 0.0
+            batches = []
             for micro in range(grad_accum):
                 recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank)]
                 batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
                 check_labels(batch["labels"], step, recs)
-                with amp:
-                    out = run(**batch)
-                aux = aux_loss(raw)
-                loss = out.loss + aux_coef * aux
-                (loss / grad_accum).backward()
-                task_sum, aux_sum = task_sum + out.loss.item() / grad_accum, aux_sum + aux.item() / grad_accum
+                batches.append(batch)
+            task_sum, aux_sum = accumulate(run, raw, batches, aux_coef, amp, world)
             gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
             if not all(map(math.isfinite, (task_sum, aux_sum, gnorm))):
                 raise diverged(step, f"loss {task_sum}, aux {aux_sum}, gradient norm {gnorm}", ckpt, saved_at,
@@ -329,11 +340,13 @@ def main(argv=None):
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
                    help="training records: LLaVA JSON/JSONL (e.g. from mod.data) or canonical JSONL")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--out", required=True, help="output dir: adapter files, ckpt/, log.jsonl")
     add_adapter_args(p)
     p.add_argument("--steps", type=number(min=1), default=300, help="optimizer steps")
     p.add_argument("--batch-size", type=number(min=1), default=16, help="micro-batch size per process")
-    p.add_argument("--grad-accum", type=number(min=1), default=1, help="micro-batches per optimizer step")
+    p.add_argument("--grad-accum", type=number(min=1), default=1,
+                   help="micro-batches per optimizer step (the loss is normalised by the step's label tokens)")
     p.add_argument("--lr", type=number(float, above=0), default=2e-3, help="peak learning rate (AdamW)")
     p.add_argument("--warmup", type=number(min=0), default=20, help="linear warmup steps")
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
@@ -347,18 +360,18 @@ def main(argv=None):
     again.add_argument("--overwrite", action="store_true",
                        help="delete an earlier run's files in OUT (ckpt/, log.jsonl, adapter files) and start over")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (worth it on GPU)")
-    p.add_argument("--threads", type=number(min=0), default=0, help="CPU threads (0 = torch default)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the adapters' forward (routing + expert mix; the base model stays eager; "
+                        "worth it on GPU)")
+    add_threads(p)
     return run_cli(train, p.parse_args(argv))
 
 
 def train(args):
     """The body of `main` for parsed flags. Returns fit's result dict."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, args.model)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     stale = prepare_out(args.out, args.resume, args.overwrite) if rank == 0 else []
-    records = load_records(args.data)  # before the model loads: bad data fails in seconds
+    records = load_records(args.data, args.image_root)  # before the model loads: bad data fails in seconds
     batcher = Batcher(None, records)  # decodes every image now: a truncated one fails here too
     device = torch.device(args.device)
     if world > 1:

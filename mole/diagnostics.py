@@ -19,7 +19,8 @@ import json
 
 import torch
 
-from common.cli import check_out_file, number, run_cli
+from common import data
+from common.cli import Deprecated, add_threads, check_out_file, number, run_cli, set_threads
 from mole.model import ZSUM, ZVIS, load_record_images
 
 
@@ -77,10 +78,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="MoLE latent diagnostics: latent similarity and attention-pattern KL "
                                             "(both x100) of a mole.train checkpoint on a data file.")
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
-    p.add_argument("--base", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")
     p.add_argument("--data", required=True, help="LLaVA JSON/JSONL or canonical JSONL with images")
-    p.add_argument("--n", "--limit", dest="n", type=number(min=0), default=100,
-                   help="first n records (0 = all); --limit as in the other entry points")
+    p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
+    p.add_argument("--limit", dest="n", type=number(min=0), default=100,
+                   help="first n records (0 = all)")
+    p.add_argument("--n", dest="n", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_threads(p)
     p.add_argument("--stage", type=int, choices=(1, 2), default=None,
                    help="attention stage (default: the checkpoint's, 2 unless stage 2 never ran)")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="records per forward pass")
@@ -91,14 +96,16 @@ def main(argv=None):
 
 def run(a):
     """The body of `main` for parsed flags. Returns the numbers as a dict."""
-    from common.data import atomic_write_text, read_records
+    from common.data import atomic_write_text, check_support, read_records
     from mole.model import MoLE
-    from mole.train import load_mole
+    from mole.train import load_mole, recorded_base
+    set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:
         check_out_file(a.out)
-    recs = read_records(a.data)
+    recs = read_records(a.data, a.image_root)
     recs = recs[: a.n] if a.n else recs
-    net, _, stage = load_mole(a.ckpt, device=a.device, base=a.base)
+    check_support(recs, "mole.diagnostics", multi_image=True)  # before the model loads
+    net, _, stage = load_mole(a.ckpt, device=a.device, base=a.model)
     if not isinstance(net, MoLE):
         raise ValueError(f"{a.ckpt} is a --method sft checkpoint: it has no latent tokens to diagnose")
     stage = a.stage or stage

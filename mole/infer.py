@@ -16,7 +16,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from common.cli import check_out_file, number, run_cli
+from common.cli import Deprecated, add_threads, check_out_file, number, run_cli, set_threads
+from common.data import IMAGE_ROOT_HELP
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, load_record_images, topology_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
@@ -128,11 +129,15 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
-    p.add_argument("--base", default=None,
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None,
                    help="base VLM to load (default: the one recorded in the checkpoint; must be the same model)")
     p.add_argument("--data", required=True, help="LLaVA-format JSON/JSONL (e.g. out/data/test.json) or canonical JSONL")
-    p.add_argument("--n", "--limit", dest="n", type=number(min=0), default=0,
-                   help="evaluate only the first n records (0 = all); --limit as in the other entry points")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
+    p.add_argument("--limit", dest="n", type=number(min=0), default=0,
+                   help="evaluate only the first n records (0 = all)")
+    p.add_argument("--n", dest="n", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_threads(p)
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=48, help="generation length limit")
     p.add_argument("--intervention", default="none", choices=INTERVENTIONS, help="latent intervention")
@@ -144,13 +149,17 @@ def main(argv=None):
 
 def run(a):
     """The body of `main` for parsed flags. Returns the per-example results."""
-    from common.data import atomic_write_text, read_records
-    from mole.train import load_mole
+    from common.data import atomic_write_text, check_support, read_records
+    from mole.train import load_mole, recorded_base, recorded_method
+    set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:  # fail now, not after the whole evaluation
         check_out_file(a.out)
-    recs = read_records(a.data)
+    recs = read_records(a.data, a.image_root)
     recs = recs[: a.n] if a.n else recs
-    mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.base)
+    # one turn per record, before the model loads; a MoLE checkpoint takes several images per
+    # record (Z_vis routed over all), the SFT control one
+    check_support(recs, "mole.infer", multi_image=recorded_method(a.ckpt) != "sft")
+    mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.model)
     t = time.time()
     if isinstance(mole, MoLE):
         res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,

@@ -5,20 +5,23 @@ lora_A, lora_B), enough for MoLE's default trainable set: LoRA on the language m
 """
 import math
 
+import torch
 import torch.nn as nn
 
 
 class LoRALinear(nn.Module):
     """y = base_layer(x) + (lora_alpha / r) * lora_B(lora_A(dropout(x))).
 
-    lora_A Kaiming-uniform, lora_B zeros: training starts at the base model (peft's init)."""
+    lora_A Kaiming-uniform, lora_B zeros: training starts at the base model (peft's init).
+    lora_A / lora_B are fp32 whatever the base dtype (as in peft: bf16 weights would drop most
+    small updates); the LoRA path computes in fp32 and is cast back to the base output dtype."""
 
     def __init__(self, base_layer, r=8, lora_alpha=16, lora_dropout=0.0):
         super().__init__()
         if r < 1:
             raise ValueError(f"LoRA rank r must be >= 1, got {r}")
         self.base_layer, self.r, self.scaling = base_layer, r, lora_alpha / r
-        dev, dt = base_layer.weight.device, base_layer.weight.dtype
+        dev, dt = base_layer.weight.device, torch.float32
         self.lora_A = nn.Linear(base_layer.in_features, r, bias=False, device=dev, dtype=dt)
         self.lora_B = nn.Linear(r, base_layer.out_features, bias=False, device=dev, dtype=dt)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
@@ -30,7 +33,8 @@ class LoRALinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x):
-        return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        out = self.base_layer(x)
+        return out + (self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype)))) * self.scaling).to(out.dtype)
 
 
 def add_lora(module, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), r=8, lora_alpha=16,

@@ -19,7 +19,7 @@ head can never emit them). At every decoder layer l:
     the stage allows. Stage 1 blocks prompt-text, Z_sum and answer rows from V; stage 2
     lifts that block.
 
-How it plugs into transformers (see NOTES-transformers.md):
+How it plugs into transformers (the traps it avoids are named below):
   * `mole_attention` is registered with `AttentionInterface` (and `sdpa_mask` with
     `AttentionMaskInterface`, else padding masks silently vanish) under the name "mole".
     All rows go through the standard SDPA kernel with the boolean 4D topology mask; only
@@ -192,6 +192,13 @@ AttentionMaskInterface.register("mole", sdpa_mask)
 
 # ----------------------------------------------------------------------------- modules
 
+def esva_delta(u, w1, b1, w2, b2):
+    """MLP_e(u) for every expert e: u [B,L,d_v], w1 [E,d_v,h], b1 [E,h], w2 [E,h,d_v], b2 [E,d_v]
+    -> [B,L,E,d_v] in u's dtype (a pure function, so it compiles once for all layers)."""
+    h = F.gelu(torch.einsum("bld,edh->bleh", u, w1.to(u.dtype)) + b1.to(u.dtype))
+    return torch.einsum("bleh,ehd->bled", h, w2.to(u.dtype)) + b2.to(u.dtype)
+
+
 class ESVA(nn.Module):
     """Expert-specific value adapters of one layer: E two-layer GELU MLPs on the flattened
     value u [.., d_v] (d_v = Hkv * head_dim), batched over experts, and residual scales gamma.
@@ -206,9 +213,23 @@ class ESVA(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(E, d_v))
         self.gamma = nn.Parameter(torch.zeros(E))  # start from the shared value projection
 
+    fn = staticmethod(esva_delta)   # or its compiled version (MoLE.compile_hot)
+
     def delta(self, u):
-        h = F.gelu(torch.einsum("bld,edh->bleh", u, self.w1.to(u.dtype)) + self.b1.to(u.dtype))
-        return torch.einsum("bleh,ehd->bled", h, self.w2.to(u.dtype)) + self.b2.to(u.dtype)
+        return self.fn(u, self.w1, self.b1, self.w2, self.b2)
+
+
+def latent_scores(qz, key, value, allowed, prior, scaling):
+    """The Z_vis attention of one layer before ESVA (a pure function: compiled once for all
+    layers by MoLE.compile_hot). qz [B,Hkv,G,E,D] Z_vis queries, key/value [B,Hkv,L,D],
+    allowed [B,E,L] bool, prior [B,L,E] fp32 or None (no router), scaling float.
+    logit(e, j) = q_e . k_j * scaling + prior[j, e]; p = softmax over allowed j.
+    Returns (p [B,Hkv,G,E,L] fp32, shared-value output [B,Hkv,G,E,D] fp32)."""
+    logits = torch.einsum("bkged,bkld->bkgel", qz.float(), key.float()) * scaling  # [B,Hkv,G,E,L]
+    if prior is not None:
+        logits = logits + prior.transpose(1, 2)[:, None, None]
+    p = logits.masked_fill(~allowed[:, None, None], float("-inf")).softmax(-1)
+    return p, torch.einsum("bkgel,bkld->bkged", p, value.float())
 
 
 def diversity_loss(delta, sel, is_vis):
@@ -267,8 +288,9 @@ class MoLE(nn.Module):
         header: head (image(s) + question) | Z_vis | Z_sum | tail (assistant header) | answer.
 
         images: one entry per question, a PIL image or a list of PIL images (several images
-        per question: `<|vision_start|> image <|vision_end|>` per image, in order, then the
-        question; Z_vis are routed over the visual tokens of all of them). With
+        per question: `<|vision_start|> image <|vision_end|>` per image, in order, at the
+        question's "<image>" placeholders or, without any, before the question (`_prompt_ids`);
+        Z_vis are routed over the visual tokens of all of them). With
         pixels=(pixel_values, image_grid_thw) instead, the grid rows are the images in order
         and n_images (list, one count per question; default 1 each) says how many belong to
         each question.
@@ -298,7 +320,7 @@ class MoLE(nn.Module):
             assert p[-T:] == self.tail_ids, "prompt does not end with the assistant header"
             r = p[:-T] + self.latent_ids + self.tail_ids
             if answers is not None:
-                a = proc.tokenizer(answers[i], add_special_tokens=False)["input_ids"] + [proc.eos_token_id]
+                a = proc.text_ids(answers[i]) + [proc.eos_token_id]  # special-token strings escaped
                 labels.append([-100] * len(r) + a)
                 r = r + a
             rows.append(r)
@@ -315,17 +337,30 @@ class MoLE(nn.Module):
         return batch
 
     def _prompt_ids(self, question, n_tokens):
-        """Prompt ids with one vision block per image (n_tokens: image tokens per image);
-        one image gives exactly `VLProcessor.prompt_ids`."""
+        """Prompt ids with one vision block `<|vision_start|> pads <|vision_end|>` per image
+        (n_tokens: image tokens per image, in order).
+
+        One image: exactly `VLProcessor.prompt_ids`. Several images: a question that keeps one
+        "<image>" placeholder per image (what `common.data` readers give for a multi-image
+        record) gets each image's block at its placeholder (a newline right after a placeholder
+        is dropped, as for one image); a question without placeholders gets all blocks first,
+        then the question. So "<image>\n<image>\nQ" and "Q" give the same ids.
+        Raises ValueError for a placeholder count that is neither 0 nor the image count."""
         proc = self.proc
-        p = proc.prompt_ids(question, n_tokens[0])
         if len(n_tokens) == 1:
-            return p
+            return proc.prompt_ids(question, n_tokens[0])
+        n_ph = question.count("<image>")
+        if n_ph not in (0, len(n_tokens)):
+            raise ValueError(f"a question with {len(n_tokens)} images has {n_ph} '<image>' placeholders; put one "
+                             f"per image, in order (or none: the images then come first)")
+        segs = question.replace("<image>\n", "<image>").split("<image>") if n_ph else [""] * len(n_tokens) + [question]
         tok = proc.tokenizer.convert_tokens_to_ids
         vs, ve = tok("<|vision_start|>"), tok("<|vision_end|>")
-        end = p.index(ve)  # the first image's <|vision_end|>
-        extra = [t for n in n_tokens[1:] for t in [vs] + [proc.image_token_id] * n + [ve]]
-        return p[:end + 1] + extra + p[end + 1:]
+        empty = proc.prompt_ids("", 0)  # <|im_start|>user\n + the assistant header
+        ids = empty[:len(empty) - len(self.tail_ids)] + (proc.text_ids(segs[0]) if segs[0] else [])
+        for n, seg in zip(n_tokens, segs[1:]):
+            ids += [vs] + [proc.image_token_id] * n + [ve] + (proc.text_ids(seg) if seg else [])
+        return ids + self.tail_ids
 
     def token_types(self, input_ids, attention_mask):
         """[B,L] PAD/TEXT/VIS/ZVIS/ZSUM from ids (latent id vocab+j: Z_vis for j < E)."""
@@ -408,14 +443,12 @@ class MoLE(nn.Module):
         G = H // Hkv
         zpos = st.zpos
         qz = query.gather(2, zpos[:, None, :, None].expand(B, H, E, D)).view(B, Hkv, G, E, D)
-        logits = torch.einsum("bkged,bkld->bkgel", qz.float(), key.float()) * scaling  # [B,Hkv,G,E,L]
         allowed = mask[:, 0].gather(1, zpos[:, :, None].expand(B, E, L))  # [B,E,L]
+        prior = None
         if cfg.router:
             sel, prior = st.route[layer_idx]
             allowed = allowed | sel.transpose(1, 2)
-            logits = logits + prior.transpose(1, 2)[:, None, None]
-        p = logits.masked_fill(~allowed[:, None, None], float("-inf")).softmax(-1)
-        out = torch.einsum("bkgel,bkld->bkged", p, value.float())
+        p, out = self._scores(qz, key, value, allowed, prior, scaling)
         if cfg.esva:
             vi, ok = st.vis_idx, st.vis_ok  # [B,Nv]
             Nv = vi.shape[1]
@@ -466,6 +499,19 @@ class MoLE(nn.Module):
             res["ce"] = ce
             res["loss"] = ce + c.lambda_balance * res["balance"] + c.lambda_z * res["z"] + c.lambda_div * res["div"]
         return res
+
+    _scores = staticmethod(latent_scores)   # or its compiled version (compile_hot)
+
+    def compile_hot(self, backend="inductor", **kw):
+        """torch.compile MoLE's hot functions only, once for all layers: the Z_vis latent
+        attention scores (`latent_scores`) and the ESVA expert MLPs (`esva_delta`); the
+        wrapped transformers model stays eager (its Qwen-VL code graph-breaks). In place;
+        parameters and state_dict unchanged. kw go to torch.compile."""
+        self._scores = torch.compile(latent_scores, backend=backend, **kw)
+        fn = torch.compile(esva_delta, backend=backend, **kw)
+        for e in self.esva or []:
+            e.fn = fn
+        return self
 
     def trainable_state(self):
         """The MoLE-owned parameters (latents, routers, ESVAs) as a state dict."""

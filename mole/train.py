@@ -3,7 +3,7 @@
     python -m mole.train --data out/data --out out/mole/mole                # MoLE, tiny dense base
     python -m mole.train --data out/data --out out/mole/sft --method sft   # SFT control
     python -m mole.train ... --n-vis 8 --n-sum 0 --no-router --no-esva --latent-mixing causal   # LIVR-like
-    torchrun --nproc_per_node 8 -m mole.train --base /ckpt/Qwen2.5-VL-7B-Instruct --data ... --lr 2e-4 --compile
+    torchrun --nproc_per_node 8 -m mole.train --model /ckpt/Qwen2.5-VL-7B-Instruct --data ... --lr 2e-4 --compile
 
 Schedule (paper, "Training stages"): `--stage1-epochs` epochs with the visual attention
 bottleneck (only Z_vis read the image), then `--stage2-epochs` with direct visual access
@@ -13,7 +13,9 @@ stage boundary exactly where an uninterrupted one would.
 
 Trainable set: LoRA on the language model (`--train lora`, default) or the whole language
 model (`--train full`), plus MoLE's latent embeddings, routers and ESVAs. The vision tower
-and projector stay frozen. Checkpoints hold only what was trained (+ optimizer, step, args, log)
+and projector stay frozen. LoRA, latent, router and ESVA weights are fp32 whatever the base dtype
+(peft's convention) and are saved in fp32; `--train full` trains and saves the language model in
+its own dtype. Checkpoints hold only what was trained (+ optimizer, step, args, log)
 and are written atomically (temp file, then rename), so a killed run leaves the previous
 complete checkpoint. An existing checkpoint in --out needs --resume (continue; every setting
 that defines the run must match, differences are listed) or --overwrite (start over).
@@ -30,21 +32,22 @@ import sys
 import time
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from common import backbone as bb
 from common import data
 from common.checkpoint import save_train_state
+from common.data import IMAGE_ROOT_HELP
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
-                        read_checkpoint, restore_optimizer, run_cli, sigterm_flag)
+                        read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
+                        token_ce, add_threads, Deprecated)
 from mole.lora import add_lora
 from mole.model import MoLE, MoLEConfig, record_images
 
 # flags that do not change what a run computes: everything else must match on --resume
-NOT_SETTINGS = ("base", "data", "out", "resume", "overwrite", "device", "compile", "quiet", "save_every",
-                "max_steps", "threads")
+NOT_SETTINGS = ("model", "base", "data", "image_root", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
+                "save_every", "max_steps", "threads")
 
 
 # ----------------------------------------------------------------------------- flags
@@ -52,10 +55,12 @@ NOT_SETTINGS = ("base", "data", "out", "resume", "overwrite", "device", "compile
 def get_parser():
     """The argparse parser of mole.train (every flag with its help)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
+    p.add_argument("--model", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--data", default="out/data",
                    help="directory with <split>.json / <split>.jsonl (LLaVA format) + images, or one such file "
                         "(canonical JSONL too)")
+    p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--split", default="train", help="which <split>.json(l) of a --data directory to train on")
     p.add_argument("--n-train", type=number(min=0), default=0, help="use only the first n training records (0 = all)")
     p.add_argument("--out", default="out/mole/mole", help="checkpoint directory (written atomically)")
@@ -81,9 +86,12 @@ def get_parser():
     p.add_argument("--stage2-epochs", type=number(float, min=0), default=1,
                    help="epochs with direct visual access (stage 2)")
     p.add_argument("--batch-size", type=number(min=1), default=32, help="global batch size (split over DDP ranks)")
+    p.add_argument("--grad-accum", type=number(min=1), default=1,
+                   help="split each rank's batch into this many micro-batches (memory); the loss is normalised "
+                        "by the label tokens of the whole step, so the gradient is the same")
     p.add_argument("--lr", type=number(float, above=0), default=None,
                    help="peak learning rate (AdamW, warmup + cosine); default 2e-3 for the tiny bases only "
-                        "(a toy value), required for any other --base")
+                        "(a toy value), required for any other --model")
     p.add_argument("--warmup", type=number(float, min=0), default=0.05, help="warmup fraction of all steps (0-1)")
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient norm clip (0 = off)")
@@ -94,7 +102,8 @@ def get_parser():
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target module name suffixes")
     # system
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (worth it on GPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile MoLE's latent attention and ESVA (the base model stays eager; worth it on GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed (init, data order)")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
@@ -104,7 +113,7 @@ def get_parser():
                    help="also checkpoint every n steps (0 = only at the end)")
     p.add_argument("--max-steps", type=number(min=0), default=0,
                    help="stop after this global step (0 = full schedule); the schedule itself is unchanged")
-    p.add_argument("--threads", type=number(min=0), default=0, help="CPU threads (0 = torch default)")
+    add_threads(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -119,7 +128,7 @@ def mole_config(a):
 def build(a, device):
     """Base VLM (+ LoRA) (+ MoLE) with the trainable set of `a`. Returns (net, proc, params)
     where net is a MoLE or (method sft) the plain VLM."""
-    model, proc = bb.load_backbone(a.base, device=device)
+    model, proc = bb.load_backbone(a.model, device=device)
     model.requires_grad_(False)
     torch.manual_seed(a.seed)
     lm = bb.text_model(model)
@@ -154,33 +163,22 @@ def data_file(a):
 
 
 class Loader:
-    """Training records with images held as one uint8 tensor; batches are patchified in
-    torch (identical to the PIL image processor for these fixed-size images). The order of
-    epoch e is a permutation seeded by (seed, e): any step's batch is reproducible.
-    Raises DataError for unreadable images or sizes patchify cannot take (all images must
-    share one size whose sides are multiples of 28). A record may hold several images
-    ("images" list): batch() then returns them in record order."""
+    """Training records with their images decoded once; a batch's pixels come from
+    `VLProcessor.images`, the one image path of every entry point (the processor's resize
+    rules, mixed sizes allowed). The order of epoch e is a permutation seeded by (seed, e):
+    any step's batch is reproducible. Raises DataError for unreadable images. A record may
+    hold several images (its "images" list): batch() returns one list of PIL images per record."""
 
     def __init__(self, records, batch_size, seed, rank=0, world=1):
         self.recs, self.bs, self.seed, self.rank, self.world = records, batch_size, seed, rank, world
-        paths = [(r["id"], p) for r in records for p in record_images(r)]
-        ims = [np.asarray(data.load_image(p, rid).convert("RGB")) for rid, p in paths]
-        self.first = np.cumsum([0] + [len(record_images(r)) for r in records]).tolist()  # record -> first image
-        sizes = {}
-        for (rid, _), im in zip(paths, ims):
-            sizes.setdefault(im.shape[:2], rid)
-        if len(sizes) > 1 or any(h % 28 or w % 28 for h, w in sizes):
-            seen = ", ".join(f"{w}x{h} (record {rid})" for (h, w), rid in list(sizes.items())[:3])
-            raise data.DataError(f"mole.train needs images of one size with sides that are multiples of 28 "
-                                 f"(patch 14 x merge 2); found {seen}; resize them first")
-        self.images = torch.from_numpy(np.stack(ims))
+        self.images = [[data.load_image(p, r["id"]) for p in record_images(r)] for r in records]
         self.steps_per_epoch = max(len(records) // batch_size, 1)
 
     def batch(self, step):
         epoch, i = divmod(step, self.steps_per_epoch)
         perm = torch.randperm(len(self.recs), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
         idx = perm[i * self.bs:(i + 1) * self.bs][self.rank::self.world].tolist()
-        return [self.recs[j] for j in idx], self.images[[k for j in idx for k in range(self.first[j], self.first[j + 1])]]
+        return [self.recs[j] for j in idx], [self.images[j] for j in idx]
 
 
 TOY_LR, TOY_WIDTH = 2e-3, 512
@@ -199,7 +197,7 @@ def toy_lr(base):
         return TOY_LR
     width = (cfg.get("text_config") or {}).get("hidden_size") or cfg.get("hidden_size") or 0
     if width > TOY_WIDTH:
-        raise RunError(f"--lr is required with --base {base} (hidden size {width}): the default 2e-3 is a toy "
+        raise RunError(f"--lr is required with --model {base} (hidden size {width}): the default 2e-3 is a toy "
                        f"value for the tiny bases; e.g. --lr 2e-4 for LoRA, 1e-5 for --train full on a 7B model")
     return TOY_LR
 
@@ -252,7 +250,7 @@ def load_mole(path, device="cpu", base=None):
         raise RunError(f"{path} is not a mole.train checkpoint (its state.json has no 'args'; mod.train and "
                        f"common.pretrain write other checkpoints)")
     a = argparse.Namespace(**state["args"])
-    a.base = base or a.base
+    a.model = base or getattr(a, "model", None) or a.base   # checkpoints before the rename saved "base"
     net, proc, params = build(a, device)
     saved = state.get("base_model")
     if saved is not None:
@@ -260,9 +258,28 @@ def load_mole(path, device="cpu", base=None):
         diff = bb.identity_mismatch(saved, now)
         if diff:
             raise RunError(f"{path} was trained on base {saved['name_or_path'] or '?'} and does not fit base "
-                           f"{now['name_or_path'] or a.base} ({'; '.join(diff)})")
+                           f"{now['name_or_path'] or a.model} ({'; '.join(diff)})")
     copy_tensors(params, tensors, path)
     return net.eval(), proc, (2 if a.stage2_epochs > 0 else 1)
+
+
+def recorded_base(path):
+    """The base VLM a mole.train checkpoint names (its --model), or None if unreadable."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            args = json.load(f)["args"]
+        return args.get("model") or args.get("base")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def recorded_method(path):
+    """The --method ("mole" / "sft") a mole.train checkpoint was trained with, or None if unreadable."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            return json.load(f)["args"].get("method", "mole")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def save_ckpt(path, a, params, opt, step, log, settings, base):
@@ -320,6 +337,32 @@ def clear_out(paths):
 
 # ----------------------------------------------------------------------------- loop
 
+def accumulate(fwd, batches, stage=None, amp=None, world=1):
+    """Forward + backward of one optimizer step over its micro-batches (gradients add up).
+    CE is summed over label tokens and divided by the label tokens of the whole step
+    (`common.cli.token_ce`), so 1 x 4 records, 2 x 2 and 4 x 1 give the same gradient; the aux
+    terms (lambda_b L_balance + lambda_z L_z + lambda_div L_div, each a per-micro-batch mean)
+    weigh 1 / len(batches) per micro-batch. stage None: `fwd` is the plain VLM (--method sft).
+    Returns floats {loss, ce[, balance, z, div]} for the step."""
+    n = step_tokens([b["labels"] for b in batches], world)
+    tot = {}
+    for batch in batches:
+        with amp or nullcontext():
+            if stage is None:
+                out = fwd(**{k: v for k, v in batch.items() if k != "labels"})
+                res = {"logits": out.logits}
+            else:
+                res = fwd(batch, stage)
+        ce = token_ce(res["logits"], batch["labels"], n)
+        aux = (res["loss"] - res["ce"]) / len(batches) if "ce" in res else ce.new_zeros(())
+        (ce + aux).backward()
+        step = {"loss": ce.item() + aux.item(), "ce": ce.item()}
+        step.update({k: res[k].item() / len(batches) for k in ("balance", "z", "div") if k in res})
+        for k, v in step.items():
+            tot[k] = tot.get(k, 0.0) + v
+    return tot
+
+
 def train(a):
     """Run the schedule in `a` (an argparse Namespace). Returns (net, proc, log) with log a
     list of per-step dicts {step, stage, loss, ce, balance, z, div, lr, s}.
@@ -332,19 +375,19 @@ def train(a):
     if a.stage1_epochs + a.stage2_epochs == 0:
         raise RunError("--stage1-epochs and --stage2-epochs are both 0: nothing to train")
     if a.lr is None:
-        a.lr = toy_lr(a.base)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+        a.lr = toy_lr(a.model)
+    set_threads(a.threads, a.model)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     ddp = world > 1
     doomed = prepare_out(a.out, a.resume, a.overwrite) if rank == 0 else []
     path = data_file(a)
-    recs = data.read_records(path)
+    recs = data.read_records(path, a.image_root)
     recs = recs[: a.n_train] if a.n_train else recs
-    data.check_training_records(recs, path)
     if a.method == "sft" and any(len(record_images(r)) > 1 for r in recs):
         raise RunError(f"{path}: --method sft takes one image per record; records with several images "
                        f"('images' list) train with --method mole")
+    data.check_support(recs, "mole.train", multi_image=True)  # MoLE routes Z_vis over every image of a record
+    data.check_training_records(recs, path)
     loader = Loader(recs, a.batch_size, a.seed, rank, world)  # images checked before the model loads
     device = a.device
     if ddp:
@@ -371,7 +414,9 @@ def train(a):
         elif rank == 0:
             print(f"--resume: no checkpoint in {a.out}; starting at step 0", file=sys.stderr)
     saved_at = step or None  # step of the last checkpoint of this run on disk
-    fwd = torch.compile(net) if a.compile else net  # compile before DDP; save from `net`
+    if a.compile and isinstance(net, MoLE):   # MoLE's hot functions (latent attention, ESVA MLPs) in place; the base model stays eager
+        net.compile_hot()
+    fwd = net
     if ddp:
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=True)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
@@ -385,32 +430,28 @@ def train(a):
             t0 = time.time()
             stage = 1 if step < s1 else 2
             chunk, imgs = loader.batch(step)
-            pixels = bb.patchify(imgs)
-            qs, ts = [r["question"] for r in chunk], [r["target"] for r in chunk]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, a.lr, a.warmup)
-            if a.method == "sft":
-                batch = proc.encode(None, qs, ts, pixels=pixels)
-            else:
-                batch = net.encode(None, qs, ts, pixels=pixels, n_images=[len(record_images(r)) for r in chunk])
-            batch = {k: v.to(device) for k, v in batch.items()}
-            check_labels(batch["labels"], step, chunk)
-            with amp:
-                if a.method == "sft":
-                    out = fwd(**batch)
-                    res = {"loss": out.loss, "ce": out.loss}
-                else:
-                    res = fwd(batch, stage)
+            enc = proc.encode if a.method == "sft" else net.encode
+            batches = []
+            for m in range(min(a.grad_accum, len(chunk))):  # the step's records in --grad-accum micro-batches
+                recs, ims = chunk[m::a.grad_accum], imgs[m::a.grad_accum]
+                pixels = proc.images([im for per_rec in ims for im in per_rec])  # every image of every record, in order
+                kw = {} if a.method == "sft" else {"n_images": [len(per_rec) for per_rec in ims]}
+                batch = {k: v.to(device) for k, v in enc(None, [r["question"] for r in recs], [r["target"] for r in recs],
+                                                         pixels=pixels, **kw).items()}
+                check_labels(batch["labels"], step, recs)
+                batches.append(batch)
             opt.zero_grad(set_to_none=True)
-            res["loss"].backward()
+            res = accumulate(fwd, batches, stage if a.method == "mole" else None, amp, world)
             gnorm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip if a.clip > 0 else math.inf))
-            loss = float(res["loss"].detach())
+            loss = float(res["loss"])
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
                 raise diverged(step, f"loss {loss}, gradient norm {gnorm}", a.out, saved_at, a.save_every)
             opt.step()
             step += 1
             rec = {"step": step, "stage": stage, "lr": opt.param_groups[0]["lr"], "s": time.time() - t0}
-            rec.update({k: float(res[k].detach()) for k in ("loss", "ce", "balance", "z", "div") if k in res})
+            rec.update({k: float(res[k]) for k in ("loss", "ce", "balance", "z", "div") if k in res})
             log.append(rec)
             if bar is not None:
                 bar.update(1)

@@ -184,20 +184,35 @@ def record_batch(model, rec, inputs, image_mask, eos_id, pad_id, max_new_tokens,
     return counts, tokens, new
 
 
-def text_inputs(tokenizer, questions):
+def text_inputs(tokenizer, questions, history=None):
     """Left-padded prompts for a text-only LM: its chat template (generation prompt) when it
-    has one, the raw question otherwise."""
-    if getattr(tokenizer, "chat_template", None):
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True) for q in questions]
-    else:
-        prompts = list(questions)
-    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    has one, the raw question otherwise. history: None or per question its earlier (question,
+    answer) turns. User text is tokenized with special-token strings escaped ("<|im_end|>" in
+    a question stays text), the template's own markers as special tokens."""
+    rows = [_chat_ids(tokenizer, q, history[i] if history else ()) for i, q in enumerate(questions)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     L = max(map(len, rows))
     ids = torch.tensor([[pad] * (L - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows])
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def _chat_ids(tokenizer, question, history=()):
+    """Token ids of one prompt: each user text is rendered into the chat template as a
+    placeholder, then the template pieces are tokenized as they are and the user texts with
+    special tokens escaped (`split_special_tokens`)."""
+    texts = [t for pair in history for t in pair] + [question]
+    tok = lambda s, esc: tokenizer(s, add_special_tokens=False, split_special_tokens=esc)["input_ids"] if s else []
+    if not getattr(tokenizer, "chat_template", None):
+        return tok("\n".join(texts), True)
+    marks = [f"\ue000{i}\ue001" for i in range(len(texts))]
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": m} for i, m in enumerate(marks)]
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ids = []
+    for m, t in zip(marks, texts):
+        head, rendered = rendered.split(m, 1)
+        ids += tok(head, False) + tok(t, True)
+    return ids + tok(rendered, False)
 
 
 def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, model_id="model", progress=True):
@@ -207,8 +222,8 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
     VLM (3 buckets), the tokenizer for a text-only LM (2 buckets: question, answer);
     sources: {name: list of records {question[, image]}} (records from common.data.read_llava_json).
     Returns a stats dict: model info + buckets + sources {name: {counts [L,B,N], tokens [B], examples}}.
-    Raises CalibrationError for an unsupported model, a VLM record without an image, or an
-    empty bucket."""
+    A VLM calibrates text-only records (image None) too: they add to the question and answer
+    buckets only. Raises CalibrationError for an unsupported model or an empty bucket."""
     from tqdm import tqdm
     info = model_info(model, model_id)
     vlm = model.config.model_type in VLM_TYPES
@@ -219,12 +234,6 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
     else:
         eos = proc_or_tok.eos_token_id
         pad = proc_or_tok.pad_token_id if proc_or_tok.pad_token_id is not None else eos
-    if vlm:
-        for name, records in sources.items():
-            for i, r in enumerate(records):
-                if not r.get("image"):
-                    raise CalibrationError(f"source {name}: record {r.get('id', f'#{i}')} has no image; a "
-                                           f"vision-language model is calibrated on image + question records")
     rec = RouterRecorder(model)
     out = {}
     try:
@@ -235,7 +244,7 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
                 chunk = records[i:i + batch_size]
                 qs = [r["question"] for r in chunk]
                 if vlm:
-                    ims = [data.load_image(r["image"], r.get("id", "?")) for r in chunk]
+                    ims = [data.load_image(r["image"], r.get("id", "?")) if r.get("image") else None for r in chunk]
                     inputs = proc_or_tok.encode(ims, qs)
                     image_mask = inputs["input_ids"] == proc_or_tok.image_token_id
                 else:
@@ -402,13 +411,16 @@ def load_config(path, trust_remote_code=False):
 
 def main(argv=None):
     from common import data
-    from common.cli import fail
+    from common.cli import Deprecated, add_threads, fail, set_threads
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
     p.add_argument("--data", nargs="+", required=True,
-                   help="calibration files (LLaVA JSON/JSONL); each file is one source (task)")
+                   help="calibration files (LLaVA JSON/JSONL or canonical JSONL); each file is one source (task)")
+    p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
     p.add_argument("--out", required=True, help="stats file to write (.safetensors; a .json summary goes next to it)")
-    p.add_argument("--n", type=int, default=128, help="examples per source (the first n of each file)")
+    p.add_argument("--limit", dest="n", type=int, default=128, help="examples per source (the first N of each file)")
+    p.add_argument("--n", dest="n", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_threads(p)
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (left-padded greedy decoding)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens decoded per example")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -420,7 +432,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     for flag, low in (("n", 1), ("batch_size", 1), ("max_new_tokens", 2)):
         if getattr(a, flag) < low:   # max_new_tokens 1: the one generated token is never fed back (no answer bucket)
-            p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(a, flag)}")
+            p.error(f"--{'limit' if flag == 'n' else flag.replace('_', '-')} must be >= {low}, got {getattr(a, flag)}")
     if not a.out.endswith(".safetensors"):  # the summary goes to <out minus suffix>.json: never onto --out itself
         p.error(f"--out {a.out} must end in .safetensors (a .json summary is written next to it)")
     for path in a.data:
@@ -446,7 +458,9 @@ def main(argv=None):
                 name = os.path.splitext(os.path.normpath(path))[0].replace(os.sep, "/")
             if name in sources:  # val.json and val.jsonl side by side
                 raise CalibrationError(f"{path}: another --data file has the same source name {name!r}; rename one")
-            sources[name] = data.read_llava_json(path)[:a.n]  # DataError for a file without records
+            sources[name] = data.read_records(path, a.image_root)[:a.n]  # DataError for a file without records
+            data.check_support(sources[name], "rolemerge.calibrate", text_only=True)
+        set_threads(a.threads, a.model)
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
         stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
     except (CalibrationError, data.DataError) as e:

@@ -2,7 +2,7 @@
 numbers the paper reports (§5.5, App. G): parameters, checkpoint bytes, load time, time to
 first token, decode tokens/s.
 
-    python -m rolemerge.infer --model out/rolemerge/tiny-moe-rho0.5 --data out/data/test.json --n 200
+    python -m rolemerge.infer --model out/rolemerge/tiny-moe-rho0.5 --data out/data/test.json --limit 200
 
 A merged checkpoint is an ordinary transformers checkpoint: nothing here is specific to
 merging, which is the point (it loads with `from_pretrained` alone).
@@ -29,12 +29,15 @@ def param_count(model):
 
 
 def _inputs(model, proc, records):
-    """Left-padded generation inputs for a batch of records (VLM: image + question)."""
+    """Left-padded generation inputs for a batch of records (VLM: image, or none for a
+    text-only record, + question; a text LM: the question); earlier turns (`history`) go
+    into the prompt."""
+    history = [r.get("history", []) for r in records]
     if model.config.model_type in cal.VLM_TYPES:
         from common import data
-        return proc.encode([data.load_image(r["image"], r.get("id", "?")) for r in records],
-                           [r["question"] for r in records])
-    return cal.text_inputs(proc, [r["question"] for r in records])
+        return proc.encode([data.load_image(r["image"], r.get("id", "?")) if r.get("image") else None
+                            for r in records], [r["question"] for r in records], history=history)
+    return cal.text_inputs(proc, [r["question"] for r in records], history)
 
 
 def _ids(model, proc):
@@ -100,12 +103,16 @@ def load_timed(path, dtype=None):
 def main(argv=None):
     from common import backbone as bb
     from common import data
-    from common.cli import fail
+    from common.cli import Deprecated, add_threads, fail, set_threads
     from eval.metrics import accuracy, by_family
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
-    p.add_argument("--data", required=True, help="LLaVA JSON/JSONL with questions (and answers for accuracy)")
-    p.add_argument("--n", type=int, default=200, help="examples to run (the first n)")
+    p.add_argument("--data", required=True,
+                   help="LLaVA JSON/JSONL or canonical JSONL with questions (and answers for accuracy)")
+    p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
+    p.add_argument("--limit", dest="n", type=int, default=200, help="examples to run (the first N)")
+    p.add_argument("--n", dest="n", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_threads(p)
     p.add_argument("--batch-size", type=int, default=32, help="generation batch size")
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
     p.add_argument("--speed", action="store_true", help="also measure batch-1 time to first token and decode tok/s")
@@ -113,11 +120,14 @@ def main(argv=None):
     a = p.parse_args(argv)
     for flag in ("n", "batch_size", "max_new_tokens"):
         if getattr(a, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(a, flag)}")
+            p.error(f"--{'limit' if flag == 'n' else flag.replace('_', '-')} must be a positive integer, got "
+                    f"{getattr(a, flag)}")
+    set_threads(a.threads, a.model)
     if a.out and os.path.realpath(a.out) == os.path.realpath(a.data):
         p.error(f"--out {a.out} is the data file; predictions would overwrite it")
     try:
-        records = data.read_llava_json(a.data)[:a.n]   # data first: fails before the model loads
+        records = data.expand_turns(data.read_records(a.data, a.image_root))[:a.n]  # data first: fails before
+        data.check_support(records, "rolemerge.infer", text_only=True, multi_turn=True)  # the model loads
         model, proc, load_s = load_timed(a.model)
     except (cal.CalibrationError, data.DataError) as e:
         fail(e)  # `error: ...`, exit status 2

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from common.data import follow_umask
 from rolemerge import calibrate as cal
 from rolemerge import model as rm
 
@@ -103,23 +104,57 @@ def check_stats(stats, info):
                              f"checkpoint {info[key]!r}; stats model {stats['model_id']!r}); recalibrate on this one")
 
 
-def check_k_family(model_type, tc, K):
-    """DeepSeek group-limited routing splits experts into n_group equal groups: K must divide.
-    tc: the text config as a dict."""
+def routing_groups(model_type, tc, N, K, top_k):
+    """Routing groups of the merged model under DeepSeek's group-limited routing.
+
+    DeepSeek-V2 (`topk_method="group_limited_greedy"`) and V3 split the N experts into n_group
+    contiguous equal groups, keep the topk_group best groups per token (V3 scores a group by
+    the sum of its top-2 experts) and pick top_k experts inside them. A merged router is valid
+    only if every merged expert stays inside one routing group, the groups stay equal (n_group
+    divides K), V3 keeps >= 2 experts per group, and topk_group * K / n_group >= top_k (else
+    top-k picks land in masked-out groups, or V3 crashes with "selected index k out of range").
+
+    We keep n_group when possible and merge within each routing group; otherwise we take the
+    largest n_group' dividing n_group (each new group is a union of old ones) that satisfies the
+    above. topk_group' keeps at least the original fraction of groups and enough experts:
+    min(n_group', max(ceil(topk_group n_group' / n_group), ceil(top_k n_group' / K))).
+    tc: the text config as a dict. Returns (blocks, fields): blocks = n_group' for rm.plan,
+    fields = the config values to write ({} when nothing changes or the model is not
+    group-limited). Raises MergeError naming the valid K values when none works."""
     grouped = model_type == "deepseek_v3" or tc.get("topk_method") == "group_limited_greedy"
-    n_group = tc.get("n_group") or 1
-    if grouped and K % n_group:
-        raise MergeError(f"K={K} is not a multiple of n_group={n_group} (group-limited routing of this model)")
+    if not grouped:
+        return 1, {}
+    n, tg = tc.get("n_group") or 1, tc.get("topk_group") or 1
+    per_group = 2 if model_type == "deepseek_v3" else 1        # V3's group score sums its top-2 experts
+
+    def fit(k):
+        for n2 in sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True):
+            if k % n2 or k // n2 < per_group:
+                continue
+            tg2 = min(n2, max(-(-tg * n2 // n), -(-top_k * n2 // k)))
+            if tg2 * (k // n2) >= top_k:
+                return n2, tg2
+        return None
+
+    got = fit(K)
+    if got is None:
+        ok = [k for k in range(1, N + 1) if fit(k)]
+        raise MergeError(f"K={K} leaves no valid group-limited routing (n_group={n}, topk_group={tg}, "
+                         f"top_k={top_k}{', >= 2 experts per group' if per_group == 2 else ''}); "
+                         f"valid K: {ok or 'none'}")
+    return got[0], ({} if got == (n, tg) else {"n_group": got[0], "topk_group": got[1]})
 
 
-def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None):
+def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, routing=(1, {})):
     """Groups, weights and diagnostics for every MoE layer.
 
     stats: cal.load_stats output; routers: callable -> list of [N, H] router weights (only
-    called for the frequency baseline). Returns a dict with 'groups' [L][G][members],
-    'weights' [L][G][w], 'layers' (per-layer diagnostics) and summary ACR / MI retention."""
+    called for the frequency baseline); routing: routing_groups' (blocks, config fields).
+    Returns a dict with 'groups' [L][G][members], 'weights' [L][G][w], 'layers' (per-layer
+    diagnostics), 'routing' (config fields rewritten) and summary ACR / MI retention."""
     counts = cal.total_counts(stats).double()                    # [L, B, N]
-    groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None)
+    groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None,
+                           blocks=routing[0])
     mass = counts.sum(1)                                          # [L, N]
     weights = [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)]
     records = [(n, s["counts"].double()) for n, s in stats["sources"].items()]
@@ -137,19 +172,22 @@ def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, 
     # MI retention compares groupings of all experts; pruning drops experts, so it has none
     mi = (mi_num / mi_den if mi_den > 0 else 1.0) if covers else None
     return {"method": method, "K": K, "N": stats["num_experts"], "lambda": lam, "linkage": linkage, "seed": seed,
-            "groups": groups, "weights": weights, "layers": layers, "acr_mean": sum(acrs) / len(acrs),
+            "routing": routing[1], "groups": groups, "weights": weights, "layers": layers, "acr_mean": sum(acrs) / len(acrs),
             "mi_retention": mi}
 
 
 # ----------------------------------------------------------------------------- tensor merge
 
-def weighted_sum(tensors, weights, dtype):
+def weighted_sum(tensors, weights, dtype, acc=None, out=None):
     """sum_i w_i t_i accumulated in float32 in the given order, cast to dtype. The one place
-    both paths merge tensors, so their outputs agree bit for bit."""
-    acc = tensors[0].to(torch.float32) * weights[0]
+    both paths merge tensors, so their outputs agree bit for bit. acc (float32) and out
+    (dtype): optional scratch tensors of the tensors' shape, reused by the streaming path
+    (a fresh large allocation page-faults on every call); the result is out when given."""
+    acc = torch.empty(tensors[0].shape, dtype=torch.float32) if acc is None else acc
+    acc.copy_(tensors[0]).mul_(weights[0])
     for t, w in zip(tensors[1:], weights[1:]):
         acc.add_(t, alpha=w)                     # promotes t to float32 inside the kernel
-    return acc.to(dtype)
+    return acc.to(dtype) if out is None else out.copy_(acc)
 
 
 def merge_stacked(x, groups, weights):
@@ -177,7 +215,14 @@ def merge_model(model, plan):
             for attr in cal.EXPERT_FIELDS:
                 if isinstance(getattr(mod, attr, None), int):
                     setattr(mod, attr, K)
-    setattr(cal.text_config(model.config), cal.expert_count_field(model.config), K)
+        for attr, v in {"num_group": plan.get("routing", {}).get("n_group"),
+                        "topk_group": plan.get("routing", {}).get("topk_group")}.items():
+            if v is not None:
+                setattr(block.gate, attr, v)
+    tc = cal.text_config(model.config)
+    setattr(tc, cal.expert_count_field(model.config), K)
+    for f, v in plan.get("routing", {}).items():
+        setattr(tc, f, v)
     return model
 
 
@@ -218,10 +263,19 @@ def read_header(path):
     Raises MergeError naming the file when it is truncated or corrupt (its size must match
     the header exactly), so no tensor is ever read past the end of a short file."""
     from common.checkpoint import CheckpointError, check_safetensors
-    try:
-        return check_safetensors(path)
-    except CheckpointError as e:
-        raise MergeError(str(e)) from None
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HEADERS:                  # a run reads every header 2-3 times: parse it once
+        try:
+            if len(_HEADERS) > 1024:
+                _HEADERS.clear()
+            _HEADERS[key] = check_safetensors(path)
+        except CheckpointError as e:
+            raise MergeError(str(e)) from None
+    return _HEADERS[key]
+
+
+_HEADERS = {}
 
 
 def read_tensor(path, start, entry, index=None):
@@ -307,6 +361,26 @@ def _expert_config(config):
     raise MergeError(f"config.json ({config.get('model_type')}) has none of the expert-count fields {cal.EXPERT_FIELDS}")
 
 
+def _streaming_config(path):
+    """The checks of cal.load_config without transformers: config.json is JSON of a supported
+    family and the safetensors shards are complete. Raises CalibrationError like it."""
+    from types import SimpleNamespace
+    from common.checkpoint import CheckpointError, checked_weights
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise cal.CalibrationError(f"{path}: cannot read its config.json ({e}); not a valid JSON file") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise cal.CalibrationError(f"{path}: cannot read its config.json (no model_type)")
+    cal.check_supported(SimpleNamespace(model_type=config["model_type"]))
+    try:
+        checked_weights(path)
+    except CheckpointError as e:
+        raise cal.CalibrationError(str(e)) from None
+    return config
+
+
 def streaming_info(path, config):
     """The model description check_stats compares against, from files only."""
     headers, where, layers = scan_checkpoint(path)
@@ -324,77 +398,92 @@ def streaming_info(path, config):
 def merge_streaming(src, dst, plan):
     """Merge from the checkpoint files alone into dst (created if missing; holds nothing else yet).
 
-    Output shard i holds the untouched tensors of input shard i (byte copies) and the merged
-    experts / routers of every MoE layer whose router lives in shard i. Raises MergeError for
-    quantised or non-float expert tensors."""
+    Output shard i holds the untouched tensors of input shard i (in-kernel byte copies of
+    coalesced ranges, first) and then the merged experts / routers of every MoE layer whose
+    router lives in shard i. One layer's expert bytes are read with a few large preads into a
+    reused buffer while the previous layer merges (two buffers, one prefetch thread, one
+    hand-off per layer); merging reuses one float32 accumulator (no fresh allocation per
+    tensor). Raises MergeError for quantised or non-float expert tensors."""
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     headers, where, layers = scan_checkpoint(src)
-    order = sorted(layers)
     K = len(plan["groups"][0])
-    # --- plan every output tensor: name -> (dtype, shape, producer)
-    out = {s: {} for s in headers}
+    # --- plan every output: per home shard, the layers' streams; a stream is one merged tensor
+    # family (per-expert `experts.{g}.{rest}`, or a fused [N, ...] tensor / router merged row-wise)
+    # = (output [(name, shape)], dtype, input shape of one expert, {e: (key, row or None)})
+    jobs = {s: [] for s in headers}
     merged_keys = set()
-    for li, lidx in enumerate(order):
+    for li, lidx in enumerate(sorted(layers)):
         lay, groups, weights = layers[lidx], plan["groups"][li], plan["weights"][li]
         home = where[lay["router"][0]] if lay["router"] else where[next(iter(lay["experts"]))]
-        per_rest = {}
+        per_rest, streams = {}, []
         for k, (e, rest) in lay["experts"].items():
             per_rest.setdefault(rest, {})[e] = k
-            merged_keys.add(k)
+        fused = [by_e[None] for _, by_e in sorted(per_rest.items()) if None in by_e] + list(lay["router"])
         for rest, by_e in sorted(per_rest.items()):
-            if None in by_e:                     # fused [N, ...]
-                k = by_e[None]
-                ent = headers[where[k]][0][k]
-                if ent["dtype"] not in FLOATS:
-                    raise MergeError(f"{k}: dtype {ent['dtype']} (quantised experts are not supported)")
-                out[home][k] = (ent["dtype"], [K] + ent["shape"][1:], ("fused", k, groups, weights))
-            else:                                # per expert: experts.{g}.{rest}
+            if None not in by_e:
                 ent = headers[where[by_e[0]]][0][by_e[0]]
                 if ent["dtype"] not in FLOATS:
                     raise MergeError(f"{by_e[0]}: dtype {ent['dtype']} (quantised experts are not supported)")
-                for g, (grp, w) in enumerate(zip(groups, weights)):
-                    name = f"{lay['block']}.experts.{g}.{rest}"
-                    out[home][name] = (ent["dtype"], ent["shape"], ("sum", [by_e[e] for e in grp], w))
-        for k in lay["router"]:
-            merged_keys.add(k)
+                streams.append(([(f"{lay['block']}.experts.{g}.{rest}", ent["shape"]) for g in range(K)],
+                                ent["dtype"], ent["shape"], {e: (k, None) for e, k in by_e.items()}))
+        for k in fused:
             ent = headers[where[k]][0][k]
-            out[home][k] = (ent["dtype"], [K] + ent["shape"][1:], ("fused", k, groups, weights))
-    for s, (entries, _) in headers.items():
-        for k, ent in entries.items():
-            if k not in merged_keys:
-                out[s][k] = (ent["dtype"], ent["shape"], ("copy", k))
+            if ent["dtype"] not in FLOATS:
+                raise MergeError(f"{k}: dtype {ent['dtype']} (quantised experts are not supported)")
+            streams.append(([(k, [K] + ent["shape"][1:])], ent["dtype"], ent["shape"][1:],
+                            {e: (k, e) for e in range(ent["shape"][0])}))
+        merged_keys.update(k for st in streams for k, _ in st[3].values())
+        jobs[home].append((streams, groups, weights))
     # --- write shards: header first (sizes are known), then the data in header order
     os.makedirs(dst, exist_ok=True)
     weight_map, total = {}, 0
-    for s in sorted(headers):
-        if not out[s]:
-            continue
-        names = sorted(out[s])
-        hdr, off = {"__metadata__": {"format": "pt"}}, 0
-        for n in names:
-            dt, shape, _ = out[s][n]
-            size = math.prod(shape) * torch.empty((), dtype=DTYPES[dt]).element_size()
-            hdr[n] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + size]}
-            off += size
-            weight_map[n] = s
-        total += off
-        hb = json.dumps(hdr, separators=(",", ":")).encode()
-        hb += b" " * (-len(hb) % 8)
-        with open(os.path.join(dst, s), "wb") as f:
-            f.write(len(hb).to_bytes(8, "little"))
-            f.write(hb)
-            specs = [out[s][n] for n in names]
-            with ThreadPoolExecutor(1) as pool:      # read tensor i+1 while merging / writing tensor i
-                nxt = pool.submit(_read_inputs, src, headers, where, specs[0])
-                for i, spec in enumerate(specs):
-                    inputs = nxt.result()
-                    if i + 1 < len(specs):
-                        nxt = pool.submit(_read_inputs, src, headers, where, specs[i + 1])
-                    _write_one(f, src, headers, where, spec, inputs)
+    files = {s: open(os.path.join(src, s), "rb") for s in headers}
+    bufs, acc = [None, None], [torch.empty(0), None]   # input buffers; float32 accumulator, output scratch
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            for s in sorted(headers):
+                entries, start = headers[s]
+                copies = sorted((k for k in entries if k not in merged_keys), key=lambda k: entries[k]["data_offsets"])
+                if not copies and not jobs[s]:
+                    continue
+                hdr, off = {}, 0
+                for name, dt, shape in ([(k, entries[k]["dtype"], entries[k]["shape"]) for k in copies] +
+                                        [(n, st[1], sh) for streams, _, _ in jobs[s] for st in streams
+                                         for n, sh in st[0]]):
+                    size = math.prod(shape) * DTYPES[dt].itemsize
+                    hdr[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + size]}
+                    off += size
+                    weight_map[name] = s
+                total += off
+                hb = json.dumps({"__metadata__": {"format": "pt"}, **hdr}, separators=(",", ":")).encode()
+                hb += b" " * (-len(hb) % 8)
+                with open(os.path.join(dst, s), "wb") as f:
+                    f.write(len(hb).to_bytes(8, "little"))
+                    f.write(hb)
+                    nxt = pool.submit(_read_layer, files, headers, where, jobs[s][0][0], bufs, 0) if jobs[s] else None
+                    for a, b in _coalesce([(start + entries[k]["data_offsets"][0], start + entries[k]["data_offsets"][1])
+                                           for k in copies], gap=0):
+                        _write_one(f, ("copy", os.path.join(src, s), a, b - a))
+                    for i, (streams, groups, weights) in enumerate(jobs[s]):
+                        inputs = nxt.result()
+                        if i + 1 < len(jobs[s]):
+                            nxt = pool.submit(_read_layer, files, headers, where, jobs[s][i + 1][0], bufs, (i + 1) % 2)
+                        for (outs, dt, shape, _), x in zip(streams, inputs):
+                            n = math.prod(shape)
+                            if acc[0].numel() < n:
+                                acc[0], acc[1] = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float64)
+                            a32, o = acc[0][:n].view(shape), acc[1].view(torch.uint8)[:n * DTYPES[dt].itemsize]
+                            o = o.view(DTYPES[dt]).view(shape)
+                            for grp, w in zip(groups, weights):
+                                _write_one(f, weighted_sum([x[e] for e in grp], w, DTYPES[dt], acc=a32, out=o))
+    finally:
+        for fh in files.values():
+            fh.close()
     # --- config, index, side files
     sub = _expert_config(config)
     sub[next(f for f in cal.EXPERT_FIELDS if f in sub)] = K
+    sub.update(plan.get("routing", {}))
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if os.path.exists(os.path.join(src, "model.safetensors.index.json")):
@@ -403,34 +492,75 @@ def merge_streaming(src, dst, plan):
     copy_side_files(src, dst)
 
 
-def _read_inputs(src, headers, where, spec):
-    """The expert tensors one output tensor is merged from (None for a byte copy).
-    Runs in the prefetch thread, so reading overlaps merging and writing."""
-    prod = spec[2]
-    if prod[0] == "copy":
-        return None
-    rd = lambda k, e=None: read_tensor(os.path.join(src, where[k]), headers[where[k]][1], headers[where[k]][0][k], e)
-    if prod[0] == "sum":
-        return [rd(k) for k in prod[1]]
-    return [[rd(prod[1], e) for e in g] for g in prod[2]]   # fused: rows of one [N, ...] tensor
+def _coalesce(ranges, gap):
+    """Sorted [(start, end)] byte ranges -> fewer ranges, joining neighbours at most `gap` apart."""
+    out = []
+    for a, b in sorted(ranges):
+        if out and a - out[-1][1] <= gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
 
 
-def _write_one(f, src, headers, where, spec, inputs):
-    """Append one output tensor's bytes to the open shard f: a byte copy, or the merge of
-    `inputs` (from _read_inputs) with the group weights."""
-    dt, shape, prod = spec
-    if prod[0] == "copy":
-        k = prod[1]
-        entries, start = headers[where[k]]
-        a, b = entries[k]["data_offsets"]
-        copy_bytes(os.path.join(src, where[k]), f, start + a, b - a)
-        return
-    if prod[0] == "sum":
-        t = weighted_sum(inputs, prod[2], DTYPES[dt])
-    else:
-        t = torch.stack([weighted_sum(x, w, DTYPES[dt]) for x, w in zip(inputs, prod[3])])
-    if t.numel():
-        f.write(t.contiguous().view(torch.uint8).numpy())
+def _read_layer(files, headers, where, streams, bufs, slot, gap=1 << 20):
+    """Read every expert input of one layer into the reused buffer bufs[slot] with one pread
+    per run of nearby tensors (gaps <= 1 MiB are read through); returns, per stream, a dict
+    {e: tensor view}. Runs in the prefetch thread, so reading overlaps merging and writing."""
+    want = {}                                   # (key, row) -> (shard, start, end, dtype, shape)
+    for _, dt, shape, src_of in streams:
+        for key, row in src_of.values():
+            entries, start = headers[where[key]]
+            a, b = entries[key]["data_offsets"]
+            if row is not None:
+                n = (b - a) // entries[key]["shape"][0]
+                a, b = a + row * n, a + (row + 1) * n
+            want[key, row] = (where[key], start + a, start + b, DTYPES[dt], shape)
+    runs = {}
+    for shard in {v[0] for v in want.values()}:
+        runs[shard] = _coalesce([(v[1], v[2]) for v in want.values() if v[0] == shard], gap)
+    need = sum(b - a + 8 for r in runs.values() for a, b in r)
+    if bufs[slot] is None or bufs[slot].numel() < need:
+        bufs[slot] = None                       # drop the old buffer before allocating the new one
+        bufs[slot] = torch.empty(need, dtype=torch.uint8)
+    buf, pos, at = bufs[slot], 0, {}
+    mv = memoryview(buf.numpy())
+    for shard, rs in sorted(runs.items()):
+        fd = files[shard].fileno()
+        for a, b in rs:
+            pos += (a - pos) % 8                # same alignment as in the file: dtype views stay aligned
+            done = 0
+            while done < b - a:
+                n = os.preadv(fd, [mv[pos + done:pos + b - a]], a + done)
+                if n == 0:
+                    raise MergeError(f"{files[shard].name}: short read at {a + done}; the file is truncated")
+                done += n
+            at[shard, a, b] = pos
+            pos += b - a
+    starts = {shard: [a for a, _ in rs] for shard, rs in runs.items()}
+    out = []
+    for _, dt, shape, src_of in streams:
+        views = {}
+        for e, (key, row) in src_of.items():
+            shard, a, b, dtype, shp = want[key, row]
+            i = max(j for j, s0 in enumerate(starts[shard]) if s0 <= a)
+            r0, r1 = runs[shard][i]
+            p = at[shard, r0, r1] + a - r0
+            raw = buf[p:p + b - a]
+            if p % dtype.itemsize:               # a misaligned tensor in the file: copy it out
+                raw = raw.clone()
+            views[e] = raw.view(dtype).view(shp) if b > a else torch.empty(shp, dtype=dtype)
+        out.append(views)
+    return out
+
+
+def _write_one(f, item):
+    """Append one piece of output to the open shard f: ("copy", src file, offset, nbytes), a
+    byte range copied in the kernel, or a merged tensor."""
+    if isinstance(item, tuple):
+        copy_bytes(item[1], f, item[2], item[3])
+    elif item.numel():
+        f.write(memoryview(item.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -473,7 +603,9 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     if force and os.path.lexists(out) and not _ours(old, (REPORT,)):
         raise MergeError(f"{old} exists and is not a previous RoleMerge output (no {REPORT}); refusing to delete "
                          f"it even with --force: move it away or choose a new --out")
-    cal.load_config(src)                     # readable, supported family, complete safetensors shards
+    # readable, supported family, complete safetensors shards (streaming: from config.json alone, so the
+    # merge never imports transformers, whose import costs seconds)
+    cal.load_config(src) if not streaming else _streaming_config(src)
     stats = cal.load_stats(stats_paths)
     t0 = time.time()
     if streaming:
@@ -482,7 +614,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         info = streaming_info(src, config)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
-        check_k_family(config["model_type"], _expert_config(config), K)
+        routing = routing_groups(config["model_type"], _expert_config(config), info["num_experts"], K, info["top_k"])
 
         def routers():
             headers, where, layers = scan_checkpoint(src)
@@ -491,7 +623,9 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 key = [x for x in layers[lidx]["router"] if x.endswith(".weight")][0]
                 out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
             return out_r
-        plan = make_plan(stats, K, method, lam, linkage, seed, routers)
+        tp = time.time()
+        plan = make_plan(stats, K, method, lam, linkage, seed, routers, routing)
+        plan_s = time.time() - tp
         _start_tmp(tmp)
         merge_streaming(src, tmp, plan)
     else:
@@ -499,18 +633,22 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         info = cal.model_info(model, model_path)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
-        check_k_family(model.config.model_type, cal.text_config(model.config).to_dict(), K)
+        routing = routing_groups(model.config.model_type, cal.text_config(model.config).to_dict(),
+                                 info["num_experts"], K, info["top_k"])
+        tp = time.time()
         plan = make_plan(stats, K, method, lam, linkage, seed,
-                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)])
+                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)], routing)
+        plan_s = time.time() - tp
         merge_model(model, plan)
         _start_tmp(tmp)
         model.save_pretrained(tmp)
         copy_side_files(src, tmp)
     report = dict(plan, model=str(model_path), stats=list(stats_paths) if not isinstance(stats_paths, str)
-                  else [stats_paths], streaming=streaming, merge_seconds=time.time() - t0)
+                  else [stats_paths], streaming=streaming, merge_seconds=time.time() - t0, plan_seconds=plan_s)
     with open(os.path.join(tmp, REPORT), "w") as f:      # last file: its presence marks a complete output
         json.dump(report, f, indent=1)
     os.remove(os.path.join(tmp, TMP_MARK))                # the report marks it from here on
+    follow_umask(tmp)                                     # save_pretrained writes weights 0600
     if os.path.exists(out):                               # --force over a previous output
         old = out + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -542,8 +680,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="load dtype of the in-memory path (auto: the checkpoint's own; the streaming path always "
                         "keeps the checkpoint's dtypes)")
+    from common.cli import add_threads, fail, set_threads
+    add_threads(p)
     a = p.parse_args(argv)
-    from common.cli import fail
+    set_threads(a.threads, a.model)
     try:
         rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, a.streaming,
                         a.force, None if a.dtype == "auto" else getattr(torch, a.dtype))
@@ -551,6 +691,9 @@ def main(argv=None):
         fail(e)  # `error: ...`, exit status 2
     print(f"merged {rep['N']} -> {rep['K']} experts per layer ({rep['method']}) in {rep['merge_seconds']:.1f}s: "
           f"{a.out}; ACR {100 * rep['acr_mean']:.1f}%, expert-phase MI retention {rep['mi_retention']}")
+    if rep["routing"]:
+        print(f"note: group-limited routing rewritten so K={rep['K']} is valid: {rep['routing']} (experts were merged "
+              f"only within these routing groups)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ is a deterministic function of the counts.
 """
 import math
 
+import numpy as np
 import torch
 
 PHASES = ("image", "question", "answer")  # bucket order of every count tensor (text-only: question, answer)
@@ -90,7 +91,8 @@ def mutual_information(P_e, q, groups=None):
     I = sum_G P(G) KL(q_G || P(B)), q_G = sum_{e in G} P(e) q_e / P(G)."""
     joint = P_e[:, None] * q                                       # [N, B]
     if groups is not None:
-        joint = torch.stack([joint[list(g)].sum(0) for g in groups])
+        idx, gid = _group_index(groups)
+        joint = torch.zeros(len(groups), joint.shape[1], dtype=joint.dtype).index_add_(0, gid, joint[idx])
     PB = joint.sum(0, keepdim=True)                                # [1, B]
     PG = joint.sum(1, keepdim=True)                                # [G, 1]
     return float(_xlogy_ratio(joint, PG * PB).sum())
@@ -154,7 +156,7 @@ def collision_scale(p_ans, eps=EPS):
 def agglomerate(d_norm, p_ans, K, lam=0.0, tau=1.0, linkage="single"):
     """Greedy answer-aware agglomeration (§4.3, App. B.2).
 
-    d_norm [N, N]: max-normalised d_EP; p_ans [N]: answer-phase distribution; K: groups to keep;
+    d_norm [N, N]: max-normalised d_EP (symmetric; the upper triangle is read); p_ans [N]: answer-phase distribution; K: groups to keep;
     lam: lambda_l of this layer (0 = the lambda=0 control); tau: collision scale;
     linkage: "single" (paper default, d_role = min over member pairs), "average" or "complete".
     At each step merges the pair (G, H) minimising
@@ -167,36 +169,55 @@ def agglomerate(d_norm, p_ans, K, lam=0.0, tau=1.0, linkage="single"):
         raise ValueError(f"K={K} must be in [1, N={N}]")
     if linkage not in LINKAGES:
         raise ValueError(f"unknown linkage {linkage!r}; choose from {LINKAGES}")
-    D = d_norm.clone().to(torch.float64)             # group-to-group d_role, indexed by group id
-    p = torch.as_tensor(p_ans, dtype=torch.float64)
-    s, m, r = p.clone(), p.clone(), torch.zeros(N, dtype=torch.float64)   # per-group sum, max, R of p_ans
-    size = torch.ones(N, dtype=torch.float64)
+    # numpy, not torch: ~N steps of small [N, N] ops, where torch's per-op overhead dominates.
+    # J changes only in the merged group's row / column, so each step recomputes one row.
+    D = torch.as_tensor(d_norm, dtype=torch.float64).numpy()
+    D = np.triu(D, 1) + np.triu(D, 1).T                                # group-to-group d_role (symmetric: upper triangle)
+    p = torch.as_tensor(p_ans, dtype=torch.float64).numpy()
+    s, m, r = p.copy(), p.copy(), np.zeros(N)                           # per-group sum, max, R of p_ans
+    size = np.ones(N)
     members = {i: [i] for i in range(N)}
-    active = torch.ones(N, dtype=torch.bool)
-    upper = torch.triu(torch.ones(N, N, dtype=torch.bool), 1)
+    c = lam / tau
+
+    idx = np.arange(N)
+
+    def dR_row(a):                        # Delta R(a, every group), R of the smaller index subtracted first
+        ru = np.maximum((s[a] + s) / (np.maximum(m[a], m) + EPS) - 1.0, 0.0)
+        return np.where(idx < a, ru - r - r[a], ru - r[a] - r)
+
+    dR = np.maximum((s[:, None] + s[None, :]) / (np.maximum(m[:, None], m[None, :]) + EPS) - 1.0, 0.0) \
+        - r[:, None] - r[None, :]
+    J = D + c * dR
+    np.fill_diagonal(J, math.inf)                                       # J is symmetric; inf = not a candidate
     for _ in range(N - K):
-        dR = _pair_collision(s[:, None], s[None, :], m[:, None], m[None, :], r[:, None], r[None, :])
-        J = D + (lam / tau) * dR
-        ok = upper & active[:, None] & active[None, :]
-        Jm = torch.where(ok, J, torch.full_like(J, math.inf))
-        best = Jm.min()
-        cand = (Jm == best).nonzero().tolist()       # exact ties only
-        a, b = min(cand, key=lambda ij: (float(D[ij[0], ij[1]]), float(dR[ij[0], ij[1]]),
-                                         len(members[ij[0]]) + len(members[ij[1]]),
-                                         tuple(sorted(members[ij[0]] + members[ij[1]]))))
+        best = J.min()
+        ci, cj = np.divmod(np.flatnonzero(J == best), N)                # exact ties only
+        up = ci < cj
+        ci, cj = ci[up], cj[up]
+        for key in (lambda: D[ci, cj], lambda: dR[ci, cj], lambda: size[ci] + size[cj]):   # tie-breaks
+            if len(ci) > 1:
+                k = key()
+                ci, cj = ci[k == k.min()], cj[k == k.min()]
+        a, b = min(zip(ci.tolist(), cj.tolist()), key=lambda ij: tuple(sorted(members[ij[0]] + members[ij[1]])))
         # Lance-Williams update of the linkage from the merged group u = a (b retires)
         if linkage == "single":
-            row = torch.minimum(D[a], D[b])
+            row = np.minimum(D[a], D[b])
         elif linkage == "complete":
-            row = torch.maximum(D[a], D[b])
+            row = np.maximum(D[a], D[b])
         else:
             row = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
         D[a], D[:, a] = row, row
         D[a, a] = 0.0
         members[a] = sorted(members[a] + members.pop(b))
-        s[a], m[a], size[a] = s[a] + s[b], torch.maximum(m[a], m[b]), size[a] + size[b]
-        r[a] = ((s[a] / (m[a] + EPS)) - 1.0).clamp_min(0.0)
-        active[b] = False
+        s[a], m[a], size[a] = s[a] + s[b], max(m[a], m[b]), size[a] + size[b]
+        r[a] = max(s[a] / (m[a] + EPS) - 1.0, 0.0)
+        J[b, :], J[:, b] = math.inf, math.inf                           # b retires
+        dR[a], dR[:, a] = (d := dR_row(a)), d
+        live = np.isfinite(J[a])
+        live[b] = False
+        Ja = np.where(live, D[a] + c * d, math.inf)
+        Ja[a] = math.inf
+        J[a], J[:, a] = Ja, Ja
     return sorted(members.values())
 
 
@@ -261,16 +282,27 @@ def prune_groups(freq, K):
     return [[e] for e in sorted(keep)]
 
 
+def _group_index(groups):
+    """(member indices, group id of each) of a list of groups, as int64 tensors."""
+    idx = torch.tensor([e for g in groups for e in g], dtype=torch.long)
+    gid = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
+    return idx, gid
+
+
 def merge_weights(mass, groups):
     """Within-group merge weights (§4.4, App. B.2): omega_e = mass_e / sum_{e' in G} mass_e',
     uniform only when the whole group has zero mass. mass [N] pooled counts -> list of lists of
     floats aligned with `groups` (each sums to 1)."""
     mass = torch.as_tensor(mass, dtype=torch.float64)
-    out = []
+    idx, gid = _group_index(groups)
+    m = mass[idx]
+    tot = torch.zeros(len(groups), dtype=torch.float64).index_add_(0, gid, m)[gid]
+    size = torch.tensor([len(g) for g in groups], dtype=torch.float64)[gid]
+    w = torch.where(tot > 0, m / tot.clamp_min(1e-300), 1.0 / size).tolist()
+    out, i = [], 0
     for g in groups:
-        m = mass[list(g)]
-        tot = float(m.sum())
-        out.append([float(x) / tot for x in m] if tot > 0 else [1.0 / len(g)] * len(g))
+        out.append(w[i:i + len(g)])
+        i += len(g)
     return out
 
 
@@ -280,7 +312,8 @@ def acr(p_ans_record, groups):
     """Answer-Carrier Recoverability of one task-layer record (§4.3, App. A.3):
     ACR_r = sum_G max_{e in G} p^A_r(e). p_ans_record [N] (normalised); 1.0 = nothing lost."""
     p = torch.as_tensor(p_ans_record, dtype=torch.float64)
-    return float(sum(p[list(g)].max() for g in groups))
+    idx, gid = _group_index(groups)
+    return float(torch.zeros(len(groups), dtype=torch.float64).scatter_reduce_(0, gid, p[idx], "amax").sum())
 
 
 def mi_retention(record_counts, groups):
@@ -300,7 +333,7 @@ def mi_retention(record_counts, groups):
 METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune")
 
 
-def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None):
+def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, blocks=1):
     """Groupings for every MoE layer.
 
     counts [L, B, N]: phase-separated counts summed over sources; K: experts kept per layer;
@@ -309,11 +342,18 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     "lambda0", "permuted" (RRPs and p_ans shuffled across expert identities, seeded),
     "kmeans" (k-means++ on RRPs, seeded), baselines "frequency" (needs routers: list of
     [N, H] router weights) and "prune"; linkage applies to the agglomerative methods.
-    Returns (groups: list over layers of list of groups, info: list of per-layer dicts)."""
+    blocks: experts form `blocks` contiguous equal blocks (DeepSeek's routing groups) and every
+    group stays inside one block, K / blocks groups per block (d_EP's max, kappa, lambda and tau
+    stay per layer). Returns (groups: list over layers of list of groups, sorted by smallest
+    index, so merged expert g lies in block g // (K / blocks); info: list of per-layer dicts).
+    Raises ValueError when blocks does not divide N and K."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     counts = torch.as_tensor(counts, dtype=torch.float64)
     L, B, N = counts.shape
+    if N % blocks or K % blocks:
+        raise ValueError(f"blocks={blocks} must divide N={N} and K={K}")
+    nb, kb = N // blocks, K // blocks
     mass = counts.sum(1)                                           # [L, N] pooled over phases
     grouping_counts = counts
     if method == "no_phase_split":
@@ -330,16 +370,21 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
         p = p_all[l]
         P_e, q = role_profiles(p)
         tau = collision_scale(p[ans])
-        if method == "kmeans":
-            g = kmeans_groups(q, K, seed=seed)
-        elif method == "frequency":
-            if routers is None:
-                raise ValueError("method 'frequency' needs the router weights (routers=[...])")
-            g = frequency_groups(mass[l], routers[l], K)
-        elif method == "prune":
-            g = prune_groups(mass[l], K)
-        else:
-            g = agglomerate(normalise_by_max(pair_loss(P_e, q)), p[ans], K, lams[l], tau, linkage)
+        d = None if method in ("kmeans", "frequency", "prune") else normalise_by_max(pair_loss(P_e, q))
+        g = []
+        for s0 in range(0, N, nb):                                 # one routing group (block) at a time
+            ix = slice(s0, s0 + nb)
+            if method == "kmeans":
+                gb = kmeans_groups(q[ix], kb, seed=seed)
+            elif method == "frequency":
+                if routers is None:
+                    raise ValueError("method 'frequency' needs the router weights (routers=[...])")
+                gb = frequency_groups(mass[l, ix], routers[l][ix], kb)
+            elif method == "prune":
+                gb = prune_groups(mass[l, ix], kb)
+            else:
+                gb = agglomerate(d[ix, ix], p[ans, ix], kb, lams[l], tau, linkage)
+            g += [[e + s0 for e in grp] for grp in gb]
         groups.append(g)
         info.append({"kappa": kappas[l], "lambda": lams[l], "tau": tau})
     return groups, info

@@ -91,12 +91,17 @@ def test_majority_rows_hand_checked():
     best = majority_answers(recs)
     assert best["existence"][0] == "yes" and best["colour"][0] == "red"
     assert best["count"][0] == "2"                                        # tie 2:2 with "3" -> alphabetical first
-    rows = {r["family"]: r for r in majority_rows(recs)}
-    assert all(r["model"] == "majority" and r["metric"] == "accuracy" for r in rows.values())
-    assert rows["existence"]["value"] == pytest.approx(2 / 3) and rows["existence"]["n"] == 3
+    # the constants are fitted on a reference split, never on the records scored: here the reference
+    # says "no" / "3" and knows no colour, so the scored records (same as above) get other accuracies
+    ref = [{"family": "existence", "answer": "no"}, {"family": "count", "answer": "three"}]
+    rows = {r["family"]: r for r in majority_rows(recs, ref, model="best constant (train)")}
+    assert all(r["model"] == "best constant (train)" and r["metric"] == "accuracy" for r in rows.values())
+    assert rows["existence"]["value"] == pytest.approx(1 / 3) and rows["existence"]["n"] == 3
     assert rows["count"]["value"] == pytest.approx(2 / 4)
-    assert rows["colour"]["value"] == pytest.approx(2 / 3)
-    assert rows["all"]["value"] == pytest.approx(6 / 10) and rows["all"]["n"] == 10
+    assert rows["colour"]["value"] == 0                                     # no constant for colour
+    assert rows["all"]["value"] == pytest.approx(3 / 10) and rows["all"]["n"] == 10
+    one = majority_rows(recs[:1], ref)  # one question: not 1.000 (the old row was fitted on it)
+    assert one[0]["value"] == 0
 
 
 def test_score_options_matches_single_forward(saved):
@@ -128,6 +133,21 @@ def test_score_options_matches_single_forward(saved):
         score_options(model, proc, [dict(recs[0], family="count")])
 
 
+def test_score_options_can_pick_every_letter(saved):
+    """Issue 13: a 5-option record is scored over all five letters and its gold E is E."""
+    from eval.evaluate import pick_option
+    _, model, proc, data = saved
+    rec = dict(read_any(os.path.join(data, "val.json"))[0], family="mc", answer="E",
+               options=[("A", "red circle"), ("B", "green square"), ("C", "red square"), ("D", "yellow circle"),
+                        ("E", "blue square")])
+    out = score_options(model, proc, [rec])[0]
+    assert len(out["scores"]) == 5 and out["answer"] == "E" and out["correct"] == (out["pred"] == "E")
+    opts = rec["options"]
+    assert pick_option(opts, [-3.0, -2.0, -4.0, -5.0, -0.5], "E") == ("E", ["E"])
+    assert pick_option(opts, [-3.0, -2.0, -4.0, -5.0, -2.5], ["E", "B"]) == ("B", ["E", "B"])
+    assert pick_option(opts[:4], [-1.0, -1.0, -2.0, -3.0], "A") == ("A", ["A"])   # ties: first
+
+
 def test_main_writes_table_and_json(saved, tmp_path, capsys):
     ckpt, _, _, data = saved
     recs = read_any(os.path.join(data, "val.json"))
@@ -139,14 +159,14 @@ def test_main_writes_table_and_json(saved, tmp_path, capsys):
     _write_jsonl(tmp_path / "bench.jsonl", rows)
     out = tmp_path / "res" / "e.json"
     ret = main(["--model", ckpt, "--data", str(tmp_path / "bench.jsonl"), "--max-new-tokens", "6",
-                "--batch-size", "4", "--out", str(out)])
+                "--batch-size", "4", "--out", str(out), "--reference", os.path.join(data, "val.json")])
     printed = capsys.readouterr().out
-    assert "| family | n | tiny | majority |" in printed and f"wrote {out}" in printed
+    assert "| family | n | tiny | best constant (val.json) |" in printed and f"wrote {out}" in printed
     assert "option log-likelihood" in printed
     rep = json.loads(out.read_text())
     assert rep["rows"] == ret and len(rep["results"]) == 5 and len(rep["loglik"]) == sum(r["family"] == "mc" for r in rows)
     models = {(r["model"], r["metric"], r["family"]) for r in rep["rows"]}
-    assert ("majority", "accuracy", "all") in models and ("tiny", "accuracy", "mc") in models
+    assert ("best constant (val.json)", "accuracy", "all") in models and ("tiny", "accuracy", "mc") in models
     assert ("tiny", "accuracy_loglik", "mc") in models
     assert rep["loglik"][-1]["id"] == "o1" and rep["loglik"][-1]["answer"] == "C"
     assert not any(p.name.startswith("e.json.tmp") for p in out.parent.iterdir())   # atomic write, no leftovers

@@ -66,7 +66,7 @@ def test_existing_checkpoint_needs_resume_or_overwrite(shapes, run, capsys):
     (["--seed", "3"], "seed: saved 0, now 3"),
     (["--stage2-epochs", "1"], "stage2_epochs: saved 0.5, now 1.0"),
     (["--n-train", "6"], "data: saved '8 records, sha1"),
-    (["--base", "tiny-moe"], "base_model: saved {'model_type': 'qwen3_vl'"),
+    (["--model", "tiny-moe"], "base_model: saved {'model_type': 'qwen3_vl'"),
 ], ids=["n-vis", "lr", "batch-size", "method", "lora-r", "seed", "epochs", "data", "base"])
 def test_resume_refuses_other_settings(shapes, run, capsys, extra, expected):
     before = snapshot(run)
@@ -117,11 +117,11 @@ def test_truncated_checkpoint(shapes, run, tmp_path, capsys):
     ("train", ["--method", "mle"], "argument --method: invalid choice: 'mle'"),
     ("train", ["--latent-mixing", "topo"], "argument --latent-mixing: invalid choice: 'topo'"),
     ("train", ["--train", "lora8"], "argument --train: invalid choice: 'lora8'"),
-    ("infer", ["--n", "-1"], "argument --n/--limit: must be >= 0, got -1"),
+    ("infer", ["--limit", "-1"], "argument --limit: must be >= 0, got -1"),
     ("infer", ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
     ("infer", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     ("infer", ["--intervention", "shuffled"], "argument --intervention: invalid choice: 'shuffled'"),
-    ("diagnostics", ["--n", "-1"], "argument --n/--limit: must be >= 0, got -1"),
+    ("diagnostics", ["--limit", "-1"], "argument --limit: must be >= 0, got -1"),
     ("diagnostics", ["--stage", "3"], "argument --stage: invalid choice: 3"),
 ])
 def test_degenerate_flags_stop_at_parse_time(shapes, tmp_path, capsys, module, argv, expected):
@@ -152,9 +152,11 @@ def test_lr_required_for_a_big_base(shapes, tmp_path, capsys):
     big = tmp_path / "big"
     big.mkdir()
     (big / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 3584}}))
-    err = error_of(mt.main, train_args(shapes, tmp_path / "o", "--base", str(big)), capsys)
-    assert "error: --lr is required with --base" in err and "hidden size 3584" in err
+    err = error_of(mt.main, train_args(shapes, tmp_path / "o", "--model", str(big)), capsys)
+    assert "error: --lr is required with --model" in err and "hidden size 3584" in err
     assert not (tmp_path / "o").exists()
+    err = error_of(mt.main, train_args(shapes, tmp_path / "o", "--base", str(big)), capsys)  # the old spelling
+    assert "--base is deprecated" in err and "error: --lr is required with --model" in err
     assert mt.toy_lr("tiny-dense") == 2e-3
 
 
@@ -171,8 +173,9 @@ def _broken_copy(shapes, tmp_path, how):
     elif how == "truncated image":
         img = d / recs[1]["image"]
         img.write_bytes(img.read_bytes()[:120])
-    elif how == "mixed sizes":
-        Image.new("RGB", (100, 90)).save(d / recs[3]["image"])
+    elif how == "no image":  # mixed image sizes are fine now (one image path: the processor's resize)
+        del recs[3]["image"]
+        (d / "train.json").write_text(json.dumps(recs))
     elif how == "empty answer":
         recs[2]["conversations"][1]["value"] = ""
         (d / "train.json").write_text(json.dumps(recs))
@@ -183,8 +186,7 @@ def _broken_copy(shapes, tmp_path, how):
     ("missing dir", "no train.json or train.jsonl there; generate data with `python -m common.data"),
     ("missing image", "record train_000001: image "),
     ("truncated image", "train_000001"),
-    ("mixed sizes", "mole.train needs images of one size with sides that are multiples of 28 (patch 14 x merge 2); "
-                    "found 84x84 (record train_000000), 100x90 (record train_000003)"),
+    ("no image", "mole.train: 1 record(s) with no image (a text-only record), e.g. ['train_000003']"),
     ("empty answer", "1 record(s) with an empty answer (gpt turn), e.g. ['train_000002']"),
 ])
 def test_bad_training_data(shapes, tmp_path, capsys, how, expected):
@@ -236,7 +238,7 @@ def test_batch_with_every_label_masked(shapes, tmp_path, capsys, monkeypatch):
 
 def test_checkpoint_on_the_wrong_base_is_refused(shapes, run, capsys):
     before = snapshot(run)
-    err = error_of(minfer.main, ["--ckpt", str(run), "--base", "tiny-moe", "--data", str(shapes / "test.json")], capsys)
+    err = error_of(minfer.main, ["--ckpt", str(run), "--model", "tiny-moe", "--data", str(shapes / "test.json")], capsys)
     assert f"error: {run} was trained on base " in err and "tiny/dense and does not fit base " in err
     assert "tiny/moe (model_type 'qwen3_vl' vs 'qwen3_vl_moe')" in err
     assert snapshot(run) == before
@@ -288,7 +290,7 @@ def test_infer_and_diagnostics_take_limit_and_check_out_first(shapes, run, tmp_p
         err = error_of(main, ["--ckpt", "nowhere", "--data", test, "--out", str(tmp_path)], capsys)
         assert f"error: --out {tmp_path} is a directory; give a file path, e.g. {tmp_path / 'results.json'}" in err
         err = error_of(main, ["--ckpt", "nowhere", "--data", test, "--limit", "-1"], capsys)
-        assert "argument --n/--limit: must be >= 0, got -1" in err
+        assert "argument --limit: must be >= 0, got -1" in err
     assert os.listdir(tmp_path) == []
     for flag in ("--limit", "--n"):
         res = minfer.main(["--ckpt", str(run), "--data", test, flag, "1", "--max-new-tokens", "2", "--device", "cpu",
@@ -327,7 +329,7 @@ def test_checkpoint_of_another_trainer_is_not_a_mole_checkpoint(shapes, run, tmp
     assert snapshot(out) == before
 
 
-@pytest.mark.parametrize("extra", [["--data", "no/such/data"], ["--base", "no/such/base"]], ids=["data", "base"])
+@pytest.mark.parametrize("extra", [["--data", "no/such/data"], ["--model", "no/such/base"]], ids=["data", "base"])
 def test_overwrite_keeps_the_old_run_when_data_or_base_is_wrong(shapes, run, tmp_path, capsys, extra):
     out = copy_run(run, tmp_path)
     before = snapshot(out)

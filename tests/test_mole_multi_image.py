@@ -57,6 +57,20 @@ def test_encode_puts_one_vision_block_per_image():
     assert first[s:s + 2 * n_tok + 4] == ([vs] + [mole.proc.image_token_id] * n_tok + [ve]) * 2
     one = mole.encode([imgs[1]], qs[1:], ans[1:])
     assert one["input_ids"][0].tolist() == ids[1, : one["input_ids"].shape[1]].tolist()
+    # placeholders as the readers keep them: "<image>\n<image>\nQ" is the same prompt as "Q";
+    # placeholders inside the text put each block where its placeholder is
+    ph = mole.encode(imgs[:1], ["<image>\n<image>\n" + qs[0]], ans[:1])["input_ids"][0].tolist()
+    assert ph == first[: len(ph)] and all(t == mole.proc.pad_token_id for t in first[len(ph):])
+    mid = mole.encode(imgs[:1], ["Left: <image> Right: <image> " + qs[0]], ans[:1])["input_ids"][0].tolist()
+    left, right = mole.proc.text_ids("Left: "), mole.proc.text_ids(" Right: ")
+    s2 = mid.index(vs)
+    assert mid[s2 - len(left):s2] == left and mid[s2 + n_tok + 2: s2 + n_tok + 2 + len(right)] == right
+    assert mid[s2 + n_tok + 2 + len(right)] == vs and mid.count(vs) == 2
+    try:
+        mole.encode(imgs[:1], ["<image> " + qs[0]], ans[:1])
+        raise AssertionError("expected ValueError")
+    except ValueError as e:
+        assert "2 images has 1 '<image>' placeholders" in str(e)
     # counts that do not add up are refused
     pv, grid = mole.proc.images([data.render(a) for a, _ in pairs])
     try:
@@ -110,21 +124,23 @@ def test_two_image_cached_generation_equals_uncached_forward():
     assert torch.allclose(logits, steps, atol=1e-4), (logits - steps).abs().max()
 
 
-def test_two_image_records_train_and_infer_end_to_end(tmp_path, monkeypatch):
-    # records as the readers give them: "images" = absolute paths, "image" = the first one
+def test_two_image_records_train_and_infer_end_to_end(tmp_path):
+    # a LLaVA file with an image list (one <image> placeholder per image), read from disk by the
+    # one reader (common.data.read_records: relative paths against the data file's folder)
     pairs, qs, ans = two_image_examples(8, seed=3)
-    recs = []
+    rows = []
     for i, ((a, b), q, y) in enumerate(zip(pairs, qs, ans)):
-        paths = []
+        names = []
         for k, scene in enumerate((a, b)):
-            p = tmp_path / f"im{i}_{k}.png"
-            data.render(scene).save(p)
-            paths.append(str(p))
-        recs.append({"id": f"two_{i}", "image": paths[0], "images": paths, "question": q, "target": y,
-                     "answer": y, "family": "existence"})
+            data.render(scene).save(tmp_path / f"im{i}_{k}.png")
+            names.append(f"im{i}_{k}.png")
+        rows.append({"id": f"two_{i}", "image": names, "family": "existence",
+                     "conversations": [{"from": "human", "value": f"<image>\n<image>\n{q}"},
+                                       {"from": "gpt", "value": y}]})
     f = tmp_path / "train.json"
-    f.write_text(json.dumps(recs))
-    monkeypatch.setattr(data, "read_records", lambda path: [dict(r) for r in recs])
+    f.write_text(json.dumps(rows))
+    recs = data.read_records(str(f))
+    assert [len(r["images"]) for r in recs] == [2] * 8 and recs[0]["images"][1] == str(tmp_path / "im0_1.png")
     out = tmp_path / "run"
     net, proc, log = mt.main(["--data", str(f), "--out", str(out), "--batch-size", "4", "--stage1-epochs", "1",
                               "--stage2-epochs", "1", "--quiet", "--device", "cpu"])
@@ -132,6 +148,12 @@ def test_two_image_records_train_and_infer_end_to_end(tmp_path, monkeypatch):
     net2, _, stage = mt.load_mole(str(out))
     res = evaluate(net2, recs, stage=stage, max_new_tokens=4)
     assert [r["id"] for r in res] == [r["id"] for r in recs] and all(r["n_tokens"] >= 1 for r in res)
+    # the command-line entry points take the same file (check_support lets several images through)
+    from mole import diagnostics, infer
+    cli = infer.main(["--ckpt", str(out), "--data", str(f), "--max-new-tokens", "4", "--device", "cpu"])
+    assert [r["pred"] for r in cli] == [r["pred"] for r in res]
+    diag = diagnostics.main(["--ckpt", str(out), "--data", str(f), "--limit", "4", "--device", "cpu"])
+    assert diag["n"] == 4
     # the SFT control takes one image per record and says so
     err = None
     try:

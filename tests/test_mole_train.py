@@ -11,8 +11,8 @@ def _setup(tmp_path):
     model, proc = bb.build_tiny("qwen3_vl", layers=2)
     bb.save_backbone(model, proc, str(tmp_path / "base"))
     data.generate_split(str(tmp_path / "data"), "train", 32)
-    return ["--base", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--batch-size", "8",
-            "--stage1-epochs", "1", "--stage2-epochs", "1", "--quiet", "--device", "cpu"]
+    return ["--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--batch-size", "8",
+            "--stage1-epochs", "1", "--stage2-epochs", "1", "--quiet", "--device", "cpu", "--threads", "1"]
 
 
 def test_two_stage_resume_is_exact_and_trainable_set(tmp_path):

@@ -233,7 +233,7 @@ def test_calibrate_keeps_two_sources_with_the_same_file_name(tmp_path):
         data.generate_split(str(tmp_path / d), "val", 2)
     out = tmp_path / "st.safetensors"
     calibrate.main(["--model", "tiny-moe", "--data", str(tmp_path / "a" / "val.json"),
-                    str(tmp_path / "b" / "val.json"), "--out", str(out), "--n", "2"])
+                    str(tmp_path / "b" / "val.json"), "--out", str(out), "--limit", "2"])
     meta = json.load(open(tmp_path / "st.json"))
     assert len(meta["tokens"]) == 2  # both files are sources (not one overwriting the other)
     assert sum(v["image"] for v in meta["tokens"].values()) == 4 * 9  # 2 + 2 examples x 9 visual tokens

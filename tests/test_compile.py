@@ -1,0 +1,112 @@
+"""torch.compile on the hot paths (mod.model.compile_adapters, MoLE.compile_hot): routing
+and outputs stay those of eager mode. Backend aot_eager (dynamo capture + AOT autograd, no
+C++ codegen): inductor's cold compile costs minutes on CPU; the graphs are the same."""
+import torch
+import torch.nn as nn
+
+from mod.model import AdapterConfig, MoDLinear, RoutingContext, compile_adapters
+
+
+class _Holder(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+
+def test_mod_compiled_adapter_matches_eager_routing_grads_and_cache():
+    """MoD through AOT autograd (train step); MoE-LoRA and the cached-decoding recompiles
+    through dynamo's capture alone (backend eager) to keep the test to seconds."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    for method, backend in (("mod", "aot_eager"), ("moelora", "eager")):
+        ctx = RoutingContext()
+        m = MoDLinear(nn.Linear(16, 24), AdapterConfig(method=method, num_experts=4, r=2, window=3), ctx)
+        with torch.no_grad():
+            (m.B if method == "mod" else m.lora_B).normal_()
+        ref = MoDLinear(nn.Linear(16, 24), AdapterConfig(method=method, num_experts=4, r=2, window=3), RoutingContext())
+        ref.load_state_dict(m.state_dict())
+        m.name = ref.name = "m"                                                    # attach() names the layers
+        h = _Holder(m)
+        assert compile_adapters(h, backend=backend) == 1
+        assert list(h.state_dict()) == ["m." + k for k in ref.state_dict()]          # names unchanged
+        x = torch.randn(2, 7, 16)
+        mask = torch.ones(2, 7, dtype=torch.bool)
+        mask[0, :2] = False                                                        # left padding
+        for mod in (m, ref):
+            mod.train()
+            mod.ctx.mask, mod.ctx.continuing, mod.ctx.aux, mod.ctx.record, mod.ctx.trace = mask, False, [], True, []
+        y, y_ref = m(x), ref(x)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+        for a, b in zip(m.ctx.trace[0][1:3], ref.ctx.trace[0][1:3]):               # top-r picks of A and B
+            assert torch.equal(a, b)
+        torch.testing.assert_close(m.ctx.aux[0], ref.ctx.aux[0])
+        y.square().sum().backward()
+        y_ref.square().sum().backward()
+        for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+        if backend != "eager":
+            continue
+        # cached decoding: one more token continuing the sequence uses the W-1 routing cache
+        m.eval(), ref.eval()
+        for mod in (m, ref):
+            mod.ctx.mask, mod.ctx.continuing, mod.ctx.trace = mask, False, []
+            mod(x)
+            mod.ctx.mask, mod.ctx.continuing = torch.ones(2, 1, dtype=torch.bool), True
+        x1 = torch.randn(2, 1, 16)
+        torch.testing.assert_close(m(x1), ref(x1), rtol=1e-5, atol=1e-6)
+        assert torch.equal(m.ctx.trace[-1][1], ref.ctx.trace[-1][1])
+
+
+def test_mole_compiled_hot_functions_match_eager():
+    from tests.test_mole import examples, make
+    torch._dynamo.reset()
+    mole = make(layers=2)
+    imgs, qs, ans = examples(2)
+    b = mole.encode(imgs, qs, ans)
+    ref = mole(b, 2, record=True)
+    mole.compile_hot(backend="aot_eager")
+    assert mole._scores is not type(mole)._scores and all(e.fn is mole.esva[0].fn for e in mole.esva)
+    got = mole(b, 2, record=True)
+    torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-4, atol=1e-5)
+    for k in ("loss", "balance", "z", "div"):
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
+    for layer, p in ref["pass"].attn.items():                  # Z_vis attention over the routed tokens
+        torch.testing.assert_close(got["pass"].attn[layer], p, rtol=1e-4, atol=1e-6)
+    assert set(mole.state_dict()) == set(make(layers=2).state_dict())
+
+
+def test_mod_compiled_layers_share_one_compile():
+    """Layers of one shape compile once: no guard on the per-forward aux list (its length grows
+    layer by layer), so a deep model does not recompile per layer or fall back to eager."""
+    torch._dynamo.reset()
+    ctx = RoutingContext()
+    layers = [MoDLinear(nn.Linear(8, 8), AdapterConfig(num_experts=4, r=2, window=3), ctx) for _ in range(4)]
+    for i, m in enumerate(layers):
+        m.name = str(i)
+        m.train()
+        m.compile(backend="eager")
+    x = torch.randn(1, 5, 8)
+    ctx.mask, ctx.continuing, ctx.aux = None, False, []
+    y = x
+    for m in layers[:2]:                  # compiles: input without / with requires_grad (layer 1 on)
+        y = m(y)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            ctx.aux = []
+            y = x
+            for m in layers:
+                y = m(y)
+            assert len(ctx.aux) == 4
+
+
+def test_compile_adapters_raises_the_recompile_limit_per_layer_kind():
+    """q / k / v / o of a real model are several kinds (widths, bias); with dynamo's default
+    limit of 8 compiles per function the later kinds silently ran eager."""
+    from common.backbone import build_tiny
+    from mod.model import attach
+    model, _ = build_tiny("qwen2_5_vl", hidden=64, layers=2)
+    attach(model, AdapterConfig())
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert compile_adapters(model, backend="eager") == 8
+        assert torch._dynamo.config.recompile_limit == 24        # q/o (bias / none) and k/v widths: 3 kinds

@@ -1,0 +1,189 @@
+"""What a newcomer meets first: file modes of written weights, the README's plain-transformers
+snippet for a merged checkpoint, the quickstart's interrupt / resume and its report."""
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common import backbone as bb
+from common import checkpoint as ck
+from common import data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    """A tiny-moe merged in memory to rho = .75 (stats from 4 validation examples) and its data."""
+    from rolemerge import calibrate, merge
+    d = tmp_path_factory.mktemp("merged")
+    old = os.umask(0o022)
+    try:
+        data.generate_split(str(d / "data"), "val", 4)
+        calibrate.main(["--model", "tiny-moe", "--data", str(d / "data" / "val.json"), "--out",
+                        str(d / "st.safetensors"), "--limit", "4"])
+        merge.main(["--model", "tiny-moe", "--stats", str(d / "st.safetensors"), "--rho", "0.75",
+                    "--out", str(d / "m")])
+    finally:
+        os.umask(old)
+    return d
+
+
+def _modes(root):
+    return {os.path.relpath(os.path.join(r, f), root): stat.S_IMODE(os.stat(os.path.join(r, f)).st_mode)
+            for r, _, fs in os.walk(root) for f in fs}
+
+
+def test_written_weights_follow_the_umask(merged, tmp_path):
+    # safetensors (and so save_pretrained) creates its files 0600: collaborators could not read them
+    assert set(_modes(merged / "m").values()) == {0o644}, _modes(merged / "m")     # in-memory merge
+    assert stat.S_IMODE(os.stat(merged / "st.safetensors").st_mode) == 0o644         # calibration stats
+    old = os.umask(0o027)
+    try:
+        ck.atomic_save_file({"a": torch.zeros(2)}, str(tmp_path / "w.safetensors"))          # MoD adapters
+        ck.save_train_state(str(tmp_path / "ckpt"), {"a": torch.zeros(2)}, None, {"step": 1})  # MoLE / trainers
+        model, proc = bb.build_tiny("qwen3_vl", hidden=32, layers=1)
+        bb.save_backbone(model, proc, str(tmp_path / "base"))                                 # pretrain
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "w.safetensors").st_mode) == 0o640
+    assert set(_modes(tmp_path / "ckpt").values()) == {0o640}
+    assert set(_modes(tmp_path / "base").values()) == {0o640}
+
+
+def test_readme_plain_transformers_snippet(merged, tmp_path):
+    """The rolemerge README's snippet, run verbatim, answers as this repo's own inference does."""
+    from rolemerge import infer
+    text = open(os.path.join(ROOT, "rolemerge", "README.md")).read()
+    sec = text[text.index("## Running a merged checkpoint with plain transformers"):]
+    code = re.search(r"```python\n(.*?)```", sec, re.S).group(1)
+    (tmp_path / "run_merged.py").write_text(code)
+    rec = data.read_llava_json(str(merged / "data" / "val.json"))[0]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="")
+    out = subprocess.run([sys.executable, str(tmp_path / "run_merged.py"), str(merged / "m"), rec["image"]],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    model, proc, _ = infer.load_timed(str(merged / "m"))
+    ours = infer.predict(model, proc, [dict(rec, question="Is there a red circle?")], max_new_tokens=64,
+                         progress=False)[0]["pred"]
+    assert out.stdout.strip() == ours.strip()
+
+
+def test_report_tables_put_accuracy_first_with_captions_n_and_integers():
+    from eval.quickstart import stage_tables
+    rows = [{"model": "m", "family": "all", "metric": "bytes", "value": 8976680.0, "ci_low": None, "ci_high": None, "n": 1},
+            {"model": "m", "family": "count", "metric": "accuracy", "value": 0.5, "ci_low": 0.25, "ci_high": 0.75, "n": 4},
+            {"model": "m", "family": "all", "metric": "accuracy", "value": 0.5, "ci_low": 0.25, "ci_high": 0.75, "n": 9},
+            {"model": "m", "family": "all", "metric": "switch_rate", "value": 0.125, "ci_low": None, "ci_high": None, "n": 9}]
+    text = "\n".join(stage_tables("mod", rows))
+    assert text.index("**accuracy**") < text.index("**bytes**") < text.index("**switch_rate**")
+    assert "| m | 9 | 0.500 [0.25, 0.75] | 0.500 [0.25, 0.75] |" in text      # n of the row; count before all
+    assert "| m | 1 | 8976680 |" in text                                      # an integer stays an integer
+    assert "adjacent tokens whose top-1 expert differs" in text                 # every metric has a caption
+
+
+def test_quickstart_ctrl_c_stops_after_the_stage_and_a_rerun_continues(tmp_path):
+    import signal
+    import time
+    out, dat = tmp_path / "qs", tmp_path / "data"
+    cmd = [sys.executable, "-m", "eval.quickstart", "--out", str(out), "--data", str(dat), "--n-test", "12",
+           "--methods", "", "--batch-size", "12"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t = time.time()
+    while not list(out.glob("stages/*.json")) and p.poll() is None and time.time() - t < 240:
+        time.sleep(0.05)                                                       # the first stage finished
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "rerun the same command to continue" in err
+    done = sorted(f.name for f in (out / "stages").glob("*.json"))
+    assert 1 <= len(done) < 3 and not (out / "report.md").exists()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("done in an earlier run") == len(done)              # nothing finished is redone
+    report = (out / "report.md").read_text()
+    assert report.index("## bases") < report.index("**accuracy**") and "best constant (train)" in report
+
+
+ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --data, --image-root, --limit, --out,
+    # --threads, --seed)
+    "eval.evaluate": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "eval.quickstart": ("--data", "--out", "--threads"),
+    "mod.data": ("--model", "--data", "--image-root", "--limit", "--out", "--threads", "--seed"),
+    "mod.train": ("--model", "--data", "--image-root", "--out", "--threads", "--seed"),
+    "mod.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "mole.train": ("--model", "--data", "--image-root", "--out", "--threads", "--seed"),
+    "mole.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "mole.diagnostics": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "rolemerge.calibrate": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+    "rolemerge.merge": ("--model", "--out", "--threads", "--seed"),
+    "rolemerge.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(ENTRY_POINTS))
+def test_one_flag_vocabulary(module, capsys):
+    import importlib
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(["-h"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    missing = [f for f in ENTRY_POINTS[module] if not re.search(rf"{f}[ ,=\n]", text)]
+    assert not missing, f"{module} -h lacks {missing}"
+    assert not re.search(r"--base[ ,]|--n[ ,]", text)                         # old spellings are not advertised
+
+
+def test_old_flag_spellings_still_work_with_a_warning(capsys):
+    import argparse
+    from common.cli import Deprecated
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="tiny-dense")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    p.add_argument("--limit", dest="n", type=int, default=0)
+    p.add_argument("--n", dest="n", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    assert vars(p.parse_args([])) == {"model": "tiny-dense", "n": 0}          # the new flags' defaults stand
+    assert capsys.readouterr().err == ""
+    assert vars(p.parse_args(["--base", "x", "--n", "3"])) == {"model": "x", "n": 3}
+    err = capsys.readouterr().err
+    assert "--base is deprecated; use --model" in err and "--n is deprecated; use --limit" in err
+
+
+def test_threads_default_one_for_tiny_bases_all_cores_for_real_checkpoints(tmp_path):
+    from common.cli import set_threads
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(None, "tiny-moe") == 1 and torch.get_num_threads() == 1
+        assert set_threads(None, bb.TINY["tiny-chat"]) == 1
+        assert set_threads(None, str(tmp_path)) == len(os.sched_getaffinity(0))   # a real checkpoint path
+        assert set_threads(2, "tiny-moe") == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_mod_infer_checks_every_method_first_and_keeps_finished_methods(tmp_path, monkeypatch, capsys):
+    import json
+    from helpers import error_of
+    from mod import infer
+    data.generate_split(str(tmp_path / "d"), "test", 2)
+    recs = json.load(open(tmp_path / "d" / "test.json"))
+    free = tmp_path / "free.json"
+    free.write_text(json.dumps([dict(r, family="freeform", image=str(tmp_path / "d" / r["image"])) for r in recs]))
+    out = tmp_path / "r.json"
+    # base-misled cannot run on free-form data: refused before the model loads or any method runs
+    with monkeypatch.context() as m:
+        m.setattr(bb, "load_backbone", lambda *a, **k: pytest.fail("the model loaded before the data check"))
+        err = error_of(infer.main, ["--data", str(free), "--methods", "base,base-misled", "--out", str(out)],
+                       capsys)
+    assert "misled prompts need a shapes-world family" in err and not out.exists()
+    # a method failing after another finished: the finished one is on disk, marked incomplete
+    monkeypatch.setattr(infer, "self_correction", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        infer.main(["--data", str(tmp_path / "d" / "test.json"), "--methods", "base,sc", "--max-new-tokens", "4",
+                    "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert list(saved["results"]) == ["base"] and saved["complete"] is False
