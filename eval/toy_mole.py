@@ -27,6 +27,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common.cli import Deprecated, add_threads, set_threads
 
 MAIN = {  # name -> extra mole.train flags
     "sft": ["--method", "sft"],
@@ -83,8 +84,9 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None):
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     os.makedirs(out_dir, exist_ok=True)
     rows, summary, results = [], {}, {}
-    common = ["--base", base, "--data", data_dir, "--n-train", str(cfg["n_train"]),
-              "--batch-size", str(cfg["batch_size"]), "--device", "cpu"]
+    common = ["--model", base, "--data", data_dir, "--n-train", str(cfg["n_train"]),
+              "--batch-size", str(cfg["batch_size"]), "--device", "cpu"] + \
+        (["--threads", str(threads)] if threads is not None else [])
 
     if not quick:  # the untouched base (the quickstart already reports it)
         model, proc = bb.load_backbone(base)
@@ -215,7 +217,7 @@ def _bottleneck_one(name, lr, seed, steps, recs, data_dir, out_dir, base, thread
     epochs = steps * cfg["batch_size"] / n_train
     ckpt = os.path.join(out_dir, "ckpt", tag)
     t = time.time()
-    net, proc, log = mt.main(["--base", base, "--data", data_dir, "--n-train", str(n_train),
+    net, proc, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(n_train),
                               "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
                               "--stage1-epochs", f"{epochs:g}", "--stage2-epochs", "0", "--lr", str(lr),
                               "--seed", str(seed),
@@ -554,15 +556,15 @@ def main(argv=None):
                         "the result files that exist")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
-    p.add_argument("--base", default="tiny-dense", help="base VLM")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    add_threads(p)
     a = p.parse_args(argv)
+    threads = set_threads(a.threads, a.model)  # passed on to every mole.train run
     if a.part == "shift":
-        if a.threads:
-            torch.set_num_threads(a.threads)
         out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
         dd = a.data if a.data != "out/data" else os.path.join(out, "data")
-        res = position_shift(dd, base=a.base)
+        res = position_shift(dd, base=a.model)
         data.atomic_write_text(os.path.join(out, "position_shift.json"), json.dumps(res, indent=1))
         print(json.dumps(res, indent=1))
         return
@@ -573,16 +575,14 @@ def main(argv=None):
             print(bottleneck_table(summarise_bottleneck(out)))
             return
         if a.phase == "image":  # exploratory: do the cell predictions depend on the image at all?
-            if a.threads:
-                torch.set_num_threads(a.threads)
             image_dependence(out, seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (0,), data_dir=dd)
             return
-        s = run_bottleneck(dd, out, base=a.base, threads=a.threads or None,
+        s = run_bottleneck(dd, out, base=a.model, threads=threads,
                            seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
                            arms=a.arms.split(",") if a.arms else None, phase=a.phase)
         print(bottleneck_table(s) if a.phase not in ("sweep", "long") else s)
         return
-    rows = run(a.quick, a.data, a.out, base=a.base, threads=a.threads or None)
+    rows = run(a.quick, a.data, a.out, base=a.model, threads=threads)
     print(table(rows))
 
 
