@@ -45,6 +45,10 @@ ABLATIONS = {
     "s0": ["--n-vis", "8", "--n-sum", "0"],
 }
 INTERVENTIONS = ("random", "shuffle", "mask")
+# the two-stage table's main rows, in run order; sft_placeholders = the SFT control with the
+# same 8 inert placeholder tokens where the latents sit (same M-RoPE position shift, no latents)
+TABLE_MAIN = {"sft": MAIN["sft"], "sft_placeholders": ["--method", "sft", "--placeholders", "8"],
+              "plain_latent": MAIN["plain_latent"], "mole": MAIN["mole"]}
 QUICK = dict(n_train=480, n_test=200, batch_size=32)  # 15 steps per epoch, 45 steps per model
 FULL = dict(n_train=1280, n_test=500, batch_size=32)  # 40 steps per epoch, 120 steps per model
 
@@ -53,85 +57,193 @@ def _ensure_data(data_dir, n_train, n_test):
     data.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
 
 
-def _rows(name, res, sft_res, extra):
-    """Family accuracy rows + paired difference vs SFT + scalar rows (time, diagnostics)."""
-    from eval.evaluate import family_rows
-    from eval.metrics import by_family, paired_bootstrap
-    rows = family_rows(name, res)
-    if sft_res is not None:
-        a, b = by_family(res), by_family(sft_res)
-        for fam in a:
-            d = paired_bootstrap(a[fam], b[fam])
-            rows.append({"model": name, "family": fam, "metric": "diff_vs_sft", "value": d["diff"],
-                         "ci_low": d["ci_low"], "ci_high": d["ci_high"], "n": len(a[fam])})
-    for metric, v in extra.items():
-        rows.append({"model": name, "family": "all", "metric": metric, "value": v, "ci_low": None,
-                     "ci_high": None, "n": len(res)})
-    return rows
-
-
-def run(quick, data_dir, out_dir, base="tiny-dense", threads=None):
-    """Train and evaluate the rows (quick: sft, plain_latent, mole; else all rows), return
-    report rows, and write {out_dir}/results.json (results_quick.json in quick mode)."""
-    from eval.evaluate import evaluate as plain_evaluate
+def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, mole_evaluate, plain_evaluate):
+    """Train one row of the two-stage table for one seed (resumable checkpoint in
+    {tab_dir}/ckpt/{name}_seed{seed}), evaluate it on `test`, write {tab_dir}/{name}_seed{seed}.json
+    atomically and return (result, net, stage). A result file that exists is returned as is
+    (net None): the table resumes where it stopped."""
     from mole import train as mt
     from mole.diagnostics import latent_stats
+    path = os.path.join(tab_dir, f"{name}_seed{seed}.json")
+    if os.path.exists(path):
+        return _json(path), None, None
+    t = time.time()
+    net, proc, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(cfg["n_train"]),
+                              "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
+                              "--seed", str(seed), "--save-every", "20", "--resume",
+                              "--out", os.path.join(tab_dir, "ckpt", f"{name}_seed{seed}")] + flags +
+                             (["--threads", str(threads)] if threads is not None else []))
+    train_s = time.time() - t
+    stage = 2 if log[-1]["stage"] == 2 else 1
+    t = time.time()
+    with torch.inference_mode():
+        if "sft" in flags:
+            res = plain_evaluate(net, proc, test, desc=f"eval {name}")
+        else:
+            res = mole_evaluate(net, test, stage=stage, desc=f"eval {name}")
+    out = {"row": name, "seed": seed, "train_s": train_s, "infer_s": time.time() - t, "steps": len(log),
+           "stage": stage, "ce_log": [[x["step"], x["stage"], x["ce"]] for x in log], "items": res}
+    if "sft" not in flags:
+        with torch.inference_mode():
+            out["latent_sim_x100"], out["attn_kl_x100"] = latent_stats(net, test[:100], stage=stage)
+    data.atomic_write_text(path, json.dumps(out))
+    return out, net, stage
+
+
+def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
+    """Train and evaluate the rows of the two-stage table (quick: sft, plain_latent, mole, seed 0
+    only; else TABLE_MAIN, the interventions, then the ablations) for every seed, each (row, seed)
+    its own atomic result file under {out_dir}/table (table_quick), so a stopped run resumes.
+    Order: for each seed the main rows and the interventions, then for each seed the ablations.
+    Writes and returns the summary (`summarise_table`: {out_dir}/results.json, results_quick.json
+    in quick mode, and the PNG figures)."""
+    from eval.evaluate import evaluate as plain_evaluate
     from mole.infer import evaluate as mole_evaluate
+    from mole.train import load_mole
     if threads:
         torch.set_num_threads(threads)
     cfg = QUICK if quick else FULL
+    seeds = [0] if quick else list(seeds)
     _ensure_data(data_dir, cfg["n_train"], cfg["n_test"])
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
-    os.makedirs(out_dir, exist_ok=True)
-    rows, summary, results = [], {}, {}
-    common = ["--model", base, "--data", data_dir, "--n-train", str(cfg["n_train"]),
-              "--batch-size", str(cfg["batch_size"]), "--device", "cpu"] + \
-        (["--threads", str(threads)] if threads is not None else [])
-
-    if not quick:  # the untouched base (the quickstart already reports it)
+    tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
+    os.makedirs(tab_dir, exist_ok=True)
+    base_path = os.path.join(tab_dir, "base.json")
+    if not quick and not os.path.exists(base_path):  # the untouched base (seed-independent)
         model, proc = bb.load_backbone(base)
         t = time.time()
         with torch.inference_mode():
-            results["base"] = plain_evaluate(model, proc, test, desc="eval base")
-        summary["base"] = {"infer_s": time.time() - t}
-    specs = dict(MAIN) if quick else {**MAIN, **ABLATIONS}
-    nets = {}
-    for name, flags in specs.items():
-        t = time.time()
-        net, proc, log = mt.main(common + flags + ["--out", os.path.join(out_dir, "ckpt", name), "--overwrite"])
-        train_s = time.time() - t
-        stage = 2 if log[-1]["stage"] == 2 else 1
-        t = time.time()
-        with torch.inference_mode():
-            if name == "sft":
-                res = plain_evaluate(net, proc, test, desc="eval sft")
-            else:
-                res = mole_evaluate(net, test, stage=stage, desc=f"eval {name}")
-        summary[name] = {"train_s": train_s, "infer_s": time.time() - t, "steps": len(log),
-                         "final_ce": log[-1]["ce"], "train_step_s": sum(r["s"] for r in log) / len(log)}
-        if name != "sft":
-            sim, kl = latent_stats(net, test[:100], stage=stage)
-            summary[name].update(latent_sim_x100=sim, attn_kl_x100=kl)
-        results[name] = res
-        nets[name] = (net, stage)
-        print(f"[toy_mole] {name}: acc {sum(r['correct'] for r in res) / len(res):.3f} "
-              f"train {train_s:.0f}s", flush=True)
+            res = plain_evaluate(model, proc, test, desc="eval base")
+        data.atomic_write_text(base_path, json.dumps({"row": "base", "seed": None, "infer_s": time.time() - t,
+                                                      "items": res}))
+    main_rows = {k: MAIN[k] for k in ("sft", "plain_latent", "mole")} if quick else TABLE_MAIN
+    for seed in seeds:
+        for name, flags in main_rows.items():
+            r, net, stage = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
+                                       mole_evaluate, plain_evaluate)
+            print(f"[toy_mole] {name} seed {seed}: acc {sum(x['correct'] for x in r['items']) / len(r['items']):.3f} "
+                  f"train {r.get('train_s', 0):.0f}s", flush=True)
+            if name != "mole" or quick:
+                continue
+            for kind in INTERVENTIONS:
+                path = os.path.join(tab_dir, f"mole_{kind}_seed{seed}.json")
+                if os.path.exists(path):
+                    continue
+                if net is None:
+                    net, _, stage = load_mole(os.path.join(tab_dir, "ckpt", f"mole_seed{seed}"))
+                t = time.time()
+                with torch.inference_mode():
+                    res = mole_evaluate(net, test, stage=stage, intervention=kind, desc=f"eval mole {kind}")
+                data.atomic_write_text(path, json.dumps({"row": f"mole_{kind}", "seed": seed,
+                                                         "infer_s": time.time() - t, "items": res}))
+                print(f"[toy_mole] mole_{kind} seed {seed}: acc "
+                      f"{sum(x['correct'] for x in res) / len(res):.3f}", flush=True)
     if not quick:
-        net, stage = nets["mole"]
-        for kind in INTERVENTIONS:
-            t = time.time()
-            with torch.inference_mode():
-                results[f"mole_{kind}"] = mole_evaluate(net, test, stage=stage, intervention=kind,
-                                                        desc=f"eval mole {kind}")
-            summary[f"mole_{kind}"] = {"infer_s": time.time() - t}
-    for name, res in results.items():
-        extra = {k: v for k, v in summary[name].items() if k in ("train_s", "infer_s", "latent_sim_x100",
-                                                                    "attn_kl_x100")}
-        rows += _rows(f"mole/{name}", res, None if name == "sft" else results.get("sft"), extra)
-    out = {"quick": quick, "config": cfg, "base": base, "summary": summary, "rows": rows}
+        for seed in seeds:
+            for name, flags in ABLATIONS.items():
+                r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
+                                     mole_evaluate, plain_evaluate)
+                print(f"[toy_mole] {name} seed {seed}: acc "
+                      f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+    return summarise_table(out_dir, quick, data_dir)
+
+
+TABLE_ORDER = ["base", "sft", "sft_placeholders", "plain_latent", "mole", *ABLATIONS,
+               *(f"mole_{k}" for k in INTERVENTIONS)]
+# paired comparisons of the table: row -> the rows it is compared with
+TABLE_REFS = {"sft_placeholders": ("sft",), "plain_latent": ("sft", "sft_placeholders"),
+              "mole": ("sft", "sft_placeholders", "plain_latent"),
+              **{k: ("mole",) for k in ABLATIONS}, **{f"mole_{k}": ("mole",) for k in INTERVENTIONS}}
+
+
+def _ce_points(log):
+    """Training CE of the assistant turn from a row's ce_log [[step, stage, ce], ...]: step 1,
+    mean of the last 5 stage-1 steps, first stage-2 step, mean of the last 5 steps."""
+    s1 = [c for _, st, c in log if st == 1]
+    s2 = [c for _, st, c in log if st == 2]
+    mean = lambda x: sum(x) / len(x) if x else None
+    return {"step1": log[0][2], "end_stage1": mean(s1[-5:]), "start_stage2": s2[0] if s2 else None,
+            "end": mean([c for _, _, c in log][-5:])}
+
+
+def summarise_table(out_dir, quick=False, data_dir=None):
+    """Summary of whatever result files of the two-stage table exist (a partial run gives a
+    partial summary). Per row: accuracy per seed with its bootstrap CI, per-family accuracy,
+    the mean over seeds with the bootstrap CI over items of the per-item seed mean, and for
+    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of
+    the seed-averaged difference (seeds both rows have). Training CE points (`_ce_points`).
+    Writes {out_dir}/results.json (results_quick.json) and {out_dir}/table_acc.png."""
+    from eval.metrics import bootstrap_ci, by_family, paired_bootstrap
+    tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
+    res = {}
+    for f in sorted(os.listdir(tab_dir)):
+        m = re.fullmatch(r"(.+)_seed(\d+)\.json|base\.json", f)
+        if m:
+            r = _json(os.path.join(tab_dir, f))
+            res[(r["row"], r["seed"])] = r
+    corr = lambda r: [float(x["correct"]) for x in r["items"]]
+    rows = []
+    for name in [n for n in TABLE_ORDER if any(k[0] == n for k in res)]:
+        seeds = sorted(k[1] for k in res if k[0] == name and k[1] is not None) or [None]
+        row = {"row": name, "seeds": seeds, "per_seed": {}}
+        for sd in seeds:
+            r = res[(name, sd)]
+            lo, hi = bootstrap_ci(corr(r))
+            ps = {"acc": sum(corr(r)) / len(corr(r)), "ci_low": lo, "ci_high": hi, "n": len(corr(r)),
+                  "family": {f: sum(c) / len(c) for f, c in by_family(r["items"]).items()}}
+            for k in ("train_s", "infer_s", "latent_sim_x100", "attn_kl_x100"):
+                if k in r:
+                    ps[k] = r[k]
+            if "ce_log" in r:
+                ps["ce"] = _ce_points(r["ce_log"])
+            row["per_seed"][str(sd)] = ps
+        mean_items = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in seeds))]
+        lo, hi = bootstrap_ci(mean_items)
+        row["mean"] = {"acc": sum(mean_items) / len(mean_items), "ci_low": lo, "ci_high": hi, "n_seeds": len(seeds)}
+        for ref in TABLE_REFS.get(name, ()):
+            both = [sd for sd in seeds if (ref, sd) in res]
+            if not both:
+                continue
+            per = {str(sd): paired_bootstrap(corr(res[(name, sd)]), corr(res[(ref, sd)])) for sd in both}
+            a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in both))]
+            b = [sum(v) / len(v) for v in zip(*(corr(res[(ref, sd)]) for sd in both))]
+            row[f"vs_{ref}"] = {"per_seed": per, "mean": paired_bootstrap(a, b), "seeds": both}
+        rows.append(row)
+    cfg = QUICK if quick else FULL
+    out = {"quick": quick, "config": cfg, "rows": rows}
     data.atomic_write_text(os.path.join(out_dir, "results_quick.json" if quick else "results.json"),
                            json.dumps(out, indent=1))
-    return rows
+    bars = [{"arm": r["row"], "seed": int(sd) if sd != "None" else 0,
+             "acc": {"value": v["acc"], "ci_low": v["ci_low"], "ci_high": v["ci_high"]}}
+            for r in rows for sd, v in r["per_seed"].items()]
+    bar_png(bars, "acc", os.path.join(out_dir, "table_acc_quick.png" if quick else "table_acc.png"),
+            "two-stage table: accuracy on the test items (all families)", w=1400, order=TABLE_ORDER, label=11)
+    ckpt = os.path.join(tab_dir, "ckpt", "mole_seed0")
+    if not quick and os.path.exists(os.path.join(ckpt, "state.json")) and ("mole", 0) in res:
+        from mole.train import load_mole
+        net, _, stage = load_mole(ckpt)
+        dd = data_dir or os.path.join(out_dir, "data")
+        rec = data.read_llava_json(os.path.join(dd, "test.json"))[0] if os.path.isdir(dd) else None
+        if rec is not None:
+            routing_png(net, rec, os.path.join(out_dir, "routing_table_mole_seed0.png"), stage=stage)
+    return out
+
+
+def table(summary):
+    """Markdown table of the two-stage table summary: per row the accuracy per seed, the mean
+    over seeds [95% CI], and the seed-averaged paired difference vs each reference row [95% CI]."""
+    f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+    lines = ["| row | seeds | acc per seed | mean [95% CI] | vs SFT | vs SFT + placeholders | vs plain latents | "
+             "vs MoLE | step-1 CE per seed |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        per = " / ".join(f"{v['acc']:.3f}" for v in r["per_seed"].values())
+        ce = " / ".join(f"{v['ce']['step1']:.3f}" for v in r["per_seed"].values() if "ce" in v)
+        cmp_ = [g(r[f"vs_{k}"]["mean"]) if f"vs_{k}" in r else "" for k in ("sft", "sft_placeholders",
+                                                                           "plain_latent", "mole")]
+        seeds = ",".join(str(s) for s in r["seeds"] if s is not None) or "-"
+        lines.append(f"| {r['row']} | {seeds} | {per} | {f(r['mean'])} | " + " | ".join(cmp_) + f" | {ce} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- stage-1 bottleneck
@@ -359,11 +471,12 @@ def bottleneck_summary(results, sweep, lr_of):
             "sweep_val_cell_acc": sweep, "lr": lr_of, "rows": rows}
 
 
-def bar_png(rows, metric, path, title, w=640, h=360):
+def bar_png(rows, metric, path, title, w=640, h=360, order=None, label=14):
     """Accuracy per arm with 95% CIs (one bar per arm and seed, seeds side by side), drawn
-    with Pillow. rows: [{"arm", "seed", metric: {"value","ci_low","ci_high"}}]."""
+    with Pillow. rows: [{"arm", "seed", metric: {"value","ci_low","ci_high"}}]; arms in
+    `order` (default the bottleneck arms), names cut to `label` characters."""
     from PIL import Image, ImageDraw
-    order = list(BOTTLENECK_ARMS)
+    order = list(order or BOTTLENECK_ARMS)
     arms = sorted(dict.fromkeys(r["arm"] for r in rows), key=lambda a: order.index(a) if a in order else len(order))
     seeds = sorted({r["seed"] for r in rows})
     img = Image.new("RGB", (w, h), "white")
@@ -378,7 +491,7 @@ def bar_png(rows, metric, path, title, w=640, h=360):
     bw = slot * 0.8 / max(len(seeds), 1)
     shades = [(70, 110, 200), (120, 160, 230), (170, 200, 245)]
     for i, arm in enumerate(arms):
-        d.text((left + i * slot + 2, bottom + 6), arm[:14], fill="black")
+        d.text((left + i * slot + 2, bottom + 6), arm[:label], fill="black")
         for j, seed in enumerate(seeds):
             r = next((r for r in rows if r["arm"] == arm and r["seed"] == seed), None)
             if r is None:
@@ -527,33 +640,16 @@ def position_shift(data_dir, n=64, base="tiny-dense", stage=2, n_lat=8):
     return out
 
 
-def table(rows):
-    """Markdown table: accuracy per family [CI] and diff vs SFT on all, per model."""
-    acc = [r for r in rows if r["metric"] == "accuracy"]
-    fams = list(dict.fromkeys(r["family"] for r in acc))
-    models = list(dict.fromkeys(r["model"] for r in acc))
-    cell = {(r["model"], r["family"], r["metric"]): r for r in rows}
-    lines = ["| model | " + " | ".join(fams) + " | diff vs SFT (all) | train s |", "|---" * (len(fams) + 3) + "|"]
-    for m in models:
-        c = [f"{cell[(m, f, 'accuracy')]['value']:.3f}" if (m, f, "accuracy") in cell else "" for f in fams]
-        d = cell.get((m, "all", "diff_vs_sft"))
-        ds = f"{d['value']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
-        tr = cell.get((m, "all", "train_s"))
-        lines.append(f"| {m} | " + " | ".join(c) + f" | {ds} | {tr['value']:.0f} |" if tr else
-                     f"| {m} | " + " | ".join(c) + f" | {ds} | |")
-    return "\n".join(lines)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="main rows only, small budget (~3 CPU minutes)")
     p.add_argument("--part", default="full", choices=("full", "bottleneck", "shift"),
                    help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
-    p.add_argument("--seeds", default="", help="bottleneck: comma-separated seeds (default 0,1,2)")
+    p.add_argument("--seeds", default="", help="comma-separated seeds (full: default 0,1; bottleneck: default 0,1,2)")
     p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
     p.add_argument("--phase", default="all", choices=("all", "sweep", "main", "summary", "image", "long"),
                    help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
-                        "the result files that exist")
+                        "the result files that exist (summary also for the full table)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
@@ -582,8 +678,12 @@ def main(argv=None):
                            arms=a.arms.split(",") if a.arms else None, phase=a.phase)
         print(bottleneck_table(s) if a.phase not in ("sweep", "long") else s)
         return
-    rows = run(a.quick, a.data, a.out, base=a.model, threads=threads)
-    print(table(rows))
+    if a.phase == "summary":
+        print(table(summarise_table(a.out, a.quick, a.data)))
+        return
+    s = run(a.quick, a.data, a.out, base=a.model, threads=threads,
+            seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (0, 1))
+    print(table(s))
 
 
 if __name__ == "__main__":

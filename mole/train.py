@@ -66,6 +66,10 @@ def get_parser():
     p.add_argument("--out", default="out/mole/mole", help="checkpoint directory (written atomically)")
     p.add_argument("--method", default="mole", choices=("mole", "sft"),
                    help="mole: latent experts; sft: the same trainer on the plain VLM (data-matched control)")
+    p.add_argument("--placeholders", type=number(min=0), default=0,
+                   help="--method sft only: insert this many inert placeholder tokens (the pad token, frozen "
+                        "embedding) where MoLE's latents sit, before the assistant header, in training and "
+                        "inference: the SFT control with the latents' position shift (8 = E + S)")
     # MoLE architecture (defaults: E = S = 4, the paper's balanced 8-latent allocation; K = 2 is ours)
     p.add_argument("--n-vis", type=number(min=1), default=4, help="E, latent visual experts")
     p.add_argument("--n-sum", type=number(min=0), default=4, help="S, latent summary experts")
@@ -142,10 +146,33 @@ def build(a, device):
     for n, prm in lm.named_parameters():
         if "lora_" in n:
             prm.requires_grad_(True)
+    if getattr(a, "placeholders", 0):  # checkpoints written before the flag have none
+        proc = PlaceholderProcessor(proc, a.placeholders)
     net = model if a.method == "sft" else MoLE(model, proc, mole_config(a))
     net.train()
     params = {n: p for n, p in net.named_parameters() if p.requires_grad}
     return net, proc, params
+
+
+class PlaceholderProcessor(bb.VLProcessor):
+    """A `VLProcessor` whose prompts carry n inert placeholder tokens (the pad token, whose
+    embedding stays frozen) right before the assistant header, where MoLE puts its E + S
+    latents: head | placeholders | <|im_end|>\n<|im_start|>assistant\n | answer. The SFT control
+    of `--placeholders n`: the header and answer move to the same later M-RoPE positions as
+    with n latents (the position shift measured in mole/README.md), with nothing to learn in
+    them. Labels are -100 on the placeholders. Training (`encode`) and generation
+    (`common.backbone.generate`) both go through `prompt_and_labels`, so both see them."""
+
+    def __init__(self, proc, n):
+        self.__dict__.update(proc.__dict__)
+        self.n_placeholders, self.placeholder_id = n, proc.pad_token_id
+        self.tail_ids = self._tok("<|im_end|>\n<|im_start|>assistant\n")
+
+    def prompt_and_labels(self, question, n_image_tokens, history=()):
+        ids, labels = super().prompt_and_labels(question, n_image_tokens, history)
+        T, n = len(self.tail_ids), self.n_placeholders
+        assert ids[-T:] == self.tail_ids, "prompt does not end with the assistant header"
+        return ids[:-T] + [self.placeholder_id] * n + ids[-T:], labels[:-T] + [-100] * n + labels[-T:]
 
 
 # ----------------------------------------------------------------------------- data
@@ -374,6 +401,9 @@ def train(a):
         mole_config(a)  # ValueError for e.g. --top-k > --n-vis, before anything loads
     if a.stage1_epochs + a.stage2_epochs == 0:
         raise RunError("--stage1-epochs and --stage2-epochs are both 0: nothing to train")
+    if a.placeholders and a.method != "sft":
+        raise RunError("--placeholders is for --method sft (the SFT control with MoLE's position shift); "
+                       "MoLE's own latents are set by --n-vis / --n-sum")
     if a.lr is None:
         a.lr = toy_lr(a.model)
     set_threads(a.threads, a.model)
