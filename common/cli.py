@@ -139,11 +139,13 @@ def sigterm_flag(message="finishing this step and writing a checkpoint"):
 # ----------------------------------------------------------------------------- resume
 
 def data_fingerprint(records):
-    """'N records, sha1 X' over (question, target, image file name): a resume on other data is
-    refused, a moved data folder is not."""
+    """'N records, sha1 X' over (question, target, image file names; every entry of an
+    "images" list when a record has several): a resume on other data is refused, a moved data
+    folder is not. One-image records hash as they always did."""
     h = hashlib.sha1()
     for r in records:
-        h.update(json.dumps([r["question"], r["target"], os.path.basename(r["image"] or "")]).encode())
+        names = [os.path.basename(p or "") for p in (r.get("images") or [r["image"]])]
+        h.update(json.dumps([r["question"], r["target"], *names]).encode())
     return f"{len(records)} records, sha1 {h.hexdigest()[:12]}"
 
 

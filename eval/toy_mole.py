@@ -2,6 +2,8 @@
 
     python -m eval.toy_mole            # every row below, writes out/mole/results.json
     python -m eval.toy_mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
+    python -m eval.toy_mole --part bottleneck --threads 1   # stage-1 bottleneck experiment (mole/README.md)
+    python -m eval.toy_mole --part shift                    # answer CE: position shift vs latent content
 
 Rows (all trained with the same data, steps, optimiser and LoRA on the same base):
   base              the tiny dense Qwen3-VL, untouched
@@ -18,12 +20,14 @@ diagnostics (x100). Results are what this run measures; nothing is copied from t
 import argparse
 import json
 import os
+import re
 import time
 
 import torch
 
 from common import backbone as bb
 from common import data
+from common.cli import Deprecated, add_threads, set_threads
 
 MAIN = {  # name -> extra mole.train flags
     "sft": ["--method", "sft"],
@@ -41,6 +45,10 @@ ABLATIONS = {
     "s0": ["--n-vis", "8", "--n-sum", "0"],
 }
 INTERVENTIONS = ("random", "shuffle", "mask")
+# the two-stage table's main rows, in run order; sft_placeholders = the SFT control with the
+# same 8 inert placeholder tokens where the latents sit (same M-RoPE position shift, no latents)
+TABLE_MAIN = {"sft": MAIN["sft"], "sft_placeholders": ["--method", "sft", "--placeholders", "8"],
+              "plain_latent": MAIN["plain_latent"], "mole": MAIN["mole"]}
 QUICK = dict(n_train=480, n_test=200, batch_size=32)  # 15 steps per epoch, 45 steps per model
 FULL = dict(n_train=1280, n_test=500, batch_size=32)  # 40 steps per epoch, 120 steps per model
 
@@ -49,113 +57,633 @@ def _ensure_data(data_dir, n_train, n_test):
     data.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
 
 
-def _rows(name, res, sft_res, extra):
-    """Family accuracy rows + paired difference vs SFT + scalar rows (time, diagnostics)."""
-    from eval.evaluate import family_rows
-    from eval.metrics import by_family, paired_bootstrap
-    rows = family_rows(name, res)
-    if sft_res is not None:
-        a, b = by_family(res), by_family(sft_res)
-        for fam in a:
-            d = paired_bootstrap(a[fam], b[fam])
-            rows.append({"model": name, "family": fam, "metric": "diff_vs_sft", "value": d["diff"],
-                         "ci_low": d["ci_low"], "ci_high": d["ci_high"], "n": len(a[fam])})
-    for metric, v in extra.items():
-        rows.append({"model": name, "family": "all", "metric": metric, "value": v, "ci_low": None,
-                     "ci_high": None, "n": len(res)})
-    return rows
-
-
-def run(quick, data_dir, out_dir, base="tiny-dense", threads=None):
-    """Train and evaluate the rows (quick: sft, plain_latent, mole; else all rows), return
-    report rows, and write {out_dir}/results.json (results_quick.json in quick mode)."""
-    from eval.evaluate import evaluate as plain_evaluate
+def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, mole_evaluate, plain_evaluate):
+    """Train one row of the two-stage table for one seed (resumable checkpoint in
+    {tab_dir}/ckpt/{name}_seed{seed}), evaluate it on `test`, write {tab_dir}/{name}_seed{seed}.json
+    atomically and return (result, net, stage). A result file that exists is returned as is
+    (net None): the table resumes where it stopped."""
     from mole import train as mt
     from mole.diagnostics import latent_stats
+    path = os.path.join(tab_dir, f"{name}_seed{seed}.json")
+    if os.path.exists(path):
+        return _json(path), None, None
+    t = time.time()
+    net, proc, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(cfg["n_train"]),
+                              "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
+                              "--seed", str(seed), "--save-every", "20", "--resume",
+                              "--out", os.path.join(tab_dir, "ckpt", f"{name}_seed{seed}")] + flags +
+                             (["--threads", str(threads)] if threads is not None else []))
+    train_s = time.time() - t
+    stage = 2 if log[-1]["stage"] == 2 else 1
+    t = time.time()
+    with torch.inference_mode():
+        if "sft" in flags:
+            res = plain_evaluate(net, proc, test, desc=f"eval {name}")
+        else:
+            res = mole_evaluate(net, test, stage=stage, desc=f"eval {name}")
+    out = {"row": name, "seed": seed, "train_s": train_s, "infer_s": time.time() - t, "steps": len(log),
+           "stage": stage, "ce_log": [[x["step"], x["stage"], x["ce"]] for x in log], "items": res}
+    if "sft" not in flags:
+        with torch.inference_mode():
+            out["latent_sim_x100"], out["attn_kl_x100"] = latent_stats(net, test[:100], stage=stage)
+    data.atomic_write_text(path, json.dumps(out))
+    return out, net, stage
+
+
+def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
+    """Train and evaluate the rows of the two-stage table (quick: sft, plain_latent, mole, seed 0
+    only; else TABLE_MAIN, the interventions, then the ablations) for every seed, each (row, seed)
+    its own atomic result file under {out_dir}/table (table_quick), so a stopped run resumes.
+    Order: for each seed the main rows and the interventions, then for each seed the ablations.
+    Writes and returns the summary (`summarise_table`: {out_dir}/results.json, results_quick.json
+    in quick mode, and the PNG figures)."""
+    from eval.evaluate import evaluate as plain_evaluate
     from mole.infer import evaluate as mole_evaluate
+    from mole.train import load_mole
     if threads:
         torch.set_num_threads(threads)
     cfg = QUICK if quick else FULL
+    seeds = [0] if quick else list(seeds)
     _ensure_data(data_dir, cfg["n_train"], cfg["n_test"])
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
-    os.makedirs(out_dir, exist_ok=True)
-    rows, summary, results = [], {}, {}
-    common = ["--base", base, "--data", data_dir, "--n-train", str(cfg["n_train"]),
-              "--batch-size", str(cfg["batch_size"]), "--device", "cpu"]
-
-    if not quick:  # the untouched base (the quickstart already reports it)
+    tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
+    os.makedirs(tab_dir, exist_ok=True)
+    base_path = os.path.join(tab_dir, "base.json")
+    if not quick and not os.path.exists(base_path):  # the untouched base (seed-independent)
         model, proc = bb.load_backbone(base)
         t = time.time()
         with torch.inference_mode():
-            results["base"] = plain_evaluate(model, proc, test, desc="eval base")
-        summary["base"] = {"infer_s": time.time() - t}
-    specs = dict(MAIN) if quick else {**MAIN, **ABLATIONS}
-    nets = {}
-    for name, flags in specs.items():
-        t = time.time()
-        net, proc, log = mt.main(common + flags + ["--out", os.path.join(out_dir, "ckpt", name), "--overwrite"])
-        train_s = time.time() - t
-        stage = 2 if log[-1]["stage"] == 2 else 1
-        t = time.time()
-        with torch.inference_mode():
-            if name == "sft":
-                res = plain_evaluate(net, proc, test, desc="eval sft")
-            else:
-                res = mole_evaluate(net, test, stage=stage, desc=f"eval {name}")
-        summary[name] = {"train_s": train_s, "infer_s": time.time() - t, "steps": len(log),
-                         "final_ce": log[-1]["ce"], "train_step_s": sum(r["s"] for r in log) / len(log)}
-        if name != "sft":
-            sim, kl = latent_stats(net, test[:100], stage=stage)
-            summary[name].update(latent_sim_x100=sim, attn_kl_x100=kl)
-        results[name] = res
-        nets[name] = (net, stage)
-        print(f"[toy_mole] {name}: acc {sum(r['correct'] for r in res) / len(res):.3f} "
-              f"train {train_s:.0f}s", flush=True)
+            res = plain_evaluate(model, proc, test, desc="eval base")
+        data.atomic_write_text(base_path, json.dumps({"row": "base", "seed": None, "infer_s": time.time() - t,
+                                                      "items": res}))
+    main_rows = {k: MAIN[k] for k in ("sft", "plain_latent", "mole")} if quick else TABLE_MAIN
+    for seed in seeds:
+        for name, flags in main_rows.items():
+            r, net, stage = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
+                                       mole_evaluate, plain_evaluate)
+            print(f"[toy_mole] {name} seed {seed}: acc {sum(x['correct'] for x in r['items']) / len(r['items']):.3f} "
+                  f"train {r.get('train_s', 0):.0f}s", flush=True)
+            if name != "mole" or quick:
+                continue
+            for kind in INTERVENTIONS:
+                path = os.path.join(tab_dir, f"mole_{kind}_seed{seed}.json")
+                if os.path.exists(path):
+                    continue
+                if net is None:
+                    net, _, stage = load_mole(os.path.join(tab_dir, "ckpt", f"mole_seed{seed}"))
+                t = time.time()
+                with torch.inference_mode():
+                    res = mole_evaluate(net, test, stage=stage, intervention=kind, desc=f"eval mole {kind}")
+                data.atomic_write_text(path, json.dumps({"row": f"mole_{kind}", "seed": seed,
+                                                         "infer_s": time.time() - t, "items": res}))
+                print(f"[toy_mole] mole_{kind} seed {seed}: acc "
+                      f"{sum(x['correct'] for x in res) / len(res):.3f}", flush=True)
     if not quick:
-        net, stage = nets["mole"]
-        for kind in INTERVENTIONS:
-            t = time.time()
-            with torch.inference_mode():
-                results[f"mole_{kind}"] = mole_evaluate(net, test, stage=stage, intervention=kind,
-                                                        desc=f"eval mole {kind}")
-            summary[f"mole_{kind}"] = {"infer_s": time.time() - t}
-    for name, res in results.items():
-        extra = {k: v for k, v in summary[name].items() if k in ("train_s", "infer_s", "latent_sim_x100",
-                                                                    "attn_kl_x100")}
-        rows += _rows(f"mole/{name}", res, None if name == "sft" else results.get("sft"), extra)
-    out = {"quick": quick, "config": cfg, "base": base, "summary": summary, "rows": rows}
+        for seed in seeds:
+            for name, flags in ABLATIONS.items():
+                r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
+                                     mole_evaluate, plain_evaluate)
+                print(f"[toy_mole] {name} seed {seed}: acc "
+                      f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+    return summarise_table(out_dir, quick, data_dir)
+
+
+TABLE_ORDER = ["base", "sft", "sft_placeholders", "plain_latent", "mole", *ABLATIONS,
+               *(f"mole_{k}" for k in INTERVENTIONS)]
+# paired comparisons of the table: row -> the rows it is compared with
+TABLE_REFS = {"sft_placeholders": ("sft",), "plain_latent": ("sft", "sft_placeholders"),
+              "mole": ("sft", "sft_placeholders", "plain_latent"),
+              **{k: ("mole",) for k in ABLATIONS}, **{f"mole_{k}": ("mole",) for k in INTERVENTIONS}}
+
+
+def _ce_points(log):
+    """Training CE of the assistant turn from a row's ce_log [[step, stage, ce], ...]: step 1,
+    mean of the last 5 stage-1 steps, first stage-2 step, mean of the last 5 steps."""
+    s1 = [c for _, st, c in log if st == 1]
+    s2 = [c for _, st, c in log if st == 2]
+    mean = lambda x: sum(x) / len(x) if x else None
+    return {"step1": log[0][2], "end_stage1": mean(s1[-5:]), "start_stage2": s2[0] if s2 else None,
+            "end": mean([c for _, _, c in log][-5:])}
+
+
+def summarise_table(out_dir, quick=False, data_dir=None):
+    """Summary of whatever result files of the two-stage table exist (a partial run gives a
+    partial summary). Per row: accuracy per seed with its bootstrap CI, per-family accuracy,
+    the mean over seeds with the bootstrap CI over items of the per-item seed mean, and for
+    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of
+    the seed-averaged difference (seeds both rows have). Training CE points (`_ce_points`).
+    Writes {out_dir}/results.json (results_quick.json) and {out_dir}/table_acc.png."""
+    from eval.metrics import bootstrap_ci, by_family, paired_bootstrap
+    tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
+    res = {}
+    for f in sorted(os.listdir(tab_dir)):
+        m = re.fullmatch(r"(.+)_seed(\d+)\.json|base\.json", f)
+        if m:
+            r = _json(os.path.join(tab_dir, f))
+            res[(r["row"], r["seed"])] = r
+    corr = lambda r: [float(x["correct"]) for x in r["items"]]
+    rows = []
+    for name in [n for n in TABLE_ORDER if any(k[0] == n for k in res)]:
+        seeds = sorted(k[1] for k in res if k[0] == name and k[1] is not None) or [None]
+        row = {"row": name, "seeds": seeds, "per_seed": {}}
+        for sd in seeds:
+            r = res[(name, sd)]
+            lo, hi = bootstrap_ci(corr(r))
+            ps = {"acc": sum(corr(r)) / len(corr(r)), "ci_low": lo, "ci_high": hi, "n": len(corr(r)),
+                  "family": {f: sum(c) / len(c) for f, c in by_family(r["items"]).items()}}
+            for k in ("train_s", "infer_s", "latent_sim_x100", "attn_kl_x100"):
+                if k in r:
+                    ps[k] = r[k]
+            if "ce_log" in r:
+                ps["ce"] = _ce_points(r["ce_log"])
+            row["per_seed"][str(sd)] = ps
+        mean_items = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in seeds))]
+        lo, hi = bootstrap_ci(mean_items)
+        row["mean"] = {"acc": sum(mean_items) / len(mean_items), "ci_low": lo, "ci_high": hi, "n_seeds": len(seeds)}
+        for ref in TABLE_REFS.get(name, ()):
+            both = [sd for sd in seeds if (ref, sd) in res]
+            if not both:
+                continue
+            per = {str(sd): paired_bootstrap(corr(res[(name, sd)]), corr(res[(ref, sd)])) for sd in both}
+            a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in both))]
+            b = [sum(v) / len(v) for v in zip(*(corr(res[(ref, sd)]) for sd in both))]
+            row[f"vs_{ref}"] = {"per_seed": per, "mean": paired_bootstrap(a, b), "seeds": both}
+        rows.append(row)
+    cfg = QUICK if quick else FULL
+    out = {"quick": quick, "config": cfg, "rows": rows}
     data.atomic_write_text(os.path.join(out_dir, "results_quick.json" if quick else "results.json"),
                            json.dumps(out, indent=1))
-    return rows
+    bars = [{"arm": r["row"], "seed": int(sd) if sd != "None" else 0,
+             "acc": {"value": v["acc"], "ci_low": v["ci_low"], "ci_high": v["ci_high"]}}
+            for r in rows for sd, v in r["per_seed"].items()]
+    bar_png(bars, "acc", os.path.join(out_dir, "table_acc_quick.png" if quick else "table_acc.png"),
+            "two-stage table: accuracy on the test items (all families)", w=1400, order=TABLE_ORDER, label=11)
+    ckpt = os.path.join(tab_dir, "ckpt", "mole_seed0")
+    if not quick and os.path.exists(os.path.join(ckpt, "state.json")) and ("mole", 0) in res:
+        from mole.train import load_mole
+        net, _, stage = load_mole(ckpt)
+        dd = data_dir or os.path.join(out_dir, "data")
+        rec = data.read_llava_json(os.path.join(dd, "test.json"))[0] if os.path.isdir(dd) else None
+        if rec is not None:
+            routing_png(net, rec, os.path.join(out_dir, "routing_table_mole_seed0.png"), stage=stage)
+    return out
 
 
-def table(rows):
-    """Markdown table: accuracy per family [CI] and diff vs SFT on all, per model."""
-    acc = [r for r in rows if r["metric"] == "accuracy"]
-    fams = list(dict.fromkeys(r["family"] for r in acc))
-    models = list(dict.fromkeys(r["model"] for r in acc))
-    cell = {(r["model"], r["family"], r["metric"]): r for r in rows}
-    lines = ["| model | " + " | ".join(fams) + " | diff vs SFT (all) | train s |", "|---" * (len(fams) + 3) + "|"]
-    for m in models:
-        c = [f"{cell[(m, f, 'accuracy')]['value']:.3f}" if (m, f, "accuracy") in cell else "" for f in fams]
-        d = cell.get((m, "all", "diff_vs_sft"))
-        ds = f"{d['value']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
-        tr = cell.get((m, "all", "train_s"))
-        lines.append(f"| {m} | " + " | ".join(c) + f" | {ds} | {tr['value']:.0f} |" if tr else
-                     f"| {m} | " + " | ".join(c) + f" | {ds} | |")
+def table(summary):
+    """Markdown table of the two-stage table summary: per row the accuracy per seed, the mean
+    over seeds [95% CI], and the seed-averaged paired difference vs each reference row [95% CI]."""
+    f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+    lines = ["| row | seeds | acc per seed | mean [95% CI] | vs SFT | vs SFT + placeholders | vs plain latents | "
+             "vs MoLE | step-1 CE per seed |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        per = " / ".join(f"{v['acc']:.3f}" for v in r["per_seed"].values())
+        ce = " / ".join(f"{v['ce']['step1']:.3f}" for v in r["per_seed"].values() if "ce" in v)
+        cmp_ = [g(r[f"vs_{k}"]["mean"]) if f"vs_{k}" in r else "" for k in ("sft", "sft_placeholders",
+                                                                           "plain_latent", "mole")]
+        seeds = ",".join(str(s) for s in r["seeds"] if s is not None) or "-"
+        lines.append(f"| {r['row']} | {seeds} | {per} | {f(r['mean'])} | " + " | ".join(cmp_) + f" | {ce} |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- stage-1 bottleneck
+
+BOTTLENECK_ARMS = {  # name -> mole.train flags; all at 8 latent tokens, stage 1 only
+    "plain_latent": MAIN["plain_latent"],
+    "mole": [],
+    "no_esva": ["--no-esva"],
+    "no_router": ["--no-router"],
+    "causal_mixing": ["--latent-mixing", "causal"],
+}
+BOTTLENECK = dict(n_train=4800, n_val=150, n_test=500, batch_size=32, steps=100, sweep_steps=50,
+                  sweep_lrs=(2e-3, 6e-3), seeds=(0, 1, 2), long_steps=300)
+SWEPT = ("plain_latent", "mole")  # the ablations are MoLE minus one part: they take MoLE's lr
+CELL_RE = re.compile(r"\b(" + "|".join(data.CELL_TAGS) + r") (empty|" + "|".join(data.OBJECT_NAMES) + r")\b")
+
+
+def cells_of(text):
+    """{cell tag: content} of a transcription "tl red circle + tc empty - ..." (first mention
+    of each tag wins; tags that never appear are missing)."""
+    out = {}
+    for tag, content in CELL_RE.findall(text):
+        out.setdefault(tag, content)
+    return out
+
+
+def cell_accuracy(pred, target, objects_only=False):
+    """Fraction of the 9 cells whose content in `pred` equals the one in `target` (a missing
+    cell counts as wrong). Both are assistant turns in the shapes format. objects_only: only
+    the cells that hold an object in `target` (colour and shape must both be right)."""
+    gold, got = cells_of(target), cells_of(pred)
+    if objects_only:
+        gold = {t: c for t, c in gold.items() if c != "empty"}
+    return sum(got.get(t) == c for t, c in gold.items()) / max(len(gold), 1)
+
+
+@torch.no_grad()
+def cell_ce(net, recs, stage=1, batch_size=50):
+    """Teacher-forced cross-entropy of the cell contents, per item: mean CE over the 9 cell
+    content tokens (" empty" or an object name, one token each in the tiny tokenizer), and over
+    the object cells only. Continuous, so it separates arms that greedy decoding ties (e.g. all
+    writing "empty"). Returns two lists (all cells, object cells; nan for an item without objects)."""
+    import torch.nn.functional as F
+    tok = net.proc.tokenizer
+    empty = tok(" empty", add_special_tokens=False)["input_ids"]
+    objs = {tok(" " + n, add_special_tokens=False)["input_ids"][0] for n in data.OBJECT_NAMES}
+    assert len(empty) == 1, "cell contents must be single tokens"
+    empty = empty[0]
+    all_ce, obj_ce = [], []
+    for i in range(0, len(recs), batch_size):
+        chunk = recs[i:i + batch_size]
+        imgs = [data.load_image(r["image"], r["id"]) for r in chunk]
+        b = net.encode(imgs, [r["question"] for r in chunk], [r["target"] for r in chunk])
+        logits = net(b, stage)["logits"][:, :-1].float()
+        lab = b["labels"][:, 1:]
+        ce = F.cross_entropy(logits.transpose(1, 2), lab.clamp(min=0), reduction="none")  # [B,L-1]
+        is_obj = torch.zeros_like(lab, dtype=torch.bool)
+        for o in objs:
+            is_obj |= lab == o
+        is_cell = is_obj | (lab == empty)
+        for k in range(len(chunk)):
+            all_ce.append(float(ce[k][is_cell[k]].mean()))
+            obj_ce.append(float(ce[k][is_obj[k]].mean()) if is_obj[k].any() else float("nan"))
+    return all_ce, obj_ce
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _bottleneck_one(name, lr, seed, steps, recs, data_dir, out_dir, base, threads, tag):
+    """Train one arm in stage 1 only (resumable checkpoint), evaluate it with stage-1
+    attention on `recs`, write {out_dir}/{tag}.json atomically and return it. A result
+    file that exists is returned as is (the experiment resumes where it stopped)."""
+    from mole import train as mt
+    from mole.infer import evaluate as mole_evaluate
+    path = os.path.join(out_dir, f"{tag}.json")
+    if os.path.exists(path):
+        return _json(path)
+    cfg = BOTTLENECK
+    n_train = min(steps * cfg["batch_size"], cfg["n_train"])  # one epoch of fresh examples when they suffice
+    epochs = steps * cfg["batch_size"] / n_train
+    ckpt = os.path.join(out_dir, "ckpt", tag)
+    t = time.time()
+    net, proc, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(n_train),
+                              "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
+                              "--stage1-epochs", f"{epochs:g}", "--stage2-epochs", "0", "--lr", str(lr),
+                              "--seed", str(seed),
+                              "--threads", str(threads or 0), "--save-every", "25", "--resume",
+                              "--out", ckpt] + BOTTLENECK_ARMS[name])
+    train_s = time.time() - t
+    t = time.time()
+    with torch.inference_mode():
+        res = mole_evaluate(net, recs, stage=1, max_new_tokens=64, desc=f"eval {tag}")
+    for r, rec in zip(res, recs):
+        r["cell_acc"] = cell_accuracy(r["pred"], rec["target"])
+        r["obj_acc"] = cell_accuracy(r["pred"], rec["target"], objects_only=True)
+    with torch.inference_mode():
+        for r, c, o in zip(res, *cell_ce(net, recs, stage=1)):
+            r["cell_ce"], r["obj_ce"] = c, o
+    out = {"arm": name, "lr": lr, "seed": seed, "steps": steps, "train_s": train_s, "infer_s": time.time() - t,
+           "ce_log": [[x["step"], x["ce"]] for x in log], "items": res}
+    data.atomic_write_text(path, json.dumps(out))
+    return out
+
+
+def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None, phase="all"):
+    """The stage-1 bottleneck experiment (pre-registered in mole/README.md).
+
+    1. lr sweep: every arm at each of BOTTLENECK["sweep_lrs"], seed 0, sweep_steps steps,
+       scored by per-cell transcription accuracy on the validation split; the best lr per arm wins.
+    2. every arm at its lr for each seed, `steps` steps of stage 1 (only Z_vis read the image),
+       scored on the test split: per-cell transcription accuracy and final-answer accuracy.
+    Each (arm, lr/seed) result is its own atomic JSON file, so a stopped run resumes.
+    phase: "sweep" (step 1 only), "main" (step 2 only; the sweeps it needs must exist) or
+    "all"; two processes may share the work when they get disjoint arms / phases.
+    Only the arms in SWEPT are swept; the ablations use MoLE's lr.
+    Returns the summary dict (also {out_dir}/bottleneck.json)."""
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = BOTTLENECK
+    seeds = list(seeds if seeds is not None else cfg["seeds"])
+    arms = list(arms or BOTTLENECK_ARMS)
+    data.ensure_splits(data_dir, {"train": cfg["n_train"], "val": cfg["n_val"], "test": cfg["n_test"]})
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))[: cfg["n_val"]]
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    os.makedirs(out_dir, exist_ok=True)
+    lr_of, sweep = {}, {}
+    swept = [a for a in SWEPT if a in arms or (phase != "sweep" and a == "mole" and set(arms) - set(SWEPT))]
+    if phase in ("main", "long"):  # read the sweep results, never train them here
+        missing = [f"sweep_{n}_lr{lr:g}" for n in swept for lr in cfg["sweep_lrs"]
+                   if not os.path.exists(os.path.join(out_dir, f"sweep_{n}_lr{lr:g}.json"))]
+        if missing:
+            raise SystemExit(f"error: --phase main needs the sweep results {missing}; run --phase sweep first")
+    for name in swept:
+        for lr in cfg["sweep_lrs"]:
+            r = _bottleneck_one(name, lr, 0, cfg["sweep_steps"], val, data_dir, out_dir, base, threads,
+                                f"sweep_{name}_lr{lr:g}")
+            sweep.setdefault(name, {})[f"{lr:g}"] = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
+            print(f"[bottleneck] sweep {name} lr {lr:g}: val cell acc {sweep[name][f'{lr:g}']:.3f}", flush=True)
+        lr_of[name] = float(max(sweep[name], key=sweep[name].get))
+    for name in arms:
+        lr_of.setdefault(name, lr_of.get("mole"))
+    if phase == "sweep":
+        return sweep
+    if phase == "long":  # exploratory: long_steps steps (epochs over the 4,800 training examples)
+        for seed in seeds:
+            for name in arms:
+                r = _bottleneck_one(name, lr_of[name], seed, cfg["long_steps"], test, data_dir,
+                                    os.path.join(out_dir, "long"), base, threads, f"{name}_seed{seed}")
+                ce = [x["obj_ce"] for x in r["items"] if x["obj_ce"] == x["obj_ce"]]
+                print(f"[bottleneck] long {name} seed {seed}: obj CE {sum(ce) / len(ce):.4f}", flush=True)
+        return {}
+    results = {}
+    for seed in seeds:
+        for name in arms:
+            r = _bottleneck_one(name, lr_of[name], seed, cfg["steps"], test, data_dir, out_dir, base, threads,
+                                f"{name}_seed{seed}")
+            results[(name, seed)] = r
+            acc = sum(x["correct"] for x in r["items"]) / len(r["items"])
+            cell = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
+            print(f"[bottleneck] {name} seed {seed} lr {lr_of[name]:g}: cell {cell:.3f} answer {acc:.3f} "
+                  f"train {r['train_s']:.0f}s", flush=True)
+    return summarise_bottleneck(out_dir)
+
+
+def summarise_bottleneck(out_dir):
+    """Summary of whatever result files of the bottleneck experiment exist in `out_dir`
+    (a partial run gives a partial summary): {out_dir}/bottleneck.json and the PNG figures."""
+    sweep, lr_of, results = {}, {}, {}
+    for f in sorted(os.listdir(out_dir)):
+        if not re.fullmatch(r"(sweep_.*_lr[0-9.e-]+|.*_seed\d+)\.json", f):
+            continue
+        r = _json(os.path.join(out_dir, f))
+        acc = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
+        if f.startswith("sweep_"):
+            sweep.setdefault(r["arm"], {})[f"{r['lr']:g}"] = acc
+        else:
+            results[(r["arm"], r["seed"])] = r
+            lr_of[r["arm"]] = r["lr"]
+    summary = bottleneck_summary(results, sweep, lr_of)
+    data.atomic_write_text(os.path.join(out_dir, "bottleneck.json"), json.dumps(summary, indent=1))
+    for m, what in (("cell_acc", "per-cell transcription accuracy"), ("obj_acc", "object-cell accuracy"),
+                    ("answer_acc", "final-answer accuracy")):
+        bar_png(summary["rows"], m, os.path.join(out_dir, f"bottleneck_{m}.png"), f"stage-1 bottleneck: {what}")
+    ckpt = os.path.join(out_dir, "ckpt", "mole_seed0")
+    if os.path.exists(os.path.join(ckpt, "state.json")) and os.path.exists(os.path.join(out_dir, "mole_seed0.json")):
+        from mole.train import load_mole
+        net, _, _ = load_mole(ckpt)
+        dd = os.path.join(out_dir, "data")
+        dd = dd if os.path.isdir(dd) else os.path.join(os.path.dirname(os.path.abspath(out_dir)), "data")
+        rec = data.read_llava_json(os.path.join(dd, "test.json"))[0]
+        routing_png(net, rec, os.path.join(out_dir, "routing_mole_seed0.png"))
+    return summary
+
+
+def bottleneck_summary(results, sweep, lr_of):
+    """Per arm and seed: cell / answer accuracy with bootstrap CIs and the paired-bootstrap
+    difference vs plain latents; per arm the mean over seeds and the range."""
+    from eval.metrics import bootstrap_ci, paired_bootstrap
+    rows = []
+    for (name, seed), r in results.items():
+        row = {"arm": name, "seed": seed, "lr": lr_of[name], "train_s": r["train_s"]}
+        for m, key in (("cell_acc", "cell_acc"), ("obj_acc", "obj_acc"), ("answer_acc", "correct"),
+                       ("cell_ce", "cell_ce"), ("obj_ce", "obj_ce")):
+            if key not in r["items"][0]:
+                continue
+            keep = [k for k, i in enumerate(r["items"]) if i[key] == i[key]]  # drop nan (no object cell)
+            x = [float(r["items"][k][key]) for k in keep]
+            lo, hi = bootstrap_ci(x)
+            row[m] = {"value": sum(x) / len(x), "ci_low": lo, "ci_high": hi, "n": len(x)}
+            for other, label in (("plain_latent", "plain"), ("mole", "mole")):
+                ref = results.get((other, seed))
+                if ref is None or name == other:
+                    continue
+                if key not in ref["items"][0]:
+                    continue
+                y = [float(ref["items"][k][key]) for k in keep]
+                d = paired_bootstrap(x, y)
+                d["sd"] = float(torch.tensor(x, dtype=torch.float64).sub(torch.tensor(y, dtype=torch.float64)).std())
+                row[f"{m}_vs_{label}"] = d
+        rows.append(row)
+    return {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in BOTTLENECK.items()},
+            "sweep_val_cell_acc": sweep, "lr": lr_of, "rows": rows}
+
+
+def bar_png(rows, metric, path, title, w=640, h=360, order=None, label=14):
+    """Accuracy per arm with 95% CIs (one bar per arm and seed, seeds side by side), drawn
+    with Pillow. rows: [{"arm", "seed", metric: {"value","ci_low","ci_high"}}]; arms in
+    `order` (default the bottleneck arms), names cut to `label` characters."""
+    from PIL import Image, ImageDraw
+    order = list(order or BOTTLENECK_ARMS)
+    arms = sorted(dict.fromkeys(r["arm"] for r in rows), key=lambda a: order.index(a) if a in order else len(order))
+    seeds = sorted({r["seed"] for r in rows})
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    left, right, top, bottom = 50, w - 10, 30, h - 40
+    d.text((left, 8), title, fill="black")
+    for k in range(0, 11, 2):  # y grid 0..1
+        y = bottom - (bottom - top) * k / 10
+        d.line([left, y, right, y], fill=(220, 220, 220))
+        d.text((8, y - 6), f"{k / 10:.1f}", fill="black")
+    slot = (right - left) / max(len(arms), 1)
+    bw = slot * 0.8 / max(len(seeds), 1)
+    shades = [(70, 110, 200), (120, 160, 230), (170, 200, 245)]
+    for i, arm in enumerate(arms):
+        d.text((left + i * slot + 2, bottom + 6), arm[:label], fill="black")
+        for j, seed in enumerate(seeds):
+            r = next((r for r in rows if r["arm"] == arm and r["seed"] == seed), None)
+            if r is None:
+                continue
+            v = r[metric]
+            x0 = left + i * slot + slot * 0.1 + j * bw
+            y = lambda a: bottom - (bottom - top) * a
+            d.rectangle([x0, y(v["value"]), x0 + bw - 2, bottom], fill=shades[j % len(shades)])
+            xc = x0 + bw / 2 - 1
+            d.line([xc, y(v["ci_low"]), xc, y(v["ci_high"])], fill="black", width=2)
+    d.text((left, h - 18), "bars: seeds " + ", ".join(map(str, seeds)) + " (left to right); whiskers: 95% bootstrap CI",
+           fill="black")
+    with data.atomic_target(path) as tmp:
+        img.save(tmp, format="PNG")
+
+
+def image_dependence(out_dir, seeds=(0,), data_dir=None):
+    """Does anything of the image pass the stage-1 bottleneck? For each trained arm and seed:
+    teacher-forced cell / object-cell CE on the test items with their own image vs with the
+    image of the next item (a wrong image of the same distribution), paired bootstrap of
+    (wrong - own): > 0 with the CI above 0 means the cell predictions use the image.
+    Writes {out_dir}/image_dependence.json; returns it."""
+    from eval.metrics import paired_bootstrap
+    from mole.train import load_mole
+    cfg = BOTTLENECK
+    test = data.read_llava_json(os.path.join(data_dir or os.path.join(out_dir, "data"), "test.json"))[: cfg["n_test"]]
+    wrong = [dict(r, image=test[(i + 1) % len(test)]["image"]) for i, r in enumerate(test)]
+    out = {}
+    for name in BOTTLENECK_ARMS:
+        for seed in seeds:
+            tag = f"{name}_seed{seed}"
+            if not os.path.exists(os.path.join(out_dir, f"{tag}.json")):
+                continue
+            net, _, _ = load_mole(os.path.join(out_dir, "ckpt", tag))
+            with torch.inference_mode():
+                own, wrong_ce = cell_ce(net, test), cell_ce(net, wrong)
+            row = {}
+            for k, label in ((0, "cell_ce"), (1, "obj_ce")):
+                keep = [i for i, v in enumerate(own[k]) if v == v]
+                row[label] = paired_bootstrap([wrong_ce[k][i] for i in keep], [own[k][i] for i in keep])
+                row[label]["own"] = sum(own[k][i] for i in keep) / len(keep)
+            out[tag] = row
+            print(f"[image dependence] {tag}: obj CE own {row['obj_ce']['own']:.4f}, wrong - own "
+                  f"{row['obj_ce']['diff']:+.4f} [{row['obj_ce']['ci_low']:+.4f}, {row['obj_ce']['ci_high']:+.4f}]",
+                  flush=True)
+    data.atomic_write_text(os.path.join(out_dir, "image_dependence.json"), json.dumps(out, indent=1))
+    return out
+
+
+@torch.no_grad()
+def routing_png(net, rec, path, stage=1, cell=24):
+    """One example's Z_vis routing over the image grid: the image (left), then one row per
+    decoder layer and one column per visual expert, each a heat map over the merged visual
+    tokens (3 x 3 for the 84-px shapes images) of that expert's attention (mean over heads;
+    white = 0, black = the largest weight in the figure). Unrouted tokens get exactly 0."""
+    from PIL import Image, ImageDraw
+    img = data.load_image(rec["image"], rec["id"]).convert("RGB")
+    b = net.encode([img], [rec["question"]])
+    out = net(b, stage, record=True)
+    st = out["pass"]
+    vis = st.is_vis[0]
+    gh, gw = (int(x) // net.proc.merge for x in b["image_grid_thw"][0, 1:])
+    maps = [st.attn[layer][0].mean(0)[:, vis].reshape(-1, gh, gw) for layer in sorted(st.attn)]  # [E,gh,gw]
+    top = max(float(m.max()) for m in maps) or 1.0
+    E, n_layers = maps[0].shape[0], len(maps)
+    side = gh * cell
+    W = side + 20 + E * (gw * cell + 8) + 10
+    H = max(side, n_layers * (side + 8)) + 40
+    canvas = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(canvas)
+    canvas.paste(img.resize((side, side)), (0, 30))
+    d.text((0, 4), f"{rec['question'][:60]}  (rows: layers, cols: Z_vis experts)", fill="black")
+    for layer, m in enumerate(maps):
+        for e in range(E):
+            x0, y0 = side + 20 + e * (gw * cell + 8), 30 + layer * (side + 8)
+            for i in range(gh):
+                for j in range(gw):
+                    v = int(255 * (1 - float(m[e, i, j]) / top))
+                    d.rectangle([x0 + j * cell, y0 + i * cell, x0 + (j + 1) * cell - 1, y0 + (i + 1) * cell - 1],
+                                fill=(v, v, v), outline=(200, 200, 200))
+    with data.atomic_target(path) as tmp:
+        canvas.save(tmp, format="PNG")
+
+
+def bottleneck_table(summary):
+    """Markdown table of the bottleneck experiment: per arm and seed, cell and answer
+    accuracy [95% CI] and the paired difference vs plain latents [95% CI]."""
+    f = lambda v: f"{v['value']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
+    lines = ["| arm | seed | lr | cell acc [CI] | object-cell acc [CI] | answer acc [CI] | cell vs plain [CI] | "
+             "object-cell vs plain [CI] | answer vs plain [CI] | object-cell CE [CI] | object-cell CE vs plain [CI] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(summary["rows"], key=lambda r: (list(BOTTLENECK_ARMS).index(r["arm"]), r["seed"])):
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['lr']:g} | {f(r['cell_acc'])} | {f(r['obj_acc'])} | "
+                     f"{f(r['answer_acc'])} | {g(r.get('cell_acc_vs_plain'))} | {g(r.get('obj_acc_vs_plain'))} | "
+                     f"{g(r.get('answer_acc_vs_plain'))} | {f(r['obj_ce']) if 'obj_ce' in r else ''} | "
+                     f"{g(r.get('obj_ce_vs_plain'))} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- position shift
+
+@torch.no_grad()
+def position_shift(data_dir, n=64, base="tiny-dense", stage=2, n_lat=8):
+    """Answer cross-entropy of the untouched base on n validation items (stage-2 attention:
+    every row may read the image) under four inputs, to separate the two effects of inserting
+    n_lat untrained latent tokens before the assistant header:
+      none      the plain prompt (no latents)
+      latents   latents inserted (header and answer at positions shifted by n_lat)
+      hidden    latents inserted but masked from every row after them (positions still shifted)
+      kept_pos  latents inserted and visible, header and answer at their no-latent positions
+    CE = mean over the assistant-turn tokens (answer + <|im_end|>), as in training.
+    The latents are plain causal tokens (no router / ESVA), as in the plain-latent arm.
+    Returns {condition: CE}."""
+    from mole.model import MoLEPass, topology_mask, ZSUM, ZVIS
+    import torch.nn.functional as F
+    from mole.model import MoLE, MoLEConfig
+    model, proc = bb.load_backbone(base)
+    model.eval()
+    data.ensure_splits(data_dir, {"val": n})
+    recs = data.read_llava_json(os.path.join(data_dir, "val.json"))[:n]
+    imgs = [data.load_image(r["image"], r["id"]) for r in recs]
+    qs, ts = [r["question"] for r in recs], [r["target"] for r in recs]
+    out = {"none": float(model(**proc.encode(imgs, qs, ts)).loss)}
+    mole = MoLE(model, proc, MoLEConfig(n_vis=n_lat, n_sum=0, router=False, esva=False, latent_mixing="causal"))
+    batch = mole.encode(imgs, qs, ts)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    types = mole.token_types(ids, am)
+    latent = (types == ZVIS) | (types == ZSUM)
+    after = latent.long().cumsum(1).eq(n_lat) & ~latent  # rows after the last latent
+    pos = mole.positions(batch)
+    for cond in ("latents", "hidden", "kept_pos"):
+        mask = topology_mask(types, stage, mole.cfg)
+        p = pos
+        if cond == "hidden":
+            mask = mask & ~(after[:, None, :, None] & latent[:, None, None, :])
+        if cond == "kept_pos":
+            p = pos - n_lat * after[None].long()
+        st = MoLEPass(mole, types, mole.zvis_positions(ids))
+        logits = mole.model(inputs_embeds=mole.embed(ids), attention_mask=mask, position_ids=p,
+                            pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                            mole=st).logits
+        lab = batch["labels"][:, 1:]
+        out[cond] = float(F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), lab.reshape(-1),
+                                          ignore_index=-100))
+    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="main rows only, small budget (~3 CPU minutes)")
+    p.add_argument("--part", default="full", choices=("full", "bottleneck", "shift"),
+                   help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
+    p.add_argument("--seeds", default="", help="comma-separated seeds (full: default 0,1; bottleneck: default 0,1,2)")
+    p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
+    p.add_argument("--phase", default="all", choices=("all", "sweep", "main", "summary", "image", "long"),
+                   help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
+                        "the result files that exist (summary also for the full table)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
-    p.add_argument("--base", default="tiny-dense", help="base VLM")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    add_threads(p)
     a = p.parse_args(argv)
-    rows = run(a.quick, a.data, a.out, base=a.base, threads=a.threads or None)
-    print(table(rows))
+    threads = set_threads(a.threads, a.model)  # passed on to every mole.train run
+    if a.part == "shift":
+        out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
+        dd = a.data if a.data != "out/data" else os.path.join(out, "data")
+        res = position_shift(dd, base=a.model)
+        data.atomic_write_text(os.path.join(out, "position_shift.json"), json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return
+    if a.part == "bottleneck":
+        out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
+        dd = a.data if a.data != "out/data" else os.path.join(out, "data")
+        if a.phase == "summary":
+            print(bottleneck_table(summarise_bottleneck(out)))
+            return
+        if a.phase == "image":  # exploratory: do the cell predictions depend on the image at all?
+            image_dependence(out, seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (0,), data_dir=dd)
+            return
+        s = run_bottleneck(dd, out, base=a.model, threads=threads,
+                           seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else None,
+                           arms=a.arms.split(",") if a.arms else None, phase=a.phase)
+        print(bottleneck_table(s) if a.phase not in ("sweep", "long") else s)
+        return
+    if a.phase == "summary":
+        print(table(summarise_table(a.out, a.quick, a.data)))
+        return
+    s = run(a.quick, a.data, a.out, base=a.model, threads=threads,
+            seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (0, 1))
+    print(table(s))
 
 
 if __name__ == "__main__":

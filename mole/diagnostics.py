@@ -21,7 +21,7 @@ import torch
 
 from common import data
 from common.cli import Deprecated, add_threads, check_out_file, number, run_cli, set_threads
-from mole.model import ZSUM, ZVIS
+from mole.model import ZSUM, ZVIS, load_record_images
 
 
 def pairwise_sq_cos(h):
@@ -56,7 +56,7 @@ def latent_stats(mole, records, stage=2, batch_size=64):
     sims, kls = [], []
     for i in range(0, len(records), batch_size):
         chunk = records[i:i + batch_size]
-        imgs = [data.load_image(r["image"], r["id"]) for r in chunk]
+        imgs = [load_record_images(r) for r in chunk]
         batch = {k: v.to(mole.model.device) for k, v in mole.encode(imgs, [r["question"] for r in chunk]).items()}
         out = mole(batch, stage, record=True, hidden=True)
         types, st = out["types"], out["pass"]
@@ -96,7 +96,7 @@ def main(argv=None):
 
 def run(a):
     """The body of `main` for parsed flags. Returns the numbers as a dict."""
-    from common.data import atomic_write_text, read_records
+    from common.data import atomic_write_text, check_support, read_records
     from mole.model import MoLE
     from mole.train import load_mole, recorded_base
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
@@ -104,6 +104,7 @@ def run(a):
         check_out_file(a.out)
     recs = read_records(a.data, a.image_root)
     recs = recs[: a.n] if a.n else recs
+    check_support(recs, "mole.diagnostics", multi_image=True)  # before the model loads
     net, _, stage = load_mole(a.ckpt, device=a.device, base=a.model)
     if not isinstance(net, MoLE):
         raise ValueError(f"{a.ckpt} is a --method sft checkpoint: it has no latent tokens to diagnose")

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from common.cli import Deprecated, add_threads, check_out_file, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP
-from mole.model import ZSUM, ZVIS, MoLE, column_mask, topology_mask
+from mole.model import ZSUM, ZVIS, MoLE, column_mask, load_record_images, topology_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
 
@@ -48,7 +48,8 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
              stop_at_eos=True, return_logits=False):
     """Greedy answers for a batch (left padding).
 
-    images: PIL list (or None with pixels=(pixel_values, image_grid_thw)); stage: 1 or 2
+    images: one entry per question, a PIL image or a list of PIL images (or None with
+    pixels=(pixel_values, image_grid_thw), one image per question); stage: 1 or 2
     (which attention the answer rows get); intervention: one of INTERVENTIONS.
     Returns (texts, n_generated_tokens) and, with return_logits, also the per-step logits
     [B, steps, V] and the full token ids [B, L + steps] (for the cache test)."""
@@ -112,12 +113,11 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
     {id, family, pred, answer, correct, n_tokens}, scored with `eval.metrics.is_correct`
     (the same scorer as `eval.evaluate`)."""
     from tqdm import tqdm
-    from common import data
     from eval.metrics import is_correct
     res = []
     for i in tqdm(range(0, len(records), batch_size), desc=desc, leave=False):
         chunk = records[i:i + batch_size]
-        imgs = [data.load_image(r["image"], r["id"]) for r in chunk]
+        imgs = [load_record_images(r) for r in chunk]  # one list per record (several images allowed)
         texts, lens = generate(mole, imgs, [r["question"] for r in chunk], stage=stage,
                                max_new_tokens=max_new_tokens, intervention=intervention, seed=i)
         for r, t, n in zip(chunk, texts, lens):
@@ -150,13 +150,15 @@ def main(argv=None):
 def run(a):
     """The body of `main` for parsed flags. Returns the per-example results."""
     from common.data import atomic_write_text, check_support, read_records
-    from mole.train import load_mole, recorded_base
+    from mole.train import load_mole, recorded_base, recorded_method
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:  # fail now, not after the whole evaluation
         check_out_file(a.out)
     recs = read_records(a.data, a.image_root)
     recs = recs[: a.n] if a.n else recs
-    check_support(recs, "mole.infer")  # one image, one turn per record: before the model loads
+    # one turn per record, before the model loads; a MoLE checkpoint takes several images per
+    # record (Z_vis routed over all), the SFT control one
+    check_support(recs, "mole.infer", multi_image=recorded_method(a.ckpt) != "sft")
     mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.model)
     t = time.time()
     if isinstance(mole, MoLE):

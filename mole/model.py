@@ -56,9 +56,13 @@ PAD, TEXT, VIS, ZVIS, ZSUM = 0, 1, 2, 3, 4
 class MoLEConfig:
     """Everything that defines a MoLE variant (saved with every checkpoint).
 
-    n_vis (E), n_sum (S), top_k (K): paper section 3; the paper's main model uses E=S=4.
+    n_vis (E), n_sum (S), top_k (K): paper section 3; the paper's balanced allocation at a
+    budget of 8 latents is E=S=4 (its Table 2(a)). K = 2 is our default: the paper text
+    we have does not state its K.
     alpha, eps: router prior b = alpha * log(K * rho + eps).
     router: False = every visual token visible to every visual expert, no prior ("w/o router").
+      There is then no top-K selection, so the diversity loss (defined over the pairs of
+      experts a visual token selected) is not computed: "w/o router" also drops L_div.
     esva: False = shared value projection only ("w/o ESVA").
     esva_hidden: MLP_e hidden width (0 = the flattened value width Hkv * head_dim).
     latent_mixing: "topological" (no Z_vis <-> Z_vis attention) or "causal" (ablation).
@@ -93,6 +97,18 @@ class MoLEConfig:
 
 
 PLAIN_LATENT = dict(router=False, esva=False, latent_mixing="causal")  # + n_vis = budget, n_sum = 0
+
+
+def record_images(rec):
+    """Image paths of a record: its "images" list (several images per question, LLaVA style)
+    or [its "image"]."""
+    return list(rec.get("images") or [rec["image"]])
+
+
+def load_record_images(rec):
+    """The record's images as a list of PIL images (`common.data.load_image`)."""
+    from common import data
+    return [data.load_image(p, rec["id"]) for p in record_images(rec)]
 
 
 # ----------------------------------------------------------------------------- masks
@@ -267,20 +283,40 @@ class MoLE(nn.Module):
 
     # ------------------------------------------------------------------ inputs
 
-    def encode(self, images, questions, answers=None, padding_side=None, pixels=None):
+    def encode(self, images, questions, answers=None, padding_side=None, pixels=None, n_images=None):
         """Like `VLProcessor.encode`, with the latent tokens inserted before the assistant
-        header: head (image + question) | Z_vis | Z_sum | tail (assistant header) | answer.
+        header: head (image(s) + question) | Z_vis | Z_sum | tail (assistant header) | answer.
 
+        images: one entry per question, a PIL image or a list of PIL images (several images
+        per question: `<|vision_start|> image <|vision_end|>` per image, in order, at the
+        question's "<image>" placeholders or, without any, before the question (`_prompt_ids`);
+        Z_vis are routed over the visual tokens of all of them). With
+        pixels=(pixel_values, image_grid_thw) instead, the grid rows are the images in order
+        and n_images (list, one count per question; default 1 each) says how many belong to
+        each question.
         Returns input_ids [B,L] (latent ids >= self.vocab), attention_mask, mm_token_type_ids,
         pixel_values, image_grid_thw, labels (answers given; -100 outside answer + <|im_end|>).
-        Right padding with answers, left padding without (generation)."""
+        Right padding with answers, left padding without (generation).
+        Raises ValueError if the image counts do not add up to the grid rows."""
         proc = self.proc
-        pixel_values, grid = pixels if pixels is not None else proc.images(images)
-        n_img = (grid.prod(-1) // proc.merge ** 2).tolist()
+        if pixels is None:
+            per_q = [im if isinstance(im, (list, tuple)) else [im] for im in images]
+            n_images = [len(x) for x in per_q]
+            pixel_values, grid = proc.images([im for x in per_q for im in x])
+        else:
+            pixel_values, grid = pixels
+            n_images = list(n_images) if n_images is not None else [1] * len(questions)
+        if len(n_images) != len(questions) or sum(n_images) != grid.shape[0] or min(n_images, default=1) < 1:
+            raise ValueError(f"{len(questions)} questions with image counts {n_images} do not fit "
+                             f"{grid.shape[0]} images (every question needs >= 1 image)")
+        n_tok = (grid.prod(-1) // proc.merge ** 2).tolist()
         T = len(self.tail_ids)
         rows, labels = [], []
+        start = 0
         for i, q in enumerate(questions):
-            p = proc.prompt_ids(q, n_img[i])
+            k = n_images[i]
+            p = self._prompt_ids(q, n_tok[start:start + k])
+            start += k
             assert p[-T:] == self.tail_ids, "prompt does not end with the assistant header"
             r = p[:-T] + self.latent_ids + self.tail_ids
             if answers is not None:
@@ -299,6 +335,32 @@ class MoLE(nn.Module):
         if answers is not None:
             batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
         return batch
+
+    def _prompt_ids(self, question, n_tokens):
+        """Prompt ids with one vision block `<|vision_start|> pads <|vision_end|>` per image
+        (n_tokens: image tokens per image, in order).
+
+        One image: exactly `VLProcessor.prompt_ids`. Several images: a question that keeps one
+        "<image>" placeholder per image (what `common.data` readers give for a multi-image
+        record) gets each image's block at its placeholder (a newline right after a placeholder
+        is dropped, as for one image); a question without placeholders gets all blocks first,
+        then the question. So "<image>\n<image>\nQ" and "Q" give the same ids.
+        Raises ValueError for a placeholder count that is neither 0 nor the image count."""
+        proc = self.proc
+        if len(n_tokens) == 1:
+            return proc.prompt_ids(question, n_tokens[0])
+        n_ph = question.count("<image>")
+        if n_ph not in (0, len(n_tokens)):
+            raise ValueError(f"a question with {len(n_tokens)} images has {n_ph} '<image>' placeholders; put one "
+                             f"per image, in order (or none: the images then come first)")
+        segs = question.replace("<image>\n", "<image>").split("<image>") if n_ph else [""] * len(n_tokens) + [question]
+        tok = proc.tokenizer.convert_tokens_to_ids
+        vs, ve = tok("<|vision_start|>"), tok("<|vision_end|>")
+        empty = proc.prompt_ids("", 0)  # <|im_start|>user\n + the assistant header
+        ids = empty[:len(empty) - len(self.tail_ids)] + (proc.text_ids(segs[0]) if segs[0] else [])
+        for n, seg in zip(n_tokens, segs[1:]):
+            ids += [vs] + [proc.image_token_id] * n + [ve] + (proc.text_ids(seg) if seg else [])
+        return ids + self.tail_ids
 
     def token_types(self, input_ids, attention_mask):
         """[B,L] PAD/TEXT/VIS/ZVIS/ZSUM from ids (latent id vocab+j: Z_vis for j < E)."""

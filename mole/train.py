@@ -3,7 +3,7 @@
     python -m mole.train --data out/data --out out/mole/mole                # MoLE, tiny dense base
     python -m mole.train --data out/data --out out/mole/sft --method sft   # SFT control
     python -m mole.train ... --n-vis 8 --n-sum 0 --no-router --no-esva --latent-mixing causal   # LIVR-like
-    torchrun --nproc_per_node 8 -m mole.train --model /ckpt/Qwen2.5-VL-7B-Instruct --data ... --compile
+    torchrun --nproc_per_node 8 -m mole.train --model /ckpt/Qwen2.5-VL-7B-Instruct --data ... --lr 2e-4 --compile
 
 Schedule (paper, "Training stages"): `--stage1-epochs` epochs with the visual attention
 bottleneck (only Z_vis read the image), then `--stage2-epochs` with direct visual access
@@ -43,7 +43,7 @@ from common.cli import (Interrupted, RunError, check_labels, check_settings, dat
                         read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
                         token_ce, add_threads, Deprecated)
 from mole.lora import add_lora
-from mole.model import MoLE, MoLEConfig
+from mole.model import MoLE, MoLEConfig, record_images
 
 # flags that do not change what a run computes: everything else must match on --resume
 NOT_SETTINGS = ("model", "base", "data", "image_root", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
@@ -66,12 +66,17 @@ def get_parser():
     p.add_argument("--out", default="out/mole/mole", help="checkpoint directory (written atomically)")
     p.add_argument("--method", default="mole", choices=("mole", "sft"),
                    help="mole: latent experts; sft: the same trainer on the plain VLM (data-matched control)")
-    # MoLE architecture (defaults: paper's E = S = 4, K = 2)
+    p.add_argument("--placeholders", type=number(min=0), default=0,
+                   help="--method sft only: insert this many inert placeholder tokens (the pad token, frozen "
+                        "embedding) where MoLE's latents sit, before the assistant header, in training and "
+                        "inference: the SFT control with the latents' position shift (8 = E + S)")
+    # MoLE architecture (defaults: E = S = 4, the paper's balanced 8-latent allocation; K = 2 is ours)
     p.add_argument("--n-vis", type=number(min=1), default=4, help="E, latent visual experts")
     p.add_argument("--n-sum", type=number(min=0), default=4, help="S, latent summary experts")
     p.add_argument("--top-k", type=number(min=1), default=2, help="K, visual experts per visual token (<= E)")
     p.add_argument("--alpha", type=number(float, min=0), default=1.0, help="router prior scale alpha")
-    p.add_argument("--no-router", action="store_true", help="ablation: all visual tokens visible to all experts")
+    p.add_argument("--no-router", action="store_true",
+                   help="ablation: all visual tokens visible to all experts (no top-K, so no diversity loss)")
     p.add_argument("--no-esva", action="store_true", help="ablation: shared value projection only")
     p.add_argument("--esva-hidden", type=number(min=0), default=0, help="ESVA MLP width (0 = value width)")
     p.add_argument("--latent-mixing", default="topological", choices=("topological", "causal"),
@@ -88,7 +93,9 @@ def get_parser():
     p.add_argument("--grad-accum", type=number(min=1), default=1,
                    help="split each rank's batch into this many micro-batches (memory); the loss is normalised "
                         "by the label tokens of the whole step, so the gradient is the same")
-    p.add_argument("--lr", type=number(float, above=0), default=2e-3, help="peak learning rate (AdamW, warmup + cosine)")
+    p.add_argument("--lr", type=number(float, above=0), default=None,
+                   help="peak learning rate (AdamW, warmup + cosine); default 2e-3 for the tiny bases only "
+                        "(a toy value), required for any other --model")
     p.add_argument("--warmup", type=number(float, min=0), default=0.05, help="warmup fraction of all steps (0-1)")
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient norm clip (0 = off)")
@@ -139,10 +146,33 @@ def build(a, device):
     for n, prm in lm.named_parameters():
         if "lora_" in n:
             prm.requires_grad_(True)
+    if getattr(a, "placeholders", 0):  # checkpoints written before the flag have none
+        proc = PlaceholderProcessor(proc, a.placeholders)
     net = model if a.method == "sft" else MoLE(model, proc, mole_config(a))
     net.train()
     params = {n: p for n, p in net.named_parameters() if p.requires_grad}
     return net, proc, params
+
+
+class PlaceholderProcessor(bb.VLProcessor):
+    """A `VLProcessor` whose prompts carry n inert placeholder tokens (the pad token, whose
+    embedding stays frozen) right before the assistant header, where MoLE puts its E + S
+    latents: head | placeholders | <|im_end|>\n<|im_start|>assistant\n | answer. The SFT control
+    of `--placeholders n`: the header and answer move to the same later M-RoPE positions as
+    with n latents (the position shift measured in mole/README.md), with nothing to learn in
+    them. Labels are -100 on the placeholders. Training (`encode`) and generation
+    (`common.backbone.generate`) both go through `prompt_and_labels`, so both see them."""
+
+    def __init__(self, proc, n):
+        self.__dict__.update(proc.__dict__)
+        self.n_placeholders, self.placeholder_id = n, proc.pad_token_id
+        self.tail_ids = self._tok("<|im_end|>\n<|im_start|>assistant\n")
+
+    def prompt_and_labels(self, question, n_image_tokens, history=()):
+        ids, labels = super().prompt_and_labels(question, n_image_tokens, history)
+        T, n = len(self.tail_ids), self.n_placeholders
+        assert ids[-T:] == self.tail_ids, "prompt does not end with the assistant header"
+        return ids[:-T] + [self.placeholder_id] * n + ids[-T:], labels[:-T] + [-100] * n + labels[-T:]
 
 
 # ----------------------------------------------------------------------------- data
@@ -163,11 +193,12 @@ class Loader:
     """Training records with their images decoded once; a batch's pixels come from
     `VLProcessor.images`, the one image path of every entry point (the processor's resize
     rules, mixed sizes allowed). The order of epoch e is a permutation seeded by (seed, e):
-    any step's batch is reproducible. Raises DataError for unreadable images."""
+    any step's batch is reproducible. Raises DataError for unreadable images. A record may
+    hold several images (its "images" list): batch() returns one list of PIL images per record."""
 
     def __init__(self, records, batch_size, seed, rank=0, world=1):
         self.recs, self.bs, self.seed, self.rank, self.world = records, batch_size, seed, rank, world
-        self.images = [data.load_image(r["image"], r["id"]) for r in records]
+        self.images = [[data.load_image(p, r["id"]) for p in record_images(r)] for r in records]
         self.steps_per_epoch = max(len(records) // batch_size, 1)
 
     def batch(self, step):
@@ -175,6 +206,27 @@ class Loader:
         perm = torch.randperm(len(self.recs), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
         idx = perm[i * self.bs:(i + 1) * self.bs][self.rank::self.world].tolist()
         return [self.recs[j] for j in idx], [self.images[j] for j in idx]
+
+
+TOY_LR, TOY_WIDTH = 2e-3, 512
+
+
+def toy_lr(base):
+    """The default --lr: 2e-3 (a toy value) for a tiny base (tiny-dense etc., or a checkpoint whose
+    text hidden size is <= 512); RunError for a bigger base, which must pass --lr. A base without a
+    readable config.json is left to the loader's own error (returns 2e-3, never used)."""
+    if base in bb.TINY:
+        return TOY_LR
+    try:
+        with open(os.path.join(base, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return TOY_LR
+    width = (cfg.get("text_config") or {}).get("hidden_size") or cfg.get("hidden_size") or 0
+    if width > TOY_WIDTH:
+        raise RunError(f"--lr is required with --model {base} (hidden size {width}): the default 2e-3 is a toy "
+                       f"value for the tiny bases; e.g. --lr 2e-4 for LoRA, 1e-5 for --train full on a 7B model")
+    return TOY_LR
 
 
 def lr_at(step, total, lr, warmup):
@@ -244,6 +296,15 @@ def recorded_base(path):
         with open(os.path.join(path, "state.json")) as f:
             args = json.load(f)["args"]
         return args.get("model") or args.get("base")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def recorded_method(path):
+    """The --method ("mole" / "sft") a mole.train checkpoint was trained with, or None if unreadable."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            return json.load(f)["args"].get("method", "mole")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -340,6 +401,11 @@ def train(a):
         mole_config(a)  # ValueError for e.g. --top-k > --n-vis, before anything loads
     if a.stage1_epochs + a.stage2_epochs == 0:
         raise RunError("--stage1-epochs and --stage2-epochs are both 0: nothing to train")
+    if a.placeholders and a.method != "sft":
+        raise RunError("--placeholders is for --method sft (the SFT control with MoLE's position shift); "
+                       "MoLE's own latents are set by --n-vis / --n-sum")
+    if a.lr is None:
+        a.lr = toy_lr(a.model)
     set_threads(a.threads, a.model)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     ddp = world > 1
@@ -347,7 +413,10 @@ def train(a):
     path = data_file(a)
     recs = data.read_records(path, a.image_root)
     recs = recs[: a.n_train] if a.n_train else recs
-    data.check_support(recs, "mole.train")
+    if a.method == "sft" and any(len(record_images(r)) > 1 for r in recs):
+        raise RunError(f"{path}: --method sft takes one image per record; records with several images "
+                       f"('images' list) train with --method mole")
+    data.check_support(recs, "mole.train", multi_image=True)  # MoLE routes Z_vis over every image of a record
     data.check_training_records(recs, path)
     loader = Loader(recs, a.batch_size, a.seed, rank, world)  # images checked before the model loads
     device = a.device
@@ -397,8 +466,10 @@ def train(a):
             batches = []
             for m in range(min(a.grad_accum, len(chunk))):  # the step's records in --grad-accum micro-batches
                 recs, ims = chunk[m::a.grad_accum], imgs[m::a.grad_accum]
+                pixels = proc.images([im for per_rec in ims for im in per_rec])  # every image of every record, in order
+                kw = {} if a.method == "sft" else {"n_images": [len(per_rec) for per_rec in ims]}
                 batch = {k: v.to(device) for k, v in enc(None, [r["question"] for r in recs], [r["target"] for r in recs],
-                                                         pixels=proc.images(ims)).items()}
+                                                         pixels=pixels, **kw).items()}
                 check_labels(batch["labels"], step, recs)
                 batches.append(batch)
             opt.zero_grad(set_to_none=True)

@@ -146,6 +146,20 @@ def test_inconsistent_settings(shapes, tmp_path, capsys, extra, expected):
     assert expected in err and not (tmp_path / "o").exists()
 
 
+def test_lr_required_for_a_big_base(shapes, tmp_path, capsys):
+    # the default 2e-3 is a toy value: a base wider than the tiny ones must pass --lr (checked
+    # from its config.json before anything loads); the tiny bases keep the default
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 3584}}))
+    err = error_of(mt.main, train_args(shapes, tmp_path / "o", "--model", str(big)), capsys)
+    assert "error: --lr is required with --model" in err and "hidden size 3584" in err
+    assert not (tmp_path / "o").exists()
+    err = error_of(mt.main, train_args(shapes, tmp_path / "o", "--base", str(big)), capsys)  # the old spelling
+    assert "--base is deprecated" in err and "error: --lr is required with --model" in err
+    assert mt.toy_lr("tiny-dense") == 2e-3
+
+
 # ----------------------------------------------------------------------------- bad data
 
 def _broken_copy(shapes, tmp_path, how):

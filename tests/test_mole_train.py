@@ -50,3 +50,39 @@ def test_sft_and_full_finetune(tmp_path):
     ck, _ = load_train_state(str(tmp_path / "f"))
     assert any(n.endswith("layers.0.mlp.up_proj.weight") for n in ck)
     assert not any("visual" in n for n in ck)
+
+
+def test_sft_placeholders_sit_where_moles_latents_sit(tmp_path):
+    """--method sft --placeholders 8: the SFT control with MoLE's position shift. Same length,
+    same answer positions and labels as MoLE's E + S = 8 latents, pad ids where the latents
+    are; a checkpoint reloads with the placeholders (generation sees them); refused for MoLE."""
+    from mole.model import MoLE, MoLEConfig
+    base = _setup(tmp_path)
+    model, proc = bb.load_backbone(base[1])
+    recs = data.read_records(str(tmp_path / "data" / "train.json"))[:3]
+    imgs = [data.load_image(r["image"]) for r in recs]
+    qs, ts = [r["question"] for r in recs], [r["target"] for r in recs]
+    mole = MoLE(model, proc, MoLEConfig())
+    m = mole.encode(imgs, qs, ts)
+    ph = mt.PlaceholderProcessor(proc, 8)
+    s = ph.encode(imgs, qs, ts)
+    assert s["input_ids"].shape == m["input_ids"].shape
+    lat = m["input_ids"] >= mole.vocab
+    assert lat.sum() == 3 * 8
+    assert (s["input_ids"][lat] == proc.pad_token_id).all() and (s["attention_mask"][lat] == 1).all()
+    assert torch.equal(s["input_ids"][~lat], m["input_ids"][~lat])
+    assert torch.equal(s["labels"], m["labels"])  # answer tokens at the same positions, placeholders -100
+    assert proc.encode(imgs, qs, ts)["input_ids"].shape[1] == m["input_ids"].shape[1] - 8
+    # trained and reloaded: the checkpoint's processor carries the placeholders
+    _, _, log = mt.main(base + ["--out", str(tmp_path / "p"), "--method", "sft", "--placeholders", "8",
+                                "--stage1-epochs", "0", "--max-steps", "2"])
+    assert len(log) == 2
+    net, proc2, _ = mt.load_mole(str(tmp_path / "p"))
+    assert isinstance(proc2, mt.PlaceholderProcessor) and proc2.n_placeholders == 8
+    texts, _ = bb.generate(net, proc2, imgs[:1], qs[:1], max_new_tokens=2)
+    assert len(texts) == 1
+    try:
+        mt.train(mt.get_parser().parse_args(base + ["--out", str(tmp_path / "q"), "--placeholders", "8"]))
+        raise AssertionError("expected RunError")
+    except mt.RunError as e:
+        assert "--placeholders is for --method sft" in str(e)
