@@ -180,7 +180,9 @@ def main(argv=None):
         return ev.family_rows(name, res)
 
     def method_rows(m):
-        return importlib.import_module(f"eval.toy_{m}").run(quick=True, data_dir=a.data, out_dir=os.path.join(a.out, m))
+        toy = importlib.import_module(f"eval.toy_{m}")
+        out = toy.run(quick=True, data_dir=a.data, out_dir=os.path.join(a.out, m))
+        return toy.report_rows(out) if isinstance(out, dict) else out  # toy_mole returns its table summary
 
     bases_rows = ev.majority_rows(test, train, model="best constant (train)")
     try:

@@ -166,6 +166,20 @@ def _ce_points(log):
             "end": mean([c for _, _, c in log][-5:])}
 
 
+def report_rows(summary):
+    """The quickstart's report rows ({model, family, metric, value, ci_low, ci_high, n}) of a
+    two-stage-table summary (`summarise_table`): accuracy of each row's first seed, overall
+    with its bootstrap CI, per family without one."""
+    out = []
+    for row in summary["rows"]:
+        ps = row["per_seed"][str(row["seeds"][0])]
+        out.append({"model": row["row"], "family": "all", "metric": "accuracy", "value": ps["acc"],
+                    "ci_low": ps["ci_low"], "ci_high": ps["ci_high"], "n": ps["n"]})
+        out += [{"model": row["row"], "family": f, "metric": "accuracy", "value": v, "ci_low": None,
+                 "ci_high": None, "n": None} for f, v in sorted(ps["family"].items())]
+    return out
+
+
 def summarise_table(out_dir, quick=False, data_dir=None):
     """Summary of whatever result files of the two-stage table exist (a partial run gives a
     partial summary). Per row: accuracy per seed with its bootstrap CI, per-family accuracy,

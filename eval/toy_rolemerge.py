@@ -182,7 +182,7 @@ PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too)
 }
 PAPER_BASELINES = ("msmoe", "hcsmoe", "reap", "prune")
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
-MAX_NEW = {"none": 8, "objects": 32, "full": 64}   # new tokens by the base's look step (its longest turn fits)
+MAX_NEW_BY_LOOK = {"none": 8, "objects": 32, "full": 64}   # new tokens by the base's look step (its longest turn fits)
 
 
 def premise(stats):
@@ -246,7 +246,7 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
     look = json.load(open(os.path.join(base, "pretrain_log.json")))["args"].get("look", True) \
         if os.path.exists(os.path.join(base, "pretrain_log.json")) else True
     look = {True: "full", False: "none"}.get(look, look)
-    cfg = dict(cfg, max_new=MAX_NEW[look], look=look)
+    cfg = dict(cfg, max_new=MAX_NEW_BY_LOOK[look], look=look)
     res["config"] = dict(res["config"], max_new=cfg["max_new"], look=look)
     ck = os.path.join(out_dir, "ckpt", name)
     stats_path = os.path.join(ck, "stats.safetensors")
