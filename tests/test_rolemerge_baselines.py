@@ -114,6 +114,43 @@ def test_collect_features_matches_a_brute_force_pass():
     assert torch.allclose(feats["out_sum"], y.double().sum(0), rtol=1e-4, atol=1e-4)
 
 
+def test_reap_equals_the_published_definition_over_batches():
+    """REAP as its authors define it (arXiv 2510.13999 eq. 5; their observer's defaults for a
+    norm_topk_prob model): gate = full-softmax router probability renormalised over the token's
+    top-k, saliency = per-batch mean over routed non-padding tokens of gate * ||f_j(x)||_2, batches
+    combined weighted by the expert's routed-token count. Ours (sum / count over all batches) must
+    give the same saliency and keep the same experts."""
+    from rolemerge import calibrate as cal
+    model = _tiny_moe(N=6, k=2)
+    block = cal.moe_blocks(model)[0][1]
+    batches = [{"input_ids": torch.tensor([[1, 5, 7, 9, 2], [3, 4, 0, 0, 0]]),
+                "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])},
+               {"input_ids": torch.tensor([[8, 8, 6, 11, 30, 2, 17]]), "attention_mask": torch.ones(1, 7, dtype=torch.long)}]
+    xs = []
+    h = block.experts.register_forward_hook(lambda m, a, o: xs.append(a[0].detach()))
+    feats = bl.collect_features(model, batches)[0]
+    h.remove()
+    means, freqs = [], []
+    for x, b in zip(xs, batches):
+        x = x[b["attention_mask"].reshape(-1).bool()]
+        logits = x.double() @ block.gate.weight.double().T
+        prob = logits.softmax(-1)
+        top = prob.topk(2, dim=-1).indices
+        gate = prob / prob.gather(1, top).sum(-1, keepdim=True)
+        y = bl.expert_outputs(block.experts, x).double().norm(dim=-1)    # [T, N]
+        active = torch.zeros_like(prob, dtype=torch.bool).scatter_(1, top, True)
+        f = active.sum(0).double()
+        means.append(torch.where(f > 0, (gate * y * active).sum(0) / f.clamp_min(1), torch.zeros_like(f)))
+        freqs.append(f)
+    F = torch.stack(freqs).sum(0)
+    ref = torch.where(F > 0, (torch.stack(means) * torch.stack(freqs)).sum(0) / F.clamp_min(1), torch.zeros_like(F))
+    ours = bl.reap_saliency(feats["reap_sum"], feats["count"])
+    assert torch.equal(feats["count"], F)
+    assert torch.allclose(ours, ref, rtol=1e-5)
+    for K in (2, 3, 4):
+        assert bl.reap_groups(ours, K) == [[e] for e in sorted(ref.topk(K).indices.tolist())]
+
+
 # ----------------------------------------------------------------------------- planted structure
 
 def planted_layer(seed=0):
