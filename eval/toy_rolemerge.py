@@ -179,6 +179,7 @@ PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too)
     "prune": ("prune", "single", False),
     "complete_link": ("rolemerge", "complete", False),
     "kmeans": ("kmeans", "single", False),
+    "empirical_prior": ("empirical_prior", "single", False),
 }
 PAPER_BASELINES = ("msmoe", "hcsmoe", "reap", "prune")
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
@@ -346,7 +347,7 @@ def paper_report(results, out_dir):
 
 
 PALETTE = [(220, 50, 47), (38, 139, 210), (133, 153, 0), (211, 54, 130), (42, 161, 152), (181, 137, 0),
-           (108, 113, 196), (203, 75, 22), (88, 110, 117), (0, 0, 0), (150, 150, 150)]
+           (108, 113, 196), (203, 75, 22), (88, 110, 117), (0, 0, 0), (150, 150, 150), (120, 60, 0)]
 
 
 def accuracy_png(curves, full_acc, path, W=760, H=480):

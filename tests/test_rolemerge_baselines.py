@@ -310,3 +310,22 @@ def test_toy_gold_turn_follows_the_base_look_step():
     with pytest.raises(ValueError, match="unknown look"):
         toy.gold_turn(rec, "short")
     assert toy.MAX_NEW["objects"] >= 32 and set(toy.MAX_NEW) == {"full", "objects", "none"}
+
+
+def test_empirical_phase_prior_hand_case():
+    """counts (image; answer) per expert: e0 (90; 0), e1 (0; 10), e2 (30; 8). Phase distributions
+    p_img = (.75, 0, .25), p_ans = (0, 10/18, 8/18). Uniform prior (the paper): e2's joint is
+    (.125, .2222) -> q_2 = (.36, .64), an answer-role expert, merged with e1. Empirical prior
+    (phase token shares 120/138, 18/138): joint (.2174, .0580) -> q_2 = (.789, .211), image-role,
+    merged with e0. lambda = 0 so only d_EP decides."""
+    c = torch.tensor([[[90., 0, 30], [0, 10, 8]]], dtype=torch.float64)
+    p = rm.phase_distributions(c[0])
+    _, q_u = rm.role_profiles(p)
+    _, q_e = rm.role_profiles(p, torch.tensor([120 / 138, 18 / 138]))
+    assert torch.allclose(q_u[2], torch.tensor([.36, .64], dtype=torch.float64))
+    assert torch.allclose(q_e[2], torch.tensor([.25 * 120 / 138, 8 / 18 * 18 / 138], dtype=torch.float64)
+                          / (.25 * 120 / 138 + 8 / 18 * 18 / 138))
+    assert rm.plan(c, 2, "rolemerge", lam=0)[0][0] == [[0], [1, 2]]
+    assert rm.plan(c, 2, "empirical_prior", lam=0)[0][0] == [[0, 2], [1]]
+    even = torch.tensor([[[60., 0, 20], [0, 50, 30]]], dtype=torch.float64)      # equal phase totals: same as uniform
+    assert rm.plan(even, 2, "empirical_prior")[0] == rm.plan(even, 2, "rolemerge")[0]
