@@ -183,6 +183,10 @@ PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too)
 }
 PAPER_BASELINES = ("msmoe", "hcsmoe", "reap", "prune")
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
+# The base with the paper's structure (rolemerge/README.md, second recipe): `--retrain-base DIR` runs
+# `python -m common.pretrain {PAPER_RECIPE} --seed S --out DIR/seedS` (resuming DIR/seedS.ckpt).
+PAPER_RECIPE = ("--arch qwen3_vl_moe --experts 32 --top-k 4 --expert-width 32 --patch-size 7 --merge-size 1 "
+                "--look objects --steps 1000 --batch-size 16 --lr 2e-3 --eval-every 200 --ckpt-every 100").split()
 MAX_NEW = {"none": 8, "objects": 32, "full": 64}   # new tokens by the base's look step (its longest turn fits)
 
 
@@ -429,14 +433,41 @@ def parser():
                         "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --no-look): run the pre-registered "
                         "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
     p.add_argument("--arms", default=",".join(PAPER_ARMS), help="--paper arms, comma-separated")
+    p.add_argument("--retrain-base", default="", metavar="DIR",
+                   help="first train the paper-structure base (PAPER_RECIPE, ~50 CPU minutes per seed) into "
+                        "DIR/seed{S} for every --seeds (resuming a checkpoint), then run --paper on them")
+    p.add_argument("--seeds", default="0", help="--retrain-base seeds, comma-separated")
     return p
+
+
+def retrain_bases(root, seeds, threads):
+    """Train (or resume) the pre-registered base for each seed; returns the base directories."""
+    import subprocess
+    import sys
+    out = []
+    for s in seeds:
+        d = os.path.join(root, f"seed{s}")
+        cmd = [sys.executable, "-m", "common.pretrain", *PAPER_RECIPE, "--seed", str(s), "--out", d]
+        cmd += ["--threads", str(threads)] if threads is not None else []
+        print("[paper] " + " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
+        out.append(d)
+    return out
 
 
 def main(argv=None):
     from common.cli import set_threads
     p = parser()
     a = p.parse_args(argv)
+    try:
+        seeds = [int(x) for x in a.seeds.split(",") if x]
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
+    if a.retrain_base and a.paper:
+        p.error("--retrain-base trains the bases it evaluates; leave out --paper")
     set_threads(a.threads, a.paper.split(",")[0] if a.paper else a.model)
+    if a.retrain_base:
+        a.paper = ",".join(retrain_bases(a.retrain_base, seeds, a.threads))
     if a.paper:
         outp = os.path.join(a.out, "paper")
         arms = tuple(x for x in a.arms.split(",") if x)

@@ -329,3 +329,23 @@ def test_empirical_phase_prior_hand_case():
     assert rm.plan(c, 2, "empirical_prior", lam=0)[0][0] == [[0, 2], [1]]
     even = torch.tensor([[[60., 0, 20], [0, 50, 30]]], dtype=torch.float64)      # equal phase totals: same as uniform
     assert rm.plan(even, 2, "empirical_prior")[0] == rm.plan(even, 2, "rolemerge")[0]
+
+
+def test_toy_retrain_base_runs_the_readme_recipe(monkeypatch, tmp_path):
+    import os
+    import re
+    import subprocess
+
+    from eval import toy_rolemerge as toy
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "rolemerge", "README.md")).read()
+    cmd = re.search(r"python -m common\.pretrain (--arch qwen3_vl_moe --experts 32 [^`]*--look objects[^`]*)`",
+                    readme.replace("\n", " ")).group(1)
+    pairs = lambda words: dict(zip(words[::2], words[1::2]))
+    readme_flags = {k: v for k, v in pairs(cmd.split()).items() if k not in ("--seed", "--threads", "--out")}
+    assert readme_flags == pairs(toy.PAPER_RECIPE)                # the README's command is what --retrain-base runs
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda c, check: calls.append(c))
+    assert toy.retrain_bases(str(tmp_path), [0, 2], 1) == [str(tmp_path / "seed0"), str(tmp_path / "seed2")]
+    assert calls[1][-6:] == ["--seed", "2", "--out", str(tmp_path / "seed2"), "--threads", "1"]
+    with pytest.raises(SystemExit):
+        toy.main(["--retrain-base", str(tmp_path), "--paper", "x"])
