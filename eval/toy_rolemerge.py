@@ -203,13 +203,15 @@ def premise(stats):
 
 def gold_turn(record, look):
     """The assistant turn a `look` base ("full" / "objects" / "none", common.pretrain.LOOKS) was
-    trained to produce for a shapes record: its look step (from the record's "scene") + answer."""
+    trained to produce for a shapes record: its look step (from the raw record's "scene", or the
+    part of `data.read_llava_json`'s "target" before " Answer:") + answer."""
     from common.pretrain import LOOKS
     look = {True: "full", False: "none"}.get(look, look)
+    scene = record["scene"] if "scene" in record else record.get("target", "").rsplit(" Answer:", 1)[0]
     if look == "full":
-        return f"{record['scene']} Answer: {record['answer']}"
+        return f"{scene} Answer: {record['answer']}"
     if look == "objects":
-        return f"{data.short_look(record['scene'])} Answer: {record['answer']}"
+        return f"{data.short_look(scene)} Answer: {record['answer']}"
     if look == "none":
         return f"Answer: {record['answer']}"
     raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
