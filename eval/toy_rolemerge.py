@@ -353,7 +353,7 @@ def paper_report(results, out_dir):
 
 
 PALETTE = [(220, 50, 47), (38, 139, 210), (133, 153, 0), (211, 54, 130), (42, 161, 152), (181, 137, 0),
-           (108, 113, 196), (203, 75, 22), (88, 110, 117), (0, 0, 0), (150, 150, 150), (120, 60, 0)]
+           (108, 113, 196), (203, 75, 22), (88, 110, 117), (230, 159, 0), (150, 150, 150), (120, 60, 0)]
 
 
 def accuracy_png(curves, full_acc, path, W=760, H=480):
@@ -374,7 +374,7 @@ def accuracy_png(curves, full_acc, path, W=760, H=480):
     dr.text(((W - R) // 2 - 20, H - 20), "rho (experts kept)", fill="black")
     dr.text((L, 8), "accuracy vs rho, 95% bootstrap CI", fill="black")
     dr.line([(L, Y(full_acc)), (W - R, Y(full_acc))], fill=(120, 120, 120), width=1)
-    dr.text((W - R + 5, Y(full_acc) - 6), "full model", fill=(120, 120, 120))
+    dr.text((L + 6, Y(full_acc) - 14), f"full model {full_acc:.3f}", fill=(120, 120, 120))
     for i, (name, pts) in enumerate(curves.items()):
         col = PALETTE[i % len(PALETTE)]
         off = (i - len(curves) / 2) * 3
