@@ -320,8 +320,7 @@ def main():
     model.eval()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     bb.save_backbone(model, proc, a.out)
-    with open(os.path.join(a.out, "pretrain_log.json"), "w") as f:
-        json.dump({"args": vars(a), "log": log}, f, indent=1)
+    data.atomic_write_text(os.path.join(a.out, "pretrain_log.json"), json.dumps({"args": vars(a), "log": log}, indent=1))
     print(f"saved {a.out}")
 
 

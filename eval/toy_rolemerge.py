@@ -179,9 +179,14 @@ PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too)
     "prune": ("prune", "single", False),
     "complete_link": ("rolemerge", "complete", False),
     "kmeans": ("kmeans", "single", False),
+    "empirical_prior": ("empirical_prior", "single", False),
 }
 PAPER_BASELINES = ("msmoe", "hcsmoe", "reap", "prune")
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
+# The base with the paper's structure (rolemerge/README.md, second recipe): `--retrain-base DIR` runs
+# `python -m common.pretrain {PAPER_RECIPE} --seed S --out DIR/seedS` (resuming DIR/seedS.ckpt).
+PAPER_RECIPE = ("--arch qwen3_vl_moe --experts 32 --top-k 4 --expert-width 32 --patch-size 7 --merge-size 1 "
+                "--look objects --steps 1000 --batch-size 16 --lr 2e-3 --eval-every 200 --ckpt-every 100").split()
 MAX_NEW_BY_LOOK = {"none": 8, "objects": 32, "full": 64}   # new tokens by the base's look step (its longest turn fits)
 
 
@@ -198,13 +203,15 @@ def premise(stats):
 
 def gold_turn(record, look):
     """The assistant turn a `look` base ("full" / "objects" / "none", common.pretrain.LOOKS) was
-    trained to produce for a shapes record: its look step (from the record's "scene") + answer."""
+    trained to produce for a shapes record: its look step (from the raw record's "scene", or the
+    part of `data.read_llava_json`'s "target" before " Answer:") + answer."""
     from common.pretrain import LOOKS
     look = {True: "full", False: "none"}.get(look, look)
+    scene = record["scene"] if "scene" in record else record.get("target", "").rsplit(" Answer:", 1)[0]
     if look == "full":
-        return f"{record['scene']} Answer: {record['answer']}"
+        return f"{scene} Answer: {record['answer']}"
     if look == "objects":
-        return f"{data.short_look(record['scene'])} Answer: {record['answer']}"
+        return f"{data.short_look(scene)} Answer: {record['answer']}"
     if look == "none":
         return f"Answer: {record['answer']}"
     raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
@@ -346,7 +353,7 @@ def paper_report(results, out_dir):
 
 
 PALETTE = [(220, 50, 47), (38, 139, 210), (133, 153, 0), (211, 54, 130), (42, 161, 152), (181, 137, 0),
-           (108, 113, 196), (203, 75, 22), (88, 110, 117), (0, 0, 0), (150, 150, 150)]
+           (108, 113, 196), (203, 75, 22), (88, 110, 117), (230, 159, 0), (150, 150, 150), (120, 60, 0)]
 
 
 def accuracy_png(curves, full_acc, path, W=760, H=480):
@@ -367,7 +374,7 @@ def accuracy_png(curves, full_acc, path, W=760, H=480):
     dr.text(((W - R) // 2 - 20, H - 20), "rho (experts kept)", fill="black")
     dr.text((L, 8), "accuracy vs rho, 95% bootstrap CI", fill="black")
     dr.line([(L, Y(full_acc)), (W - R, Y(full_acc))], fill=(120, 120, 120), width=1)
-    dr.text((W - R + 5, Y(full_acc) - 6), "full model", fill=(120, 120, 120))
+    dr.text((L + 6, Y(full_acc) - 14), f"full model {full_acc:.3f}", fill=(120, 120, 120))
     for i, (name, pts) in enumerate(curves.items()):
         col = PALETTE[i % len(PALETTE)]
         off = (i - len(curves) / 2) * 3
@@ -428,14 +435,41 @@ def parser():
                         "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --no-look): run the pre-registered "
                         "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
     p.add_argument("--arms", default=",".join(PAPER_ARMS), help="--paper arms, comma-separated")
+    p.add_argument("--retrain-base", default="", metavar="DIR",
+                   help="first train the paper-structure base (PAPER_RECIPE, ~50 CPU minutes per seed) into "
+                        "DIR/seed{S} for every --seeds (resuming a checkpoint), then run --paper on them")
+    p.add_argument("--seeds", default="0", help="--retrain-base seeds, comma-separated")
     return p
+
+
+def retrain_bases(root, seeds, threads):
+    """Train (or resume) the pre-registered base for each seed; returns the base directories."""
+    import subprocess
+    import sys
+    out = []
+    for s in seeds:
+        d = os.path.join(root, f"seed{s}")
+        cmd = [sys.executable, "-m", "common.pretrain", *PAPER_RECIPE, "--seed", str(s), "--out", d]
+        cmd += ["--threads", str(threads)] if threads is not None else []
+        print("[paper] " + " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
+        out.append(d)
+    return out
 
 
 def main(argv=None):
     from common.cli import set_threads
     p = parser()
     a = p.parse_args(argv)
+    try:
+        seeds = [int(x) for x in a.seeds.split(",") if x]
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
+    if a.retrain_base and a.paper:
+        p.error("--retrain-base trains the bases it evaluates; leave out --paper")
     set_threads(a.threads, a.paper.split(",")[0] if a.paper else a.model)
+    if a.retrain_base:
+        a.paper = ",".join(retrain_bases(a.retrain_base, seeds, a.threads))
     if a.paper:
         outp = os.path.join(a.out, "paper")
         arms = tuple(x for x in a.arms.split(",") if x)

@@ -41,14 +41,16 @@ def phase_distributions(counts):
     return torch.where(tot > 0, c / tot.clamp_min(1e-300), torch.zeros_like(c))
 
 
-def role_profiles(p):
+def role_profiles(p, prior=None):
     """Balanced joint and Routing Role Profiles (§3.3).
 
-    p [B, N] phase distributions. With the uniform phase prior pi(b) = 1/B:
-    P(e, b) = p[b, e] / B, P(e) = sum_b P(e, b), q_e(b) = P(e, b) / P(e) (zero vector if P(e) = 0).
+    p [B, N] phase distributions. With the uniform phase prior pi(b) = 1/B (the paper's; or
+    `prior` [B], non-negative, summing to 1, e.g. the empirical phase token shares):
+    P(e, b) = pi(b) p[b, e], P(e) = sum_b P(e, b), q_e(b) = P(e, b) / P(e) (zero vector if P(e) = 0).
     Returns (P_e [N], q [N, B]), float64."""
     B = p.shape[0]
-    joint = p.T / B                              # [N, B] = P(e, b)
+    pi = torch.full((B,), 1.0 / B, dtype=torch.float64) if prior is None else torch.as_tensor(prior, dtype=torch.float64)
+    joint = p.T * pi[None, :]                    # [N, B] = P(e, b)
     P_e = joint.sum(-1)                          # [N]
     q = torch.where(P_e[:, None] > 0, joint / P_e.clamp_min(1e-300)[:, None], torch.zeros_like(joint))
     return P_e, q
@@ -332,7 +334,7 @@ def mi_retention(record_counts, groups):
 # ----------------------------------------------------------------------------- whole-model plan
 
 METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune",
-           "msmoe", "hcsmoe", "reap")
+           "msmoe", "hcsmoe", "reap", "empirical_prior")
 FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need rolemerge.baselines.collect_features
 
 
@@ -344,6 +346,8 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     method: "rolemerge" (paper), controls "no_phase_split" (buckets pooled before grouping,
     so every RRP is the same and only the collision term on the pooled distribution acts),
     "lambda0", "permuted" (RRPs and p_ans shuffled across expert identities, seeded),
+    "empirical_prior" (the RRPs with the layer's phase token shares as the prior pi(b) instead of
+    the paper's uniform 1/B; merge weights unchanged),
     "kmeans" (k-means++ on RRPs, seeded), baselines "frequency" (needs routers: list of
     [N, H] router weights), "prune", and the papers' own criteria "msmoe", "hcsmoe", "reap"
     (rolemerge/baselines.py; need features: list over layers of `collect_features` dicts);
@@ -389,7 +393,8 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     groups, info = [], []
     for l in range(L):
         p = p_all[l]
-        P_e, q = role_profiles(p)
+        prior = grouping_counts[l].sum(-1) / grouping_counts[l].sum() if method == "empirical_prior" else None
+        P_e, q = role_profiles(p, prior)
         tau = collision_scale(p[ans])
         d = None if method in ("kmeans", "frequency", "prune") + FEATURE_METHODS else normalise_by_max(pair_loss(P_e, q))
         g = []

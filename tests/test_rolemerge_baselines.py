@@ -114,6 +114,43 @@ def test_collect_features_matches_a_brute_force_pass():
     assert torch.allclose(feats["out_sum"], y.double().sum(0), rtol=1e-4, atol=1e-4)
 
 
+def test_reap_equals_the_published_definition_over_batches():
+    """REAP as its authors define it (arXiv 2510.13999 eq. 5; their observer's defaults for a
+    norm_topk_prob model): gate = full-softmax router probability renormalised over the token's
+    top-k, saliency = per-batch mean over routed non-padding tokens of gate * ||f_j(x)||_2, batches
+    combined weighted by the expert's routed-token count. Ours (sum / count over all batches) must
+    give the same saliency and keep the same experts."""
+    from rolemerge import calibrate as cal
+    model = _tiny_moe(N=6, k=2)
+    block = cal.moe_blocks(model)[0][1]
+    batches = [{"input_ids": torch.tensor([[1, 5, 7, 9, 2], [3, 4, 0, 0, 0]]),
+                "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])},
+               {"input_ids": torch.tensor([[8, 8, 6, 11, 30, 2, 17]]), "attention_mask": torch.ones(1, 7, dtype=torch.long)}]
+    xs = []
+    h = block.experts.register_forward_hook(lambda m, a, o: xs.append(a[0].detach()))
+    feats = bl.collect_features(model, batches)[0]
+    h.remove()
+    means, freqs = [], []
+    for x, b in zip(xs, batches):
+        x = x[b["attention_mask"].reshape(-1).bool()]
+        logits = x.double() @ block.gate.weight.double().T
+        prob = logits.softmax(-1)
+        top = prob.topk(2, dim=-1).indices
+        gate = prob / prob.gather(1, top).sum(-1, keepdim=True)
+        y = bl.expert_outputs(block.experts, x).double().norm(dim=-1)    # [T, N]
+        active = torch.zeros_like(prob, dtype=torch.bool).scatter_(1, top, True)
+        f = active.sum(0).double()
+        means.append(torch.where(f > 0, (gate * y * active).sum(0) / f.clamp_min(1), torch.zeros_like(f)))
+        freqs.append(f)
+    F = torch.stack(freqs).sum(0)
+    ref = torch.where(F > 0, (torch.stack(means) * torch.stack(freqs)).sum(0) / F.clamp_min(1), torch.zeros_like(F))
+    ours = bl.reap_saliency(feats["reap_sum"], feats["count"])
+    assert torch.equal(feats["count"], F)
+    assert torch.allclose(ours, ref, rtol=1e-5)
+    for K in (2, 3, 4):
+        assert bl.reap_groups(ours, K) == [[e] for e in sorted(ref.topk(K).indices.tolist())]
+
+
 # ----------------------------------------------------------------------------- planted structure
 
 def planted_layer(seed=0):
@@ -273,3 +310,44 @@ def test_toy_gold_turn_follows_the_base_look_step():
     with pytest.raises(ValueError, match="unknown look"):
         toy.gold_turn(rec, "short")
     assert toy.MAX_NEW["objects"] >= 32 and set(toy.MAX_NEW) == {"full", "objects", "none"}
+    read = {"target": look + " Answer: yes", "answer": "yes"}                     # data.read_llava_json's fields
+    assert toy.gold_turn(read, "objects") == toy.gold_turn(rec, "objects")
+
+
+def test_empirical_phase_prior_hand_case():
+    """counts (image; answer) per expert: e0 (90; 0), e1 (0; 10), e2 (30; 8). Phase distributions
+    p_img = (.75, 0, .25), p_ans = (0, 10/18, 8/18). Uniform prior (the paper): e2's joint is
+    (.125, .2222) -> q_2 = (.36, .64), an answer-role expert, merged with e1. Empirical prior
+    (phase token shares 120/138, 18/138): joint (.2174, .0580) -> q_2 = (.789, .211), image-role,
+    merged with e0. lambda = 0 so only d_EP decides."""
+    c = torch.tensor([[[90., 0, 30], [0, 10, 8]]], dtype=torch.float64)
+    p = rm.phase_distributions(c[0])
+    _, q_u = rm.role_profiles(p)
+    _, q_e = rm.role_profiles(p, torch.tensor([120 / 138, 18 / 138]))
+    assert torch.allclose(q_u[2], torch.tensor([.36, .64], dtype=torch.float64))
+    assert torch.allclose(q_e[2], torch.tensor([.25 * 120 / 138, 8 / 18 * 18 / 138], dtype=torch.float64)
+                          / (.25 * 120 / 138 + 8 / 18 * 18 / 138))
+    assert rm.plan(c, 2, "rolemerge", lam=0)[0][0] == [[0], [1, 2]]
+    assert rm.plan(c, 2, "empirical_prior", lam=0)[0][0] == [[0, 2], [1]]
+    even = torch.tensor([[[60., 0, 20], [0, 50, 30]]], dtype=torch.float64)      # equal phase totals: same as uniform
+    assert rm.plan(even, 2, "empirical_prior")[0] == rm.plan(even, 2, "rolemerge")[0]
+
+
+def test_toy_retrain_base_runs_the_readme_recipe(monkeypatch, tmp_path):
+    import os
+    import re
+    import subprocess
+
+    from eval import toy_rolemerge as toy
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "rolemerge", "README.md")).read()
+    cmd = re.search(r"python -m common\.pretrain (--arch qwen3_vl_moe --experts 32 [^`]*--look objects[^`]*)`",
+                    readme.replace("\n", " ")).group(1)
+    pairs = lambda words: dict(zip(words[::2], words[1::2]))
+    readme_flags = {k: v for k, v in pairs(cmd.split()).items() if k not in ("--seed", "--threads", "--out")}
+    assert readme_flags == pairs(toy.PAPER_RECIPE)                # the README's command is what --retrain-base runs
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda c, check: calls.append(c))
+    assert toy.retrain_bases(str(tmp_path), [0, 2], 1) == [str(tmp_path / "seed0"), str(tmp_path / "seed2")]
+    assert calls[1][-6:] == ["--seed", "2", "--out", str(tmp_path / "seed2"), "--threads", "1"]
+    with pytest.raises(SystemExit):
+        toy.main(["--retrain-base", str(tmp_path), "--paper", "x"])
