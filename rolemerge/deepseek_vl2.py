@@ -483,21 +483,24 @@ def to_official(sd):
 
 
 def from_official(tensors):
-    """Inverse of to_official (per-expert tensors stacked in expert order)."""
+    """Inverse of to_official (per-expert tensors stacked in expert order). Consumes `tensors`
+    (each layer's per-expert tensors are dropped as soon as they are stacked, so loading holds
+    the model plus one layer's experts twice at most)."""
     import re
     out, experts = {}, {}
-    for k, v in tensors.items():
+    for k in list(tensors):
         m = re.match(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", k)
         if m:
-            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = v
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = k
         else:
-            out[k] = v
+            out[k] = tensors.pop(k)
     for pre, parts in experts.items():
         n = len(parts["gate_proj"])
         if any(sorted(parts.get(p, {})) != list(range(n)) for p in ("gate_proj", "up_proj", "down_proj")):
             raise VL2Error(f"{pre}: expert tensors are incomplete (expected 0..{n - 1} for gate/up/down)")
-        out[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([parts["gate_proj"][e], parts["up_proj"][e]]) for e in range(n)])
-        out[f"{pre}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+        g = lambda p, e: tensors.pop(parts[p][e])
+        out[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([g("gate_proj", e), g("up_proj", e)]) for e in range(n)])
+        out[f"{pre}.down_proj"] = torch.stack([g("down_proj", e) for e in range(n)])
     return out
 
 
@@ -596,11 +599,20 @@ class Processor:
         resolutions and the vision / projector settings)."""
         from transformers import AutoTokenizer
         config = config or Config.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
+        # the official processor's additions (no-ops when the tokenizer already has them as tokens)
+        if tok.pad_token is None:
+            tok.add_special_tokens({"pad_token": "<｜▁pad▁｜>"})
+        tok.add_tokens(["<image>", "<|ref|>", "<|/ref|>", "<|det|>", "<|/det|>", "<|grounding|>", "<|User|>",
+                        "<|Assistant|>"], special_tokens=True)
+        if len(tok) > config.lm.vocab_size:
+            raise VL2Error(f"{path}: the tokenizer has {len(tok)} tokens (with <image>, <|User|>, <|Assistant|>, "
+                           f"pad), more than the model's vocab_size {config.lm.vocab_size}")
         pc = {}
         if os.path.exists(os.path.join(path, "processor_config.json")):
             with open(os.path.join(path, "processor_config.json")) as f:
                 pc = json.load(f)
-        return cls(AutoTokenizer.from_pretrained(path),
+        return cls(tok,
                    pc.get("candidate_resolutions") or config.raw.get("candidate_resolutions") or [[384, 384]],
                    pc.get("patch_size", config.vision["patch_size"]),
                    pc.get("downsample_ratio", config.projector["downsample_ratio"]),

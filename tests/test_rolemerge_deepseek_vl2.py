@@ -49,10 +49,13 @@ def tok():
     return t
 
 
-def make_checkpoint(path, tok, mla, seed=0, **kw):
+def make_checkpoint(path, tok, mla, seed=0, top_level_copy=False, **kw):
     """Synthetic checkpoint: random weights, official layout, the unused attention-pool head on
-    disk too (as a full-state-dict save of the official model would have), several shards."""
+    disk too (as a full-state-dict save of the official model would have), several shards.
+    top_level_copy: language fields repeated at the top level, as some DeepSeek VL configs do."""
     raw = raw_config(mla, len(tok), **kw)
+    if top_level_copy:
+        raw.update({k: raw["language_config"][k] for k in ("n_routed_experts", "num_experts_per_tok", "n_group")})
     raw["language_config"].update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     model = vl2.build_random(raw, seed)
     g = torch.Generator().manual_seed(seed)
@@ -345,7 +348,7 @@ def test_calibrate_merge_reload_generate(tok, tmp_path, mla, topk_method, n_grou
     """calibrate (image / question / answer) -> in-memory and streaming merge (identical
     tensors, official layout with K experts, config n_routed_experts = K) -> reload -> generate;
     K = N reproduces the logits."""
-    src = make_checkpoint(tmp_path / "src", tok, mla, topk_method=topk_method, n_group=n_group)
+    src = make_checkpoint(tmp_path / "src", tok, mla, topk_method=topk_method, n_group=n_group, top_level_copy=mla)
     model, proc = cal.load_model(src)
     recs = records(tmp_path)
     stats = cal.calibrate(model, proc, {"a": recs[:2], "b": recs[2:] + [{"question": "count"}]}, batch_size=2,
@@ -370,6 +373,7 @@ def test_calibrate_merge_reload_generate(tok, tmp_path, mla, topk_method, n_grou
         c = json.load(open(tmp_path / d / "config.json"))
         assert c["language_config"]["n_routed_experts"] == 4 and c["vision_config"] == json.load(
             open(os.path.join(src, "config.json")))["vision_config"]
+        assert c.get("n_routed_experts", 4) == 4 and ("n_routed_experts" in c) == mla
     m2, p2 = cal.load_model(str(tmp_path / "stream"))
     assert all(blk.gate.weight.shape[0] == 4 for _, blk in cal.moe_blocks(m2))
     from common import data
