@@ -605,9 +605,12 @@ class Processor:
             tok.add_special_tokens({"pad_token": "<｜▁pad▁｜>"})
         tok.add_tokens(["<image>", "<|ref|>", "<|/ref|>", "<|det|>", "<|/det|>", "<|grounding|>", "<|User|>",
                         "<|Assistant|>"], special_tokens=True)
-        if len(tok) > config.lm.vocab_size:
-            raise VL2Error(f"{path}: the tokenizer has {len(tok)} tokens (with <image>, <|User|>, <|Assistant|>, "
-                           f"pad), more than the model's vocab_size {config.lm.vocab_size}")
+        used = {t: tok.convert_tokens_to_ids(t) for t in ("<image>", "<|User|>", "<|Assistant|>", tok.pad_token,
+                                                         tok.bos_token, tok.eos_token) if t is not None}
+        over = {t: i for t, i in used.items() if i is None or i >= config.lm.vocab_size}
+        if over:
+            raise VL2Error(f"{path}: tokens {over} are outside the model's vocab_size {config.lm.vocab_size}: the "
+                           f"tokenizer does not belong to this checkpoint")
         pc = {}
         if os.path.exists(os.path.join(path, "processor_config.json")):
             with open(os.path.join(path, "processor_config.json")) as f:

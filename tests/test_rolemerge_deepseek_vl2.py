@@ -402,3 +402,39 @@ def test_cli_calibrate_and_merge(tok, tmp_path):
                 "--out", str(tmp_path / "pred.json")])
     preds = json.load(open(tmp_path / "pred.json"))
     assert preds["summary"]["n"] == 2 and all(p["correct"] is not None for p in preds["predictions"])
+
+
+def test_routing_groups_of_vl2_configs():
+    """DeepSeek-VL2 base routes noaux_tc (V3-style groups: >= 2 experts per group); Tiny / Small
+    greedy (no groups)."""
+    assert mg.routing_groups("deepseek_vl_v2", dict(topk_method="greedy", n_group=1, topk_group=1), 8, 4, 2) == (1, {})
+    assert mg.routing_groups("deepseek_vl_v2", dict(topk_method="noaux_tc", n_group=4, topk_group=2), 8, 4, 2) == \
+        (2, {"n_group": 2, "topk_group": 1})
+    assert mg.routing_groups("deepseek_vl_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+                             8, 4, 2) == (4, {})
+
+
+def test_generate_stops_at_eos_and_honours_min_new_tokens(tok):
+    """generate's contract with rolemerge.calibrate: stop when every row has ended, never feed
+    the last token back (one call for the prompt, one per further token), EOS masked before
+    min_new_tokens."""
+    model = vl2.build_random(raw_config(False, len(tok)))
+    eos, V = 1, len(tok)
+
+    class EosHead(torch.nn.Module):                      # EOS always the best token, token 0 the runner-up
+        def forward(self, h):
+            out = torch.zeros(*h.shape[:-1], V)
+            out[..., eos], out[..., 0] = 2.0, 1.0
+            return out
+    model.language.lm_head = EosHead()
+    ids = torch.randint(5, 100, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0                                      # row 0 left-padded
+    calls = []
+    h = model.language.lm_head.register_forward_hook(lambda m, a, o: calls.append(o.shape[1]))
+    out = model.generate(ids, mask, max_new_tokens=5, eos_token_id=eos, pad_token_id=2)
+    assert out.shape == (2, 7) and (out[:, 6] == eos).all() and calls == [6]
+    calls.clear()
+    out = model.generate(ids, mask, max_new_tokens=5, min_new_tokens=3, eos_token_id=eos, pad_token_id=2)
+    h.remove()
+    assert out[:, 6:].tolist() == [[0, 0, 0, eos]] * 2 and calls == [6, 1, 1, 1]   # as transformers: EOS masked for steps 0..2
