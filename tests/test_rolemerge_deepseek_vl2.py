@@ -193,6 +193,10 @@ def test_router_matches_hand_computed():
     _, w, idx = r(x3)
     assert sorted(idx[0].tolist()) == [2, 3]            # group {2,3}: .731 + (.047 + 1) > .881 + .818
     assert torch.allclose(w[0][idx[0].argsort()], torch.sigmoid(torch.tensor([1.0, -3.0])))
+    # group score = sum of the group's top-2 (1.76 for {0,1}) even when another group has the max (1.05)
+    r.e_score_correction_bias = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    _, w, idx = r(torch.tensor([[2.0, 2.0, -3.0, -3.0]]))
+    assert sorted(idx[0].tolist()) == [0, 1]
 
 
 def test_tiling_and_token_counts():
@@ -253,6 +257,34 @@ def test_processor_places_image_tokens(tok, tmp_path):
     assert torch.allclose(inp["images"][0, 0, :, 21, 21], torch.tensor([1.0, -1.0, -1.0]))
     text = tok.decode(inp["input_ids"][1][inp["attention_mask"][1].bool()].tolist())
     assert text == f"{SPECIAL['bos']}<|User|>: a\n\n<|Assistant|>:b{SPECIAL['eos']}<|User|>: hi\n\n<|Assistant|>:"
+
+
+def test_vision_and_projector_match_official_maths(tok):
+    """SigLIP ViT as timm runs it (patch conv, + pos_embed, pre-LN blocks: qkv attention, tanh
+    GELU MLP; final LayerNorm eps 1e-6) and the projector's Linear, GELU, Linear, from the
+    official-layout tensors."""
+    model = vl2.build_random(raw_config(False, len(tok)))
+    model.vision.pos_embed.data *= 0.01             # small activations: LayerNorm's eps (1e-6) matters
+    t = vl2.to_official(model.state_dict())
+    x = torch.randn(2, 3, 42, 42) * 0.01
+    ln = lambda z, n: F.layer_norm(z, z.shape[-1:], t[n + ".weight"], t[n + ".bias"], eps=1e-6)
+    lin = lambda z, n: F.linear(z, t[n + ".weight"], t[n + ".bias"])
+    h = F.conv2d(x, t["vision.patch_embed.proj.weight"], t["vision.patch_embed.proj.bias"], stride=14)
+    h = h.flatten(2).transpose(1, 2) + t["vision.pos_embed"]
+    for b in range(2):
+        p = f"vision.blocks.{b}."
+        q, k, v = lin(ln(h, p + "norm1"), p + "attn.qkv").view(2, 9, 3, 4, 6).permute(2, 0, 3, 1, 4)
+        a = ((q @ k.transpose(-1, -2)) / math.sqrt(6)).softmax(-1) @ v
+        h = h + lin(a.transpose(1, 2).reshape(2, 9, 24), p + "attn.proj")
+        z = lin(ln(h, p + "norm2"), p + "mlp.fc1")
+        h = h + lin(0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3))), p + "mlp.fc2")
+    h = ln(h, "vision.norm")
+    assert torch.allclose(model.vision(x), h, atol=1e-5)
+    g = F.pad(h.view(2, 3, 3, 24), (0, 0, 0, 1, 0, 1))                       # 4 x 4, unfold order by hand
+    cat = torch.stack([torch.cat([g[:, 2 * i:2 * i + 2, 2 * j:2 * j + 2, c].reshape(2, 4) for c in range(24)], -1)
+                       for i in range(2) for j in range(2)], 1)
+    want = lin(F.gelu(lin(cat, "projector.layers.0")), "projector.layers.2")
+    assert torch.allclose(model.projector(h), want, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the official LM maths, written out
