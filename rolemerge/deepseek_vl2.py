@@ -598,8 +598,14 @@ class Processor:
         """Tokenizer (AutoTokenizer) + processor_config.json (else config.json's candidate
         resolutions and the vision / projector settings)."""
         from transformers import AutoTokenizer
+        from transformers.utils import logging
         config = config or Config.from_pretrained(path)
-        tok = AutoTokenizer.from_pretrained(path)
+        level = logging.get_verbosity()
+        logging.set_verbosity_error()          # it reads config.json and warns that deepseek_vl_v2 is unknown
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        finally:
+            logging.set_verbosity(level)
         # the official processor's additions (no-ops when the tokenizer already has them as tokens)
         if tok.pad_token is None:
             tok.add_special_tokens({"pad_token": "<｜▁pad▁｜>"})

@@ -331,8 +331,8 @@ def reference_logits(t, lm, ids):
             a = a.transpose(0, 1).reshape(L, H * vd)
         x = x + F.linear(a, p("self_attn.o_proj"))
         h = rms(x, p("post_attention_layernorm"))
-        mlp = lambda pre, z: F.linear(F.silu(F.linear(z, t[pre + "gate_proj.weight"])) * F.linear(z, t[pre + "up_proj.weight"]),
-                                      t[pre + "down_proj.weight"])
+        mlp = lambda pre, z: F.linear(F.silu(F.linear(z, t[pre + "gate_proj.weight"]))
+                                      * F.linear(z, t[pre + "up_proj.weight"]), t[pre + "down_proj.weight"])
         base = f"language.model.layers.{i}.mlp."
         if i < lm["first_k_dense_replace"]:
             x = x + mlp(base, h)
@@ -469,4 +469,5 @@ def test_generate_stops_at_eos_and_honours_min_new_tokens(tok):
     calls.clear()
     out = model.generate(ids, mask, max_new_tokens=5, min_new_tokens=3, eos_token_id=eos, pad_token_id=2)
     h.remove()
-    assert out[:, 6:].tolist() == [[0, 0, 0, eos]] * 2 and calls == [6, 1, 1, 1]   # as transformers: EOS masked for steps 0..2
+    # as transformers' MinNewTokensLengthLogitsProcessor: EOS masked while fewer than 3 tokens precede
+    assert out[:, 6:].tolist() == [[0, 0, 0, eos]] * 2 and calls == [6, 1, 1, 1]
