@@ -375,7 +375,10 @@ def load_model(path, dtype=None, device="cpu", device_map=None, trust_remote_cod
         from rolemerge import deepseek_vl2 as vl2
         if device_map is not None:
             raise CalibrationError("--device-map is not supported for DeepSeek-VL2; use --device (e.g. cuda)")
-        return vl2.load(path, dtype, device), vl2.Processor.from_pretrained(path, config)
+        try:
+            return vl2.load(path, dtype, device), vl2.Processor.from_pretrained(path, config)
+        except vl2.VL2Error as e:                 # a missing / misshapen tensor, a foreign tokenizer
+            raise CalibrationError(str(e)) from None
     if config.model_type in VLM_TYPES:
         try:
             return bb.load_backbone(path, dtype=dtype, device=device, device_map=device_map,

@@ -243,7 +243,10 @@ def load_model_for_merge(path, dtype=None):
     config = cal.load_config(path)
     if config.model_type == "deepseek_vl_v2":
         from rolemerge import deepseek_vl2 as vl2
-        return vl2.load(path, dtype)
+        try:
+            return vl2.load(path, dtype)
+        except vl2.VL2Error as e:
+            raise MergeError(str(e)) from None
     vlm = config.model_type in cal.VLM_TYPES + ("deepseek_ocr2",)
     cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     return cls.from_pretrained(path, dtype=dtype, trust_remote_code=False, use_safetensors=True).eval()

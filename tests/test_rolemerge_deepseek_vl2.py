@@ -14,6 +14,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from common import backbone as bb
+from helpers import error_of
 from rolemerge import calibrate as cal
 from rolemerge import deepseek_vl2 as vl2
 from rolemerge import merge as mg
@@ -147,7 +148,7 @@ def test_checkpoint_layout_round_trip(tok, tmp_path, mla):
     assert json.load(open(os.path.join(src, "config.json"))) == json.load(open(tmp_path / "again" / "config.json"))
 
 
-def test_bad_checkpoints_are_named(tok, tmp_path):
+def test_bad_checkpoints_are_named(tok, tmp_path, capsys):
     src = make_checkpoint(tmp_path / "src", tok, False)
     raw = json.load(open(os.path.join(src, "config.json")))
     raw["vision_config"] = {"model_name": "deeplip_b_l", "width": {"sam_vit_b": {}}}   # DeepSeek-OCR's layout
@@ -160,6 +161,11 @@ def test_bad_checkpoints_are_named(tok, tmp_path):
     json.dump(json.load(open(os.path.join(src, "config.json"))), open(tmp_path / "broken" / "config.json", "w"))
     with pytest.raises(vl2.VL2Error, match="expert tensors are incomplete"):
         vl2.load(str(tmp_path / "broken"))
+    recs = tmp_path / "r.jsonl"
+    recs.write_text(json.dumps({"id": "0", "question": "q", "answer": "a"}) + "\n")
+    assert "expert tensors are incomplete" in error_of(cal.main, ["--model", str(tmp_path / "broken"), "--data",
+                                                                   str(recs), "--out", str(tmp_path / "s.safetensors")],
+                                                       capsys)
 
 
 # ----------------------------------------------------------------------------- forward pieces, hand-computed
