@@ -348,7 +348,8 @@ class DeepseekVL2ForCausalLM(nn.Module):
     def image_embeddings(self, images, spatial_crop):
         """Per batch row, the embeddings of all its images in prompt order: global view rows
         each + image_newline, view_seperator, local views as one (th*h) x (tw*w) grid with a
-        newline per row (tile_tag 2D, global_view_pos head). Returns a list of [n_i, D]."""
+        newline per row (tile_tag 2D; global_view_pos "tail" swaps the two views around the
+        separator). Returns a list of [n_i, D]."""
         counts = [[(1 + int(w) * int(h)) for w, h in row if w > 0 and h > 0] for row in spatial_crop.tolist()]
         tiles = [images[b, :sum(c)] for b, c in enumerate(counts)]
         if sum(map(len, tiles)) == 0:
@@ -365,8 +366,11 @@ class DeepseekVL2ForCausalLM(nn.Module):
                 loc = emb[t + 1:t + 1 + w_t * h_t].view(h_t, w_t, h, h, D).permute(0, 2, 1, 3, 4).reshape(
                     h_t * h, w_t * h, D)
                 t += 1 + w_t * h_t
-                parts += [torch.cat([g, nl.expand(h, 1, D)], 1).reshape(-1, D), self.view_seperator[None].to(emb.dtype),
-                          torch.cat([loc, nl.expand(h_t * h, 1, D)], 1).reshape(-1, D)]
+                views = [torch.cat([g, nl.expand(h, 1, D)], 1).reshape(-1, D),
+                         torch.cat([loc, nl.expand(h_t * h, 1, D)], 1).reshape(-1, D)]
+                if self.config.raw.get("global_view_pos", "head") != "head":     # "tail": local views first
+                    views.reverse()
+                parts += [views[0], self.view_seperator[None].to(emb.dtype), views[1]]
             out.append(torch.cat(parts) if parts else None)
         return out
 

@@ -244,9 +244,11 @@ def test_image_layout_newlines_and_separator(tok, tmp_path):
     nl, sep = model.image_newline, model.view_seperator
     assert len(e) == vl2.image_token_count(2, 1, 42, 14, 2) == 6 + 1 + 2 * 5
     want = [0, 1, "n", 2, 3, "n", "s", 4, 5, 8, 9, "n", 6, 7, 10, 11, "n"]
-    for row, w in zip(e, want):
-        ref = nl if w == "n" else sep if w == "s" else torch.full((32,), float(w))
-        assert torch.equal(row, ref)
+    ref = lambda ws: torch.stack([nl if w == "n" else sep if w == "s" else torch.full((32,), float(w)) for w in ws])
+    assert torch.equal(e, ref(want))
+    model.config.raw["global_view_pos"] = "tail"                     # local views, separator, global view
+    e = model.image_embeddings(torch.zeros(1, 3, 1), torch.tensor([[[2, 1]]]))[0]
+    assert torch.equal(e, ref(want[7:] + ["s"] + want[:6]))
 
 
 def test_processor_places_image_tokens(tok, tmp_path):
