@@ -33,8 +33,9 @@ SUPPORTED = {
     "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE", "mixtral": "Mixtral",
     "qwen2_moe": "Qwen2-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3",
     "deepseek_ocr2": "DeepSeek-OCR-2 (DeepSeek MoE-VLM)",
+    "deepseek_vl_v2": "DeepSeek-VL2 (Tiny / Small / base; rolemerge/deepseek_vl2.py)",
 }
-VLM_TYPES = ("qwen3_vl_moe",)          # calibrated with image / question / answer buckets
+VLM_TYPES = ("qwen3_vl_moe", "deepseek_vl_v2")   # calibrated with image / question / answer buckets
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 META_KEY = "rolemerge"
 
@@ -370,6 +371,14 @@ def load_model(path, dtype=None, device="cpu", device_map=None, trust_remote_cod
             raise CalibrationError("--device-map needs the optional package accelerate (pip install accelerate)")
     path = bb.resolve(path)
     config = load_config(path, trust_remote_code)
+    if config.model_type == "deepseek_vl_v2":   # no transformers class: built from transformers parts
+        from rolemerge import deepseek_vl2 as vl2
+        if device_map is not None:
+            raise CalibrationError("--device-map is not supported for DeepSeek-VL2; use --device (e.g. cuda)")
+        try:
+            return vl2.load(path, dtype, device), vl2.Processor.from_pretrained(path, config)
+        except vl2.VL2Error as e:                 # a missing / misshapen tensor, a foreign tokenizer
+            raise CalibrationError(str(e)) from None
     if config.model_type in VLM_TYPES:
         try:
             return bb.load_backbone(path, dtype=dtype, device=device, device_map=device_map,
@@ -395,6 +404,15 @@ def load_config(path, trust_remote_code=False):
         raise CalibrationError(f"{path}: no such checkpoint directory (a save_pretrained folder, or tiny-moe)")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CalibrationError(f"{path}: no config.json (not a save_pretrained checkpoint directory)")
+    if _raw_model_type(path) == "deepseek_vl_v2":
+        from rolemerge import deepseek_vl2 as vl2
+        try:
+            config = vl2.Config.from_pretrained(path)
+            vl2.check_config(config)
+            checked_weights(path)
+        except (vl2.VL2Error, CheckpointError) as e:
+            raise CalibrationError(str(e)) from None
+        return config
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # bad JSON, no/unknown model_type, custom code without the flag
@@ -407,6 +425,15 @@ def load_config(path, trust_remote_code=False):
     except CheckpointError as e:
         raise CalibrationError(str(e)) from None
     return config
+
+
+def _raw_model_type(path):
+    """model_type of config.json read as JSON (None when unreadable: AutoConfig then names the problem)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def main(argv=None):

@@ -124,11 +124,12 @@ def routing_groups(model_type, tc, N, K, top_k):
     tc: the text config as a dict. Returns (blocks, fields): blocks = n_group' for rm.plan,
     fields = the config values to write ({} when nothing changes or the model is not
     group-limited). Raises MergeError naming the valid K values when none works."""
-    grouped = model_type == "deepseek_v3" or tc.get("topk_method") == "group_limited_greedy"
+    v3 = model_type == "deepseek_v3" or tc.get("topk_method") == "noaux_tc"     # (DeepSeek-VL2 base: noaux_tc)
+    grouped = v3 or tc.get("topk_method") == "group_limited_greedy"
     if not grouped:
         return 1, {}
     n, tg = tc.get("n_group") or 1, tc.get("topk_group") or 1
-    per_group = 2 if model_type == "deepseek_v3" else 1        # V3's group score sums its top-2 experts
+    per_group = 2 if v3 else 1        # V3's group score sums its top-2 experts
 
     def fit(k):
         for n2 in sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True):
@@ -245,6 +246,12 @@ def load_model_for_merge(path, dtype=None):
     only, no checkpoint code (`cal.load_config` checks the directory first)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     config = cal.load_config(path)
+    if config.model_type == "deepseek_vl_v2":
+        from rolemerge import deepseek_vl2 as vl2
+        try:
+            return vl2.load(path, dtype)
+        except vl2.VL2Error as e:
+            raise MergeError(str(e)) from None
     vlm = config.model_type in cal.VLM_TYPES + ("deepseek_ocr2",)
     cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     return cls.from_pretrained(path, dtype=dtype, trust_remote_code=False, use_safetensors=True).eval()
@@ -360,7 +367,7 @@ def scan_checkpoint(path):
 
 def _expert_config(config):
     """The (sub-)dict of a config.json that holds the routed-expert count."""
-    for sub in (config.get("text_config") or {}, config):
+    for sub in (config.get("text_config") or {}, config.get("language_config") or {}, config):
         if any(f in sub for f in cal.EXPERT_FIELDS):
             return sub
     raise MergeError(f"config.json ({config.get('model_type')}) has none of the expert-count fields {cal.EXPERT_FIELDS}")
@@ -489,6 +496,9 @@ def merge_streaming(src, dst, plan):
     sub = _expert_config(config)
     sub[next(f for f in cal.EXPERT_FIELDS if f in sub)] = K
     sub.update(plan.get("routing", {}))
+    for f, v in sub.items():           # DeepSeek-VL2 configs may repeat language fields at the top level
+        if sub is not config and f in cal.EXPERT_FIELDS + ("n_group", "topk_group") and f in config:
+            config[f] = v
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if os.path.exists(os.path.join(src, "model.safetensors.index.json")):
