@@ -258,7 +258,8 @@ class MoDLinear(nn.Module):
             g = 0.5 * (ga + gb)
         z = x @ self.A.T  # [B,T,E]: every A expert's projection (rank 1 each)
         coef = z.gather(-1, ia) * g.to(x.dtype)  # [B,T,r]: g_j * (A[I_A_j] . x)
-        w = torch.zeros_like(z).scatter_add(-1, ib, coef)  # [B,T,E] weight of each B expert
+        # [B,T,E] weight of each B expert, in coef's dtype: under bf16 autocast z is bf16, coef fp32
+        w = torch.zeros_like(z, dtype=coef.dtype).scatter_add(-1, ib, coef)
         self._bookkeeping(pa, ia, pb, ib)
         return self.scaling * (w @ self.B)  # eq. 6
 
