@@ -45,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import nullcontext
 
 import torch
 
@@ -91,7 +90,6 @@ REAL = {
                    mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])),
 }
 JOBS = ("mod", "mole1", "mole2", "mole_full", "calib")
-POINTS = ((1, 1), (2, 1), (2, 2))     # (decoder layers, batch) of the three runs per model and job
 
 
 # ----------------------------------------------------------------------------- models and inputs
@@ -278,10 +276,16 @@ def setup_job(job, model, proc):
     return net, net.encode
 
 
-def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32, a_tokens=64, new_tokens=32):
-    """One measurement: build `spec` at `layers` decoder layers, run `job` twice on `batch`
-    samples (first: FLOPs + saved activations + peak; second: timed + peak). Returns a dict of
-    bytes / FLOPs / seconds / token counts (keys documented in the module docstring)."""
+def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32, a_tokens=64, new_tokens=32,
+            optimizer_step=True):
+    """One measurement: build `spec` at `layers` decoder layers and run one step of `job` on
+    `batch` samples, counting FLOPs and saved activations and timing it. Returns a dict:
+    param / trainable / frozen / grad / optimizer bytes (tensor sizes), saved_bytes (autograd's
+    saved tensors), fwd_bwd_peak (peak above resident during forward + backward), opt_peak (peak
+    above resident during clipping + the optimizer step, which creates AdamW's state on this first
+    step), flops, step_s, seq_len, visual_tokens. optimizer_step=False stops after backward and
+    reports the AdamW state as computed (2 x trainable bytes: torch keeps exp_avg / exp_avg_sq in
+    the parameter dtype, + a 4-byte step per tensor; `optimizer_computed` True)."""
     from torch.utils.flop_counter import FlopCounterMode
     from common.cli import step_tokens
     model, proc = build(spec, layers, device=device)
@@ -290,6 +294,7 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
     rec = {"job": job, "layers": layers, "batch": batch, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
            "threads": torch.get_num_threads(), "image_size": image_size,
            "visual_tokens": int(grid.prod(-1).sum()) // (proc.merge ** 2) // batch}
+    trainable, opt, saved_bytes, grad_bytes, opt_peak = [], None, 0, 0, 0
     if job == "calib":
         from rolemerge import calibrate as cal
         model.eval()
@@ -298,17 +303,11 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
         image_mask = inputs["input_ids"] == proc.image_token_id
         recorder = cal.RouterRecorder(model)
         rec["seq_len"] = int(inputs["input_ids"].shape[1])
-
-        def step():
-            return cal.record_batch(model, recorder, inputs, image_mask, proc.eos_token_id, proc.pad_token_id,
-                                    new_tokens, 3)
-        trainable, opt, saved = [], None, None
-        with FlopCounterMode(display=False) as fc, PeakMemory(device) as pk1:
-            counts, tokens, new = step()
-        t0 = timer_sync(device)
-        with PeakMemory(device) as pk2:
-            step()
-        rec["step_s"] = timer_sync(device) - t0
+        with FlopCounterMode(display=False) as fc, PeakMemory(device) as pk:
+            t0 = timer_sync(device)
+            counts, tokens, new = cal.record_batch(model, recorder, inputs, image_mask, proc.eos_token_id,
+                                                   proc.pad_token_id, new_tokens, 3)
+            rec["step_s"] = timer_sync(device) - t0
         rec["new_tokens"] = int(new.shape[1])
         rec["routed_tokens"] = [int(x) for x in tokens]
     else:
@@ -318,52 +317,50 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
         opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.98))
         b = {k: v.to(device) for k, v in encode(None, qs, ans, pixels=(pv, grid)).items()}
         rec["seq_len"] = int(b["input_ids"].shape[1])
+        rec["label_tokens"] = step_tokens([b["labels"]])
         amp = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
         if job == "mod":
             from mod.train import accumulate
             run = lambda: accumulate(net, net, [b], 0.01, amp)
         else:
             from mole.train import accumulate
-            stage = 1 if job == "mole1" else 2
-            run = lambda: accumulate(net, [b], stage, amp)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            run()
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        with FlopCounterMode(display=False) as fc, PeakMemory(device) as pk1, SavedTensors(params) as saved:
-            opt.zero_grad(set_to_none=True)
-            run()
-            rec["grad_bytes"] = tensor_bytes(p.grad for p in trainable)
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        t0 = timer_sync(device)
-        with PeakMemory(device) as pk2:
-            step()
-        rec["step_s"] = timer_sync(device) - t0
-        rec["label_tokens"] = step_tokens([b["labels"]])
+            run = lambda: accumulate(net, [b], 1 if job == "mole1" else 2, amp)
+        opt.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as fc:
+            t0 = timer_sync(device)
+            with PeakMemory(device) as pk, SavedTensors(params) as saved:
+                run()
+            grad_bytes, saved_bytes = tensor_bytes(p.grad for p in trainable), saved.bytes
+            if optimizer_step:
+                with PeakMemory(device) as pko:
+                    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+                    opt.step()
+                opt_peak = pko.peak
+            rec["step_s"] = timer_sync(device) - t0
     frozen = [p for p in params if not (p.requires_grad and opt is not None)]
     rec.update(
         param_bytes=tensor_bytes(params), trainable_bytes=tensor_bytes(trainable), frozen_bytes=tensor_bytes(frozen),
         trainable_numel=sum(p.numel() for p in trainable), param_numel=sum(p.numel() for p in params),
-        optimizer_bytes=optimizer_bytes(opt) if opt is not None else 0,
-        saved_bytes=saved.bytes if saved is not None else 0,
-        first_step_peak=pk1.peak, step_peak=pk2.peak, flops=fc.get_total_flops())
-    rec.setdefault("grad_bytes", 0)
+        grad_bytes=grad_bytes, saved_bytes=saved_bytes, fwd_bwd_peak=pk.peak, opt_peak=opt_peak,
+        flops=fc.get_total_flops(), optimizer_step=bool(optimizer_step and opt is not None))
+    if opt is not None and not optimizer_step:
+        rec["optimizer_bytes"], rec["optimizer_computed"] = 2 * rec["trainable_bytes"] + 4 * len(trainable), True
+    else:
+        rec["optimizer_bytes"], rec["optimizer_computed"] = (optimizer_bytes(opt) if opt is not None else 0), False
     return rec
 
 
 # ----------------------------------------------------------------------------- extrapolation
 
-def fit(m11, m21, m22):
-    """Per-layer / per-sample decomposition of a quantity measured at (layers, batch) = (1,1),
-    (2,1), (2,2), for the model m(L, B) = c + B * (a_fixed + L * a_layer).
-    Returns (c, a_fixed, a_layer)."""
+def fit(points):
+    """Fixed / per-layer / per-sample parts of a quantity measured at (layers, batch) points,
+    for the model m(L, B) = c + B * (a_fixed + L * a_layer). points: {(1, 1): m11, (2, 1): m21}
+    and optionally (2, 2): m22; without (2, 2), c = 0 (everything scales with the batch).
+    Returns (c, a_fixed, a_layer): a_layer = m21 - m11, a_fixed = m22 - m21 - 2 a_layer
+    (or m11 - a_layer), c = m11 - a_fixed - a_layer."""
+    m11, m21 = points[(1, 1)], points[(2, 1)]
     a_layer = m21 - m11
-    a_fixed = m22 - m21 - 2 * a_layer
+    a_fixed = points[(2, 2)] - m21 - 2 * a_layer if (2, 2) in points else m11 - a_layer
     return m11 - a_fixed - a_layer, a_fixed, a_layer
 
 
@@ -372,110 +369,133 @@ def linear(m1, m2):
     return m1 - (m2 - m1), m2 - m1
 
 
-def at(fixed_layer, L):
-    return fixed_layer[0] + L * fixed_layer[1]
-
-
-def summarise(runs, depth):
-    """Figures of one (model, job) from its three runs {(L, B): record}: fixed / per-layer parts
-    and the functions of (L, B) the plan uses. Returns a dict."""
-    r11, r21, r22 = (runs[p] for p in POINTS)
+def summarise(runs):
+    """Figures of one (model, job) from its runs {(L, B): record} ((1, 1), (2, 1), maybe (2, 2)).
+    Exact tensor sizes: params, trainable, grads, optimizer = (fixed, per_layer). Fitted
+    (`fit`): act = forward + backward peak minus the gradients (activations + workspace),
+    saved = autograd's saved tensors, flops, step_s. opt_temp = (fixed, per_layer) of the
+    optimizer step's temporaries (its peak minus the state it created); runs without an
+    optimizer step assume one copy of the trainable bytes (`opt_temp_assumed`)."""
+    r11, r21 = runs[(1, 1)], runs[(2, 1)]
     s = {k: linear(r11[k], r21[k]) for k in ("param_bytes", "trainable_bytes", "grad_bytes", "optimizer_bytes")}
-    s["step_peak"] = fit(r11["step_peak"], r21["step_peak"], r22["step_peak"])
-    s["saved_bytes"] = fit(r11["saved_bytes"], r21["saved_bytes"], r22["saved_bytes"])
-    s["flops"] = fit(r11["flops"], r21["flops"], r22["flops"])
-    s["step_s"] = fit(r11["step_s"], r21["step_s"], r22["step_s"])
-    s["seq_len"], s["visual_tokens"], s["depth"] = r11["seq_len"], r11["visual_tokens"], depth
+    for k, f in (("act", lambda r: r["fwd_bwd_peak"] - r["grad_bytes"]), ("saved", lambda r: r["saved_bytes"]),
+                 ("flops", lambda r: r["flops"]), ("step_s", lambda r: r["step_s"])):
+        s[k] = fit({p: f(r) for p, r in runs.items()})
+    s["opt_temp_assumed"] = not r11.get("optimizer_step", True)
+    if s["opt_temp_assumed"]:
+        s["opt_temp"] = s["trainable_bytes"]
+    else:
+        s["opt_temp"] = linear(max(r11["opt_peak"] - r11["optimizer_bytes"], 0),
+                               max(r21["opt_peak"] - r21["optimizer_bytes"], 0))
+    s["seq_len"], s["visual_tokens"] = r11["seq_len"], r11["visual_tokens"]
+    s["points"] = sorted(f"{L}x{B}" for L, B in runs)
     return s
 
 
-def predict(s, L, B):
-    """Memory (bytes) and FLOPs of one step at L layers, B samples per process, from `summarise`."""
-    c, af, al = s["step_peak"]
-    peak = c + B * (af + L * al)
-    sc, sf, sl = s["saved_bytes"]
-    fc, ff, fl = s["flops"]
-    out = {"params": at(s["param_bytes"], L), "trainable": at(s["trainable_bytes"], L),
-           "grads": at(s["grad_bytes"], L), "optimizer": at(s["optimizer_bytes"], L),
-           "activations": sc + B * (sf + L * sl), "step_peak": peak, "flops": fc + B * (ff + L * fl)}
-    out["total"] = out["params"] + out["optimizer"] + peak
+def predict(s, L, B, ddp=False):
+    """Bytes and FLOPs of one step at L decoder layers and B samples per process (`summarise`):
+    resident = params + optimizer state (+ a DDP gradient bucket: one copy of the gradients);
+    step peak above it = grads + max(activations(L, B), optimizer temporaries(L));
+    total = resident + step peak."""
+    at = lambda fl: fl[0] + L * fl[1]
+    ev = lambda c_f_l: c_f_l[0] + B * (c_f_l[1] + L * c_f_l[2])
+    out = {"params": at(s["param_bytes"]), "trainable": at(s["trainable_bytes"]), "grads": at(s["grad_bytes"]),
+           "optimizer": at(s["optimizer_bytes"]), "activations": ev(s["act"]), "saved": ev(s["saved"]),
+           "opt_temp": at(s["opt_temp"]), "flops": ev(s["flops"])}
+    out["ddp_bucket"] = out["grads"] if ddp else 0
+    out["total"] = (out["params"] + out["optimizer"] + out["ddp_bucket"] + out["grads"]
+                    + max(out["activations"], out["opt_temp"]))
     return out
 
 
 # ----------------------------------------------------------------------------- the plan
 
-# documented real-model commands: (label, model, job, batch per process, processes, note)
+# documented real-model commands: (label, model, job, batch per process, processes)
 COMMANDS = [
     ("python -m mod.train --model Qwen2.5-VL-3B-Instruct (batch 16)", "qwen2_5_vl_3b", "mod", 16, 1),
     ("torchrun --nproc_per_node 8 -m mod.train --model Qwen2.5-VL-3B-Instruct (16 per GPU)", "qwen2_5_vl_3b", "mod",
      16, 8),
     ("python -m mole.train --model Qwen2.5-VL-7B-Instruct, stage 1 (batch 32)", "qwen2_5_vl_7b", "mole1", 32, 1),
     ("python -m mole.train --model Qwen2.5-VL-7B-Instruct, stage 2 (batch 32)", "qwen2_5_vl_7b", "mole2", 32, 1),
+    ("python -m mole.train --model Qwen2.5-VL-7B-Instruct --grad-accum 4, stage 2 (8 per micro-batch)",
+     "qwen2_5_vl_7b", "mole2", 8, 1),
     ("torchrun --nproc_per_node 8 -m mole.train --model Qwen2.5-VL-7B-Instruct, stage 2 (4 per GPU)",
      "qwen2_5_vl_7b", "mole2", 4, 8),
+    ("torchrun --nproc_per_node 8 -m mole.train --model Qwen2.5-VL-3B-Instruct --train full, stage 2 (4 per GPU)",
+     "qwen2_5_vl_3b", "mole_full", 4, 8),
     ("torchrun --nproc_per_node 8 -m mole.train --model Qwen2.5-VL-7B-Instruct --train full, stage 2 (4 per GPU)",
      "qwen2_5_vl_7b", "mole_full", 4, 8),
     ("python -m rolemerge.calibrate --model Qwen3-VL-30B-A3B-Instruct --device-map auto (batch 16, 32 new tokens)",
      "qwen3_vl_30b_a3b", "calib", 16, 1),
 ]
 
+# what `main` measures by default, in this order: (model, job, points, measure() options)
+FULL, ONE = ((1, 1), (2, 1), (2, 2)), ((1, 1), (2, 1))
+RUNS = [("qwen2_5_vl_3b", "mod", FULL, {}), ("qwen2_5_vl_7b", "mole2", FULL, {}),
+        ("qwen3_vl_30b_a3b", "calib", FULL, {}), ("qwen2_5_vl_7b", "mole1", ONE, {}),
+        ("qwen2_5_vl_3b", "mole_full", ONE, {}), ("qwen2_5_vl_7b", "mole_full", ONE, {"optimizer_step": False}),
+        ("qwen2_5_vl_7b", "mod", ONE, {}), ("qwen2_5_vl_3b", "mole2", ONE, {}), ("qwen3_vl_30b_a3b", "mod", ONE, {}),
+        ("qwen3_vl_30b_a3b", "mole2", ONE, {})]
+
+
+def runs_of(results, name, job):
+    """{(L, B): record} of one model and job in a results dict (keys "L,B")."""
+    got = results.get(name, {}).get(job, {})
+    return {tuple(map(int, k.split(","))): r for k, r in got.items()}
+
 
 def plan(results, tflops=400.0, hbm_tbs=3.35, gpu_gb=80.0):
-    """Rows of the plan for every documented command whose measurements exist: memory per GPU,
-    the parts, FLOPs and estimated GPU seconds per step. DDP adds one gradient bucket copy of the
-    trainable parameters per process (gradient_as_bucket_view off)."""
+    """Rows of the plan for every documented command (COMMANDS) whose measurements exist:
+    memory per GPU and its parts, FLOPs per step and the ESTIMATED GPU seconds per step
+    (FLOPs / tflops; calib adds new tokens x weight bytes / hbm_tbs for decoding)."""
     rows = []
     for label, name, job, B, procs in COMMANDS:
-        runs = results.get(name, {}).get(job)
-        if not runs or any(f"{L},{b}" not in runs for L, b in POINTS):
+        runs = runs_of(results, name, job)
+        if (1, 1) not in runs or (2, 1) not in runs:
             continue
-        s = summarise({p: runs[f"{p[0]},{p[1]}"] for p in POINTS}, REAL[name]["layers"])
-        p = predict(s, REAL[name]["layers"], B)
-        ddp = p["trainable"] if procs > 1 else 0
-        total = p["total"] + ddp
+        s = summarise(runs)
+        p = predict(s, REAL[name]["layers"], B, ddp=procs > 1)
         est_s = p["flops"] / (tflops * 1e12)
-        if job == "calib":          # decoding reads every weight once per new token (batch 16 touches most experts)
-            est_s += runs["1,1"].get("new_tokens", 32) * p["params"] / (hbm_tbs * 1e12)
+        if job == "calib":
+            est_s += runs[(1, 1)].get("new_tokens", 32) * p["params"] / (hbm_tbs * 1e12)
         rows.append({"command": label, "model": name, "job": job, "batch_per_gpu": B, "gpus": procs,
-                     "params_gb": p["params"] / GB, "grads_gb": p["grads"] / GB, "optimizer_gb": p["optimizer"] / GB,
-                     "ddp_bucket_gb": ddp / GB, "activations_gb": p["activations"] / GB,
-                     "step_peak_gb": p["step_peak"] / GB, "total_gb": total / GB,
-                     "fits": total / GB + 1.0 <= gpu_gb, "tflop_per_step": p["flops"] / 1e12,
-                     "gpu_s_per_step_estimate": est_s, "summary": s})
+                     **{f"{k}_gb": v / GB for k, v in p.items() if k != "flops"},
+                     "fits": p["total"] / GB + 1.0 <= gpu_gb, "tflop_per_step": p["flops"] / 1e12,
+                     "gpu_s_per_step_estimate": est_s, "points": s["points"], "seq_len": s["seq_len"],
+                     "visual_tokens": s["visual_tokens"], "opt_temp_assumed": s["opt_temp_assumed"]})
     return rows
 
 
 def print_figures(results):
     """Per model and job: the fixed and per-layer figures the plan extrapolates from."""
-    print(f"\n{'model':17s} {'job':9s} {'what':22s} {'fixed':>10s} {'per layer':>10s}   (GB; FLOPs in TFLOP)")
-    for name, jobs in results.items():
-        if name not in REAL:
-            continue
-        for job, runs in jobs.items():
-            if any(f"{L},{b}" not in runs for L, b in POINTS):
+    print(f"\n{'model':17s} {'job':9s} {'figure':24s} {'fixed':>9s} {'per layer':>9s}  (GB / TFLOP / s)")
+    for name in REAL:
+        for job in JOBS:
+            runs = runs_of(results, name, job)
+            if (1, 1) not in runs or (2, 1) not in runs:
                 continue
-            s = summarise({p: runs[f"{p[0]},{p[1]}"] for p in POINTS}, REAL[name]["layers"])
-            for k in ("param_bytes", "trainable_bytes", "grad_bytes", "optimizer_bytes"):
+            s = summarise(runs)
+            for k in ("param_bytes", "trainable_bytes", "grad_bytes", "optimizer_bytes", "opt_temp"):
                 f, l = s[k]
-                print(f"{name:17s} {job:9s} {k:22s} {f / GB:10.3f} {l / GB:10.3f}")
-            for k, unit, scale in (("step_peak", "GB", GB), ("saved_bytes", "GB", GB), ("flops", "TFLOP", 1e12),
-                                   ("step_s", "s", 1)):
+                print(f"{name:17s} {job:9s} {k:24s} {f / GB:9.3f} {l / GB:9.3f}")
+            for k, scale, unit in (("act", GB, "GB"), ("saved", GB, "GB"), ("flops", 1e12, "TFLOP"), ("step_s", 1, "s")):
                 c, af, al = s[k]
-                print(f"{name:17s} {job:9s} {k + ' per sample':22s} {af / scale:10.3f} {al / scale:10.3f}"
-                      f"   + {c / scale:.3f} {unit} once")
-            print(f"{name:17s} {job:9s} tokens per sample: {s['seq_len']} ({s['visual_tokens']} visual)")
+                print(f"{name:17s} {job:9s} {k + ' per sample':24s} {af / scale:9.3f} {al / scale:9.3f}"
+                      f"  + {c / scale:.3f} {unit} once")
+            print(f"{name:17s} {job:9s} {s['seq_len']} tokens per sample ({s['visual_tokens']} visual), points "
+                  f"{', '.join(s['points'])}{', optimizer temporaries assumed' if s['opt_temp_assumed'] else ''}")
 
 
 def print_plan(rows, tflops, hbm_tbs):
-    print("\nmemory(L, B) = params(L) + optimizer(L) + c + B * (a_fixed + L * a_layer)   [+ DDP bucket = trainable "
-          "bytes]\nFLOPs(L, B) = B * (f_fixed + L * f_layer);  GPU s ESTIMATE = FLOPs / "
-          f"{tflops:.0f} TFLOP/s" + f" (+ calib: new tokens x weight bytes / {hbm_tbs} TB/s)\n")
-    print(f"{'command':100s} {'params':>7s} {'grads':>6s} {'optim':>6s} {'acts':>6s} {'peak':>6s} {'total GB':>8s} "
-          f"{'fits 80GB':>9s} {'TFLOP':>7s} {'est. GPU s':>10s}")
+    print("\nmemory/GPU = params + optimizer [+ DDP bucket] + grads + max(act(L,B), optimizer temporaries),  "
+          "act(L,B) = c + B (a_fixed + L a_layer)\nFLOPs = B (f_fixed + L f_layer);  est. GPU s = FLOPs / "
+          f"{tflops:.0f} TFLOP/s (ASSUMED){f' + new tokens x weight bytes / {hbm_tbs} TB/s' if hbm_tbs else ''}\n")
+    print(f"{'command':112s} {'params':>6s} {'grads':>6s} {'optim':>6s} {'ddp':>5s} {'acts':>6s} {'total':>6s} "
+          f"{'fits':>5s} {'TFLOP':>6s} {'est.s':>6s}")
     for r in rows:
-        print(f"{r['command']:100s} {r['params_gb']:7.1f} {r['grads_gb']:6.2f} {r['optimizer_gb']:6.2f} "
-              f"{r['activations_gb']:6.1f} {r['step_peak_gb']:6.1f} {r['total_gb']:8.1f} {str(r['fits']):>9s} "
-              f"{r['tflop_per_step']:7.1f} {r['gpu_s_per_step_estimate']:10.2f}")
+        print(f"{r['command']:112s} {r['params_gb']:6.1f} {r['grads_gb']:6.2f} {r['optimizer_gb']:6.2f} "
+              f"{r['ddp_bucket_gb']:5.1f} {r['activations_gb']:6.1f} {r['total_gb']:6.1f} {str(r['fits']):>5s} "
+              f"{r['tflop_per_step']:6.1f} {r['gpu_s_per_step_estimate']:6.2f}")
 
 
 def load_results(path):
@@ -497,13 +517,15 @@ def main(argv=None):
     p.add_argument("--plan-only", action="store_true", help="no measurement: print the plan from --out")
     p.add_argument("--tflops", type=float, default=400.0, help="ASSUMED sustained bf16 TFLOP/s of one GPU")
     p.add_argument("--hbm-tbs", type=float, default=3.35, help="ASSUMED GPU memory bandwidth, TB/s (decoding)")
+    p.add_argument("--no-optimizer-step", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--one", nargs=4, metavar=("MODEL", "JOB", "LAYERS", "BATCH"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     from common.cli import fail
     if a.one:                                     # worker: one measurement, JSON on stdout
         torch.set_num_threads(a.threads)
         name, job, L, B = a.one
-        print("RESULT " + json.dumps(measure(REAL[name], job, int(L), int(B), device=a.device)))
+        print("RESULT " + json.dumps(measure(REAL[name], job, int(L), int(B), device=a.device,
+                                             optimizer_step=not a.no_optimizer_step)))
         return
     models, jobs = a.models.split(","), a.jobs.split(",")
     bad = [m for m in models if m not in REAL] + [j for j in jobs if j not in JOBS]
@@ -511,32 +533,30 @@ def main(argv=None):
         fail(f"unknown models / jobs {bad}; models: {tuple(REAL)}, jobs: {JOBS}")
     from common.data import atomic_write_text
     results = load_results(a.out)
-    if not a.plan_only:
-        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MALLOC_MMAP_THRESHOLD_="65536")
-        for name in models:
-            for job in jobs:
-                if job == "calib" and "num_experts" not in REAL[name]["text"]:
-                    continue
-                for L, B in POINTS:
-                    key = f"{L},{B}"
-                    if key in results.get(name, {}).get(job, {}) and not a.redo:
-                        continue
-                    t = time.time()
-                    r = subprocess.run([sys.executable, "-m", "eval.memory_plan", "--threads", str(a.threads),
-                                        "--device", a.device, "--one", name, job, str(L), str(B)],
-                                       capture_output=True, text=True, env=env)
-                    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-                    if r.returncode or not line:
-                        print(f"{name} {job} L={L} B={B}: failed (exit {r.returncode})\n{r.stderr[-3000:]}",
-                              file=sys.stderr)
-                        continue
-                    rec = json.loads(line[0][7:])
-                    results.setdefault(name, {}).setdefault(job, {})[key] = rec
-                    atomic_write_text(a.out, json.dumps(results, indent=1))
-                    print(f"{name:17s} {job:9s} L={L} B={B}: step peak {rec['step_peak'] / GB:.2f} GB, saved "
-                          f"{rec['saved_bytes'] / GB:.2f} GB, params {rec['param_bytes'] / GB:.2f} GB, "
-                          f"{rec['flops'] / 1e12:.2f} TFLOP, step {rec['step_s']:.1f} s ({time.time() - t:.0f} s wall)",
-                          flush=True)
+    todo = [] if a.plan_only else [(n, j, pts, kw) for n, j, pts, kw in RUNS if n in models and j in jobs]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MALLOC_MMAP_THRESHOLD_="65536")
+    for name, job, points, kw in todo:
+        for L, B in points:
+            key = f"{L},{B}"
+            if key in results.get(name, {}).get(job, {}) and not a.redo:
+                continue
+            t = time.time()
+            cmd = [sys.executable, "-m", "eval.memory_plan", "--threads", str(a.threads), "--device", a.device,
+                   "--one", name, job, str(L), str(B)] + (["--no-optimizer-step"] if kw.get("optimizer_step") is False
+                                                          else [])
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+            if r.returncode or not line:
+                print(f"{name} {job} L={L} B={B}: failed (exit {r.returncode})\n{r.stderr[-3000:]}", file=sys.stderr)
+                continue
+            rec = json.loads(line[0][7:])
+            results = load_results(a.out)          # another run may have added to it meanwhile
+            results.setdefault(name, {}).setdefault(job, {})[key] = rec
+            atomic_write_text(a.out, json.dumps(results, indent=1))
+            print(f"{name:17s} {job:9s} L={L} B={B}: fwd+bwd peak {rec['fwd_bwd_peak'] / GB:.2f} GB, saved "
+                  f"{rec['saved_bytes'] / GB:.2f} GB, params {rec['param_bytes'] / GB:.2f} GB, "
+                  f"{rec['flops'] / 1e12:.2f} TFLOP, step {rec['step_s']:.1f} s ({time.time() - t:.0f} s wall)",
+                  flush=True)
     print_figures(results)
     rows = plan(results, a.tflops, a.hbm_tbs)
     print_plan(rows, a.tflops, a.hbm_tbs)
