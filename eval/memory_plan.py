@@ -288,12 +288,14 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
     the parameter dtype, + a 4-byte step per tensor; `optimizer_computed` True)."""
     from torch.utils.flop_counter import FlopCounterMode
     from common.cli import step_tokens
+    t_build = time.perf_counter()
     model, proc = build(spec, layers, device=device)
+    t_build = time.perf_counter() - t_build
     (pv, grid), qs, ans = sample_inputs(proc, batch, image_size, q_tokens, a_tokens)
     cuda = torch.device(device).type == "cuda"
     rec = {"job": job, "layers": layers, "batch": batch, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "threads": torch.get_num_threads(), "image_size": image_size,
-           "visual_tokens": int(grid.prod(-1).sum()) // (proc.merge ** 2) // batch}
+           "threads": torch.get_num_threads(), "image_size": image_size, "build_s": t_build,
+           "cpu_s_start": time.process_time(), "visual_tokens": int(grid.prod(-1).sum()) // (proc.merge ** 2) // batch}
     trainable, opt, saved_bytes, grad_bytes, opt_peak = [], None, 0, 0, 0
     if job == "calib":
         from rolemerge import calibrate as cal
@@ -343,6 +345,7 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
         trainable_numel=sum(p.numel() for p in trainable), param_numel=sum(p.numel() for p in params),
         grad_bytes=grad_bytes, saved_bytes=saved_bytes, fwd_bwd_peak=pk.peak, opt_peak=opt_peak,
         flops=fc.get_total_flops(), optimizer_step=bool(optimizer_step and opt is not None))
+    rec["cpu_s_end"] = time.process_time()     # CPU seconds of this process so far (vs wall: machine load)
     if opt is not None and not optimizer_step:
         rec["optimizer_bytes"], rec["optimizer_computed"] = 2 * rec["trainable_bytes"] + 4 * len(trainable), True
     else:
@@ -431,9 +434,10 @@ COMMANDS = [
 
 # what `main` measures by default, in this order: (model, job, points, measure() options)
 FULL, ONE = ((1, 1), (2, 1), (2, 2)), ((1, 1), (2, 1))
-RUNS = [("qwen2_5_vl_3b", "mod", FULL, {}), ("qwen2_5_vl_7b", "mole2", FULL, {}),
-        ("qwen3_vl_30b_a3b", "calib", FULL, {}), ("qwen2_5_vl_7b", "mole1", ONE, {}),
-        ("qwen2_5_vl_3b", "mole_full", ONE, {}), ("qwen2_5_vl_7b", "mole_full", ONE, {"optimizer_step": False}),
+RUNS = [("qwen2_5_vl_3b", "mod", ONE, {}), ("qwen2_5_vl_7b", "mole2", ONE, {}), ("qwen3_vl_30b_a3b", "calib", ONE, {}),
+        ("qwen2_5_vl_7b", "mole1", ONE, {}), ("qwen2_5_vl_3b", "mole_full", ONE, {}),
+        ("qwen2_5_vl_7b", "mole_full", ONE, {"optimizer_step": False}),
+        ("qwen2_5_vl_3b", "mod", FULL, {}), ("qwen2_5_vl_7b", "mole2", FULL, {}), ("qwen3_vl_30b_a3b", "calib", FULL, {}),
         ("qwen2_5_vl_7b", "mod", ONE, {}), ("qwen2_5_vl_3b", "mole2", ONE, {}), ("qwen3_vl_30b_a3b", "mod", ONE, {}),
         ("qwen3_vl_30b_a3b", "mole2", ONE, {})]
 
