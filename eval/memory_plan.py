@@ -306,10 +306,10 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
         recorder = cal.RouterRecorder(model)
         rec["seq_len"] = int(inputs["input_ids"].shape[1])
         with FlopCounterMode(display=False) as fc, PeakMemory(device) as pk:
-            t0 = timer_sync(device)
+            t0, c0 = timer_sync(device), time.process_time()
             counts, tokens, new = cal.record_batch(model, recorder, inputs, image_mask, proc.eos_token_id,
                                                    proc.pad_token_id, new_tokens, 3)
-            rec["step_s"] = timer_sync(device) - t0
+            rec["step_s"], rec["step_cpu_s"] = timer_sync(device) - t0, time.process_time() - c0
         rec["new_tokens"] = int(new.shape[1])
         rec["routed_tokens"] = [int(x) for x in tokens]
     else:
@@ -329,7 +329,7 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
             run = lambda: accumulate(net, [b], 1 if job == "mole1" else 2, amp)
         opt.zero_grad(set_to_none=True)
         with FlopCounterMode(display=False) as fc:
-            t0 = timer_sync(device)
+            t0, c0 = timer_sync(device), time.process_time()
             with PeakMemory(device) as pk, SavedTensors(params) as saved:
                 run()
             grad_bytes, saved_bytes = tensor_bytes(p.grad for p in trainable), saved.bytes
@@ -338,7 +338,7 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
                     torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                     opt.step()
                 opt_peak = pko.peak
-            rec["step_s"] = timer_sync(device) - t0
+            rec["step_s"], rec["step_cpu_s"] = timer_sync(device) - t0, time.process_time() - c0
     frozen = [p for p in params if not (p.requires_grad and opt is not None)]
     rec.update(
         param_bytes=tensor_bytes(params), trainable_bytes=tensor_bytes(trainable), frozen_bytes=tensor_bytes(frozen),
@@ -502,6 +502,17 @@ def print_plan(rows, tflops, hbm_tbs):
               f"{r['tflop_per_step']:6.1f} {r['gpu_s_per_step_estimate']:6.2f}")
 
 
+def markdown(rows, tflops, hbm_tbs):
+    """The plan as a README table (GB per GPU; estimated GPU seconds per optimizer step)."""
+    out = ["| command | per GPU: params | grads | AdamW state | DDP bucket | activations (peak) | **total GB** "
+           "| fits 80 GB | TFLOP / step | est. GPU s / step |", "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        out.append(f"| `{r['command']}` | {r['params_gb']:.1f} | {r['grads_gb']:.2f} | {r['optimizer_gb']:.2f} | "
+                   f"{r['ddp_bucket_gb']:.2f} | {r['activations_gb']:.1f} | **{r['total_gb']:.1f}** | "
+                   f"{'yes' if r['fits'] else '**no**'} | {r['tflop_per_step']:.0f} | {r['gpu_s_per_step_estimate']:.1f} |")
+    return "\n".join(out)
+
+
 def load_results(path):
     try:
         with open(path) as f:
@@ -519,6 +530,7 @@ def main(argv=None):
     p.add_argument("--out", default="out/memory_plan.json", help="measurements (JSON; a rerun skips what is there)")
     p.add_argument("--redo", action="store_true", help="measure again what --out already holds")
     p.add_argument("--plan-only", action="store_true", help="no measurement: print the plan from --out")
+    p.add_argument("--markdown", action="store_true", help="also print the plan as a markdown table")
     p.add_argument("--tflops", type=float, default=400.0, help="ASSUMED sustained bf16 TFLOP/s of one GPU")
     p.add_argument("--hbm-tbs", type=float, default=3.35, help="ASSUMED GPU memory bandwidth, TB/s (decoding)")
     p.add_argument("--no-optimizer-step", action="store_true", help=argparse.SUPPRESS)
@@ -564,6 +576,8 @@ def main(argv=None):
     print_figures(results)
     rows = plan(results, a.tflops, a.hbm_tbs)
     print_plan(rows, a.tflops, a.hbm_tbs)
+    if a.markdown:
+        print("\n" + markdown(rows, a.tflops, a.hbm_tbs))
     return rows
 
 
