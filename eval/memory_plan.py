@@ -435,8 +435,8 @@ COMMANDS = [
 # what `main` measures by default, in this order: (model, job, points, measure() options)
 FULL, ONE = ((1, 1), (2, 1), (2, 2)), ((1, 1), (2, 1))
 RUNS = [("qwen2_5_vl_3b", "mod", ONE, {}), ("qwen2_5_vl_7b", "mole2", ONE, {}), ("qwen3_vl_30b_a3b", "calib", ONE, {}),
-        ("qwen2_5_vl_7b", "mole1", ONE, {}), ("qwen2_5_vl_3b", "mole_full", ONE, {}),
-        ("qwen2_5_vl_7b", "mole_full", ONE, {"optimizer_step": False}),
+        ("qwen2_5_vl_7b", "mole_full", ONE, {"optimizer_step": False}), ("qwen2_5_vl_7b", "mole1", ONE, {}),
+        ("qwen2_5_vl_3b", "mole_full", ONE, {}),
         ("qwen2_5_vl_3b", "mod", FULL, {}), ("qwen2_5_vl_7b", "mole2", FULL, {}), ("qwen3_vl_30b_a3b", "calib", FULL, {}),
         ("qwen2_5_vl_7b", "mod", ONE, {}), ("qwen2_5_vl_3b", "mole2", ONE, {}), ("qwen3_vl_30b_a3b", "mod", ONE, {}),
         ("qwen3_vl_30b_a3b", "mole2", ONE, {})]
