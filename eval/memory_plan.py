@@ -395,25 +395,38 @@ def summarise(runs):
     return s
 
 
-def predict(s, L, B, ddp=False):
+def predict(s, L, B, ddp=False, fsdp=0, unit_bytes=0):
     """Bytes and FLOPs of one step at L decoder layers and B samples per process (`summarise`):
     resident = params + optimizer state (+ a DDP gradient bucket: one copy of the gradients);
     step peak above it = grads + max(activations(L, B), optimizer temporaries(L));
-    total = resident + step peak."""
+    total = resident + step peak. fsdp = N processes of `mole.train --fsdp`: parameters,
+    gradients, optimizer state and its temporaries are split N ways, plus the largest unit
+    gathered whole (`unit_bytes`: its parameters and their gradients) on top of the activations."""
     at = lambda fl: fl[0] + L * fl[1]
     ev = lambda c_f_l: c_f_l[0] + B * (c_f_l[1] + L * c_f_l[2])
     out = {"params": at(s["param_bytes"]), "trainable": at(s["trainable_bytes"]), "grads": at(s["grad_bytes"]),
            "optimizer": at(s["optimizer_bytes"]), "activations": ev(s["act"]), "saved": ev(s["saved"]),
            "opt_temp": at(s["opt_temp"]), "flops": ev(s["flops"])}
     out["ddp_bucket"] = out["grads"] if ddp else 0
+    if fsdp:
+        for k in ("params", "grads", "optimizer", "opt_temp"):
+            out[k] /= fsdp
+        out["fsdp_unit"] = unit_bytes
     out["total"] = (out["params"] + out["optimizer"] + out["ddp_bucket"] + out["grads"]
-                    + max(out["activations"], out["opt_temp"]))
+                    + max(out["activations"] + out.get("fsdp_unit", 0), out["opt_temp"]))
     return out
+
+
+def largest_unit_bytes(spec):
+    """bf16 bytes of mole.train --fsdp's largest unit gathered whole, parameters + gradients: the
+    embedding table with the LM head (tied: one matrix)."""
+    t = spec["text"]
+    return 2 * 2 * t["vocab_size"] * t["hidden_size"] * (1 if spec["tie_word_embeddings"] else 2)
 
 
 # ----------------------------------------------------------------------------- the plan
 
-# documented real-model commands: (label, model, job, batch per process, processes)
+# documented real-model commands: (label, model, job, batch per process, processes; negative: FSDP over them)
 COMMANDS = [
     ("python -m mod.train --model Qwen2.5-VL-3B-Instruct (batch 16)", "qwen2_5_vl_3b", "mod", 16, 1),
     ("torchrun --nproc_per_node 8 -m mod.train --model Qwen2.5-VL-3B-Instruct (16 per GPU)", "qwen2_5_vl_3b", "mod",
@@ -428,6 +441,8 @@ COMMANDS = [
      "qwen2_5_vl_3b", "mole_full", 4, 8),
     ("torchrun --nproc_per_node 8 -m mole.train --model Qwen2.5-VL-7B-Instruct --train full, stage 2 (4 per GPU)",
      "qwen2_5_vl_7b", "mole_full", 4, 8),
+    ("torchrun --nproc_per_node 8 -m mole.train --model Qwen2.5-VL-7B-Instruct --train full --fsdp, stage 2 "
+     "(4 per GPU)", "qwen2_5_vl_7b", "mole_full", 4, -8),
     ("python -m rolemerge.calibrate --model Qwen3-VL-30B-A3B-Instruct --device-map auto (batch 16, 32 new tokens)",
      "qwen3_vl_30b_a3b", "calib", 16, 1),
 ]
@@ -458,7 +473,9 @@ def plan(results, tflops=400.0, hbm_tbs=3.35, gpu_gb=80.0):
         if (1, 1) not in runs or (2, 1) not in runs:
             continue
         s = summarise(runs)
-        p = predict(s, REAL[name]["layers"], B, ddp=procs > 1)
+        p = predict(s, REAL[name]["layers"], B, ddp=procs > 1, fsdp=max(-procs, 0),
+                    unit_bytes=largest_unit_bytes(REAL[name]))
+        procs = abs(procs)
         est_s = p["flops"] / (tflops * 1e12)
         if job == "calib":
             est_s += runs[(1, 1)].get("new_tokens", 32) * p["params"] / (hbm_tbs * 1e12)
@@ -498,17 +515,17 @@ def print_plan(rows, tflops, hbm_tbs):
           f"{'fits':>5s} {'TFLOP':>6s} {'est.s':>6s}")
     for r in rows:
         print(f"{r['command']:112s} {r['params_gb']:6.1f} {r['grads_gb']:6.2f} {r['optimizer_gb']:6.2f} "
-              f"{r['ddp_bucket_gb']:5.1f} {r['activations_gb']:6.1f} {r['total_gb']:6.1f} {str(r['fits']):>5s} "
+              f"{r['ddp_bucket_gb'] + r.get('fsdp_unit_gb', 0):5.1f} {r['activations_gb']:6.1f} {r['total_gb']:6.1f} {str(r['fits']):>5s} "
               f"{r['tflop_per_step']:6.1f} {r['gpu_s_per_step_estimate']:6.2f}")
 
 
 def markdown(rows, tflops, hbm_tbs):
     """The plan as a README table (GB per GPU; estimated GPU seconds per optimizer step)."""
-    out = ["| command | per GPU: params | grads | AdamW state | DDP bucket | activations (peak) | **total GB** "
+    out = ["| command | per GPU: params | grads | AdamW state | DDP bucket / FSDP unit | activations (peak) | **total GB** "
            "| fits 80 GB | TFLOP / step | est. GPU s / step |", "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         out.append(f"| `{r['command']}` | {r['params_gb']:.1f} | {r['grads_gb']:.2f} | {r['optimizer_gb']:.2f} | "
-                   f"{r['ddp_bucket_gb']:.2f} | {r['activations_gb']:.1f} | **{r['total_gb']:.1f}** | "
+                   f"{r['ddp_bucket_gb'] + r.get('fsdp_unit_gb', 0):.2f} | {r['activations_gb']:.1f} | **{r['total_gb']:.1f}** | "
                    f"{'yes' if r['fits'] else '**no**'} | {r['tflop_per_step']:.0f} | {r['gpu_s_per_step_estimate']:.1f} |")
     return "\n".join(out)
 

@@ -35,6 +35,11 @@ def test_predict_adds_the_parts_hand_case():
     assert mp.predict(s, 4, 2)["total"] == 140 + 16 + 8 + 200
     d = mp.predict(s, 4, 2, ddp=True)
     assert d["ddp_bucket"] == 8 and d["total"] == 140 + 16 + 8 + 8 + 200
+    # FSDP over 4: params, grads, optimizer state and its temporaries split, one unit (30) gathered
+    f = mp.predict(s, 4, 2, fsdp=4, unit_bytes=30)
+    assert (f["params"], f["grads"], f["optimizer"], f["opt_temp"]) == (35, 2, 4, 50)
+    assert f["total"] == 35 + 4 + 2 + max(81 + 30, 50)
+    assert mp.largest_unit_bytes(mp.REAL["qwen2_5_vl_7b"]) == 2 * 2 * 152064 * 3584 * 2
 
 
 def test_tensor_and_saved_bytes_hand_cases():
