@@ -380,9 +380,11 @@ def summarise(runs):
     optimizer step's temporaries (its peak minus the state it created); runs without an
     optimizer step assume one copy of the trainable bytes (`opt_temp_assumed`)."""
     r11, r21 = runs[(1, 1)], runs[(2, 1)]
+    cpu_time = all("step_cpu_s" in r and r["device"] == "cpu" for r in runs.values())  # CPU s: load-independent
     s = {k: linear(r11[k], r21[k]) for k in ("param_bytes", "trainable_bytes", "grad_bytes", "optimizer_bytes")}
     for k, f in (("act", lambda r: r["fwd_bwd_peak"] - r["grad_bytes"]), ("saved", lambda r: r["saved_bytes"]),
-                 ("flops", lambda r: r["flops"]), ("step_s", lambda r: r["step_s"])):
+                 ("flops", lambda r: r["flops"]),
+                 ("step_s", lambda r: r["step_cpu_s"] if cpu_time else r["step_s"])):
         s[k] = fit({p: f(r) for p, r in runs.items()})
     s["opt_temp_assumed"] = not r11.get("optimizer_step", True)
     if s["opt_temp_assumed"]:
@@ -390,7 +392,8 @@ def summarise(runs):
     else:
         s["opt_temp"] = linear(max(r11["opt_peak"] - r11["optimizer_bytes"], 0),
                                max(r21["opt_peak"] - r21["optimizer_bytes"], 0))
-    s["seq_len"], s["visual_tokens"] = r11["seq_len"], r11["visual_tokens"]
+    s["seq_len"], s["visual_tokens"], s["time"] = r11["seq_len"], r11["visual_tokens"], \
+        "CPU s (1 thread)" if cpu_time else ("GPU s" if r11["device"] != "cpu" else "wall s")
     s["points"] = sorted(f"{L}x{B}" for L, B in runs)
     return s
 
@@ -499,7 +502,7 @@ def print_figures(results):
             for k in ("param_bytes", "trainable_bytes", "grad_bytes", "optimizer_bytes", "opt_temp"):
                 f, l = s[k]
                 print(f"{name:17s} {job:9s} {k:24s} {f / GB:9.3f} {l / GB:9.3f}")
-            for k, scale, unit in (("act", GB, "GB"), ("saved", GB, "GB"), ("flops", 1e12, "TFLOP"), ("step_s", 1, "s")):
+            for k, scale, unit in (("act", GB, "GB"), ("saved", GB, "GB"), ("flops", 1e12, "TFLOP"), ("step_s", 1, s["time"])):
                 c, af, al = s[k]
                 print(f"{name:17s} {job:9s} {k + ' per sample':24s} {af / scale:9.3f} {al / scale:9.3f}"
                       f"  + {c / scale:.3f} {unit} once")
