@@ -342,7 +342,7 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
     frozen = [p for p in params if not (p.requires_grad and opt is not None)]
     rec.update(
         param_bytes=tensor_bytes(params), trainable_bytes=tensor_bytes(trainable), frozen_bytes=tensor_bytes(frozen),
-        trainable_numel=sum(p.numel() for p in trainable), param_numel=sum(p.numel() for p in params),
+        trainable_numel=sum(p.numel() for p in trainable), trainable_tensors=len(trainable), param_numel=sum(p.numel() for p in params),
         grad_bytes=grad_bytes, saved_bytes=saved_bytes, fwd_bwd_peak=pk.peak, opt_peak=opt_peak,
         flops=fc.get_total_flops(), optimizer_step=bool(optimizer_step and opt is not None))
     rec["cpu_s_end"] = time.process_time()     # CPU seconds of this process so far (vs wall: machine load)

@@ -104,6 +104,8 @@ def test_measure_mod_accounting_tiny(mod_run):
 def test_measure_without_optimizer_step_computes_adamw_state():
     r = mp.measure(TINY, "mole_full", 1, 1, image_size=56, q_tokens=3, a_tokens=4, optimizer_step=False)
     assert r["optimizer_computed"] and r["opt_peak"] == 0
+    n_tensors = r["trainable_tensors"]
+    assert r["optimizer_bytes"] == 2 * r["trainable_bytes"] + 4 * n_tensors   # exp_avg, exp_avg_sq, step
     assert r["grad_bytes"] == r["trainable_bytes"] > 0
     # language model: embed + lm_head, q/k/v (+ biases) / o, MLP, 3 norms; MoLE: 8 latents, 1 router, 1 ESVA
     lm = 2 * 512 * 64 + (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64) + 3 * 64 * 128 + 3 * 64
