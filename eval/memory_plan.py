@@ -355,14 +355,14 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
 
 # ----------------------------------------------------------------------------- extrapolation
 
-def fit(points):
+def fit(points, a_layer=None):
     """Fixed / per-layer / per-sample parts of a quantity measured at (layers, batch) points,
     for the model m(L, B) = c + B * (a_fixed + L * a_layer). points: {(1, 1): m11, (2, 1): m21}
     and optionally (2, 2): m22; without (2, 2), c = 0 (everything scales with the batch).
     Returns (c, a_fixed, a_layer): a_layer = m21 - m11, a_fixed = m22 - m21 - 2 a_layer
-    (or m11 - a_layer), c = m11 - a_fixed - a_layer."""
+    (or m11 - a_layer), c = m11 - a_fixed - a_layer. a_layer given: used instead of m21 - m11."""
     m11, m21 = points[(1, 1)], points[(2, 1)]
-    a_layer = m21 - m11
+    a_layer = m21 - m11 if a_layer is None else a_layer
     a_fixed = points[(2, 2)] - m21 - 2 * a_layer if (2, 2) in points else m11 - a_layer
     return m11 - a_fixed - a_layer, a_fixed, a_layer
 
@@ -372,17 +372,30 @@ def linear(m1, m2):
     return m1 - (m2 - m1), m2 - m1
 
 
-def summarise(runs):
+def kv_bytes_per_layer(spec, tokens):
+    """bf16 KV-cache bytes of one decoder layer for one sample of `tokens` positions."""
+    t = spec["text"]
+    head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    return 2 * t["num_key_value_heads"] * head_dim * 2 * tokens
+
+
+def summarise(runs, spec=None):
     """Figures of one (model, job) from its runs {(L, B): record} ((1, 1), (2, 1), maybe (2, 2)).
     Exact tensor sizes: params, trainable, grads, optimizer = (fixed, per_layer). Fitted
     (`fit`): act = forward + backward peak minus the gradients (activations + workspace),
     saved = autograd's saved tensors, flops, step_s. opt_temp = (fixed, per_layer) of the
     optimizer step's temporaries (its peak minus the state it created); runs without an
-    optimizer step assume one copy of the trainable bytes (`opt_temp_assumed`)."""
+    optimizer step assume one copy of the trainable bytes (`opt_temp_assumed`). Calibration
+    (no gradient) keeps nothing per layer but its KV cache, so its per-layer activation is the
+    cache size (`kv_bytes_per_layer` of `spec`), not the 1-vs-2-layer difference (allocator noise
+    at the 10 MB level)."""
     r11, r21 = runs[(1, 1)], runs[(2, 1)]
     cpu_time = all("step_cpu_s" in r and r["device"] == "cpu" for r in runs.values())  # CPU s: load-independent
     s = {k: linear(r11[k], r21[k]) for k in ("param_bytes", "trainable_bytes", "grad_bytes", "optimizer_bytes")}
-    for k, f in (("act", lambda r: r["fwd_bwd_peak"] - r["grad_bytes"]), ("saved", lambda r: r["saved_bytes"]),
+    calib = r11["job"] == "calib" and spec is not None
+    kv = kv_bytes_per_layer(spec, r11["seq_len"] + r11.get("new_tokens", 0)) if calib else None
+    s["act"] = fit({p: r["fwd_bwd_peak"] - r["grad_bytes"] for p, r in runs.items()}, kv)
+    for k, f in (("saved", lambda r: r["saved_bytes"]),
                  ("flops", lambda r: r["flops"]),
                  ("step_s", lambda r: r["step_cpu_s"] if cpu_time else r["step_s"])):
         s[k] = fit({p: f(r) for p, r in runs.items()})
@@ -401,14 +414,18 @@ def summarise(runs):
 def predict(s, L, B, ddp=False, fsdp=0, unit_bytes=0):
     """Bytes and FLOPs of one step at L decoder layers and B samples per process (`summarise`):
     resident = params + optimizer state (+ a DDP gradient bucket: one copy of the gradients);
-    step peak above it = grads + max(activations(L, B), optimizer temporaries(L));
+    step peak above it = grads + max(activations(L, B), optimizer temporaries(L)), where
+    activations = max(the fitted forward + backward peak minus the gradients, autograd's saved
+    tensors): when the gradients are large (--train full) the small runs peak at the end of
+    backward, and the saved tensors are what the start of backward holds at full depth;
     total = resident + step peak. fsdp = N processes of `mole.train --fsdp`: parameters,
     gradients, optimizer state and its temporaries are split N ways, plus the largest unit
     gathered whole (`unit_bytes`: its parameters and their gradients) on top of the activations."""
     at = lambda fl: fl[0] + L * fl[1]
     ev = lambda c_f_l: c_f_l[0] + B * (c_f_l[1] + L * c_f_l[2])
     out = {"params": at(s["param_bytes"]), "trainable": at(s["trainable_bytes"]), "grads": at(s["grad_bytes"]),
-           "optimizer": at(s["optimizer_bytes"]), "activations": ev(s["act"]), "saved": ev(s["saved"]),
+           "optimizer": at(s["optimizer_bytes"]), "activations": max(ev(s["act"]), ev(s["saved"])),
+           "saved": ev(s["saved"]),
            "opt_temp": at(s["opt_temp"]), "flops": ev(s["flops"])}
     out["ddp_bucket"] = out["grads"] if ddp else 0
     if fsdp:
@@ -475,7 +492,7 @@ def plan(results, tflops=400.0, hbm_tbs=3.35, gpu_gb=80.0):
         runs = runs_of(results, name, job)
         if (1, 1) not in runs or (2, 1) not in runs:
             continue
-        s = summarise(runs)
+        s = summarise(runs, REAL[name])
         p = predict(s, REAL[name]["layers"], B, ddp=procs > 1, fsdp=max(-procs, 0),
                     unit_bytes=largest_unit_bytes(REAL[name]))
         procs = abs(procs)
@@ -498,7 +515,7 @@ def print_figures(results):
             runs = runs_of(results, name, job)
             if (1, 1) not in runs or (2, 1) not in runs:
                 continue
-            s = summarise(runs)
+            s = summarise(runs, REAL[name])
             for k in ("param_bytes", "trainable_bytes", "grad_bytes", "optimizer_bytes", "opt_temp"):
                 f, l = s[k]
                 print(f"{name:17s} {job:9s} {k:24s} {f / GB:9.3f} {l / GB:9.3f}")

@@ -23,6 +23,8 @@ def test_fit_hand_case():
     # without the batch-2 point everything scales with the batch: c = 0
     assert mp.fit({(1, 1): 10, (2, 1): 13}) == (0, 7, 3)
     assert mp.linear(10, 13) == (7, 3)
+    assert mp.fit({(1, 1): 10, (2, 1): 13}, a_layer=1) == (0, 9, 1)          # a given per-layer part (KV cache)
+    assert mp.kv_bytes_per_layer(mp.REAL["qwen3_vl_30b_a3b"], 100) == 2 * 4 * 128 * 2 * 100
 
 
 def test_predict_adds_the_parts_hand_case():
@@ -30,6 +32,7 @@ def test_predict_adds_the_parts_hand_case():
          "act": (1, 20, 5), "saved": (0, 10, 2), "opt_temp": (4, 1), "flops": (0, 30, 7)}
     p = mp.predict(s, L=4, B=2)
     assert (p["params"], p["grads"], p["optimizer"], p["activations"], p["flops"]) == (140, 8, 16, 81, 116)
+    assert mp.predict(dict(s, saved=(0, 30, 10)), 4, 2)["activations"] == 140    # saved tensors above the fit
     assert p["total"] == 140 + 16 + 8 + 81               # activations (81) > optimizer temporaries (8)
     s["opt_temp"] = (200, 0)
     assert mp.predict(s, 4, 2)["total"] == 140 + 16 + 8 + 200
