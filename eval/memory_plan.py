@@ -399,7 +399,7 @@ def summarise(runs, spec=None):
                  ("flops", lambda r: r["flops"]),
                  ("step_s", lambda r: r["step_cpu_s"] if cpu_time else r["step_s"])):
         s[k] = fit({p: f(r) for p, r in runs.items()})
-    s["opt_temp_assumed"] = not r11.get("optimizer_step", True)
+    s["opt_temp_assumed"] = not r11.get("optimizer_step", True) and r11["trainable_bytes"] > 0
     if s["opt_temp_assumed"]:
         s["opt_temp"] = s["trainable_bytes"]
     else:
@@ -519,7 +519,8 @@ def print_figures(results):
             for k in ("param_bytes", "trainable_bytes", "grad_bytes", "optimizer_bytes", "opt_temp"):
                 f, l = s[k]
                 print(f"{name:17s} {job:9s} {k:24s} {f / GB:9.3f} {l / GB:9.3f}")
-            for k, scale, unit in (("act", GB, "GB"), ("saved", GB, "GB"), ("flops", 1e12, "TFLOP"), ("step_s", 1, s["time"])):
+            for k, scale, unit in (("act", GB, "GB"), ("saved", GB, "GB"), ("flops", 1e12, "TFLOP"),
+                                   ("step_s", 1, s["time"])):
                 c, af, al = s[k]
                 print(f"{name:17s} {job:9s} {k + ' per sample':24s} {af / scale:9.3f} {al / scale:9.3f}"
                       f"  + {c / scale:.3f} {unit} once")
