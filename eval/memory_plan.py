@@ -551,6 +551,26 @@ def markdown(rows, tflops, hbm_tbs):
     return "\n".join(out)
 
 
+def markdown_inputs(results):
+    """The measured inputs of the plan as a README table (GB; per sample where it says so)."""
+    out = ["| model, job (points) | params: fixed + per layer | trainable per layer | activations per sample: "
+           "fixed + per layer | saved for backward per sample | TFLOP per sample | tokens (visual) |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in REAL:
+        for job in JOBS:
+            runs = runs_of(results, name, job)
+            if (1, 1) not in runs or (2, 1) not in runs:
+                continue
+            s = summarise(runs, REAL[name])
+            g = lambda fl: f"{fl[0] / GB:.2f} + {fl[1] / GB:.3f}"
+            h = lambda cfl, sc=GB, d=3: (f"{cfl[1] / sc:.2f} + {cfl[2] / sc:.{d}f}"
+                                          + (f" (+ {cfl[0] / sc:.2f} once)" if abs(cfl[0]) >= 0.005 * sc else ""))
+            out.append(f"| {REAL[name]['repo'].split('/')[1]}, {job} ({', '.join(s['points'])}) | {g(s['param_bytes'])} "
+                       f"| {s['trainable_bytes'][1] / GB:.3f} | {h(s['act'])} | {h(s['saved'])} | "
+                       f"{h(s['flops'], 1e12)} | {s['seq_len']} ({s['visual_tokens']}) |")
+    return "\n".join(out)
+
+
 def load_results(path):
     try:
         with open(path) as f:
@@ -615,7 +635,7 @@ def main(argv=None):
     rows = plan(results, a.tflops, a.hbm_tbs)
     print_plan(rows, a.tflops, a.hbm_tbs)
     if a.markdown:
-        print("\n" + markdown(rows, a.tflops, a.hbm_tbs))
+        print("\n" + markdown_inputs(results) + "\n\n" + markdown(rows, a.tflops, a.hbm_tbs))
     return rows
 
 
