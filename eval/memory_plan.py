@@ -17,7 +17,7 @@ image per sample through the checkpoint's own image-processor settings, run:
     calib      one `rolemerge.calibrate` batch (prefill + 32 greedy tokens, routing recorded)
 
 Each measurement runs in its own process (a clean resident set) at (layers, batch) = (1, 1),
-(2, 1) and (2, 2). Per run: parameter, gradient and optimizer-state bytes (summed tensor sizes,
+(2, 1), and (2, 2) for the batch check where RUNS says so (without it c = 0). Per run: parameter, gradient and optimizer-state bytes (summed tensor sizes,
 exact), the bytes autograd saves for backward (saved-tensor hooks: the activations), the step's
 peak memory above what was resident before it (CUDA: `torch.cuda.max_memory_allocated`; CPU: the
 peak resident set sampled every millisecond minus the resident set before the step, with glibc
