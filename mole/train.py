@@ -4,6 +4,7 @@
     python -m mole.train --data out/data --out out/mole/sft --method sft   # SFT control
     python -m mole.train ... --n-vis 8 --n-sum 0 --no-router --no-esva --latent-mixing causal   # LIVR-like
     torchrun --nproc_per_node 8 -m mole.train --model /ckpt/Qwen2.5-VL-7B-Instruct --data ... --lr 2e-4 --compile
+    torchrun --nproc_per_node 8 -m mole.train --model /ckpt/Qwen2.5-VL-7B-Instruct --data ... --lr LR --train full --fsdp
 
 Schedule (paper, "Training stages"): `--stage1-epochs` epochs with the visual attention
 bottleneck (only Z_vis read the image), then `--stage2-epochs` with direct visual access
@@ -106,6 +107,11 @@ def get_parser():
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target module name suffixes")
     # system
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and AdamW state over the torchrun processes with PyTorch FSDP2 "
+                        "(fully_shard: one unit per decoder layer) instead of replicating them with DDP; for "
+                        "--train full on a 7B base, which does not fit one 80 GB GPU with DDP (README: memory plan). "
+                        "Needs torchrun (one process is fine)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile MoLE's latent attention and ESVA (the base model stays eager; worth it on GPU)")
     p.add_argument("--seed", type=int, default=0, help="seed (init, data order)")
@@ -309,14 +315,55 @@ def recorded_method(path):
         return None
 
 
-def save_ckpt(path, a, params, opt, step, log, settings, base):
+def save_ckpt(path, a, params, opt, step, log, settings, base, net=None, rank=0):
     """Atomic checkpoint directory (common.checkpoint): trainable tensors (safetensors),
     optimizer, and state.json with args, settings, base identity, step and log. Nothing in
     the loop draws random numbers (batches are seeded by step, no dropout), so no RNG state
-    is needed to resume."""
+    is needed to resume. Call it on every rank: only rank 0 writes; under --fsdp (`net` given)
+    every rank first takes part in gathering the full tensors and optimizer state (FQN-keyed,
+    `torch.distributed.checkpoint.state_dict`), so the files are those of an unsharded run's
+    layout and load anywhere (mole.infer needs no FSDP)."""
+    if net is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        tensors = {n: p.detach().full_tensor().cpu() for n, p in params.items()}
+        full = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        opt = argparse.Namespace(state_dict=lambda: full)
+    elif rank == 0:
+        tensors = {n: p.detach().cpu() for n, p in params.items()}
+    if rank != 0:
+        return
     os.makedirs(os.path.dirname(path.rstrip("/")) or ".", exist_ok=True)
-    save_train_state(path, {n: p.detach().cpu() for n, p in params.items()}, opt,
+    save_train_state(path, tensors, opt,
                      {"args": vars(a), "settings": settings, "base_model": base, "step": step, "log": log})
+
+
+def shard(net, vlm):
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) units: each decoder layer, the embedding
+    table with the LM head, then the rest of the VLM (final norm, vision tower), then `net` (MoLE's latents, routers, ESVAs;
+    for --method sft net is the VLM). FSDP2 wants one dtype among a unit's trainable parameters:
+    --train full trains the bf16 language model while MoLE's own weights are fp32, so they get
+    separate units. In place; returns the trainable parameters by name (now DTensors)."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in bb.text_model(vlm).layers:
+        fully_shard(layer)
+    # MoLE looks its tokens up in the embedding table outside the VLM's forward: the table (with the LM
+    # head, which may be tied to it) is a unit of its own, gathered whenever either module runs
+    fully_shard([vlm.get_input_embeddings(), vlm.lm_head])
+    if net is not vlm:
+        fully_shard(vlm)
+    fully_shard(net)
+    return {n: p for n, p in net.named_parameters() if p.requires_grad}
+
+
+def load_full(net, params, tensors, path, fsdp):
+    """Copy checkpoint tensors into the trainable params (`copy_tensors`); under --fsdp each
+    rank keeps its shard of the full tensors (`set_model_state_dict`)."""
+    if not fsdp:
+        return copy_tensors(params, tensors, path)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    copy_tensors({n: torch.empty(p.shape) for n, p in params.items()}, tensors, path)   # names and shapes
+    set_model_state_dict(net, {n: tensors[n] for n in params}, options=StateDictOptions(full_state_dict=True,
+                                                                                        strict=False))
 
 
 def is_mole_ckpt(path):
@@ -409,6 +456,9 @@ def train(a):
     set_threads(a.threads, a.model)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     ddp = world > 1
+    if a.fsdp and "RANK" not in os.environ:
+        raise RunError("--fsdp shards the model over torchrun processes: run it as `torchrun --nproc_per_node N -m "
+                       "mole.train ... --fsdp` (N = 1 works too)")
     doomed = prepare_out(a.out, a.resume, a.overwrite) if rank == 0 else []
     path = data_file(a)
     recs = data.read_records(path, a.image_root)
@@ -420,7 +470,7 @@ def train(a):
     data.check_training_records(recs, path)
     loader = Loader(recs, a.batch_size, a.seed, rank, world)  # images checked before the model loads
     device = a.device
-    if ddp:
+    if ddp or a.fsdp:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         if device.startswith("cuda"):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -428,6 +478,9 @@ def train(a):
     net, proc, params = build(a, device)
     vlm = net.model if isinstance(net, MoLE) else net
     settings, base = run_settings(a, vlm, recs, world), bb.base_identity(vlm)
+    if a.fsdp:               # after the base identity: it reads the (then sharded) embedding
+        params = shard(net, vlm)
+    sharded = net if a.fsdp else None
     s1 = round(a.stage1_epochs * loader.steps_per_epoch)
     total = s1 + round(a.stage2_epochs * loader.steps_per_epoch)
     opt = torch.optim.AdamW(list(params.values()), lr=a.lr, betas=(0.9, 0.98), weight_decay=a.weight_decay)
@@ -438,8 +491,12 @@ def train(a):
         if state is not None:
             saved = state.get("settings") or {k: v for k, v in state["args"].items() if k not in NOT_SETTINGS}
             check_settings(a.out, saved, settings)
-            copy_tensors(params, tensors, a.out)
-            restore_optimizer(opt, optim, a.out)
+            load_full(net, params, tensors, a.out, a.fsdp)
+            if a.fsdp and optim is not None:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+                set_optimizer_state_dict(net, opt, optim, options=StateDictOptions(full_state_dict=True))
+            else:
+                restore_optimizer(opt, optim, a.out)
             step, log = state["step"], state["log"]
         elif rank == 0:
             print(f"--resume: no checkpoint in {a.out}; starting at step 0", file=sys.stderr)
@@ -447,7 +504,7 @@ def train(a):
     if a.compile and isinstance(net, MoLE):   # MoLE's hot functions (latent attention, ESVA MLPs) in place; the base model stays eager
         net.compile_hot()
     fwd = net
-    if ddp:
+    if ddp and not a.fsdp:
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=True)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
     end = min(total, a.max_steps) if a.max_steps else total
@@ -474,7 +531,8 @@ def train(a):
                 batches.append(batch)
             opt.zero_grad(set_to_none=True)
             res = accumulate(fwd, batches, stage if a.method == "mole" else None, amp, world)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip if a.clip > 0 else math.inf))
+            gnorm = torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip if a.clip > 0 else math.inf)
+            gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)   # a DTensor under FSDP
             loss = float(res["loss"])
             if not (math.isfinite(loss) and math.isfinite(gnorm)):
                 raise diverged(step, f"loss {loss}, gradient norm {gnorm}", a.out, saved_at, a.save_every)
@@ -486,19 +544,18 @@ def train(a):
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(stage=stage, loss=f"{rec['loss']:.3f}")
-            if rank == 0 and a.save_every and step % a.save_every == 0 and step < end:
-                save_ckpt(a.out, a, params, opt, step, log, settings, base)
+            if a.save_every and step % a.save_every == 0 and step < end:
+                save_ckpt(a.out, a, params, opt, step, log, settings, base, sharded, rank)
                 saved_at = step
             if flag["stop"] and step < end:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
-                if rank == 0 and saved_at != step:
-                    save_ckpt(a.out, a, params, opt, step, log, settings, base)
+                if saved_at != step:
+                    save_ckpt(a.out, a, params, opt, step, log, settings, base, sharded, rank)
                 raise Interrupted(f"interrupted at step {step} of {end} ({flag['stop']}); checkpoint {a.out} written; "
                                   f"continue with --resume", flag["signum"])
     if bar is not None:
         bar.close()
-    if rank == 0:
-        save_ckpt(a.out, a, params, opt, step, log, settings, base)
-    if ddp:
+    save_ckpt(a.out, a, params, opt, step, log, settings, base, sharded, rank)
+    if ddp or a.fsdp:
         dist.destroy_process_group()
     return net.eval(), proc, log
 
