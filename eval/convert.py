@@ -415,7 +415,7 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
             key = hashlib.sha1(data).hexdigest()
             if key not in written:
                 _, ext = _decode(data, r["id"])
-                stem = _safe(r["meta"]["pair"] if benchmark == "mme" else r["id"])
+                stem = _safe(os.path.splitext(r["meta"]["pair"])[0] if benchmark == "mme" else r["id"])
                 name = f"{stem}_{k + 1}" if len(datas) > 1 else stem
                 path = os.path.join(img_dir, f"{name}.{ext}")
                 j = 1

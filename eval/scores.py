@@ -10,6 +10,10 @@ nothing else is normalised unless the benchmark does it.
 
     benchmark_scores(records, preds) -> {benchmark: {metric: value, ..., "categories": {...}}}
 
+    # score saved predictions of any entry point (eval.evaluate, mod.infer, mole.infer,
+    # rolemerge.infer) against the converted benchmark file, matched by record id:
+    python -m eval.scores --data bench/mme.jsonl --preds out/mod/infer.json [--method single]
+
 | benchmark | answer read as | score |
 |---|---|---|
 | mme | Otter's yes/no parse (`mme_answer`) | per subtask acc + acc+ per image pair (x100), perception / cognition sums |
@@ -29,25 +33,31 @@ nothing else is normalised unless the benchmark does it.
 Accuracies are fractions in [0, 1]; MME scores are on its own scale (x100 per subtask, summed)
 and OCRBench's are points.
 """
+import argparse
+import json
 import random
 import re
 from collections import defaultdict
 
 import numpy as np
 
-from eval.metrics import extract, levenshtein, option_letters, option_pairs
+from eval.metrics import _json_answer, extract, levenshtein, option_letters, option_pairs
 
 
 def visible(text):
-    """The output with complete `<think>...</think>` blocks removed (lmms-eval's default
-    reasoning-tag stripping); text without reasoning tags is returned unchanged, whitespace
-    included, because several benchmarks read the raw output."""
-    if "<think>" not in text and "</think>" not in text:
-        return text
-    t = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL)
-    if "</think>" in t:
-        t = t.rsplit("</think>", 1)[1]
-    return t.split("<think>", 1)[0].strip()
+    """The answer text a benchmark reads: complete `<think>...</think>` blocks removed
+    (lmms-eval's default reasoning-tag stripping), and for an output that is one JSON object
+    with an "Answer" key (MoD's debate format, `{"Reasoning": ..., "Answer": ...}`) that value.
+    Any other text is returned unchanged, whitespace included, because several benchmarks
+    read the raw output."""
+    t = text
+    if "<think>" in t or "</think>" in t:
+        t = re.sub(r"<think>.*?</think>", "", t, flags=re.DOTALL)
+        if "</think>" in t:
+            t = t.rsplit("</think>", 1)[1]
+        t = t.split("<think>", 1)[0].strip()
+    ans = _json_answer(t.strip())
+    return t if ans is None else ans
 
 
 def _mean(xs):
@@ -109,8 +119,8 @@ def score_mme(items):
         incomplete += len(by_pair) - len(full)
         if full:
             cats[cat] = _mean([100.0 * sum(s) / 2 + 100.0 * (sum(s) == 2) for s in full])
-    return {"perception": sum(v for c, v in cats.items() if c in MME_PERCEPTION),
-            "cognition": sum(v for c, v in cats.items() if c in MME_COGNITION),
+    return {"perception": float(sum(v for c, v in cats.items() if c in MME_PERCEPTION)),
+            "cognition": float(sum(v for c, v in cats.items() if c in MME_COGNITION)),
             "categories": cats, "incomplete_pairs": incomplete, "n": len(items)}
 
 
@@ -603,3 +613,62 @@ def format_scores(scores):
             v = v.get(HEADLINE[b][0], v.get("accuracy")) if isinstance(v, dict) else v
             lines.append(f"  {c}: {v:.3f}" if isinstance(v, float) else f"  {c}: {v}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- saved predictions
+
+def load_predictions(path, method=None):
+    """{method: {id: generated text}} from a predictions file of any entry point:
+    eval.evaluate ({"results": [...]}), mod.infer ({"results": {method: [...]}}), mole.infer
+    ([...]) and rolemerge.infer ({"predictions": [...]}); each row has "id" and "pred".
+    `method` picks one of mod.infer's methods. Raises ValueError for another layout or an
+    unknown method."""
+    with open(path, encoding="utf-8") as f:
+        obj = json.load(f)
+    if isinstance(obj, dict) and isinstance(obj.get("results"), dict):
+        runs = obj["results"]
+    elif isinstance(obj, dict) and isinstance(obj.get("results", obj.get("predictions")), list):
+        runs = {"model": obj.get("results", obj.get("predictions"))}
+    elif isinstance(obj, list):
+        runs = {"model": obj}
+    else:
+        raise ValueError(f"{path}: not a predictions file of eval.evaluate, mod.infer, mole.infer or rolemerge.infer")
+    if method is not None:
+        if method not in runs:
+            raise ValueError(f"{path}: no method {method!r}; it has {', '.join(runs)}")
+        runs = {method: runs[method]}
+    bad = [m for m, rows in runs.items() if not all(isinstance(r, dict) and "id" in r and "pred" in r for r in rows)]
+    if bad:
+        raise ValueError(f"{path}: rows of {bad} lack 'id' / 'pred'")
+    return {m: {str(r["id"]): r["pred"] for r in rows} for m, rows in runs.items()}
+
+
+def main(argv=None):
+    from common.data import atomic_write_text, read_any
+    p = argparse.ArgumentParser(description="Score saved predictions the way each benchmark defines it.")
+    p.add_argument("--data", required=True, help="the converted benchmark JSONL (python -m eval.convert)")
+    p.add_argument("--preds", required=True, help="predictions JSON of eval.evaluate / mod.infer / mole.infer / "
+                                                  "rolemerge.infer")
+    p.add_argument("--method", default=None, help="one method of a mod.infer file (default: every method in it)")
+    p.add_argument("--image-root", default=None, help="as for the entry point that made --preds (images are not read)")
+    p.add_argument("--out", default=None, help="also write {method: scores} as JSON here")
+    a = p.parse_args(argv)
+    records = read_any(a.data, image_root=a.image_root, check_images=False)
+    out = {}
+    for m, preds in load_predictions(a.preds, a.method).items():
+        have = [r for r in records if r["id"] in preds]
+        if not have:
+            raise ValueError(f"{a.preds}: no prediction of {m!r} matches a record id of {a.data}")
+        if len(have) < len(records):
+            print(f"note: {m}: {len(records) - len(have)} of {len(records)} records have no prediction (--limit?); "
+                  f"scored the {len(have)} that do")
+        out[m] = benchmark_scores(have, [preds[r["id"]] for r in have])
+        print(f"{m}:\n{format_scores(out[m])}")
+    if a.out:
+        atomic_write_text(a.out, json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    from common.cli import run_cli
+    run_cli(main)  # ValueError / OSError: `error: ...`, exit status 2

@@ -221,5 +221,5 @@ def test_benchmark_scores_dispatch():
     assert list(out) == ["scienceqa"] and out["scienceqa"]["accuracy"] == 1.0
     with pytest.raises(ValueError, match="unknown benchmark"):
         S.benchmark_scores([rec("z", "B", "nope")], ["B"])
-    assert "mme (n=2): perception 200.000, cognition 0" in S.format_scores(S.benchmark_scores(
+    assert "mme (n=2): perception 200.000, cognition 0.000" in S.format_scores(S.benchmark_scores(
         [rec("a", "Yes", "mme", "OCR", meta={"pair": 1}), rec("b", "No", "mme", "OCR", meta={"pair": 1})], ["Yes", "No"]))
