@@ -4,7 +4,8 @@
     python -m eval.convert --benchmark blink --src BLINK/ --out bench/blink.jsonl --multi-image concat
     python -m eval.evaluate --model /ckpt/Qwen2.5-VL-7B-Instruct --data bench/mme.jsonl
 
-`--src` is one file or a folder of files (read in name order) in the benchmark's public schema:
+`--src` is one or more files or folders of files (a folder: read in name order) in the
+benchmark's public schema:
 the hub dataset's parquet shards (`pyarrow` needed: `pip install pyarrow`), `datasets`' .arrow
 cache files (same), or a JSON / JSONL export of the same rows (nothing extra), e.g.
 `datasets.load_dataset(...)["test"].to_json("mme.jsonl")`. An image column may hold
@@ -369,9 +370,12 @@ def _safe(s):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("._")[:80] or "item"
 
 
-def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, multi_image="keep"):
-    """Convert `src` (a file or folder in `benchmark`'s public schema) to canonical JSONL `out`
-    and its images under `<out without .jsonl>_images/`. Returns the records written.
+def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, multi_image="keep",
+            require_image=False):
+    """Convert `src` (a file or folder, or a list of them, in `benchmark`'s public schema) to
+    canonical JSONL `out` and its images under `<out without .jsonl>_images/`; rows without
+    an image are dropped when `require_image` (e.g. ScienceQA's image questions only, for the
+    scripts that need one image per record). Returns the records written.
 
     Refuses (ConvertError, before writing anything) an existing `out` or a non-empty image
     folder unless `overwrite`, an unknown benchmark, rows missing the benchmark's columns,
@@ -389,19 +393,25 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
             raise ConvertError(f"--out {out} exists; pass --overwrite to replace it")
         if os.path.isdir(img_dir) and os.listdir(img_dir):
             raise ConvertError(f"image folder {img_dir} is not empty; pass --overwrite to replace its files")
-    rows = read_rows(src)[:limit]
+    srcs = [src] if isinstance(src, str) else list(src)
+    rows = [row for s in srcs for row in read_rows(s)]
     if not rows:
-        raise ConvertError(f"{src}: no rows")
-    roots = [r for r in (image_dir, src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))) if r]
+        raise ConvertError(f"{srcs}: no rows")
+    roots = [image_dir] if image_dir else []
+    roots += list(dict.fromkeys(s if os.path.isdir(s) else os.path.dirname(os.path.abspath(s)) for s in srcs))
     conv = CONVERTERS[benchmark]
     records, seen, written = [], {}, {}  # written: image sha1 -> relative path
     out_folder = os.path.dirname(os.path.abspath(out))
     for i, row in enumerate(rows):
+        if limit is not None and len(records) >= limit:
+            break
         r = conv(row, i)
+        if require_image and not any(v is not None and v != "" for v in r["images"]):
+            continue
         n = seen[r["id"]] = seen.get(r["id"], 0) + 1
         if n > 1:
             if benchmark != "mme":
-                raise ConvertError(f"{src}: duplicate id {r['id']!r} (row {i})")
+                raise ConvertError(f"{srcs}: duplicate id {r['id']!r} (row {i})")
             r["id"] = f"{r['id']}#{n}"
             if n == 2:  # the first of the pair gets its "#1" too
                 next(x for x in records if x["id"] == r["meta"]["pair"])["id"] = f"{r['meta']['pair']}#1"
@@ -447,18 +457,21 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Convert a public benchmark export (parquet / arrow / JSON / JSONL, "
                                             "the hub dataset's schema) to canonical JSONL with images beside it.")
     p.add_argument("--benchmark", required=True, choices=sorted(CONVERTERS), help="which schema --src is in")
-    p.add_argument("--src", required=True, help="a .parquet / .arrow / .json / .jsonl file, or a folder of them")
+    p.add_argument("--src", required=True, nargs="+",
+                   help="one or more .parquet / .arrow / .json / .jsonl files, or folders of them (read in order)")
     p.add_argument("--out", required=True, help="canonical JSONL to write; images go to <out>_images/")
     p.add_argument("--image-dir", default=None,
                    help="folder that image file paths in --src are relative to (default: --src's folder)")
-    p.add_argument("--limit", type=int, default=None, help="convert only the first N rows")
+    p.add_argument("--limit", type=int, default=None, help="write only the first N records")
+    p.add_argument("--require-image", action="store_true",
+                   help="drop rows without an image (ScienceQA's text-only questions, for mod / mole scripts)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out and its image files")
     p.add_argument("--multi-image", default="keep", choices=["keep", "concat"],
                    help="several images per item: keep them as a list (default) or paste them side by side into one")
     a = p.parse_args(argv)
     if a.limit is not None and a.limit < 1:
         p.error(f"--limit must be a positive integer, got {a.limit}")
-    recs = convert(a.benchmark, a.src, a.out, a.image_dir, a.limit, a.overwrite, a.multi_image)
+    recs = convert(a.benchmark, a.src, a.out, a.image_dir, a.limit, a.overwrite, a.multi_image, a.require_image)
     n_img = sum(1 for r in recs if "image" in r)
     multi = sum(1 for r in recs if isinstance(r.get("image"), list))
     print(f"wrote {a.out}: {len(recs)} {a.benchmark} records ({n_img} with images, {multi} with several, "

@@ -48,6 +48,8 @@ def test_scienceqa_with_and_without_image(tmp_path):
     assert recs[0]["question"] == written[0]["question"]          # a benchmark prompt is kept verbatim
     assert os.path.isfile(recs[0]["image"]) and Image.open(recs[0]["image"]).size == (8, 8)
     assert recs[1]["images"] == [] and recs[1]["answer"] == "B" and "Context" not in recs[1]["question"]
+    _, only, _ = conv(tmp_path / "img", "scienceqa", rows, require_image=True)
+    assert [r["id"] for r in only] == ["0"]
     assert recs[1]["category"] == "language science" and recs[1]["benchmark"] == "scienceqa"
     assert recs[1]["answer_type"] == "letter"
 
@@ -162,6 +164,9 @@ def test_image_paths_base64_and_errors(tmp_path):
     convert("chartqa", str(tmp_path / "chartqa_src.jsonl"), out, image_dir=str(tmp_path / "imgs"), overwrite=True,
             limit=1)
     assert len(read_any(out)) == 1
+    two = str(tmp_path / "two.jsonl")
+    convert("chartqa", [str(tmp_path / "chartqa_src.jsonl")] * 2, two, image_dir=str(tmp_path / "imgs"))
+    assert len(read_any(two)) == 4                                   # several --src files, in order
     with pytest.raises(ConvertError, match="missing column"):
         conv(tmp_path / "m", "pope", [{"question": "q"}])
     with pytest.raises(ConvertError, match="not a file under"):
