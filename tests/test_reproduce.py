@@ -20,12 +20,12 @@ def _cell(im):
     return {"bytes": base64.b64encode(buf.getvalue()).decode(), "path": None}
 
 
-def shapes_sources(folder, n=4, seed=0):
+def shapes_sources(folder, n=3, seed=0):
     """Tiny exports in the public schemas of the benchmarks the READMEs use, written to
     folder/<benchmark>.jsonl: every question an existence question about a shapes scene."""
     rng = random.Random(seed)
     rows = {b: [] for b in ("scienceqa", "pope", "mme", "textvqa", "chartqa", "infovqa", "mmmu", "ocrbench",
-                            "blink", "vstar", "realworldqa")}
+                            "blink", "vstar", "realworldqa", "mmlu")}
     for i in range(n):
         scene = D.sample_scene(rng)
         img = _cell(D.render(scene))
@@ -50,6 +50,8 @@ def shapes_sources(folder, n=4, seed=0):
         rows["blink"].append({"idx": f"val_Counting_{i}", "sub_task": "Counting", "choices": ["first", "second"],
                               "answer": "(A)", "prompt": f"{q1}\n(A) first\n(B) second", "image_1": img,
                               "image_2": _cell(D.render(D.sample_scene(rng)))})
+        rows["mmlu"].append({"question": "What is 2 + 2?", "subject": "elementary_mathematics",
+                             "choices": ["3", "4", "5", "6"], "answer": 1})
         rows["vstar"].append({"question_id": i, "text": f"{q1} (A) yes (B) no", "label": "AB"[["yes", "no"].index(a1)],
                               "category": "direct_attributes", "image": img})
         rows["realworldqa"].append({"question": f"{q1}\nA. yes\nB. no", "answer": "AB"[["yes", "no"].index(a1)],
@@ -80,23 +82,26 @@ def test_mod_section(world, capsys):
     r, base = world / "mod", "tiny-chat"   # README: /ckpt/Qwen2.5-VL-3B-Instruct
     r.mkdir()
     sqa = conv(r, "scienceqa", "--require-image")
-    pope, mme = conv(r, "pope"), conv(r, "mme")
-    # the base row, every benchmark through eval.evaluate (text-only ScienceQA included)
-    conv(r / "all", "scienceqa")
-    evaluate.main(["--model", base, "--data", str(r / "all" / "bench" / "scienceqa.jsonl"), "--out",
-                   str(r / "base_sqa.json"), "--max-new-tokens", "4", "--threads", "1"])
-    assert "scienceqa" in json.loads((r / "base_sqa.json").read_text())["benchmarks"]
+    pope, mme, mmlu = conv(r, "pope"), conv(r, "mme"), conv(r, "mmlu")
     vs = str(r / "vs.json")
     mdata.main(["--model", base, "--data", sqa, "--out", vs, "--k", "2", "--max-new-tokens", "8", "--threads", "1"])
-    train.main(["--model", base, "--data", vs, "--out", str(r / "run"), "--steps", "2", "--batch-size", "2",
-                "--seed", "0", "--threads", "1"])
+    for method in ("mod", "moelora"):
+        train.main(["--model", base, "--data", vs, "--out", str(r / method), "--steps", "2", "--batch-size", "2",
+                    "--seed", "0", "--method", method, "--threads", "1"])
     for bench in (pope, mme):
-        preds = str(r / f"{bench.rsplit('/', 1)[1]}.preds.json")
-        infer.main(["--model", base, "--adapter", str(r / "run"), "--data", bench, "--methods", "base,single,multi",
-                    "--rounds", "1", "--max-new-tokens", "8", "--out", preds, "--threads", "1"])
+        preds = bench + ".preds.json"
+        infer.main(["--model", base, "--adapter", str(r / "mod"), "--data", bench, "--methods",
+                    "base,single,multi,mad,sc", "--rounds", "1", "--max-new-tokens", "4", "--out", preds,
+                    "--threads", "1"])
         got = scores.main(["--data", bench, "--preds", preds, "--out", preds + ".scores.json"])
-        assert set(got) == {"base", "single", "multi"}
+        assert set(got) == {"base", "single", "multi", "mad", "sc"}
     assert "perception" in got["multi"]["mme"]
+    infer.main(["--model", base, "--adapter", str(r / "moelora"), "--data", pope, "--methods", "single",
+                "--max-new-tokens", "8", "--out", str(r / "moelora.json"), "--threads", "1"])
+    assert "pope" in scores.main(["--data", pope, "--preds", str(r / "moelora.json")])["single"]
+    evaluate.main(["--model", base, "--data", mmlu, "--out", str(r / "base_mmlu.json"), "--max-new-tokens", "4",
+                   "--threads", "1"])
+    assert "mmlu" in json.loads((r / "base_mmlu.json").read_text())["benchmarks"]
 
 
 def test_rolemerge_section(world):
