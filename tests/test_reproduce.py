@@ -109,17 +109,21 @@ def test_rolemerge_section(world):
     from rolemerge import calibrate, merge
     r = world / "rm"
     r.mkdir()
-    tcs = [conv(r, b) for b in ("textvqa", "chartqa", "scienceqa")]
+    tcs = [conv(r, "textvqa", "--limit", "2"), conv(r, "chartqa", "--limit", "2"),
+           conv(r, "scienceqa", "--require-image", "--limit", "2")]
     calibrate.main(["--model", "tiny-moe", "--data", *tcs, "--limit", "2", "--max-new-tokens", "4",
-                    "--out", str(r / "stats.safetensors"), "--threads", "1"])
+                    "--out", str(r / "stats.safetensors"), "--dtype", "float32", "--threads", "1"])
     merge.main(["--model", "tiny-moe", "--stats", str(r / "stats.safetensors"), "--rho", "0.5",
-                "--out", str(r / "merged"), "--threads", "1"])
-    for bench in ("infovqa", "mmmu", "ocrbench"):
-        out = str(r / f"{bench}.json")
-        evaluate.main(["--model", str(r / "merged"), "--data", conv(r, bench), "--out", out, "--max-new-tokens", "4",
-                       "--threads", "1"])
-        got = json.loads(open(out).read())["benchmarks"][bench]
-        assert got == scores.main(["--data", str(r / "bench" / f"{bench}.jsonl"), "--preds", out])["model"][bench]
+                "--out", str(r / "merged"), "--streaming", "--threads", "1"])
+    benches = {"infovqa": conv(r, "infovqa", "--limit", "2"), "mmmu": conv(r, "mmmu", "--multi-image", "concat"),
+               "ocrbench": conv(r, "ocrbench")}
+    for m in ("tiny-moe", str(r / "merged")):
+        for bench, data in benches.items():
+            out = str(r / f"{bench}_{len(m)}.json")
+            evaluate.main(["--model", m, "--data", data, "--batch-size", "1", "--max-new-tokens", "4",
+                           "--dtype", "float32", "--out", out, "--threads", "1"])
+            got = json.loads(open(out).read())["benchmarks"][bench]
+            assert got == scores.main(["--data", data, "--preds", out])["model"][bench]
 
 
 def test_mole_section(world):
