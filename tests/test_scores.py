@@ -24,7 +24,7 @@ def run(bench, rows):
 
 @pytest.mark.parametrize("pred,want", [("Yes", "yes"), ("No.", "no"), ("Yes, there is a dog", "yes"), ("y", "yes"),
                                        ("n", "no"), ("x", "other"), ("Not sure", "no"), ("I don't know", "other"),
-                                       ("There is no dog", "other")])
+                                       ("There is no dog", "other"), ("X no", "no")])
 def test_mme_answer_parse(pred, want):
     assert S.mme_answer(pred) == want
 
@@ -91,6 +91,8 @@ def test_mmmu_open_and_score():
     assert S.mmmu_open_correct("3.50", S.mmmu_open("The answer is 3.5"))
     assert not S.mmmu_open_correct("3.6", S.mmmu_open("The answer is 3.5"))
     assert S.mmmu_open_correct("Red", S.mmmu_open("so the colour is red"))
+    assert S.mmmu_open("so the colour is red") == ["red"]                   # the shortest tail after a key
+    assert not S.mmmu_open_correct("3.14", S.mmmu_open("The answer is 3.1"))  # numbers rounded to 2 places
     # MMMU's three patterns run independently, so pieces of "1,000" and "2.5e3" come back too
     assert S.mmmu_numbers("1,000 and 2.5e3 and -4") == ["1,000", "2.5e3", "000", "2", "3", "-4"]
     rows = [(rec("validation_Accounting_1", "B", "mmmu", "Accounting", options=["x", "y"]), "(B)"),
@@ -219,6 +221,9 @@ def test_benchmark_scores_dispatch():
     recs = [rec("s0", "B", "scienceqa"), {"id": "plain", "answer": "x", "family": "all"}]
     out = S.benchmark_scores(recs, ["<think>A?</think>B", "x"])   # reasoning removed first; plain records skipped
     assert list(out) == ["scienceqa"] and out["scienceqa"]["accuracy"] == 1.0
+    mod_json = '{"Reasoning": "the cat is a mammal", "Answer": "B"}'    # MoD's debate format: its Answer value
+    assert S.visible(mod_json) == "B" and S.visible(" B\n") == " B\n"
+    assert S.benchmark_scores(recs[:1], [mod_json])["scienceqa"]["accuracy"] == 1.0
     with pytest.raises(ValueError, match="unknown benchmark"):
         S.benchmark_scores([rec("z", "B", "nope")], ["B"])
     assert "mme (n=2): perception 200.000, cognition 0.000" in S.format_scores(S.benchmark_scores(
