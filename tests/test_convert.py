@@ -137,6 +137,7 @@ def test_blink_multi_image_and_vstar_realworldqa(tmp_path):
                                    "blink_images/val_Jigsaw_1_3.png"]
     assert recs[0]["question"].startswith("Note: You only need to respond with A, B without providing any additional "
                                           "information.\nWhich piece fits?")
+    assert recs[0]["question"] == written[0]["question"]   # "(A) left" options: not listed again by the reader
     _, recs, _ = conv(tmp_path, "vstar", [{"question_id": 0, "text": "What colour is the cup? (A) red (B) blue",
                                            "label": "A", "category": "direct_attributes", "image": hf_image("red")}])
     assert recs[0]["question"] == ("What colour is the cup?\nA. red\nB. blue\nAnswer with the option's letter from "
