@@ -539,6 +539,29 @@ def _golds(path, rid, answer):
     return [str(a).strip() for a in items]
 
 
+BENCHMARK_FIELDS = ("benchmark", "category", "answer_type", "meta")
+ANSWER_TYPES = ("letter", "yesno", "number", "word", "text")
+
+
+def _benchmark_fields(path, rid, r):
+    """The optional fields `eval.convert` writes and `eval.scores` reads: "benchmark" (a name
+    in `eval.scores.SCORERS`), "category" (subtask / split / subject), "answer_type" (one of
+    ANSWER_TYPES; overrides the family's) and "meta" (an object of per-benchmark scoring
+    fields, e.g. MME's image pair). Raises DataError for a wrong type."""
+    out = {}
+    for k in BENCHMARK_FIELDS:
+        v = r.get(k)
+        if v is None:
+            continue
+        if k == "meta" and not isinstance(v, dict) or k != "meta" and not isinstance(v, str):
+            raise DataError(f"{path}: record {rid}: {k!r} must be {'an object' if k == 'meta' else 'a text'}, "
+                            f"got {type(v).__name__}")
+        if k == "answer_type" and v not in ANSWER_TYPES:
+            raise DataError(f"{path}: record {rid}: answer_type {v!r} is not one of {', '.join(ANSWER_TYPES)}")
+        out[k] = v
+    return out
+
+
 def read_jsonl(path, image_root=None, check_images=True):
     """Read a canonical benchmark JSONL -> record dicts (the keys above):
         {"id": "q1", "image": "images/q1.png", "question": "Is there a dog?", "answer": "yes",
@@ -552,6 +575,8 @@ def read_jsonl(path, image_root=None, check_images=True):
     ANLS takes the best; training needs one target, so "target" is the first gold.
     Raises DataError naming the record for a non-object line, missing/empty required fields
     (id, question, answer), an 'answer' that is not a text / number / list of them (`_golds`),
+    badly typed benchmark fields (`_benchmark_fields`: benchmark, category, answer_type, meta;
+    a record with "benchmark" keeps its question verbatim, options included),
     an 'image' that is not a path or list of paths, duplicate ids,
     fewer than 2 options, an answer that is neither a letter nor an option's text, and
     (check_images) missing, empty, unreadable or oversized image files (`check_image`)."""
@@ -574,12 +599,13 @@ def read_jsonl(path, image_root=None, check_images=True):
         keep = (lambda g: g) if isinstance(r["answer"], list) else (lambda g: g[0])  # a list stays a list
         rec = {"id": rid, "images": images, "image": images[0] if images else None, "question": q,
                "target": golds[0], "answer": keep(golds), "history": [], "family": r.get("family") or "all"}
+        rec.update(_benchmark_fields(path, rid, r))
         if r.get("options") is not None:
             opts = r["options"]
             if not isinstance(opts, list) or len(opts) < 2 or len(opts) > 26:
                 raise DataError(f"{path}: record {rid}: 'options' must be a list of 2-26 strings")
             opts = [(chr(ord("A") + j), str(t)) for j, t in enumerate(opts)]
-            if not parse_options(q):
+            if not parse_options(q) and "benchmark" not in rec:  # a benchmark's own prompt is kept as written
                 q = f"{q} {' '.join(f'{L}. {t}' for L, t in opts)} Answer with the letter."
             letters = [L for L, _ in opts]
             by_text = {t.strip().lower(): L for L, t in opts}

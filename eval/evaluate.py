@@ -7,8 +7,10 @@ option log-likelihood.
 
 prints a table (model vs the best constant answer per family, fitted on the training split
 next to the data file or on --reference, value [95% CI]) and writes out/eval/<model>_<data>.json:
-{"model", "data", "rows": [report rows], "pope": {...}, "anls": {...}, "results": [...],
-"loglik": [...], "wall_s"}. Report rows are {"model","family","metric","value","ci_low",
+{"model", "data", "rows": [report rows], "pope": {...}, "anls": {...}, "benchmarks": {...},
+"results": [...], "loglik": [...], "wall_s"}. Records converted by `eval.convert` (a
+"benchmark" field) are also scored the way their benchmark defines it (`eval.scores`: MME
+perception / cognition, POPE per split, MMMU, ANLS, relaxed accuracy, ...), under "benchmarks". Report rows are {"model","family","metric","value","ci_low",
 "ci_high","n"}, one per family plus "all", the format the quickstart report uses.
 
 Multiple-choice log-likelihood (lm-eval-harness style, as for ARC / MMLU): for each option
@@ -37,8 +39,9 @@ from common.backbone import generate, load_backbone
 from common.cli import RunError, add_threads, check_out_file, run_cli, set_threads
 from common.data import (ANSWER_TYPE, IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns,
                          load_image, read_any)
-from eval.metrics import (accuracy, anls, answer_type_of, bootstrap_ci, by_family, extract, format_table, gold_list,
-                          is_correct, option_letters, pope_prf, short_answer)
+from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
+                          option_letters, pope_prf, record_answer_type, short_answer)
+from eval.scores import SCORERS, benchmark_scores, format_scores
 from eval.readers import parse_options
 
 
@@ -68,11 +71,12 @@ def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"
         texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens,
                                history=[r.get("history", []) for r in batch])
         for r, t, n in zip(batch, texts, lens):
-            opts, typ = options_of(r), answer_type_of(r["family"])
+            opts, typ = options_of(r), record_answer_type(r)
             letters = option_letters(opts, gold_list(r["answer"])) if typ == "letter" else None
-            results.append({"id": r["id"], "family": r["family"], "pred": t,
+            results.append({"id": r["id"], "family": r["family"], "pred": t, "answer_type": typ,
                             "extracted": extract(t, typ, letters, opts), "answer": r["answer"],
-                            "correct": is_correct(t, r["answer"], r["family"], opts), "n_tokens": n})
+                            "correct": is_correct(t, r["answer"], r["family"], opts, typ), "n_tokens": n,
+                            **({"benchmark": r["benchmark"]} if r.get("benchmark") else {})})
         bar.update(len(batch))
     bar.close()
     model.train(was_training)
@@ -86,7 +90,7 @@ def options_of(record):
     JSONL), else the lettered options listed in a letter-type family's question; [] if none."""
     if record.get("options"):
         return list(record["options"])
-    return parse_options(record["question"]) if answer_type_of(record["family"]) == "letter" else []
+    return parse_options(record["question"]) if record_answer_type(record) == "letter" else []
 
 
 def loglik_prefix(generated):
@@ -189,7 +193,7 @@ def family_rows(model_name, results, metric="accuracy", n_resamples=10_000, seed
 
 def _gold_set(r):
     """The extracted acceptable answers of a record (a set: one per gold in its list)."""
-    t = answer_type_of(r["family"])
+    t = record_answer_type(r)
     golds = gold_list(r["answer"])
     letters = option_letters(r.get("options"), golds) if t == "letter" else None
     return {extract(g, t, letters, r.get("options")) for g in golds}
@@ -239,11 +243,13 @@ def reference_split(data_path):
 def extra_metrics(results):
     """POPE precision/recall/F1/yes-ratio for yes/no families (gold: the first acceptable
     answer) and ANLS for word/text families (best over the acceptable answers)
-    -> ({family: pope dict}, {family: anls})."""
+    -> ({family: pope dict}, {family: anls}). Results of benchmark records (a "benchmark"
+    field) are left to `eval.scores.benchmark_scores`."""
     pope, soft = {}, {}
+    results = [r for r in results if not r.get("benchmark")]  # scored by eval.scores, the benchmark's own way
     for fam in dict.fromkeys(r["family"] for r in results):
         rs = [r for r in results if r["family"] == fam]
-        t = answer_type_of(fam)
+        t = record_answer_type(rs[0])
         if t == "yesno":
             pope[fam] = pope_prf([r["extracted"] for r in rs], [extract(gold_list(r["answer"])[0], t) for r in rs])
         elif t in ("word", "text"):
@@ -291,7 +297,10 @@ def main(argv=None):
     t0 = time.time()
     records = expand_turns(read_any(a.data, image_root=a.image_root))[:a.limit]  # rid#1, rid#2, ... per turn
     check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
-    unknown = sorted({r["family"] for r in records} - set(ANSWER_TYPE) - {"all"})
+    bad = sorted({r["benchmark"] for r in records if r.get("benchmark")} - set(SCORERS))
+    if bad:  # before the model loads, not after the whole evaluation
+        raise DataError(f"{a.data}: unknown benchmark(s) {bad}; eval.scores scores {', '.join(SCORERS)}")
+    unknown = sorted({r["family"] for r in records if not r.get("answer_type")} - set(ANSWER_TYPE) - {"all"})
     for fam in unknown:  # a typo ("Count", "colours") silently switches scoring to exact text match
         near = difflib.get_close_matches(fam.lower(), list(ANSWER_TYPE), n=1, cutoff=0.6)
         print(f"note: family {fam!r} is not one of {', '.join(ANSWER_TYPE)}: its answers are scored as free "
@@ -314,6 +323,7 @@ def main(argv=None):
                                    batch_size=a.batch_size)
             rows += family_rows(name, loglik, metric="accuracy_loglik")
     pope, soft = extra_metrics(results)
+    bench = benchmark_scores(records, [r["pred"] for r in results])
     wall = time.time() - t0
 
     print(f"{name} on {a.data}: {len(records)} records, {wall:.1f} s, "
@@ -326,8 +336,11 @@ def main(argv=None):
               f"yes-ratio {m['yes_ratio']:.3f}")
     for fam, v in soft.items():
         print(f"ANLS {fam}: {v:.3f}")
+    if bench:
+        print("\nbenchmark scores (each benchmark's own definition, eval.scores):\n" + format_scores(bench))
     atomic_write_text(out, json.dumps({"model": a.model, "data": a.data, "rows": rows, "pope": pope, "anls": soft,
-                                       "wall_s": wall, "results": results, "loglik": loglik}, indent=1))
+                                       "benchmarks": bench, "wall_s": wall, "results": results, "loglik": loglik},
+                                      indent=1))
     print(f"wrote {out}")
     return rows
 

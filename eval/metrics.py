@@ -27,9 +27,7 @@ import string
 
 import numpy as np
 
-from common.data import ANSWER_TYPE
-
-ANSWER_TYPES = ("letter", "yesno", "number", "word", "text")
+from common.data import ANSWER_TYPE, ANSWER_TYPES
 # VQAv2's answer processor maps "none" and zero..ten to digits; we continue to twenty.
 NUMBER_WORDS = {"none": "0", **{w: str(i) for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
@@ -267,13 +265,20 @@ def answer_type_of(family):
     return ANSWER_TYPE.get(family, "text")
 
 
-def is_correct(pred_text, gold, family, options=None):
+def record_answer_type(record):
+    """Answer type of a record: its own "answer_type" (benchmark records from `eval.convert`),
+    else its family's (`answer_type_of`)."""
+    return record.get("answer_type") or answer_type_of(record["family"])
+
+
+def is_correct(pred_text, gold, family, options=None, answer_type=None):
     """True if the extracted answer of `pred_text` equals the extracted answer of any gold.
 
     gold: one answer or a list of acceptable answers (`gold_list`). Both sides are read with
     the family's answer type (unknown family -> normalised exact match); letters range over
-    the record's options when given, else A..D widened to a letter gold (`option_letters`)."""
-    t = answer_type_of(family)
+    the record's options when given, else A..D widened to a letter gold (`option_letters`).
+    answer_type, when given, overrides the family's (a benchmark record's own type)."""
+    t = answer_type or answer_type_of(family)
     golds = gold_list(gold)
     letters = option_letters(options, golds) if t == "letter" else None
     pred = extract(pred_text, t, letters, options)
