@@ -1,0 +1,279 @@
+"""Integration check (not CI): lmms-eval runs our models and scores them as we do.
+
+    python -m eval.lmms_check                       # venv /work/venv-lmms, results in out/lmms_check
+    python -m eval.lmms_check --venv ~/venv-lmms --n 100 --lmms-eval-version 0.7.3
+
+Needs only the standard library to start: it
+1. makes its own venv (--venv) with requirements.txt + lmms-eval, our pins held as pip
+   constraints (lmms-eval must not move torch / transformers); a torchvision that cannot
+   load beside our CPU torch is removed and reported (transformers then takes its PIL image
+   processors, as in our own venv);
+2. makes the shapes data (train / val / test) and, from the test split, an lmms-eval task
+   folder (`python -m eval.lmms make-task`): `shapes` (greedy generation, scored by
+   eval.metrics.is_correct) and `shapes_mc` (multiple choice by option log-likelihood);
+3. trains a small MoD adapter (mod.train on tiny-chat) and a small MoLE checkpoint
+   (mole.train), and merges tiny-moe with RoleMerge (calibrate + merge, rho 0.5);
+4. scores each with our own entry points (mod.infer, mole.infer, eval.evaluate, and
+   eval.evaluate.score_options for option log-likelihood) and with lmms-eval
+   (`python -m eval.lmms --model mod|mole ...`, and lmms-eval's stock `qwen3_vl` class on
+   the merged checkpoint), on the same records;
+5. prints both scores per run and the number of records whose verdict differs, and exits
+   with 1 if any score differs (2 for a setup error).
+
+Every step's output stays in --out; a rerun redoes only what is missing (--fresh redoes all).
+Runs one thread per process (`--threads`); about 10 minutes on a busy 2-core CPU after the venv.
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
+
+
+def log(msg):
+    print(f"[lmms_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd, env, what, check=True, capture=False):
+    """Run a command in the repo root; on failure print its tail and exit 2 (check=True)."""
+    log(f"{what}: {' '.join(cmd)}")
+    p = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
+    if p.returncode != 0 and check:
+        sys.stderr.write((p.stdout + p.stderr)[-6000:])
+        print(f"error: {what} failed (exit {p.returncode}); its output is above", file=sys.stderr)
+        raise SystemExit(2)
+    return p
+
+
+def ensure_venv(venv, version, env):
+    """The venv's python, made on first use: requirements.txt, then lmms-eval==version with
+    our pins as constraints. Returns (python, notes about what had to give way)."""
+    py = os.path.join(venv, "bin", "python")
+    notes = []
+    ok = os.path.exists(py) and subprocess.run([py, "-c", "import lmms_eval"], env=env,
+                                               capture_output=True).returncode == 0
+    if not ok:
+        if not os.path.exists(py):
+            run([sys.executable, "-m", "venv", venv], env, "make venv")
+        run([py, "-m", "pip", "install", "-q", "-r", os.path.join(REPO, "requirements.txt")], env, "our requirements")
+        pins = {}
+        with open(os.path.join(REPO, "requirements.txt")) as f:
+            for line in f:
+                name = line.split("#")[0].strip()
+                if "==" in name and name.split("==")[0].lower() in PINS:
+                    pins[name.split("==")[0].lower()] = name
+        cons = os.path.join(venv, "constraints.txt")
+        with open(cons, "w") as f:
+            f.write("\n".join(pins.values()) + "\n")
+        p = run([py, "-m", "pip", "install", "-q", f"lmms-eval=={version}", "-c", cons], env,
+                f"lmms-eval {version} (our pins as constraints)", check=False)
+        if p.returncode != 0:
+            sys.stderr.write((p.stdout + p.stderr)[-4000:])
+            print(f"error: lmms-eval {version} cannot be installed beside our pins ({', '.join(pins.values())}); "
+                  f"the resolver's message is above. Try another --lmms-eval-version.", file=sys.stderr)
+            raise SystemExit(2)
+    tv = subprocess.run([py, "-c", "import torchvision"], env=env, capture_output=True, text=True)
+    if tv.returncode != 0 and "No module named" not in tv.stderr:
+        why = (tv.stderr.strip().splitlines() or ["?"])[-1]
+        run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision"], env, "remove the broken torchvision")
+        notes.append(f"torchvision (pulled in by lmms-eval) cannot load beside torch 2.13.0+cpu ({why[:160]}); removed")
+    elif tv.returncode != 0:
+        notes.append("torchvision not installed (none loads beside torch 2.13.0+cpu)")
+    freeze = subprocess.run([py, "-m", "pip", "freeze"], env=env, capture_output=True, text=True).stdout
+    vers = {l.split("==")[0].lower(): l.split("==")[1] for l in freeze.splitlines() if "==" in l}
+    for name in PINS + ("lmms-eval",):
+        notes.append(f"{name} {vers.get(name, '?')}")
+    return py, notes
+
+
+def latest(pattern):
+    """The newest file matching a glob pattern (lmms-eval names its outputs by date), or None."""
+    files = sorted(glob.glob(pattern, recursive=True), key=os.path.getmtime)
+    return files[-1] if files else None
+
+
+def lmms_scores(out_dir):
+    """{task: (score, {doc id: 0/1})} from an lmms-eval output folder (--log_samples)."""
+    res = latest(os.path.join(out_dir, "**", "*_results.json"))
+    if res is None:
+        raise SystemExit(f"error: no lmms-eval results under {out_dir}")
+    with open(res) as f:
+        results = json.load(f)["results"]
+    out = {}
+    for task, metrics in results.items():
+        key = "accuracy,none" if "accuracy,none" in metrics else "acc,none"
+        per = {}
+        samples = latest(os.path.join(os.path.dirname(res), f"*_samples_{task}.jsonl"))
+        if samples:
+            with open(samples) as f:
+                for line in f:
+                    s = json.loads(line)
+                    per[s["doc"]["id"]] = s.get("accuracy", s.get("acc"))
+        out[task] = (metrics[key], per)
+    return out
+
+
+def compare(rows, name, ref, got):
+    """Append a comparison row: ref and got are (score, {id: 0/1})."""
+    (a, pa), (b, pb) = ref, got
+    differ = sum(1 for k in pa if k in pb and bool(pa[k]) != bool(pb[k]))
+    rows.append((name, a, b, differ, abs(a - b) < 1e-9 and differ == 0 and len(pa) == len(pb)))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--venv", default="/work/venv-lmms", help="venv for lmms-eval (made if missing)")
+    p.add_argument("--lmms-eval-version", default="0.7.3", help="lmms-eval version to install")
+    p.add_argument("--out", default="out/lmms_check", help="working folder (data, checkpoints, results)")
+    p.add_argument("--n", type=int, default=60, help="test records in the task")
+    p.add_argument("--batch-size", type=int, default=64, help="batch size, ours and lmms-eval's")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--fresh", action="store_true", help="redo every step")
+    a = p.parse_args(argv)
+    out = os.path.abspath(a.out)
+    if a.fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads), HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=os.path.join(out, "hf"),
+               TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", PYTHONPATH=REPO)
+    py, notes = ensure_venv(a.venv, a.lmms_eval_version, env)
+    for n in notes:
+        log(f"venv: {n}")
+    T = ["--threads", str(a.threads)]
+    B = str(a.batch_size)
+
+    # data and task
+    data = os.path.join(out, "data")
+    if not os.path.exists(os.path.join(data, "test.json")):
+        run([py, "-m", "common.data", "--out", data, "--n-train", "300", "--n-val", "40", "--n-test", str(a.n),
+             "--overwrite"], env, "shapes data")
+    test = os.path.join(data, "test.json")
+    tasks = os.path.join(out, "tasks")
+    run([py, "-m", "eval.lmms", "make-task", "--data", test, "--out", tasks, "--overwrite"], env, "lmms-eval task")
+
+    # the three checkpoints
+    mod_dir, mole_dir = os.path.join(out, "mod"), os.path.join(out, "mole")
+    rm = os.path.join(out, "rolemerge")
+    # lmms-eval's qwen3_vl class picks the MoE model class from the *path* (regex "A<n>B", as in
+    # Qwen3-VL-30B-A3B): a merged checkpoint's folder must keep that pattern in its name.
+    merged = os.path.join(rm, "tiny-moe-A1B-rho0.5")
+    if not os.path.exists(os.path.join(mod_dir, "adapter_config.json")):
+        run([py, "-m", "mod.train", "--model", "tiny-chat", "--data", os.path.join(data, "train.json"), "--out",
+             mod_dir, "--steps", "30", "--batch-size", "8", "--lr", "5e-3", "--overwrite"] + T, env, "MoD adapter")
+    if not os.path.exists(os.path.join(mole_dir, "state.json")):
+        run([py, "-m", "mole.train", "--data", data, "--out", mole_dir, "--max-steps", "30", "--batch-size", "8",
+             "--overwrite", "--quiet"] + T, env, "MoLE checkpoint")
+    if not os.path.exists(os.path.join(merged, "config.json")):
+        stats = os.path.join(rm, "stats.safetensors")
+        run([py, "-m", "rolemerge.calibrate", "--model", "tiny-moe", "--data", os.path.join(data, "val.json"),
+             "--limit", "20", "--out", stats, "--force"] + T, env, "RoleMerge calibration")
+        run([py, "-m", "rolemerge.merge", "--model", "tiny-moe", "--stats", stats, "--rho", "0.5", "--out", merged,
+             "--force"] + T, env, "RoleMerge merge")
+
+    # our own scores
+    ref = os.path.join(out, "ref")
+    os.makedirs(ref, exist_ok=True)
+    refs = {}
+
+    def per(results):
+        return (sum(r["correct"] for r in results) / len(results), {r["id"]: r["correct"] for r in results})
+
+    f = os.path.join(ref, "mod.json")
+    run([py, "-m", "mod.infer", "--model", "tiny-chat", "--adapter", mod_dir, "--data", test, "--methods",
+         "single,multi", "--rounds", "1", "--max-new-tokens", "96", "--batch-size", B, "--out", f] + T, env,
+        "ours: mod.infer single,multi")
+    with open(f) as fh:
+        r = json.load(fh)["results"]
+    refs["mod single"], refs["mod multi"] = per(r["single"]), per(r["multi"])
+    f = os.path.join(ref, "mole.json")
+    run([py, "-m", "mole.infer", "--ckpt", mole_dir, "--data", test, "--batch-size", B, "--out", f] + T, env,
+        "ours: mole.infer")
+    with open(f) as fh:
+        refs["mole"] = per(json.load(fh))
+    f = os.path.join(ref, "merged.json")
+    run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", B, "--dtype", "bfloat16",
+         "--out", f] + T, env, "ours: eval.evaluate on the merged checkpoint (bf16, as lmms-eval loads it)")
+    with open(f) as fh:
+        refs["merged"] = per(json.load(fh)["results"])
+    f = os.path.join(ref, "loglik.json")
+    snippet = f"""
+import json, torch
+torch.set_num_threads({a.threads})
+from common.backbone import load_backbone
+from common.data import load_image, read_any
+from eval.evaluate import options_of, score_options
+from eval.lmms import loglik_mole
+from mod.model import load_adapters
+from mole.train import load_mole
+recs = [r for r in read_any({test!r}) if options_of(r)]
+model, proc = load_backbone("tiny-chat"); load_adapters(model, {mod_dir!r})
+out = {{"mod": [{{"id": r["id"], "correct": r["correct"]}} for r in score_options(model, proc, recs, batch_size={B})]}}
+mole, proc, stage = load_mole({mole_dir!r})
+res = []
+for r in recs:
+    opts = options_of(r)
+    lp = [x for x, _ in loglik_mole(mole, [(load_image(r["image"]), r["question"], L) for L, _ in opts], stage)]
+    pred = opts[max(range(len(lp)), key=lp.__getitem__)][0]
+    res.append({{"id": r["id"], "correct": pred == r["answer"]}})
+out["mole"] = res
+json.dump(out, open({f!r}, "w"))
+"""
+    run([py, "-c", snippet], env, "ours: option log-likelihood (eval.evaluate.score_options; MoLE: eval.lmms.loglik_mole)")
+    with open(f) as fh:
+        ll = json.load(fh)
+    refs["mod mc"], refs["mole mc"] = per(ll["mod"]), per(ll["mole"])
+
+    # lmms-eval's scores
+    got = {}
+    common_args = ["--include_path", tasks, "--batch_size", B, "--log_samples", "--verbosity", "WARNING",
+                   "--device", "cpu"]
+    runs = [("mod single", "mod", f"pretrained=tiny-chat,adapter={mod_dir},method=single,threads={a.threads}",
+             "shapes,shapes_mc", ["--gen_kwargs", "max_new_tokens=96"]),
+            ("mod multi", "mod", f"pretrained=tiny-chat,adapter={mod_dir},method=multi,rounds=1,threads={a.threads}",
+             "shapes", ["--gen_kwargs", "max_new_tokens=96"]),
+            ("mole", "mole", f"pretrained={mole_dir},threads={a.threads}", "shapes,shapes_mc", []),
+            ("merged", "qwen3_vl", f"pretrained={merged},device=cpu,device_map=cpu,system_prompt=,"
+                                   f"min_pixels=3136,max_pixels=12544", "shapes", [])]
+    failed = []
+    for name, model, margs, task_list, extra in runs:
+        o = os.path.join(out, "lmms", name.replace(" ", "_"))
+        shutil.rmtree(o, ignore_errors=True)
+        p = run([py, "-m", "eval.lmms", "--model", model, "--model_args", margs, "--tasks", task_list,
+                 "--output_path", o] + common_args + extra, env, f"lmms-eval: {name}", check=False)
+        with open(os.path.join(out, "lmms", name.replace(" ", "_") + ".log"), "w") as fh:
+            fh.write(p.stdout + p.stderr)
+        if p.returncode != 0:
+            tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+            failed.append((name, model, " | ".join(tail)[-400:]))
+            continue
+        for task, val in lmms_scores(o).items():
+            got[name if task == "shapes" else name.split()[0] + " mc"] = val
+
+    rows = []
+    for name in refs:
+        if name in got:
+            compare(rows, name, refs[name], got[name])
+    print("\nlmms-eval vs ours on the same records (shapes test split, n=%d; mc: %d records with options)"
+          % (len(refs["mole"][1]), len(refs["mod mc"][1])))
+    print(f"{'run':12s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s}  equal")
+    for name, x, y, d, ok in rows:
+        print(f"{name:12s} {x:7.4f} {y:9.4f} {d:15d}  {'yes' if ok else 'NO'}")
+    for name, model, why in failed:
+        print(f"{name:12s} lmms-eval --model {model} failed: {why}")
+    for n in notes:
+        print(f"venv: {n}")
+    with open(os.path.join(out, "summary.json"), "w") as fh:
+        json.dump({"rows": rows, "failed": failed, "notes": notes}, fh, indent=1)
+    bad = [r for r in rows if not r[4]] or failed
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
