@@ -51,27 +51,38 @@ def run(cmd, env, what, check=True, capture=False):
     return p
 
 
-def ensure_venv(venv, version, env):
-    """The venv's python, made on first use: requirements.txt, then lmms-eval==version with
-    our pins as constraints. Returns (python, notes about what had to give way)."""
+def ensure_venv(venv, version, env, torch_source):
+    """The venv's python, made on first use, and notes on what had to give way.
+
+    torch_source "cpu": requirements.txt as our own venv has it (the local CPU torch wheel),
+    then lmms-eval==version with our pins as constraints; the torchvision pip pulls in cannot
+    load beside a CPU torch and is removed (our classes do not need it; lmms-eval's stock Qwen-VL
+    classes do). torch_source "pypi": first torch at our pinned version from the package index
+    (a CUDA build, ~3 GB with its nvidia-* wheels; runs on CPU too) with its matching
+    torchvision, then the same; plus decord, which lmms-eval's qwen3_vl module imports but
+    does not install."""
     py = os.path.join(venv, "bin", "python")
     notes = []
+    pins = {}
+    with open(os.path.join(REPO, "requirements.txt")) as f:
+        for line in f:
+            name = line.split("#")[0].strip()
+            if "==" in name and name.split("==")[0].lower() in PINS:
+                pins[name.split("==")[0].lower()] = name
     ok = os.path.exists(py) and subprocess.run([py, "-c", "import lmms_eval"], env=env,
                                                capture_output=True).returncode == 0
     if not ok:
         if not os.path.exists(py):
             run([sys.executable, "-m", "venv", venv], env, "make venv")
-        run([py, "-m", "pip", "install", "-q", "-r", os.path.join(REPO, "requirements.txt")], env, "our requirements")
-        pins = {}
-        with open(os.path.join(REPO, "requirements.txt")) as f:
-            for line in f:
-                name = line.split("#")[0].strip()
-                if "==" in name and name.split("==")[0].lower() in PINS:
-                    pins[name.split("==")[0].lower()] = name
         cons = os.path.join(venv, "constraints.txt")
         with open(cons, "w") as f:
             f.write("\n".join(pins.values()) + "\n")
-        p = run([py, "-m", "pip", "install", "-q", f"lmms-eval=={version}", "-c", cons], env,
+        if torch_source == "pypi":  # the index's build, not the local CPU wheel that find-links offers
+            run([py, "-m", "pip", "install", "-q", "--isolated", pins["torch"], "torchvision", "-c", cons],
+                dict(env, PIP_FIND_LINKS=""), "torch + torchvision from the package index")
+        run([py, "-m", "pip", "install", "-q", "-r", os.path.join(REPO, "requirements.txt")], env, "our requirements")
+        extra = ["decord"] if torch_source == "pypi" else []
+        p = run([py, "-m", "pip", "install", "-q", f"lmms-eval=={version}"] + extra + ["-c", cons], env,
                 f"lmms-eval {version} (our pins as constraints)", check=False)
         if p.returncode != 0:
             sys.stderr.write((p.stdout + p.stderr)[-4000:])
@@ -82,14 +93,12 @@ def ensure_venv(venv, version, env):
     if tv.returncode != 0 and "No module named" not in tv.stderr:
         why = (tv.stderr.strip().splitlines() or ["?"])[-1]
         run([py, "-m", "pip", "uninstall", "-y", "-q", "torchvision"], env, "remove the broken torchvision")
-        notes.append(f"torchvision (pulled in by lmms-eval) cannot load beside torch 2.13.0+cpu ({why[:160]}); removed")
-    elif tv.returncode != 0:
-        notes.append("torchvision not installed (none loads beside torch 2.13.0+cpu)")
+        notes.append(f"torchvision (pulled in by lmms-eval) cannot load beside this torch ({why[:120]}): removed")
     freeze = subprocess.run([py, "-m", "pip", "freeze"], env=env, capture_output=True, text=True).stdout
-    vers = {l.split("==")[0].lower(): l.split("==")[1] for l in freeze.splitlines() if "==" in l}
-    for name in PINS + ("lmms-eval",):
-        notes.append(f"{name} {vers.get(name, '?')}")
-    return py, notes
+    vers = {l.split("==")[0].lower().replace("_", "-"): l.split("==")[1] for l in freeze.splitlines() if "==" in l}
+    notes.append(", ".join(f"{n} {vers.get(n, '-')}" for n in PINS + ("torchvision", "lmms-eval", "decord")))
+    has_tv = subprocess.run([py, "-c", "import torchvision"], env=env, capture_output=True).returncode == 0
+    return py, notes, has_tv
 
 
 def latest(pattern):
@@ -134,7 +143,10 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=60, help="test records in the task")
     p.add_argument("--batch-size", type=int, default=64, help="batch size, ours and lmms-eval's")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--fresh", action="store_true", help="redo every step")
+    p.add_argument("--torch", choices=["cpu", "pypi"], default="cpu",
+                   help="torch of a new venv: cpu = our local CPU wheel (no torchvision: lmms-eval's stock Qwen-VL "
+                        "classes cannot run), pypi = the index's build of the same version + torchvision (~3 GB)")
+    p.add_argument("--fresh", action="store_true", help="redo every step (not the venv)")
     a = p.parse_args(argv)
     out = os.path.abspath(a.out)
     if a.fresh:
@@ -143,7 +155,7 @@ def main(argv=None):
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=os.path.join(out, "hf"),
                TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled", PYTHONPATH=REPO)
-    py, notes = ensure_venv(a.venv, a.lmms_eval_version, env)
+    py, notes, has_tv = ensure_venv(a.venv, a.lmms_eval_version, env, a.torch)
     for n in notes:
         log(f"venv: {n}")
     T = ["--threads", str(a.threads)]
@@ -198,8 +210,9 @@ def main(argv=None):
     with open(f) as fh:
         refs["mole"] = per(json.load(fh))
     f = os.path.join(ref, "merged.json")
-    run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", B, "--dtype", "bfloat16",
-         "--out", f] + T, env, "ours: eval.evaluate on the merged checkpoint (bf16, as lmms-eval loads it)")
+    run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", "1", "--dtype", "bfloat16",
+         "--out", f] + T, env, "ours: eval.evaluate on the merged checkpoint (bf16 and one record at a time, as "
+                               "lmms-eval's stock classes run it)")
     with open(f) as fh:
         refs["merged"] = per(json.load(fh)["results"])
     f = os.path.join(ref, "loglik.json")
@@ -232,21 +245,30 @@ json.dump(out, open({f!r}, "w"))
 
     # lmms-eval's scores
     got = {}
-    common_args = ["--include_path", tasks, "--batch_size", B, "--log_samples", "--verbosity", "WARNING",
-                   "--device", "cpu"]
+    common_args = ["--include_path", tasks, "--log_samples", "--verbosity", "WARNING", "--device", "cpu"]
     runs = [("mod single", "mod", f"pretrained=tiny-chat,adapter={mod_dir},method=single,threads={a.threads}",
              "shapes,shapes_mc", ["--gen_kwargs", "max_new_tokens=96"]),
             ("mod multi", "mod", f"pretrained=tiny-chat,adapter={mod_dir},method=multi,rounds=1,threads={a.threads}",
              "shapes", ["--gen_kwargs", "max_new_tokens=96"]),
             ("mole", "mole", f"pretrained={mole_dir},threads={a.threads}", "shapes,shapes_mc", []),
-            ("merged", "qwen3_vl", f"pretrained={merged},device=cpu,device_map=cpu,system_prompt=,"
-                                   f"min_pixels=3136,max_pixels=12544", "shapes", [])]
+            # lmms-eval's stock classes, on the merged RoleMerge checkpoint (a plain transformers folder):
+            # qwen3_vl (the Qwen3-VL class), huggingface (AutoModelForImageTextToText + AutoProcessor)
+            ("merged qwen3_vl", "qwen3_vl", f"pretrained={merged},device=cpu,device_map=cpu,system_prompt=,"
+                                            f"min_pixels=3136,max_pixels=12544", "shapes", ["--batch_size", "1"]),
+            ("merged hf", "huggingface", f"pretrained={merged},device=cpu,device_map=cpu", "shapes",
+             ["--batch_size", "1"])]
     failed = []
     for name, model, margs, task_list, extra in runs:
+        if name.startswith("merged") and not has_tv:
+            failed.append((name, model, "not run: lmms-eval's stock Qwen-VL classes need torchvision (AutoProcessor's "
+                                        "video processor, qwen_vl_utils), which cannot load beside torch 2.13.0+cpu; "
+                                        "rerun with --torch pypi --venv ANOTHER_VENV"))
+            continue
         o = os.path.join(out, "lmms", name.replace(" ", "_"))
         shutil.rmtree(o, ignore_errors=True)
         p = run([py, "-m", "eval.lmms", "--model", model, "--model_args", margs, "--tasks", task_list,
-                 "--output_path", o] + common_args + extra, env, f"lmms-eval: {name}", check=False)
+                 "--output_path", o] + common_args + (extra if "--batch_size" in extra else extra + ["--batch_size", B]),
+                env, f"lmms-eval: {name}", check=False)
         with open(os.path.join(out, "lmms", name.replace(" ", "_") + ".log"), "w") as fh:
             fh.write(p.stdout + p.stderr)
         if p.returncode != 0:
@@ -257,16 +279,15 @@ json.dump(out, open({f!r}, "w"))
             got[name if task == "shapes" else name.split()[0] + " mc"] = val
 
     rows = []
-    for name in refs:
-        if name in got:
-            compare(rows, name, refs[name], got[name])
+    for name in got:
+        compare(rows, name, refs["merged" if name.startswith("merged") else name], got[name])
     print("\nlmms-eval vs ours on the same records (shapes test split, n=%d; mc: %d records with options)"
           % (len(refs["mole"][1]), len(refs["mod mc"][1])))
-    print(f"{'run':12s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s}  equal")
+    print(f"{'run':16s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s}  equal")
     for name, x, y, d, ok in rows:
-        print(f"{name:12s} {x:7.4f} {y:9.4f} {d:15d}  {'yes' if ok else 'NO'}")
+        print(f"{name:16s} {x:7.4f} {y:9.4f} {d:15d}  {'yes' if ok else 'NO'}")
     for name, model, why in failed:
-        print(f"{name:12s} lmms-eval --model {model} failed: {why}")
+        print(f"{name:16s} lmms-eval --model {model}: {why}")
     for n in notes:
         print(f"venv: {n}")
     with open(os.path.join(out, "summary.json"), "w") as fh:
