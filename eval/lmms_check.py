@@ -42,7 +42,7 @@ def log(msg):
 
 def run(cmd, env, what, check=True, capture=False):
     """Run a command in the repo root; on failure print its tail and exit 2 (check=True)."""
-    log(f"{what}: {' '.join(cmd)}")
+    log(f"{what}: {' '.join(c if chr(10) not in c else '<script>' for c in cmd)}")
     p = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
     if p.returncode != 0 and check:
         sys.stderr.write((p.stdout + p.stderr)[-6000:])
@@ -198,19 +198,20 @@ def main(argv=None):
         return (sum(r["correct"] for r in results) / len(results), {r["id"]: r["correct"] for r in results})
 
     f = os.path.join(ref, "mod.json")
-    run([py, "-m", "mod.infer", "--model", "tiny-chat", "--adapter", mod_dir, "--data", test, "--methods",
+    done = lambda path: os.path.exists(path)  # each reference run writes its file last (atomically)
+    done(f) or run([py, "-m", "mod.infer", "--model", "tiny-chat", "--adapter", mod_dir, "--data", test, "--methods",
          "single,multi", "--rounds", "1", "--max-new-tokens", "96", "--batch-size", B, "--out", f] + T, env,
         "ours: mod.infer single,multi")
     with open(f) as fh:
         r = json.load(fh)["results"]
     refs["mod single"], refs["mod multi"] = per(r["single"]), per(r["multi"])
     f = os.path.join(ref, "mole.json")
-    run([py, "-m", "mole.infer", "--ckpt", mole_dir, "--data", test, "--batch-size", B, "--out", f] + T, env,
+    done(f) or run([py, "-m", "mole.infer", "--ckpt", mole_dir, "--data", test, "--batch-size", B, "--out", f] + T, env,
         "ours: mole.infer")
     with open(f) as fh:
         refs["mole"] = per(json.load(fh))
     f = os.path.join(ref, "merged.json")
-    run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", "1", "--dtype", "bfloat16",
+    done(f) or run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", "1", "--dtype", "bfloat16",
          "--out", f] + T, env, "ours: eval.evaluate on the merged checkpoint (bf16 and one record at a time, as "
                                "lmms-eval's stock classes run it)")
     with open(f) as fh:
@@ -236,9 +237,10 @@ for r in recs:
     pred = opts[max(range(len(lp)), key=lp.__getitem__)][0]
     res.append({{"id": r["id"], "correct": pred == r["answer"]}})
 out["mole"] = res
-json.dump(out, open({f!r}, "w"))
+json.dump(out, open({f!r} + ".tmp", "w"))
+import os; os.replace({f!r} + ".tmp", {f!r})
 """
-    run([py, "-c", snippet], env, "ours: option log-likelihood (eval.evaluate.score_options; MoLE: eval.lmms.loglik_mole)")
+    done(f) or run([py, "-c", snippet], env, "ours: option log-likelihood (eval.evaluate.score_options; MoLE: eval.lmms.loglik_mole)")
     with open(f) as fh:
         ll = json.load(fh)
     refs["mod mc"], refs["mole mc"] = per(ll["mod"]), per(ll["mole"])
@@ -258,6 +260,7 @@ json.dump(out, open({f!r}, "w"))
             ("merged hf", "huggingface", f"pretrained={merged},device=cpu,device_map=cpu", "shapes",
              ["--batch_size", "1"])]
     failed = []
+    os.makedirs(os.path.join(out, "lmms"), exist_ok=True)
     for name, model, margs, task_list, extra in runs:
         if name.startswith("merged") and not has_tv:
             failed.append((name, model, "not run: lmms-eval's stock Qwen-VL classes need torchvision (AutoProcessor's "
