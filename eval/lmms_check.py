@@ -81,7 +81,9 @@ def ensure_venv(venv, version, env, torch_source):
             run([py, "-m", "pip", "install", "-q", "--isolated", pins["torch"], "torchvision", "-c", cons],
                 dict(env, PIP_FIND_LINKS=""), "torch + torchvision from the package index")
         run([py, "-m", "pip", "install", "-q", "-r", os.path.join(REPO, "requirements.txt")], env, "our requirements")
-        extra = ["decord"] if torch_source == "pypi" else []
+        # decord: lmms-eval's qwen3_vl module imports it at the top but lmms-eval does not require it;
+        # filelock < 4: lmms-eval 0.7.3's evaluator imports filelock._api, which filelock 4 no longer has
+        extra = ["filelock<4"] + (["decord"] if torch_source == "pypi" else [])
         p = run([py, "-m", "pip", "install", "-q", f"lmms-eval=={version}"] + extra + ["-c", cons], env,
                 f"lmms-eval {version} (our pins as constraints)", check=False)
         if p.returncode != 0:
