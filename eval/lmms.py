@@ -31,7 +31,9 @@ What a request becomes (lmms-eval 0.7's simple-model interface, `Instance.args`)
                   is scored as the start of the assistant turn. Returned as (negative summed
                   log-probability, is_greedy): lmms-eval 0.7's multiple_choice picks the option
                   with the *smallest* value (its LLaVA classes return a loss), not the largest
-                  log-likelihood that its base-class docstring describes.
+                  log-likelihood that its base-class docstring describes. lmms-eval 0.7.3 also
+                  turns a returned (float, bool) pair into a string (unwrap_generation_output,
+                  meant for generations): the pair goes back wrapped in its GenerationResult.
 Sampling (temperature > 0) is refused: every score in this repo is greedy.
 """
 import json
@@ -271,6 +273,16 @@ def _make_classes():
 
     from common.cli import set_threads
 
+    try:  # lmms-eval 0.7.3 passes every response through unwrap_generation_output, which turns a
+        # loglikelihood pair (float, bool) into its str(); a GenerationResult's .text passes unchanged
+        from lmms_eval.api.instance import GenerationResult, unwrap_generation_output
+        mangled = not isinstance(unwrap_generation_output((-1.0, True))[0], tuple)
+    except ImportError:  # versions before GenerationResult: pairs pass as they are
+        mangled = False
+
+    def _ll_result(pair):
+        return GenerationResult(text=pair) if mangled else pair
+
     class _Ours(lmms):
         """Shared request plumbing; subclasses set self.model / self.proc and implement
         `_generate(images, questions, max_new_tokens)` and `_loglik(rows)`."""
@@ -320,7 +332,7 @@ def _make_classes():
             """[(-sum log p(continuation | context, image), is_greedy)] in request order (see
             the module docstring for the sign)."""
             rows = [(self._visual(r), r.args[0], r.args[1]) for r in requests]
-            return [(-lp, greedy) for lp, greedy in self._loglik(rows)]
+            return [_ll_result((-lp, greedy)) for lp, greedy in self._loglik(rows)]
 
         def generate_until_multi_round(self, requests):
             raise NotImplementedError("multi-round tasks are not supported; MoD's debate rounds are method=multi")

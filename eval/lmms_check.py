@@ -109,8 +109,9 @@ def latest(pattern):
     return files[-1] if files else None
 
 
-def lmms_scores(out_dir):
-    """{task: (score, {doc id: 0/1})} from an lmms-eval output folder (--log_samples)."""
+def lmms_scores(out_dir, tasks_dir):
+    """{task: (score, {doc id: 0/1}, {doc id: generated text})} from an lmms-eval output folder
+    (--log_samples). Samples name documents by their index in the task's JSONL (doc_id)."""
     res = latest(os.path.join(out_dir, "**", "*_results.json"))
     if res is None:
         raise SystemExit(f"error: no lmms-eval results under {out_dir}")
@@ -119,22 +120,27 @@ def lmms_scores(out_dir):
     out = {}
     for task, metrics in results.items():
         key = "accuracy,none" if "accuracy,none" in metrics else "acc,none"
-        per = {}
+        with open(os.path.join(tasks_dir, f"{task}.jsonl")) as f:
+            ids = [json.loads(line)["id"] for line in f]
+        per, text = {}, {}
         samples = latest(os.path.join(os.path.dirname(res), f"*_samples_{task}.jsonl"))
-        if samples:
-            with open(samples) as f:
-                for line in f:
-                    s = json.loads(line)
-                    per[s["doc"]["id"]] = s.get("accuracy", s.get("acc"))
-        out[task] = (metrics[key], per)
+        with open(samples) as f:
+            for line in f:
+                s = json.loads(line)
+                k = ids[int(s["doc_id"])]
+                per[k] = s.get("accuracy", s.get("acc"))
+                if key == "accuracy,none":
+                    text[k] = s["filtered_resps"][0]
+        out[task] = (metrics[key], per, text)
     return out
 
 
 def compare(rows, name, ref, got):
-    """Append a comparison row: ref and got are (score, {id: 0/1})."""
-    (a, pa), (b, pb) = ref, got
+    """Append a comparison row: ref and got are (score, {id: 0/1}, {id: text})."""
+    (a, pa, ta), (b, pb, tb) = ref, got
     differ = sum(1 for k in pa if k in pb and bool(pa[k]) != bool(pb[k]))
-    rows.append((name, a, b, differ, abs(a - b) < 1e-9 and differ == 0 and len(pa) == len(pb)))
+    texts = sum(1 for k in ta if k in tb and ta[k] != tb[k]) if ta and tb else None
+    rows.append((name, a, b, differ, texts, abs(a - b) < 1e-9 and differ == 0 and len(pa) == len(pb)))
 
 
 def main(argv=None):
@@ -197,7 +203,8 @@ def main(argv=None):
     refs = {}
 
     def per(results):
-        return (sum(r["correct"] for r in results) / len(results), {r["id"]: r["correct"] for r in results})
+        return (sum(r["correct"] for r in results) / len(results), {r["id"]: r["correct"] for r in results},
+                {r["id"]: r["pred"] for r in results if "pred" in r and r["pred"] is not None and "scores" not in r})
 
     f = os.path.join(ref, "mod.json")
     done = lambda path: os.path.exists(path)  # each reference run writes its file last (atomically)
@@ -280,7 +287,7 @@ import os; os.replace({f!r} + ".tmp", {f!r})
             tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
             failed.append((name, model, " | ".join(tail)[-400:]))
             continue
-        for task, val in lmms_scores(o).items():
+        for task, val in lmms_scores(o, tasks).items():
             got[name if task == "shapes" else name.split()[0] + " mc"] = val
 
     rows = []
@@ -288,16 +295,16 @@ import os; os.replace({f!r} + ".tmp", {f!r})
         compare(rows, name, refs["merged" if name.startswith("merged") else name], got[name])
     print("\nlmms-eval vs ours on the same records (shapes test split, n=%d; mc: %d records with options)"
           % (len(refs["mole"][1]), len(refs["mod mc"][1])))
-    print(f"{'run':16s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s}  equal")
-    for name, x, y, d, ok in rows:
-        print(f"{name:16s} {x:7.4f} {y:9.4f} {d:15d}  {'yes' if ok else 'NO'}")
+    print(f"{'run':16s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s} {'texts differ':>12s}  equal")
+    for name, x, y, d, t, ok in rows:
+        print(f"{name:16s} {x:7.4f} {y:9.4f} {d:15d} {'-' if t is None else t:>12}  {'yes' if ok else 'NO'}")
     for name, model, why in failed:
         print(f"{name:16s} lmms-eval --model {model}: {why}")
     for n in notes:
         print(f"venv: {n}")
     with open(os.path.join(out, "summary.json"), "w") as fh:
         json.dump({"rows": rows, "failed": failed, "notes": notes}, fh, indent=1)
-    bad = [r for r in rows if not r[4]] or failed
+    bad = [r for r in rows if not r[5]] or failed
     raise SystemExit(1 if bad else 0)
 
 
