@@ -130,7 +130,8 @@ def lmms_scores(out_dir, tasks_dir):
                 k = ids[int(s["doc_id"])]
                 per[k] = s.get("accuracy", s.get("acc"))
                 if key == "accuracy,none":
-                    text[k] = s["filtered_resps"][0]
+                    t = s["filtered_resps"]
+                    text[k] = t if isinstance(t, str) else t[0]
         out[task] = (metrics[key], per, text)
     return out
 
@@ -268,11 +269,11 @@ import os; os.replace({f!r} + ".tmp", {f!r})
                                             f"min_pixels=3136,max_pixels=12544", "shapes", ["--batch_size", "1"]),
             ("merged hf", "huggingface", f"pretrained={merged},device=cpu,device_map=cpu", "shapes",
              ["--batch_size", "1"])]
-    failed = []
+    failed, skipped = [], []
     os.makedirs(os.path.join(out, "lmms"), exist_ok=True)
     for name, model, margs, task_list, extra in runs:
         if name.startswith("merged") and not has_tv:
-            failed.append((name, model, "not run: lmms-eval's stock Qwen-VL classes need torchvision (AutoProcessor's "
+            skipped.append((name, model, "not run: lmms-eval's stock Qwen-VL classes need torchvision (AutoProcessor's "
                                         "video processor, qwen_vl_utils), which cannot load beside torch 2.13.0+cpu; "
                                         "rerun with --torch pypi --venv ANOTHER_VENV"))
             continue
@@ -298,12 +299,12 @@ import os; os.replace({f!r} + ".tmp", {f!r})
     print(f"{'run':16s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s} {'texts differ':>12s}  equal")
     for name, x, y, d, t, ok in rows:
         print(f"{name:16s} {x:7.4f} {y:9.4f} {d:15d} {'-' if t is None else t:>12}  {'yes' if ok else 'NO'}")
-    for name, model, why in failed:
+    for name, model, why in failed + skipped:
         print(f"{name:16s} lmms-eval --model {model}: {why}")
     for n in notes:
         print(f"venv: {n}")
     with open(os.path.join(out, "summary.json"), "w") as fh:
-        json.dump({"rows": rows, "failed": failed, "notes": notes}, fh, indent=1)
+        json.dump({"rows": rows, "failed": failed, "skipped": skipped, "notes": notes}, fh, indent=1)
     bad = [r for r in rows if not r[5]] or failed
     raise SystemExit(1 if bad else 0)
 
