@@ -265,9 +265,9 @@ import os; os.replace({f!r} + ".tmp", {f!r})
             ("mole", "mole", f"pretrained={mole_dir},threads={a.threads}", "shapes,shapes_mc", []),
             # lmms-eval's stock classes, on the merged RoleMerge checkpoint (a plain transformers folder):
             # qwen3_vl (the Qwen3-VL class), huggingface (AutoModelForImageTextToText + AutoProcessor)
-            ("merged qwen3_vl", "qwen3_vl", f"pretrained={merged},device=cpu,device_map=cpu,system_prompt=,"
+            ("merged qwen3_vl", "qwen3_vl", f"pretrained={merged},device_map=cpu,system_prompt=,"
                                             f"min_pixels=3136,max_pixels=12544", "shapes", ["--batch_size", "1"]),
-            ("merged hf", "huggingface", f"pretrained={merged},device=cpu,device_map=cpu", "shapes",
+            ("merged hf", "huggingface", f"pretrained={merged},device_map=cpu", "shapes",
              ["--batch_size", "1"])]
     failed, skipped = [], []
     os.makedirs(os.path.join(out, "lmms"), exist_ok=True)
