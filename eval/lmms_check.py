@@ -113,8 +113,8 @@ def lmms_scores(out_dir, tasks_dir):
     """{task: (score, {doc id: 0/1}, {doc id: generated text})} from an lmms-eval output folder
     (--log_samples). Samples name documents by their index in the task's JSONL (doc_id)."""
     res = latest(os.path.join(out_dir, "**", "*_results.json"))
-    if res is None:
-        raise SystemExit(f"error: no lmms-eval results under {out_dir}")
+    if res is None:  # lmms-eval logs an evaluation error and still exits 0
+        return None
     with open(res) as f:
         results = json.load(f)["results"]
     out = {}
@@ -284,11 +284,13 @@ import os; os.replace({f!r} + ".tmp", {f!r})
                 env, f"lmms-eval: {name}", check=False)
         with open(os.path.join(out, "lmms", name.replace(" ", "_") + ".log"), "w") as fh:
             fh.write(p.stdout + p.stderr)
-        if p.returncode != 0:
-            tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+        scores = lmms_scores(o, tasks) if p.returncode == 0 else None
+        if scores is None:
+            tail = [l for l in (p.stdout + p.stderr).splitlines() if "ERROR" in l or "Error" in l][-1:] or \
+                (p.stdout + p.stderr).strip().splitlines()[-3:]
             failed.append((name, model, " | ".join(tail)[-400:]))
             continue
-        for task, val in lmms_scores(o, tasks).items():
+        for task, val in scores.items():
             got[name if task == "shapes" else name.split()[0] + " mc"] = val
 
     rows = []
