@@ -17,8 +17,14 @@ Needs only the standard library to start: it
    eval.evaluate.score_options for option log-likelihood) and with lmms-eval
    (`python -m eval.lmms --model mod|mole ...`, and lmms-eval's stock `qwen3_vl` class on
    the merged checkpoint), on the same records;
-5. prints both scores per run and the number of records whose verdict differs, and exits
-   with 1 if any score differs (2 for a setup error).
+5. prints both scores per run, the number of records whose verdict and whose generated text
+   differ, and exits with 1 if any score differs or an lmms-eval run fails (2 for a setup
+   error). Without torchvision (--torch cpu) the stock-class runs are skipped, not failed.
+
+Measured (mod/README.md, "lmms-eval"): with --torch cpu every comparison is equal; with
+--torch pypi ours are equal too, and both stock classes fail on the tiny merged checkpoint
+(qwen3_vl: patch 16 assumed, our tiny bases have 14; huggingface: `audios=` refused by
+transformers 5), so that mode exits 1.
 
 Every step's output stays in --out; a rerun redoes only what is missing (--fresh redoes all).
 Runs one thread per process (`--threads`); about 10 minutes on a busy 2-core CPU after the venv.
