@@ -87,18 +87,34 @@ def add_threads(p):
                         "core this process may use; 0 = torch's own default)")
 
 
+def _small_checkpoint(path, max_hidden=512):
+    """True if `path` is a local checkpoint whose language model is tiny (hidden size <=
+    `max_hidden`, e.g. a RoleMerge merge or a MoLE run of a tiny base): one thread suits it."""
+    import json
+    try:
+        with open(os.path.join(str(path), "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    text = cfg.get("text_config") or cfg.get("language_config") or cfg
+    hidden = text.get("hidden_size") if isinstance(text, dict) else None
+    return isinstance(hidden, int) and hidden <= max_hidden
+
+
 def set_threads(threads, model=None):
     """Set torch's intra-op threads from a `--threads` value and return the number used.
 
     threads None = the default: 1 when `model` names a committed tiny base (tiny-dense /
-    tiny-moe / tiny-chat, or a path under common/tiny), else every core this process may use
+    tiny-moe / tiny-chat, a path under common/tiny, or a local checkpoint with a language-model
+    hidden size <= 512, such as a merge of tiny-moe), else every core this process may use
     (`os.sched_getaffinity`, which respects taskset / cgroup CPU sets, unlike os.cpu_count).
     0 leaves torch's own default. Measured in the README (Setup): on a 2-core machine busy
     with other jobs, torch's default threads made a 200-example evaluation ~10x slower."""
     import torch
     from common.backbone import TINY, TINY_DIR
     if threads is None:
-        tiny = model is None or model in TINY or os.path.abspath(str(model)).startswith(TINY_DIR)
+        tiny = (model is None or model in TINY or os.path.abspath(str(model)).startswith(TINY_DIR)
+                or _small_checkpoint(model))
         threads = 1 if tiny else len(os.sched_getaffinity(0))
     if threads > 0:
         torch.set_num_threads(threads)

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from common.backbone import generate, load_backbone
-from common.cli import RunError, add_threads, check_out_file, run_cli, set_threads
+from common.cli import Deprecated, RunError, add_threads, check_out_file, run_cli, set_threads
 from common.data import (ANSWER_TYPE, IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns,
                          load_image, read_any)
 from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
@@ -260,8 +260,8 @@ def extra_metrics(results):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
                                             "JSONL): per-family accuracy vs the best constant answer.")
-    p.add_argument("--model", required=True,
-                   help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-moe")
+    p.add_argument("--model", default=None,  # required, checked after parsing so the old --base spelling counts
+                   help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-moe (required)")
     p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
@@ -279,8 +279,12 @@ def main(argv=None):
     p.add_argument("--reference", default=None,
                    help="split the best-constant baseline is fitted on (default: train.json / train.jsonl next to "
                         "--data, if there is one; else the baseline row is left out)")
+    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
+    p.add_argument("--n", dest="limit", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
+    if a.model is None:
+        p.error("the following arguments are required: --model")
     set_threads(a.threads, a.model)
     for flag in ("limit", "batch_size", "max_new_tokens"):  # -1 would silently drop the last record
         if getattr(a, flag) is not None and getattr(a, flag) < 1:

@@ -16,8 +16,9 @@
    grouped by stage).
 
 Every stage (data, each base's evaluation, each method) saves its rows to
-out/quickstart/stages/<stage>.json when it finishes. Ctrl-C finishes the current stage and
-exits with 130 (Ctrl-C again stops at once); a rerun skips the stages already done with the
+out/quickstart/stages/<stage>.json when it finishes. Ctrl-C stops at the end of the current
+training step and exits with 130 (Ctrl-C again stops at once); the interrupted stage reruns
+from its start, and a rerun skips the stages already done with the
 same settings and bases (`--fresh` redoes them all).
 """
 import argparse

@@ -189,3 +189,36 @@ def test_mod_infer_checks_every_method_first_and_keeps_finished_methods(tmp_path
                     "--out", str(out)])
     saved = json.loads(out.read_text())
     assert list(saved["results"]) == ["base"] and saved["complete"] is False
+
+
+def test_threads_default_one_for_a_merged_tiny_checkpoint(tmp_path):
+    """Newcomer trial: rolemerge.infer on a merge of tiny-moe took every core (a path, not a
+    tiny name) and ran ~3x slower on a busy machine. A small local checkpoint gets 1 thread."""
+    import json
+    import os
+    import torch
+    from common.cli import set_threads
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 128}}))
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 3584}}))
+    old = torch.get_num_threads()
+    try:
+        assert set_threads(None, str(tmp_path / "small")) == 1
+        assert set_threads(None, str(tmp_path / "big")) == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_evaluate_accepts_the_old_base_and_n_spellings(capsys):
+    """Newcomer trial: `eval.evaluate --base tiny-dense --n 1` said --model is required,
+    although the README promises the old spellings work this release."""
+    import pytest
+    from eval import evaluate as ev
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--base", "tiny-dense", "--n", "0", "--data", "nope.jsonl"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--base is deprecated" in err and "--limit must be a positive" in err
+    with pytest.raises(SystemExit):
+        ev.main(["--data", "nope.jsonl"])
+    assert "required: --model" in capsys.readouterr().err
