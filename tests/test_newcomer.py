@@ -222,3 +222,18 @@ def test_evaluate_accepts_the_old_base_and_n_spellings(capsys):
     with pytest.raises(SystemExit):
         ev.main(["--data", "nope.jsonl"])
     assert "required: --model" in capsys.readouterr().err
+
+
+def test_quickstart_toy_stages_hand_back_report_rows():
+    """Newcomer trial: the quickstart crashed in RoleMerge (MAX_NEW redefined as a dict by look
+    step) and after MoLE (toy_mole.run returns its table summary, not report rows)."""
+    from eval import toy_mole, toy_rolemerge
+    assert isinstance(toy_rolemerge.MAX_NEW, int)
+    summary = {"rows": [{"row": "mole", "seeds": [0], "per_seed": {"0": {
+        "acc": 0.5, "ci_low": 0.25, "ci_high": 0.75, "n": 4, "family": {"count": 1.0, "colour": 0.0}}}}]}
+    rows = toy_mole.report_rows(summary)
+    assert rows[0] == {"model": "mole", "family": "all", "metric": "accuracy", "value": 0.5,
+                       "ci_low": 0.25, "ci_high": 0.75, "n": 4}
+    assert [(r["family"], r["value"]) for r in rows[1:]] == [("colour", 0.0), ("count", 1.0)]
+    from eval.quickstart import stage_tables
+    assert any("mole" in line for line in stage_tables("mole", rows))

@@ -309,7 +309,7 @@ def test_toy_gold_turn_follows_the_base_look_step():
     assert toy.gold_turn(rec, "none") == toy.gold_turn(rec, False) == "Answer: yes"
     with pytest.raises(ValueError, match="unknown look"):
         toy.gold_turn(rec, "short")
-    assert toy.MAX_NEW["objects"] >= 32 and set(toy.MAX_NEW) == {"full", "objects", "none"}
+    assert toy.MAX_NEW_BY_LOOK["objects"] >= 32 and set(toy.MAX_NEW_BY_LOOK) == {"full", "objects", "none"}
     read = {"target": look + " Answer: yes", "answer": "yes"}                     # data.read_llava_json's fields
     assert toy.gold_turn(read, "objects") == toy.gold_turn(rec, "objects")
 
