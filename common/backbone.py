@@ -387,6 +387,10 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # bad JSON, no/unknown model_type, custom code without the flag
         why = str(e).splitlines()[0].rstrip(". ")
+        if not os.path.isdir(path) and ("connect" in why.lower() or "offline" in why.lower()):
+            raise BackboneError(f"{path}: the model hub cannot be reached and the checkpoint is not in the local "
+                                f"cache ({why}); download it where there is network and pass its local "
+                                f"save_pretrained directory as --model") from None
         raise BackboneError(f"{path}: cannot read its config.json ({why}). Supported VLMs: "
                             f"{', '.join(SUPPORTED_VLMS)}; checkpoints with their own code need "
                             f"--trust-remote-code (it runs that code)") from None

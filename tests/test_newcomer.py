@@ -237,3 +237,14 @@ def test_quickstart_toy_stages_hand_back_report_rows():
     assert [(r["family"], r["value"]) for r in rows[1:]] == [("colour", 0.0), ("count", 1.0)]
     from eval.quickstart import stage_tables
     assert any("mole" in line for line in stage_tables("mole", rows))
+
+
+def test_unreachable_hub_says_so(monkeypatch):
+    """Newcomer trial: a hub id with no network ended in 'Supported VLMs: ...; --trust-remote-code',
+    advice that does not apply. The error now names the network and the local-directory fix."""
+    import pytest
+    from common import backbone as bb
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(bb.BackboneError, match=r"hub cannot be reached.*local save_pretrained directory") as e:
+        bb.load_backbone("nobody-here/not-a-model-xyz")
+    assert "trust-remote-code" not in str(e.value)
