@@ -79,6 +79,16 @@ class Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def add_limit(p, default=0, what="records", dest="limit", old_n=False):
+    """Add `--limit N` (use only the first N records; 0 = all, the one meaning in every script) to an
+    argparse parser; a negative N stops at parse time. `old_n` also accepts the deprecated `--n`.
+    Apply it as `records[:N or None]`."""
+    p.add_argument("--limit", dest=dest, metavar="N", type=number(min=0), default=default,
+                   help=f"use only the first N {what} (0 = all; default {default or 'all'})")
+    if old_n:
+        p.add_argument("--n", dest=dest, type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+
+
 def add_threads(p):
     """Add `--threads` (torch CPU threads) to an argparse parser; apply it with `set_threads`."""
     p.add_argument("--threads", type=number(min=0), default=None,

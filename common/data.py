@@ -394,7 +394,8 @@ def load_records(path):
     UTF-8 text, and invalid JSON, naming the line (JSONL: the file's line number). A UTF-8
     byte-order mark (as some Windows editors write) is skipped."""
     if not os.path.exists(path):
-        raise DataError(f"{path}: file not found; generate data with `python -m common.data --out DIR`")
+        raise DataError(f"{path}: file not found; check the path (the toy shapes data, if that is what you want, "
+                        f"is made by `python -m common.data --out DIR`)")
     if os.path.isdir(path):
         have = [f for f in ("train.json", "train.jsonl", "val.json", "test.json")
                 if os.path.isfile(os.path.join(path, f))]
@@ -774,7 +775,8 @@ def load_image(path, rid="?"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Generate the synthetic shapes dataset (images + LLaVA JSON).")
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description="Generate the synthetic shapes dataset (images + LLaVA JSON).")
     from common.cli import fail, number
     p.add_argument("--out", default="out/data", help="output directory")
     p.add_argument("--n-train", type=number(min=1), default=2000, help="training examples")

@@ -204,7 +204,8 @@ def lr_at(step, steps, lr, warmup):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"],
                    help="transformers architecture of the tiny base")
     p.add_argument("--out", required=True, help="save_pretrained directory of the result")

@@ -54,7 +54,7 @@ import re
 
 from PIL import Image
 
-from common.cli import run_cli
+from common.cli import add_limit, run_cli
 from common.data import DataError, atomic_target, atomic_write_text, load_records
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -454,7 +454,8 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Convert a public benchmark export (parquet / arrow / JSON / JSONL, "
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description="Convert a public benchmark export (parquet / arrow / JSON / JSONL, "
                                             "the hub dataset's schema) to canonical JSONL with images beside it.")
     p.add_argument("--benchmark", required=True, choices=sorted(CONVERTERS), help="which schema --src is in")
     p.add_argument("--src", required=True, nargs="+",
@@ -462,16 +463,14 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="canonical JSONL to write; images go to <out>_images/")
     p.add_argument("--image-dir", default=None,
                    help="folder that image file paths in --src are relative to (default: --src's folder)")
-    p.add_argument("--limit", type=int, default=None, help="write only the first N records")
+    add_limit(p)
     p.add_argument("--require-image", action="store_true",
                    help="drop rows without an image (ScienceQA's text-only questions, for mod / mole scripts)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out and its image files")
     p.add_argument("--multi-image", default="keep", choices=["keep", "concat"],
                    help="several images per item: keep them as a list (default) or paste them side by side into one")
     a = p.parse_args(argv)
-    if a.limit is not None and a.limit < 1:
-        p.error(f"--limit must be a positive integer, got {a.limit}")
-    recs = convert(a.benchmark, a.src, a.out, a.image_dir, a.limit, a.overwrite, a.multi_image, a.require_image)
+    recs = convert(a.benchmark, a.src, a.out, a.image_dir, a.limit or None, a.overwrite, a.multi_image, a.require_image)
     n_img = sum(1 for r in recs if "image" in r)
     multi = sum(1 for r in recs if isinstance(r.get("image"), list))
     print(f"wrote {a.out}: {len(recs)} {a.benchmark} records ({n_img} with images, {multi} with several, "

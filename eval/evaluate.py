@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from common.backbone import generate, load_backbone
-from common.cli import Deprecated, RunError, add_threads, check_out_file, run_cli, set_threads
+from common.cli import Deprecated, RunError, add_limit, add_threads, check_out_file, number, run_cli, set_threads
 from common.data import (ANSWER_TYPE, IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns,
                          load_image, read_any)
 from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
@@ -258,13 +258,14 @@ def extra_metrics(results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description="Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
                                             "JSONL): per-family accuracy vs the best constant answer.")
     p.add_argument("--model", default=None,  # required, checked after parsing so the old --base spelling counts
                    help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-moe (required)")
     p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
+    add_limit(p)
     p.add_argument("--batch-size", type=int, default=64, help="records per generation batch")
     p.add_argument("--max-new-tokens", type=int, default=48,
                    help="generation budget (the shapes models need ~40 tokens: scene, then answer)")
@@ -280,13 +281,13 @@ def main(argv=None):
                    help="split the best-constant baseline is fitted on (default: train.json / train.jsonl next to "
                         "--data, if there is one; else the baseline row is left out)")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
-    p.add_argument("--n", dest="limit", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    p.add_argument("--n", dest="limit", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
     if a.model is None:
         p.error("the following arguments are required: --model")
     set_threads(a.threads, a.model)
-    for flag in ("limit", "batch_size", "max_new_tokens"):  # -1 would silently drop the last record
+    for flag in ("batch_size", "max_new_tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(a, flag)}")
     out = a.out or os.path.join("out", "eval", f"{os.path.basename(os.path.normpath(a.model))}_"
@@ -299,7 +300,7 @@ def main(argv=None):
         p.error(str(e))
 
     t0 = time.time()
-    records = expand_turns(read_any(a.data, image_root=a.image_root))[:a.limit]  # rid#1, rid#2, ... per turn
+    records = expand_turns(read_any(a.data, image_root=a.image_root))[:a.limit or None]  # rid#1, rid#2, ... per turn
     check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
     bad = sorted({r["benchmark"] for r in records if r.get("benchmark")} - set(SCORERS))
     if bad:  # before the model loads, not after the whole evaluation

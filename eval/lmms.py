@@ -445,7 +445,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["make-task"]:
         import argparse
-        from common.cli import run_cli
+        from common.cli import add_limit, run_cli
         from common.data import IMAGE_ROOT_HELP, read_any
         p = argparse.ArgumentParser(prog="python -m eval.lmms make-task",
                                     description="Write an lmms-eval task folder (YAML + JSONL + utils.py) from a "
@@ -454,13 +454,13 @@ def main(argv=None):
         p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
         p.add_argument("--out", required=True, help="task folder (pass it to lmms-eval as --include_path)")
         p.add_argument("--name", default="shapes", help="task name (NAME and NAME_mc)")
-        p.add_argument("--limit", type=int, default=None, help="first N records only")
+        add_limit(p)
         p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="generation budget")
         p.add_argument("--overwrite", action="store_true", help="replace existing task files")
         a = p.parse_args(argv[1:])
 
         def run():
-            made = build_task(read_any(a.data, a.image_root)[:a.limit], a.out, a.name, a.max_new_tokens, a.overwrite)
+            made = build_task(read_any(a.data, a.image_root)[:a.limit or None], a.out, a.name, a.max_new_tokens, a.overwrite)
             for task, ids in made.items():
                 print(f"{task}: {len(ids)} documents")
             print(f"wrote {a.out}: run with --tasks {','.join(made)} --include_path {a.out}")

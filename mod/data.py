@@ -30,7 +30,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.cli import add_threads, number, run_cli, set_threads
+from common.cli import add_limit, add_threads, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP
 from common.data import DataError, atomic_write_text, final_answer, load_image
 # The prompt shapes live in common/ (the tiny chat base is pretrained on them too); mod.infer reads them here.
@@ -146,7 +146,8 @@ def ratios_arg(text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="MoD viewpoint-shift data synthesis (§3.2).")
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description="MoD viewpoint-shift data synthesis (§3.2).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
                    help="training questions (LLaVA JSON/JSONL with answer + family, or canonical JSONL)")
@@ -159,7 +160,7 @@ def main(argv=None):
     p.add_argument("--min-priors", type=number(min=0), default=0, help="fewest prior responses R in a prompt")
     p.add_argument("--max-priors", type=number(min=0), default=2, help="most prior responses R in a prompt")
     p.add_argument("--n-per-question", type=number(min=1), default=2, help="training samples built per question")
-    p.add_argument("--limit", type=number(min=0), default=0, help="use only the first N questions (0 = all)")
+    add_limit(p, what="questions")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=64, help="length cap of each sampled response")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling and mixing")

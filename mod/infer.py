@@ -23,7 +23,7 @@ import time
 import torch
 
 from common.backbone import generate
-from common.cli import add_threads, check_out_file, number, run_cli, set_threads
+from common.cli import add_limit, add_threads, check_out_file, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
 from mod.train import Batcher
@@ -214,7 +214,8 @@ METHODS = ("base", "single", "multi", "mad", "sc", "base-misled", "misled")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description="MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")
     p.add_argument("--data", required=True, help="questions (LLaVA JSON/JSONL or canonical JSONL)")
@@ -223,7 +224,7 @@ def main(argv=None):
                    help="comma list of: base, single, multi, misled (need --adapter), mad, sc, base-misled "
                    "(base model); misled = one debate round whose only prior response is wrong")
     p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
-    p.add_argument("--limit", type=number(min=0), default=0, help="first N questions only (0 = all)")
+    add_limit(p, what="questions")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=96, help="cap per generated response")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")

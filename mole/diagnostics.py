@@ -20,7 +20,7 @@ import json
 import torch
 
 from common import data
-from common.cli import Deprecated, add_threads, check_out_file, number, run_cli, set_threads
+from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
 from mole.model import ZSUM, ZVIS, load_record_images
 
 
@@ -75,16 +75,15 @@ def latent_stats(mole, records, stage=2, batch_size=64):
 
 def main(argv=None):
     """Command line: a mole.train checkpoint + data -> printed (and optionally JSON) diagnostics."""
-    p = argparse.ArgumentParser(description="MoLE latent diagnostics: latent similarity and attention-pattern KL "
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description="MoLE latent diagnostics: latent similarity and attention-pattern KL "
                                             "(both x100) of a mole.train checkpoint on a data file.")
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")
     p.add_argument("--data", required=True, help="LLaVA JSON/JSONL or canonical JSONL with images")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
-    p.add_argument("--limit", dest="n", type=number(min=0), default=100,
-                   help="first n records (0 = all)")
-    p.add_argument("--n", dest="n", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_limit(p, default=100, dest="n", old_n=True)
     add_threads(p)
     p.add_argument("--stage", type=int, choices=(1, 2), default=None,
                    help="attention stage (default: the checkpoint's, 2 unless stage 2 never ran)")

@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from common.cli import Deprecated, add_threads, check_out_file, number, run_cli, set_threads
+from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, load_record_images, topology_mask
 
@@ -127,16 +127,15 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None,
                    help="base VLM to load (default: the one recorded in the checkpoint; must be the same model)")
     p.add_argument("--data", required=True, help="LLaVA-format JSON/JSONL (e.g. out/data/test.json) or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
-    p.add_argument("--limit", dest="n", type=number(min=0), default=0,
-                   help="evaluate only the first n records (0 = all)")
-    p.add_argument("--n", dest="n", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_limit(p, dest="n", old_n=True)
     add_threads(p)
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=48, help="generation length limit")

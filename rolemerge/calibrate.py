@@ -438,15 +438,15 @@ def _raw_model_type(path):
 
 def main(argv=None):
     from common import data
-    from common.cli import Deprecated, add_threads, fail, set_threads
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from common.cli import add_limit, add_threads, fail, set_threads
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
     p.add_argument("--data", nargs="+", required=True,
                    help="calibration files (LLaVA JSON/JSONL or canonical JSONL); each file is one source (task)")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
     p.add_argument("--out", required=True, help="stats file to write (.safetensors; a .json summary goes next to it)")
-    p.add_argument("--limit", dest="n", type=int, default=128, help="examples per source (the first N of each file)")
-    p.add_argument("--n", dest="n", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_limit(p, default=128, what="examples of each source file", dest="n", old_n=True)
     add_threads(p)
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (left-padded greedy decoding)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens decoded per example")
@@ -457,7 +457,7 @@ def main(argv=None):
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
     p.add_argument("--force", action="store_true", help="overwrite an existing stats file at --out")
     a = p.parse_args(argv)
-    for flag, low in (("n", 1), ("batch_size", 1), ("max_new_tokens", 2)):
+    for flag, low in (("batch_size", 1), ("max_new_tokens", 2)):
         if getattr(a, flag) < low:   # max_new_tokens 1: the one generated token is never fed back (no answer bucket)
             p.error(f"--{'limit' if flag == 'n' else flag.replace('_', '-')} must be >= {low}, got {getattr(a, flag)}")
     if not a.out.endswith(".safetensors"):  # the summary goes to <out minus suffix>.json: never onto --out itself
@@ -485,7 +485,7 @@ def main(argv=None):
                 name = os.path.splitext(os.path.normpath(path))[0].replace(os.sep, "/")
             if name in sources:  # val.json and val.jsonl side by side
                 raise CalibrationError(f"{path}: another --data file has the same source name {name!r}; rename one")
-            sources[name] = data.read_records(path, a.image_root)[:a.n]  # DataError for a file without records
+            sources[name] = data.read_records(path, a.image_root)[:a.n or None]  # DataError for a file without records
             data.check_support(sources[name], "rolemerge.calibrate", text_only=True)
         set_threads(a.threads, a.model)
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)

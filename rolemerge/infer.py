@@ -159,22 +159,22 @@ def load_timed(path, dtype=None):
 def main(argv=None):
     from common import backbone as bb
     from common import data
-    from common.cli import Deprecated, add_threads, fail, set_threads
+    from common.cli import add_limit, add_threads, fail, set_threads
     from eval.metrics import accuracy, by_family
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
     p.add_argument("--data", required=True,
                    help="LLaVA JSON/JSONL or canonical JSONL with questions (and answers for accuracy)")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
-    p.add_argument("--limit", dest="n", type=int, default=200, help="examples to run (the first N)")
-    p.add_argument("--n", dest="n", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
+    add_limit(p, default=200, what="examples", dest="n", old_n=True)
     add_threads(p)
     p.add_argument("--batch-size", type=int, default=32, help="generation batch size")
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
     p.add_argument("--speed", action="store_true", help="also measure batch-1 time to first token and decode tok/s")
     p.add_argument("--out", default=None, help="write predictions + summary JSON here")
     a = p.parse_args(argv)
-    for flag in ("n", "batch_size", "max_new_tokens"):
+    for flag in ("batch_size", "max_new_tokens"):
         if getattr(a, flag) < 1:
             p.error(f"--{'limit' if flag == 'n' else flag.replace('_', '-')} must be a positive integer, got "
                     f"{getattr(a, flag)}")
@@ -182,7 +182,7 @@ def main(argv=None):
     if a.out and os.path.realpath(a.out) == os.path.realpath(a.data):
         p.error(f"--out {a.out} is the data file; predictions would overwrite it")
     try:
-        records = data.expand_turns(data.read_records(a.data, a.image_root))[:a.n]  # data first: fails before
+        records = data.expand_turns(data.read_records(a.data, a.image_root))[:a.n or None]  # data first: fails before
         data.check_support(records, "rolemerge.infer", text_only=True, multi_turn=True)  # the model loads
         model, proc, load_s = load_timed(a.model)
     except (cal.CalibrationError, data.DataError) as e:

@@ -168,11 +168,13 @@ def test_evaluate_refuses_bad_records_and_flags_before_loading(tmp_path, capsys)
     data.generate_split(str(tmp_path), "val", 2)
     d = str(tmp_path / "val.json")
     before = open(d).read()
-    for flag, val in (("--limit", "-1"), ("--limit", "0"), ("--batch-size", "0"), ("--max-new-tokens", "-5")):
+    for flag, val, msg in (("--limit", "-1", "--limit: must be >= 0, got -1"),  # 0 = all, as in every script
+                           ("--batch-size", "0", "--batch-size must be a positive integer, got 0"),
+                           ("--max-new-tokens", "-5", "--max-new-tokens must be a positive integer, got -5")):
         with pytest.raises(SystemExit) as e:
             ev.main(["--model", "nowhere", "--data", d, flag, val])
         assert e.value.code == 2
-        assert f"{flag} must be a positive integer, got {val}" in capsys.readouterr().err
+        assert msg in capsys.readouterr().err
     with pytest.raises(SystemExit):                     # results would overwrite the data
         ev.main(["--model", "nowhere", "--data", d, "--out", d])
     assert "--out" in capsys.readouterr().err and open(d).read() == before
@@ -397,8 +399,9 @@ def test_evaluate_user_errors_exit_with_status_2():
     import sys
     r = subprocess.run([sys.executable, "-m", "eval.evaluate", "--model", "nowhere", "--data", "no/such.json"],
                        capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 2 and r.stderr == ("error: no/such.json: file not found; generate data with "
-                                              "`python -m common.data --out DIR`\n"), r.stderr
+    assert r.returncode == 2 and r.stderr == ("error: no/such.json: file not found; check the path (the toy shapes "
+                                              "data, if that is what you want, is made by `python -m common.data "
+                                              "--out DIR`)\n"), r.stderr
 
 
 def test_atomic_save_file_leaves_no_temp_file_on_failure(tmp_path):

@@ -113,7 +113,8 @@ def test_calibrate_flags_are_checked_before_the_model_loads(moe, tmp_path, capsy
     d = str(root / "val.json")
     before = open(d).read()
     for argv, msg in ((["--max-new-tokens", "1"], "--max-new-tokens must be >= 2, got 1"),
-                      (["--limit", "0"], "--limit must be >= 1, got 0"), (["--n", "0"], "--limit must be >= 1, got 0"), (["--batch-size", "-2"], "--batch-size must be >= 1")):
+                      (["--limit", "-1"], "--limit: must be >= 0, got -1"), (["--n", "-1"], "--n: must be >= 0, got -1"),
+                      (["--batch-size", "-2"], "--batch-size must be >= 1")):
         with pytest.raises(SystemExit) as e:
             cal.main(["--model", "nowhere", "--data", d, "--out", str(tmp_path / "s.safetensors")] + argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
@@ -319,7 +320,7 @@ def test_infer_flags_and_out(moe, tmp_path, capsys):
     *_, root, _ = moe
     d = str(root / "val.json")
     before = open(d).read()
-    for argv, msg in ((["--limit", "-1"], "--limit must be a positive integer, got -1"),
+    for argv, msg in ((["--limit", "-1"], "--limit: must be >= 0, got -1"),
                       (["--out", d], "is the data file; predictions would overwrite it")):
         with pytest.raises(SystemExit) as e:
             infer.main(["--model", "nowhere", "--data", d] + argv)

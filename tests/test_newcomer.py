@@ -125,6 +125,7 @@ ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --d
     "rolemerge.merge": ("--model", "--out", "--threads", "--seed"),
     "rolemerge.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
     "eval.toy_rolemerge": ("--model", "--data", "--out", "--threads"),
+    "eval.convert": ("--limit", "--out"),
 }
 
 
@@ -138,6 +139,12 @@ def test_one_flag_vocabulary(module, capsys):
     missing = [f for f in ENTRY_POINTS[module] if not re.search(rf"{f}[ ,=\n]", text)]
     assert not missing, f"{module} -h lacks {missing}"
     assert not re.search(r"--base[ ,]|--n[ ,]", text)                         # old spellings are not advertised
+    assert text.startswith(f"usage: python -m {module} ")                     # the command a user types
+    if "--limit" in ENTRY_POINTS[module]:                                     # one meaning of --limit 0 everywhere
+        assert re.search(r"--limit N\s+use only the first N [\w\s]+\(0\s+=\s+all", text), text
+        with pytest.raises(SystemExit) as e:
+            importlib.import_module(module).main(["--limit", "-1", "--data", "x", "--model", "x"])
+        assert e.value.code == 2 and "--limit: must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_old_flag_spellings_still_work_with_a_warning(capsys):
@@ -216,9 +223,9 @@ def test_evaluate_accepts_the_old_base_and_n_spellings(capsys):
     import pytest
     from eval import evaluate as ev
     with pytest.raises(SystemExit) as e:
-        ev.main(["--base", "tiny-dense", "--n", "0", "--data", "nope.jsonl"])
+        ev.main(["--base", "tiny-dense", "--n", "-1", "--data", "nope.jsonl"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "--base is deprecated" in err and "--limit must be a positive" in err
+    assert e.value.code == 2 and "--base is deprecated" in err and "--n: must be >= 0, got -1" in err
     with pytest.raises(SystemExit):
         ev.main(["--data", "nope.jsonl"])
     assert "required: --model" in capsys.readouterr().err
