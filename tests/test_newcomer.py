@@ -108,6 +108,11 @@ def test_quickstart_ctrl_c_stops_after_the_stage_and_a_rerun_continues(tmp_path)
     assert r.stdout.count("done in an earlier run") == len(done)              # nothing finished is redone
     report = (out / "report.md").read_text()
     assert report.index("## bases") < report.index("**accuracy**") and "best constant (train)" in report
+    wall = dict(re.findall(r"^- (.+): ([\d.]+)$", report, re.M))            # stage times add up to the total
+    assert sum(" (an earlier run)" in k for k in wall) == len(done)
+    stages = sum(float(v) for k, v in wall.items() if not k.startswith(("total", "this run")))
+    assert abs(float(wall["total of the stages"]) - stages) < 0.2 * len(wall)
+    assert float(wall["this run (wall)"]) < float(wall["total of the stages"])
 
 
 ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --data, --image-root, --limit, --out,
