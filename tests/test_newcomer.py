@@ -260,3 +260,20 @@ def test_unreachable_hub_says_so(monkeypatch):
     with pytest.raises(bb.BackboneError, match=r"hub cannot be reached.*local save_pretrained directory") as e:
         bb.load_backbone("nobody-here/not-a-model-xyz")
     assert "trust-remote-code" not in str(e.value)
+
+
+def test_readme_lists_the_supported_models_the_code_supports():
+    """Newcomer trial: the README's supported-model lists disagreed with the code (LLaVA-NeXT,
+    DeepSeek-OCR-2, DeepSeek-VL2 missing in places)."""
+    from common.backbone import SUPPORTED_VLMS
+    from rolemerge.calibrate import SUPPORTED
+    names = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
+             "qwen3_vl_moe": "Qwen3-VL-MoE", "llava_next": "LLaVA-NeXT"}
+    top = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    vlms = top[top.index("Supported VLMs"):top.index("RoleMerge merges")]
+    assert [names[t] in vlms for t in SUPPORTED_VLMS] == [True] * len(SUPPORTED_VLMS), vlms
+    rm = " ".join(open(os.path.join(ROOT, "rolemerge", "README.md")).read().split())
+    rm = rm[rm.index("Supported families"):rm.index("Anything else")]
+    for family in SUPPORTED.values():
+        short = family.split(" (")[0].split(" ")[0]                             # "DeepSeek-VL2 (Tiny ..." -> name
+        assert short in top[top.index("RoleMerge merges"):] and short in rm, short
