@@ -57,16 +57,22 @@ def _ensure_data(data_dir, n_train, n_test):
     data.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
 
 
-def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, mole_evaluate, plain_evaluate):
+def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, mole_evaluate, plain_evaluate,
+               lr=None, path=None):
     """Train one row of the two-stage table for one seed (resumable checkpoint in
     {tab_dir}/ckpt/{name}_seed{seed}), evaluate it on `test`, write {tab_dir}/{name}_seed{seed}.json
-    atomically and return (result, net, stage). A result file that exists is returned as is
-    (net None): the table resumes where it stopped."""
+    (or `path`) atomically and return (result, net, stage). A result file that exists is
+    returned as is (net None): the table resumes where it stopped. lr: passed as mole.train
+    --lr (None: its toy default, TABLE_LR); a finished checkpoint is loaded, not retrained
+    (mole.train --resume), and "steps_s" (the sum of its recorded step times) says what the
+    training cost when it ran."""
     from mole import train as mt
     from mole.diagnostics import latent_stats
-    path = os.path.join(tab_dir, f"{name}_seed{seed}.json")
+    path = path or os.path.join(tab_dir, f"{name}_seed{seed}.json")
     if os.path.exists(path):
         return _json(path), None, None
+    if lr is not None:
+        flags = flags + ["--lr", f"{lr:g}"]
     t = time.time()
     net, proc, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(cfg["n_train"]),
                               "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
@@ -81,13 +87,34 @@ def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, m
             res = plain_evaluate(net, proc, test, desc=f"eval {name}")
         else:
             res = mole_evaluate(net, test, stage=stage, desc=f"eval {name}")
-    out = {"row": name, "seed": seed, "train_s": train_s, "infer_s": time.time() - t, "steps": len(log),
+    out = {"row": name, "seed": seed, "lr": lr if lr is not None else TABLE_LR, "train_s": train_s,
+           "steps_s": sum(x["s"] for x in log), "infer_s": time.time() - t, "steps": len(log),
            "stage": stage, "ce_log": [[x["step"], x["stage"], x["ce"]] for x in log], "items": res}
     if "sft" not in flags:
         with torch.inference_mode():
             out["latent_sim_x100"], out["attn_kl_x100"] = latent_stats(net, test[:100], stage=stage)
     data.atomic_write_text(path, json.dumps(out))
     return out, net, stage
+
+
+def _interventions(tab_dir, seed, net, stage, test, mole_evaluate):
+    """MoLE of {tab_dir}/ckpt/mole_seed{seed} (`net` if already loaded) evaluated on `test` with
+    each latent intervention (INTERVENTIONS); one atomic {tab_dir}/mole_{kind}_seed{seed}.json
+    each, skipped when it exists."""
+    from mole.train import load_mole
+    for kind in INTERVENTIONS:
+        path = os.path.join(tab_dir, f"mole_{kind}_seed{seed}.json")
+        if os.path.exists(path):
+            continue
+        if net is None:
+            net, _, stage = load_mole(os.path.join(tab_dir, "ckpt", f"mole_seed{seed}"))
+        t = time.time()
+        with torch.inference_mode():
+            res = mole_evaluate(net, test, stage=stage, intervention=kind, desc=f"eval mole {kind}")
+        data.atomic_write_text(path, json.dumps({"row": f"mole_{kind}", "seed": seed,
+                                                 "infer_s": time.time() - t, "items": res}))
+        print(f"[toy_mole] mole_{kind} seed {seed}: acc "
+              f"{sum(x['correct'] for x in res) / len(res):.3f}", flush=True)
 
 
 def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
@@ -99,7 +126,6 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
     in quick mode, and the PNG figures)."""
     from eval.evaluate import evaluate as plain_evaluate
     from mole.infer import evaluate as mole_evaluate
-    from mole.train import load_mole
     if threads:
         torch.set_num_threads(threads)
     cfg = QUICK if quick else FULL
@@ -125,19 +151,7 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
                   f"train {r.get('train_s', 0):.0f}s", flush=True)
             if name != "mole" or quick:
                 continue
-            for kind in INTERVENTIONS:
-                path = os.path.join(tab_dir, f"mole_{kind}_seed{seed}.json")
-                if os.path.exists(path):
-                    continue
-                if net is None:
-                    net, _, stage = load_mole(os.path.join(tab_dir, "ckpt", f"mole_seed{seed}"))
-                t = time.time()
-                with torch.inference_mode():
-                    res = mole_evaluate(net, test, stage=stage, intervention=kind, desc=f"eval mole {kind}")
-                data.atomic_write_text(path, json.dumps({"row": f"mole_{kind}", "seed": seed,
-                                                         "infer_s": time.time() - t, "items": res}))
-                print(f"[toy_mole] mole_{kind} seed {seed}: acc "
-                      f"{sum(x['correct'] for x in res) / len(res):.3f}", flush=True)
+            _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
     if not quick:
         for seed in seeds:
             for name, flags in ABLATIONS.items():
@@ -180,21 +194,15 @@ def report_rows(summary):
     return out
 
 
-def summarise_table(out_dir, quick=False, data_dir=None):
-    """Summary of whatever result files of the two-stage table exist (a partial run gives a
-    partial summary). Per row: accuracy per seed with its bootstrap CI, per-family accuracy,
+def _summary_rows(res):
+    """Rows of a two-stage-table summary from result files res {(row, seed): result} (seed None
+    for the base): per row the accuracy per seed with its bootstrap CI, per-family accuracy,
     the mean over seeds with the bootstrap CI over items of the per-item seed mean, and for
-    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of
-    the seed-averaged difference (seeds both rows have). Training CE points (`_ce_points`).
-    Writes {out_dir}/results.json (results_quick.json) and {out_dir}/table_acc.png."""
+    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of the
+    seed-averaged difference (seeds both rows have; "sd" = sd of the per-item difference of
+    the seed means, "mdd" = 2.8 sd / sqrt(n), the difference detectable at alpha 0.05 two-sided
+    with power 0.8). Training CE points (`_ce_points`)."""
     from eval.metrics import bootstrap_ci, by_family, paired_bootstrap
-    tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
-    res = {}
-    for f in sorted(os.listdir(tab_dir)):
-        m = re.fullmatch(r"(.+)_seed(\d+)\.json|base\.json", f)
-        if m:
-            r = _json(os.path.join(tab_dir, f))
-            res[(r["row"], r["seed"])] = r
     corr = lambda r: [float(x["correct"]) for x in r["items"]]
     rows = []
     for name in [n for n in TABLE_ORDER if any(k[0] == n for k in res)]:
@@ -221,8 +229,30 @@ def summarise_table(out_dir, quick=False, data_dir=None):
             per = {str(sd): paired_bootstrap(corr(res[(name, sd)]), corr(res[(ref, sd)])) for sd in both}
             a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in both))]
             b = [sum(v) / len(v) for v in zip(*(corr(res[(ref, sd)]) for sd in both))]
-            row[f"vs_{ref}"] = {"per_seed": per, "mean": paired_bootstrap(a, b), "seeds": both}
+            m = paired_bootstrap(a, b)
+            d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+            m["sd"] = float(d.std())
+            m["mdd"] = 2.8 * m["sd"] / len(a) ** 0.5
+            row[f"vs_{ref}"] = {"per_seed": per, "mean": m, "seeds": both}
         rows.append(row)
+    return rows
+
+
+def summarise_table(out_dir, quick=False, data_dir=None):
+    """Summary of whatever result files of the two-stage table exist (a partial run gives a
+    partial summary). Per row: accuracy per seed with its bootstrap CI, per-family accuracy,
+    the mean over seeds with the bootstrap CI over items of the per-item seed mean, and for
+    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of
+    the seed-averaged difference (seeds both rows have). Training CE points (`_ce_points`).
+    Writes {out_dir}/results.json (results_quick.json) and {out_dir}/table_acc.png."""
+    tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
+    res = {}
+    for f in sorted(os.listdir(tab_dir)):
+        m = re.fullmatch(r"(.+)_seed(\d+)\.json|base\.json", f)
+        if m:
+            r = _json(os.path.join(tab_dir, f))
+            res[(r["row"], r["seed"])] = r
+    rows = _summary_rows(res)
     cfg = QUICK if quick else FULL
     out = {"quick": quick, "config": cfg, "rows": rows}
     data.atomic_write_text(os.path.join(out_dir, "results_quick.json" if quick else "results.json"),
@@ -258,6 +288,162 @@ def table(summary):
         seeds = ",".join(str(s) for s in r["seeds"] if s is not None) or "-"
         lines.append(f"| {r['row']} | {seeds} | {per} | {f(r['mean'])} | " + " | ".join(cmp_) + f" | {ce} |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- per-row lr
+
+TABLE_LR = 2e-3          # the lr of every row of the two-stage table (mole.train's toy default)
+LR_GRID = (5e-4, 2e-3, 5e-3)
+LR_SWEPT = tuple(TABLE_MAIN)  # swept rows; the ablations and interventions take MoLE's picked lr
+N_VAL = 200              # validation items (the shapes "val" split: disjoint from train and test)
+
+
+def lr_dir(out_dir, lr):
+    """Folder of the two-stage table's result files and checkpoints at learning rate `lr`:
+    {out_dir}/table for TABLE_LR (the table as first run), {out_dir}/table_lr{lr:g} otherwise.
+    Each folder holds one lr only, so `summarise_table` of one folder never mixes lrs."""
+    return os.path.join(out_dir, "table" if lr == TABLE_LR else f"table_lr{lr:g}")
+
+
+def pick_lr(val_acc, prefer=TABLE_LR):
+    """The learning rate a row runs at: the one with the highest validation accuracy in
+    val_acc {lr: accuracy}; among exact ties `prefer` (the lr the table already ran at) if it
+    is tied, else the lowest tied lr (pre-registered in mole/README.md, "Per-row learning rate").
+    Raises ValueError for an empty sweep."""
+    if not val_acc:
+        raise ValueError("error: no lr sweep results to pick from; run --phase lr first")
+    best = max(val_acc.values())
+    tied = sorted(lr for lr, acc in val_acc.items() if acc == best)
+    return prefer if prefer in tied else tied[0]
+
+
+def _late(stop_at):
+    """True once the UTC clock has reached stop_at ("HH:MM", None = never): no new training starts."""
+    return bool(stop_at) and time.strftime("%H:%M", time.gmtime()) >= stop_at
+
+
+def read_sweep(out_dir):
+    """{row: {lr: validation accuracy}} of the sweep result files in {out_dir}/lr_sweep."""
+    sweep = {}
+    d = os.path.join(out_dir, "lr_sweep")
+    for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if re.fullmatch(r".+_lr[0-9.e-]+\.json", f):
+            r = _json(os.path.join(d, f))
+            sweep.setdefault(r["row"], {})[r["lr"]] = sum(x["correct"] for x in r["items"]) / len(r["items"])
+    return sweep
+
+
+def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), stop_at=None):
+    """The two-stage table with a per-row learning rate picked on a validation split
+    (pre-registered in mole/README.md, "Per-row learning rate").
+
+    1. sweep: each row of LR_SWEPT at each lr of LR_GRID, seed 0, the table's schedule on the
+       same 1,280 training examples, scored by final-answer accuracy on N_VAL validation items
+       ({out_dir}/lr_sweep/{row}_lr{lr}.json); the checkpoint is the row's seed-0 checkpoint at
+       that lr ({lr_dir}/ckpt/{row}_seed0), so a picked lr's seed 0 costs inference only and
+       the table's existing lr-2e-3 checkpoints are reused, not retrained.
+    2. `pick_lr` per row; ablations and interventions take MoLE's pick.
+    3. for each seed in `seeds` order: the main rows at their picked lr on the test split, and
+       MoLE's interventions; then for each seed the ablations at MoLE's lr. Files that exist
+       are kept (resumable; the lr-2e-3 results of the first run count as done).
+    stop_at: "HH:MM" UTC after which no new training starts (what is done is summarised).
+    Raises SystemExit (error) if a validation item is also a training item.
+    Returns `summarise_lr`'s summary."""
+    from eval.evaluate import evaluate as plain_evaluate
+    from mole.infer import evaluate as mole_evaluate
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = FULL
+    _ensure_data(data_dir, cfg["n_train"], cfg["n_test"])
+    data.ensure_splits(data_dir, {"val": N_VAL})
+    train = data.read_llava_json(os.path.join(data_dir, "train.json"))[: cfg["n_train"]]
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))[:N_VAL]
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    seen = {(r["question"], r["target"]) for r in train}
+    if any((r["question"], r["target"]) in seen for r in val):
+        raise SystemExit(f"error: {data_dir}/val.json shares items with the training records; "
+                         f"regenerate it (common.data.generate_split) so that it is disjoint")
+    sweep_dir = os.path.join(out_dir, "lr_sweep")
+    for name in LR_SWEPT:
+        for lr in sorted(LR_GRID, key=lambda x: x != TABLE_LR):  # the reused lr-2e-3 checkpoint first (cheap)
+            path = os.path.join(sweep_dir, f"{name}_lr{lr:g}.json")
+            if not os.path.exists(path) and _late(stop_at):
+                print(f"[toy_mole] {stop_at} UTC reached: sweep {name} lr {lr:g} not run", flush=True)
+                continue
+            r, _, _ = _table_one(name, TABLE_MAIN[name], 0, cfg, val, data_dir, lr_dir(out_dir, lr), base, threads,
+                                 mole_evaluate, plain_evaluate, lr=lr, path=path)
+            print(f"[toy_mole] sweep {name} lr {lr:g}: val acc "
+                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f} steps {r['steps_s']:.0f}s", flush=True)
+    sweep = read_sweep(out_dir)
+    if any(len(sweep.get(n, {})) < len(LR_GRID) for n in LR_SWEPT):
+        print("[toy_mole] the sweep is incomplete: no row runs at a picked lr", flush=True)
+        return summarise_lr(out_dir, data_dir)
+    picked = {n: pick_lr(sweep[n]) for n in LR_SWEPT}
+    print(f"[toy_mole] picked lr: {picked}", flush=True)
+    for seed in seeds:
+        for name in LR_SWEPT:
+            tab_dir = lr_dir(out_dir, picked[name])
+            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(stop_at):
+                print(f"[toy_mole] {stop_at} UTC reached: {name} seed {seed} not run", flush=True)
+                continue
+            r, net, stage = _table_one(name, TABLE_MAIN[name], seed, cfg, test, data_dir, tab_dir, base, threads,
+                                       mole_evaluate, plain_evaluate, lr=picked[name])
+            print(f"[toy_mole] {name} lr {picked[name]:g} seed {seed}: acc "
+                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+            if name == "mole":
+                _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
+    tab_dir = lr_dir(out_dir, picked["mole"])
+    for seed in seeds:
+        for name, flags in ABLATIONS.items():
+            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(stop_at):
+                print(f"[toy_mole] {stop_at} UTC reached: {name} seed {seed} not run", flush=True)
+                continue
+            r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
+                                 mole_evaluate, plain_evaluate, lr=picked["mole"])
+            print(f"[toy_mole] {name} lr {picked['mole']:g} seed {seed}: acc "
+                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+    return summarise_lr(out_dir, data_dir)
+
+
+def summarise_lr(out_dir, data_dir=None):
+    """Summary of the per-row-lr table from whatever files exist: the sweep ({row: {lr: val
+    acc}}), the picked lr per row, and `_summary_rows` over each row's result files at its
+    picked lr only (main rows: their own pick; ablations and interventions: MoLE's; the base
+    from {out_dir}/table/base.json), so no row mixes lrs and every "vs MoLE" comparison is at
+    one lr. Writes {out_dir}/results_lr.json and {out_dir}/table_lr_acc.png; returns the summary."""
+    sweep = read_sweep(out_dir)
+    picked = {n: pick_lr(sweep[n]) for n in LR_SWEPT if len(sweep.get(n, {})) == len(LR_GRID)}
+    res = {}
+    base_path = os.path.join(out_dir, "table", "base.json")
+    if os.path.exists(base_path):
+        res[("base", None)] = _json(base_path)
+    lr_of = {}
+    for name in TABLE_ORDER[1:]:
+        lr = picked.get(name if name in LR_SWEPT else "mole")
+        if lr is None:
+            continue
+        lr_of[name] = lr
+        d = lr_dir(out_dir, lr)
+        for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            m = re.fullmatch(re.escape(name) + r"_seed(\d+)\.json", f)
+            if m:
+                res[(name, int(m.group(1)))] = _json(os.path.join(d, f))
+    rows = _summary_rows(res)
+    for row in rows:
+        row["lr"] = lr_of.get(row["row"])
+    out = {"config": FULL, "lr_grid": list(LR_GRID), "n_val": N_VAL,
+           "sweep_val_acc": {n: {f"{lr:g}": a for lr, a in sorted(v.items())} for n, v in sweep.items()},
+           "picked_lr": picked, "rows": rows}
+    os.makedirs(out_dir, exist_ok=True)
+    data.atomic_write_text(os.path.join(out_dir, "results_lr.json"), json.dumps(out, indent=1))
+    bars = [{"arm": r["row"], "seed": int(sd) if sd != "None" else 0,
+             "acc": {"value": v["acc"], "ci_low": v["ci_low"], "ci_high": v["ci_high"]}}
+            for r in rows for sd, v in r["per_seed"].items()]
+    if bars:
+        bar_png(bars, "acc", os.path.join(out_dir, "table_lr_acc.png"),
+                "two-stage table, per-row lr picked on validation: test accuracy per row and seed", w=1400,
+                order=TABLE_ORDER, label=11)
+    return out
 
 
 # ----------------------------------------------------------------------------- stage-1 bottleneck
@@ -661,9 +847,13 @@ def main(argv=None):
                    help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
     p.add_argument("--seeds", default="", help="comma-separated seeds (full: default 0,1; bottleneck: default 0,1,2)")
     p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
-    p.add_argument("--phase", default="all", choices=("all", "sweep", "main", "summary", "image", "long"),
+    p.add_argument("--phase", default="all",
+                   choices=("all", "sweep", "main", "summary", "image", "long", "lr", "lr-summary"),
                    help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
-                        "the result files that exist (summary also for the full table)")
+                        "the result files that exist (summary also for the full table); full: lr = the table "
+                        "with a per-row lr picked on a validation split (sweep, then --seeds in that order, "
+                        "default 2,0,1), lr-summary = only summarise it")
+    p.add_argument("--stop-at", default=None, help="--phase lr: UTC time HH:MM after which no new training starts")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
@@ -694,6 +884,17 @@ def main(argv=None):
         return
     if a.phase == "summary":
         print(table(summarise_table(a.out, a.quick, a.data)))
+        return
+    if a.phase in ("lr", "lr-summary"):
+        if a.quick:
+            p.error("--phase lr is the full table's lr sweep; it has no --quick mode")
+        if a.stop_at and not re.fullmatch(r"[0-2]\d:[0-5]\d", a.stop_at):
+            p.error(f"--stop-at takes a UTC time HH:MM, got {a.stop_at!r}")
+        s = (summarise_lr(a.out, a.data) if a.phase == "lr-summary" else
+             run_lr(a.data, a.out, base=a.model, threads=threads, stop_at=a.stop_at,
+                    seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (2, 0, 1)))
+        print(f"picked lr: {s['picked_lr']}")
+        print(table(s))
         return
     s = run(a.quick, a.data, a.out, base=a.model, threads=threads,
             seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (0, 1))

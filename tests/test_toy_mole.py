@@ -48,3 +48,50 @@ def test_toy_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch
         assert argv[argv.index("--model") + 1] == "tiny-dense" and "--base" not in argv
         assert argv[argv.index("--threads") + 1] == "1"
     assert "--base is deprecated; use --model" in capsys.readouterr().err
+
+
+def test_pick_lr_best_validation_accuracy_and_the_preregistered_tie_rule():
+    from eval.toy_mole import pick_lr
+    assert pick_lr({5e-4: 0.60, 2e-3: 0.62, 5e-3: 0.65}) == 5e-3          # highest wins, not the default
+    assert pick_lr({5e-4: 0.70, 2e-3: 0.62, 5e-3: 0.65}) == 5e-4
+    assert pick_lr({5e-4: 0.99, 2e-3: 0.99, 5e-3: 0.98}) == 2e-3          # tie including the table's lr: keep it
+    assert pick_lr({5e-4: 0.90, 2e-3: 0.80, 5e-3: 0.90}) == 5e-4          # tie without it: the lowest
+    import pytest
+    with pytest.raises(ValueError, match="no lr sweep"):
+        pick_lr({})
+
+
+def _fake(path, row, seed, lr, correct):
+    import json
+    import os
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    items = [{"id": f"t{i}", "family": "count", "correct": bool(c)} for i, c in enumerate(correct)]
+    with open(path, "w") as f:
+        json.dump({"row": row, "seed": seed, "lr": lr, "items": items}, f)
+
+
+def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
+    """Sweep picks 5e-3 for MoLE and 2e-3 for SFT: the summary takes MoLE (and its ablation)
+    from table_lr0.005, SFT from table, never the other lr's files, and compares the ablation
+    with MoLE at the same lr."""
+    import eval.toy_mole as tm
+    out = str(tmp_path)
+    n = 20
+    for row in tm.LR_SWEPT:
+        for lr in tm.LR_GRID:
+            acc = {"mole": {5e-3: 9}}.get(row, {}).get(lr, 5 if lr != 2e-3 else 7)
+            _fake(f"{out}/lr_sweep/{row}_lr{lr:g}.json", row, 0, lr, [1] * acc + [0] * (10 - acc))
+    for lr, good in ((2e-3, 4), (5e-3, 15)):  # MoLE: 4/20 at 2e-3, 15/20 at 5e-3
+        d = tm.lr_dir(out, lr)
+        for seed in (0, 1):
+            _fake(f"{d}/mole_seed{seed}.json", "mole", seed, lr, [1] * good + [0] * (n - good))
+            _fake(f"{d}/no_esva_seed{seed}.json", "no_esva", seed, lr, [1] * (good - 2) + [0] * (n - good + 2))
+            _fake(f"{d}/sft_seed{seed}.json", "sft", seed, lr, [1] * (n - (lr == 5e-3) * 10) + [0] * ((lr == 5e-3) * 10))
+    s = tm.summarise_lr(out)
+    assert s["picked_lr"] == {"sft": 2e-3, "sft_placeholders": 2e-3, "plain_latent": 2e-3, "mole": 5e-3}
+    rows = {r["row"]: r for r in s["rows"]}
+    assert rows["mole"]["lr"] == 5e-3 and rows["mole"]["mean"]["acc"] == 15 / 20
+    assert rows["sft"]["lr"] == 2e-3 and rows["sft"]["mean"]["acc"] == 1.0
+    assert rows["no_esva"]["lr"] == 5e-3 and abs(rows["no_esva"]["vs_mole"]["mean"]["diff"] + 2 / 20) < 1e-9
+    assert rows["mole"]["vs_sft"]["seeds"] == [0, 1] and abs(rows["mole"]["vs_sft"]["mean"]["diff"] + 5 / 20) < 1e-9
+    assert (tmp_path / "results_lr.json").exists() and (tmp_path / "table_lr_acc.png").exists()
