@@ -333,6 +333,23 @@ def read_sweep(out_dir):
     return sweep
 
 
+def shared_items(train, other):
+    """Ids of the records of `other` that are also training records: the same question and
+    target text *and* the same image pixels (the text does not name an object's size, so equal
+    text alone can be two different images)."""
+    def pixels(r):
+        return data.load_image(r["image"], r["id"]).convert("RGB").tobytes()
+    by_text = {}
+    for r in train:
+        by_text.setdefault((r["question"], r["target"]), []).append(r)
+    out = []
+    for r in other:
+        same = by_text.get((r["question"], r["target"]), [])
+        if same and any(pixels(t) == pixels(r) for t in same):
+            out.append(r["id"])
+    return out
+
+
 def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), stop_at=None):
     """The two-stage table with a per-row learning rate picked on a validation split
     (pre-registered in mole/README.md, "Per-row learning rate").
@@ -359,8 +376,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     train = data.read_llava_json(os.path.join(data_dir, "train.json"))[: cfg["n_train"]]
     val = data.read_llava_json(os.path.join(data_dir, "val.json"))[:N_VAL]
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
-    seen = {(r["question"], r["target"]) for r in train}
-    if any((r["question"], r["target"]) in seen for r in val):
+    if shared_items(train, val):
         raise SystemExit(f"error: {data_dir}/val.json shares items with the training records; "
                          f"regenerate it (common.data.generate_split) so that it is disjoint")
     sweep_dir = os.path.join(out_dir, "lr_sweep")
