@@ -95,3 +95,18 @@ def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
     assert rows["no_esva"]["lr"] == 5e-3 and abs(rows["no_esva"]["vs_mole"]["mean"]["diff"] + 2 / 20) < 1e-9
     assert rows["mole"]["vs_sft"]["seeds"] == [0, 1] and abs(rows["mole"]["vs_sft"]["mean"]["diff"] + 5 / 20) < 1e-9
     assert (tmp_path / "results_lr.json").exists() and (tmp_path / "table_lr_acc.png").exists()
+
+
+def test_shared_items_needs_the_same_text_and_the_same_image(tmp_path):
+    """A validation item is a training item only if question, target and pixels are equal:
+    the shapes text does not name object size, so equal text can be another image."""
+    from PIL import Image
+    from eval.toy_mole import shared_items
+    for name, colour in (("a", "red"), ("b", "red"), ("c", "blue")):
+        Image.new("RGB", (8, 8), colour).save(tmp_path / f"{name}.png")
+    rec = lambda i, img, q="How many squares?": {"id": i, "image": str(tmp_path / img), "question": q,
+                                                 "target": "tl empty -. Answer: 0"}
+    train = [rec("t0", "a.png")]
+    assert shared_items(train, [rec("v0", "b.png")]) == ["v0"]          # same text, same pixels
+    assert shared_items(train, [rec("v1", "c.png")]) == []              # same text, other image
+    assert shared_items(train, [rec("v2", "a.png", q="What colour?")]) == []  # same image, other question
