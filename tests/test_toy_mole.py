@@ -71,7 +71,8 @@ def _fake(path, row, seed, lr, correct):
 
 
 def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
-    """Sweep picks 5e-3 for MoLE and 2e-3 for SFT: the summary takes MoLE (and its ablation)
+    """Sweep picks 5e-3 for MoLE, 2e-3 for SFT and, by the tie rule, for plain latents (tied
+    with 5e-4): the summary takes MoLE (and its ablation)
     from table_lr0.005, SFT from table, never the other lr's files, and compares the ablation
     with MoLE at the same lr."""
     import eval.toy_mole as tm
@@ -79,7 +80,7 @@ def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
     n = 20
     for row in tm.LR_SWEPT:
         for lr in tm.LR_GRID:
-            acc = {"mole": {5e-3: 9}}.get(row, {}).get(lr, 5 if lr != 2e-3 else 7)
+            acc = {"mole": {5e-3: 9}, "plain_latent": {5e-4: 7}}.get(row, {}).get(lr, 5 if lr != 2e-3 else 7)
             _fake(f"{out}/lr_sweep/{row}_lr{lr:g}.json", row, 0, lr, [1] * acc + [0] * (10 - acc))
     for lr, good in ((2e-3, 4), (5e-3, 15)):  # MoLE: 4/20 at 2e-3, 15/20 at 5e-3
         d = tm.lr_dir(out, lr)
@@ -93,6 +94,9 @@ def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
     assert rows["mole"]["lr"] == 5e-3 and rows["mole"]["mean"]["acc"] == 15 / 20
     assert rows["sft"]["lr"] == 2e-3 and rows["sft"]["mean"]["acc"] == 1.0
     assert rows["no_esva"]["lr"] == 5e-3 and abs(rows["no_esva"]["vs_mole"]["mean"]["diff"] + 2 / 20) < 1e-9
+    sd = (1.8 / 19) ** 0.5  # per-item differences: two -1, eighteen 0 (sample sd)
+    m = rows["no_esva"]["vs_mole"]["mean"]
+    assert abs(m["sd"] - sd) < 1e-9 and abs(m["mdd"] - 2.8 * sd / 20 ** 0.5) < 1e-9
     assert rows["mole"]["vs_sft"]["seeds"] == [0, 1] and abs(rows["mole"]["vs_sft"]["mean"]["diff"] + 5 / 20) < 1e-9
     assert (tmp_path / "results_lr.json").exists() and (tmp_path / "table_lr_acc.png").exists()
 
