@@ -117,13 +117,31 @@ def _interventions(tab_dir, seed, net, stage, test, mole_evaluate):
               f"{sum(x['correct'] for x in res) / len(res):.3f}", flush=True)
 
 
-def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
+def _base_row(tab_dir, base, test, plain_evaluate):
+    """The untouched base evaluated on `test` ({tab_dir}/base.json, seed-independent; kept if it exists)."""
+    base_path = os.path.join(tab_dir, "base.json")
+    if os.path.exists(base_path):
+        return
+    model, proc = bb.load_backbone(base)
+    t = time.time()
+    with torch.inference_mode():
+        res = plain_evaluate(model, proc, test, desc="eval base")
+    data.atomic_write_text(base_path, json.dumps({"row": "base", "seed": None, "infer_s": time.time() - t,
+                                                  "items": res}))
+
+
+def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,), phase="all"):
     """Train and evaluate the rows of the two-stage table (quick: sft, plain_latent, mole, seed 0
     only; else TABLE_MAIN, the interventions, then the ablations) for every seed, each (row, seed)
     its own atomic result file under {out_dir}/table (table_quick), so a stopped run resumes.
     Order: for each seed the main rows and the interventions, then for each seed the ablations.
     Writes and returns the summary (`summarise_table`: {out_dir}/results.json, results_quick.json
-    in quick mode, and the PNG figures)."""
+    in quick mode, and the PNG figures).
+    phase "data": only generate the data splits and the base row, return None. Then processes
+    with disjoint --seeds may share one out_dir (one core each): every (row, seed) has its own
+    result file and checkpoint, and every file is written atomically under a per-process
+    temporary name; only the data images are written under a fixed temporary name, so two
+    processes must not generate the data at the same time."""
     from eval.evaluate import evaluate as plain_evaluate
     from mole.infer import evaluate as mole_evaluate
     if threads:
@@ -134,14 +152,10 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
     os.makedirs(tab_dir, exist_ok=True)
-    base_path = os.path.join(tab_dir, "base.json")
-    if not quick and not os.path.exists(base_path):  # the untouched base (seed-independent)
-        model, proc = bb.load_backbone(base)
-        t = time.time()
-        with torch.inference_mode():
-            res = plain_evaluate(model, proc, test, desc="eval base")
-        data.atomic_write_text(base_path, json.dumps({"row": "base", "seed": None, "infer_s": time.time() - t,
-                                                      "items": res}))
+    if not quick:
+        _base_row(tab_dir, base, test, plain_evaluate)
+    if phase == "data":
+        return None
     main_rows = {k: MAIN[k] for k in ("sft", "plain_latent", "mole")} if quick else TABLE_MAIN
     for seed in seeds:
         for name, flags in main_rows.items():
@@ -864,11 +878,12 @@ def main(argv=None):
     p.add_argument("--seeds", default="", help="comma-separated seeds (full: default 0,1; bottleneck: default 0,1,2)")
     p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
     p.add_argument("--phase", default="all",
-                   choices=("all", "sweep", "main", "summary", "image", "long", "lr", "lr-summary"),
+                   choices=("all", "sweep", "main", "summary", "image", "long", "lr", "lr-summary", "data"),
                    help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
                         "the result files that exist (summary also for the full table); full: lr = the table "
                         "with a per-row lr picked on a validation split (sweep, then --seeds in that order, "
-                        "default 2,0,1), lr-summary = only summarise it")
+                        "default 2,0,1), lr-summary = only summarise it, data = only the data and the base row (then "
+                        "one process per --seeds may share --out)")
     p.add_argument("--stop-at", default=None, help="--phase lr: UTC time HH:MM after which no new training starts")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
@@ -887,6 +902,8 @@ def main(argv=None):
     if a.part == "bottleneck":
         out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
         dd = a.data if a.data != "out/data" else os.path.join(out, "data")
+        if a.phase in ("lr", "lr-summary", "data"):
+            p.error(f"--phase {a.phase} is for the full table (--part full)")
         if a.phase == "summary":
             print(bottleneck_table(summarise_bottleneck(out)))
             return
@@ -912,8 +929,13 @@ def main(argv=None):
         print(f"picked lr: {s['picked_lr']}")
         print(table(s))
         return
-    s = run(a.quick, a.data, a.out, base=a.model, threads=threads,
+    if a.phase not in ("all", "data"):
+        p.error(f"--phase {a.phase} is for --part bottleneck; the full table takes all, data, summary, lr, lr-summary")
+    s = run(a.quick, a.data, a.out, base=a.model, threads=threads, phase=a.phase,
             seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (0, 1))
+    if s is None:
+        print(f"[toy_mole] data in {a.data} and the base row in {a.out}/table are ready")
+        return
     print(table(s))
 
 

@@ -114,3 +114,15 @@ def test_shared_items_needs_the_same_text_and_the_same_image(tmp_path):
     assert shared_items(train, [rec("v0", "b.png")]) == ["v0"]          # same text, same pixels
     assert shared_items(train, [rec("v1", "c.png")]) == []              # same text, other image
     assert shared_items(train, [rec("v2", "a.png", q="What colour?")]) == []  # same image, other question
+
+
+def test_phases_of_the_other_part_are_refused(capsys):
+    import pytest
+    import eval.toy_mole as tm
+    for argv in (["--phase", "sweep"], ["--part", "bottleneck", "--phase", "lr"], ["--phase", "lr", "--quick"],
+                 ["--phase", "lr", "--stop-at", "5pm"]):
+        with pytest.raises(SystemExit) as e:
+            tm.main(argv)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "is for --part bottleneck" in err and "is for the full table" in err and "HH:MM" in err
