@@ -476,6 +476,65 @@ def summarise_lr(out_dir, data_dir=None):
     return out
 
 
+def verdict(cmp, sign=1):
+    """The pre-registered verdict of one comparison `cmp` ({"per_seed": {seed: {diff, ci_low,
+    ci_high}}, "mean": {...}, "seeds": [...]}, a row's "vs_<ref>" entry: row minus ref) for the
+    claim "sign * (row - ref) > 0": "supported" if every seed's and the seed-averaged 95 % CI
+    lie above 0 (after the sign), "reversed" if they all lie below, "one seed" with fewer than
+    two seeds, else "not supported"."""
+    if len(cmp["seeds"]) < 2:
+        return "one seed"
+    ds = list(cmp["per_seed"].values()) + [cmp["mean"]]
+    lo = [min(sign * d["ci_low"], sign * d["ci_high"]) for d in ds]
+    hi = [max(sign * d["ci_low"], sign * d["ci_high"]) for d in ds]
+    if all(x > 0 for x in lo):
+        return "supported"
+    if all(x < 0 for x in hi):
+        return "reversed"
+    return "not supported"
+
+
+# the pre-registered claims of the per-row-lr table: (label, row, ref, sign of row - ref)
+LR_CLAIMS = ([("Q1 SFT + 8 placeholders minus SFT", "sft_placeholders", "sft", 1),
+              ("Q2 MoLE minus SFT + 8 placeholders", "mole", "sft_placeholders", 1),
+              ("Q3 MoLE minus plain latents", "mole", "plain_latent", 1)] +
+             [(f"Q4 MoLE minus MoLE with latents {k}", f"mole_{k}", "mole", -1) for k in INTERVENTIONS] +
+             [(f"MoLE minus {k} (the part helps)", k, "mole", -1) for k in ABLATIONS])
+
+
+def lr_markdown(summary):
+    """Markdown of the per-row-lr table (`summarise_lr`): the sweep, every row (lr, seeds,
+    accuracy per seed, mean [95% CI]), and each pre-registered claim in LR_CLAIMS with its
+    per-seed and seed-averaged difference [95% CI], the MDD and the verdict (`verdict`)."""
+    f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d, sg=1: (f"{sg * d['diff']:+.3f} [{min(sg * d['ci_low'], sg * d['ci_high']):+.3f}, "
+                         f"{max(sg * d['ci_low'], sg * d['ci_high']):+.3f}]")
+    grid = summary["lr_grid"]
+    out = ["| row | " + " | ".join(f"val acc, lr {lr:g}" for lr in grid) + " | picked lr |",
+           "|---|" + "---|" * (len(grid) + 1)]
+    for n, v in summary["sweep_val_acc"].items():
+        cells = " | ".join(f"{v[f'{lr:g}']:.3f}" if f"{lr:g}" in v else "not run" for lr in grid)
+        picked = summary["picked_lr"].get(n)
+        out.append(f"| {n} | {cells} | {f'{picked:g}' if picked else '-'} |")
+    out += ["", "| row | lr | seeds | acc per seed | mean [95% CI] |", "|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        seeds = ",".join(str(s) for s in r["seeds"] if s is not None) or "-"
+        per = " / ".join(f"{v['acc']:.3f}" for v in r["per_seed"].values())
+        lr = f"{r['lr']:g}" if r.get("lr") else "-"
+        out.append(f"| {r['row']} | {lr} | {seeds} | {per} | {f(r['mean'])} |")
+    out += ["", "| claim | seeds | seed-averaged [95% CI] | MDD | per seed | verdict |", "|---|---|---|---|---|---|"]
+    rows = {r["row"]: r for r in summary["rows"]}
+    for label, row, ref, sg in LR_CLAIMS:
+        c = rows.get(row, {}).get(f"vs_{ref}")
+        if c is None:
+            out.append(f"| {label} | - | not run | | | not run |")
+            continue
+        per = "; ".join(f"seed {sd}: {g(d, sg)}" for sd, d in c["per_seed"].items())
+        out.append(f"| {label} | {','.join(map(str, c['seeds']))} | {g(c['mean'], sg)} | {c['mean']['mdd']:.3f} | "
+                   f"{per} | {verdict(c, sg)} |")
+    return "\n".join(out)
+
+
 # ----------------------------------------------------------------------------- stage-1 bottleneck
 
 BOTTLENECK_ARMS = {  # name -> mole.train flags; all at 8 latent tokens, stage 1 only
@@ -926,8 +985,7 @@ def main(argv=None):
         s = (summarise_lr(a.out, a.data) if a.phase == "lr-summary" else
              run_lr(a.data, a.out, base=a.model, threads=threads, stop_at=a.stop_at,
                     seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (2, 0, 1)))
-        print(f"picked lr: {s['picked_lr']}")
-        print(table(s))
+        print(lr_markdown(s))
         return
     if a.phase not in ("all", "data"):
         p.error(f"--phase {a.phase} is for --part bottleneck; the full table takes all, data, summary, lr, lr-summary")

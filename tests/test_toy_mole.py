@@ -99,6 +99,9 @@ def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
     assert abs(m["sd"] - sd) < 1e-9 and abs(m["mdd"] - 2.8 * sd / 20 ** 0.5) < 1e-9
     assert rows["mole"]["vs_sft"]["seeds"] == [0, 1] and abs(rows["mole"]["vs_sft"]["mean"]["diff"] + 5 / 20) < 1e-9
     assert (tmp_path / "results_lr.json").exists() and (tmp_path / "table_lr_acc.png").exists()
+    md = tm.lr_markdown(s)
+    assert "| mole | 0.500 | 0.700 | 0.900 | 0.005 |" in md
+    assert "| MoLE minus no_esva (the part helps) | 0,1 | +0.100 [" in md and "| Q2 MoLE minus SFT + 8 placeholders | - |" in md
 
 
 def test_shared_items_needs_the_same_text_and_the_same_image(tmp_path):
@@ -126,3 +129,17 @@ def test_phases_of_the_other_part_are_refused(capsys):
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "is for --part bottleneck" in err and "is for the full table" in err and "HH:MM" in err
+
+
+def test_verdict_follows_the_preregistered_criterion():
+    from eval.toy_mole import verdict
+    d = lambda x, lo, hi: {"diff": x, "ci_low": lo, "ci_high": hi}
+    cmp = lambda per, mean: {"per_seed": {str(i): p for i, p in enumerate(per)}, "mean": mean,
+                             "seeds": list(range(len(per)))}
+    up, down, zero = d(0.1, 0.05, 0.15), d(-0.1, -0.15, -0.05), d(0.02, -0.01, 0.05)
+    assert verdict(cmp([up, up, up], up)) == "supported"
+    assert verdict(cmp([up, zero, up], up)) == "not supported"      # one seed's CI reaches 0
+    assert verdict(cmp([up, up], zero)) == "not supported"          # the seed average's does
+    assert verdict(cmp([down, down], down)) == "reversed"
+    assert verdict(cmp([down, down], down), sign=-1) == "supported"  # "MoLE minus the ablation > 0"
+    assert verdict(cmp([up], up)) == "one seed"
