@@ -435,6 +435,33 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     return summarise_lr(out_dir, data_dir)
 
 
+def run_fixed_lr(data_dir, out_dir, lr, rows, seeds, base="tiny-dense", threads=None):
+    """Exploratory (not part of the pre-registered lr run): the main rows `rows` (names in
+    TABLE_MAIN) at one learning rate `lr` for `seeds`, into lr_dir(out_dir, lr) (files that
+    exist are kept), to compare rows at equal lr. Returns `_summary_rows` of those rows at that
+    lr (their comparisons with each other as in TABLE_REFS)."""
+    from eval.evaluate import evaluate as plain_evaluate
+    from mole.infer import evaluate as mole_evaluate
+    bad = [r for r in rows if r not in TABLE_MAIN]
+    if bad:
+        raise SystemExit(f"error: --rows takes main rows {list(TABLE_MAIN)}, got {bad}")
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = FULL
+    _ensure_data(data_dir, cfg["n_train"], cfg["n_test"])
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    tab_dir = lr_dir(out_dir, lr)
+    res = {}
+    for seed in seeds:
+        for name in rows:
+            r, _, _ = _table_one(name, TABLE_MAIN[name], seed, cfg, test, data_dir, tab_dir, base, threads,
+                                 mole_evaluate, plain_evaluate, lr=lr)
+            res[(name, seed)] = r
+            print(f"[toy_mole] {name} lr {lr:g} seed {seed}: acc "
+                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+    return _summary_rows(res)
+
+
 def summarise_lr(out_dir, data_dir=None):
     """Summary of the per-row-lr table from whatever files exist: the sweep ({row: {lr: val
     acc}}), the picked lr per row, and `_summary_rows` over each row's result files at its
@@ -495,11 +522,17 @@ def verdict(cmp, sign=1):
 
 
 # the pre-registered claims of the per-row-lr table: (label, row, ref, sign of row - ref)
-LR_CLAIMS = ([("Q1 SFT + 8 placeholders minus SFT", "sft_placeholders", "sft", 1),
+ABLATION_PART = {"no_router": "the router (vs w/o router and L_div)", "no_esva": "ESVA",
+                 "causal_mixing": "topological latent mixing (vs causal)",
+                 "stage1_only": "stage 2 (vs stage 1 only, 3 epochs)",
+                 "stage2_only": "the two-stage schedule (vs stage 2 only, 3 epochs)",
+                 "no_moe_loss": "the MoE losses (balance + z)", "no_div_loss": "the diversity loss",
+                 "s0": "Z_sum (vs S = 0, E = 8)"}
+LR_CLAIMS = ([("Q1 the shift costs SFT: SFT minus SFT + 8 placeholders", "sft_placeholders", "sft", -1),
               ("Q2 MoLE minus SFT + 8 placeholders", "mole", "sft_placeholders", 1),
               ("Q3 MoLE minus plain latents", "mole", "plain_latent", 1)] +
              [(f"Q4 MoLE minus MoLE with latents {k}", f"mole_{k}", "mole", -1) for k in INTERVENTIONS] +
-             [(f"MoLE minus {k} (the part helps)", k, "mole", -1) for k in ABLATIONS])
+             [(f"{ABLATION_PART[k]} helps: MoLE minus {k}", k, "mole", -1) for k in ABLATIONS])
 
 
 def lr_markdown(summary):
@@ -937,12 +970,15 @@ def main(argv=None):
     p.add_argument("--seeds", default="", help="comma-separated seeds (full: default 0,1; bottleneck: default 0,1,2)")
     p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
     p.add_argument("--phase", default="all",
-                   choices=("all", "sweep", "main", "summary", "image", "long", "lr", "lr-summary", "data"),
+                   choices=("all", "sweep", "main", "summary", "image", "long", "lr", "lr-summary", "lr-fixed", "data"),
                    help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
                         "the result files that exist (summary also for the full table); full: lr = the table "
                         "with a per-row lr picked on a validation split (sweep, then --seeds in that order, "
                         "default 2,0,1), lr-summary = only summarise it, data = only the data and the base row (then "
-                        "one process per --seeds may share --out)")
+                        "one process per --seeds may share --out), lr-fixed = exploratory: --rows at one --lr)")
+    p.add_argument("--lr", type=float, default=None, help="--phase lr-fixed: the learning rate of every row")
+    p.add_argument("--rows", default="", help="--phase lr-fixed: comma-separated main rows (sft, sft_placeholders, "
+                                              "plain_latent, mole)")
     p.add_argument("--stop-at", default=None, help="--phase lr: UTC time HH:MM after which no new training starts")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
@@ -961,7 +997,7 @@ def main(argv=None):
     if a.part == "bottleneck":
         out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
         dd = a.data if a.data != "out/data" else os.path.join(out, "data")
-        if a.phase in ("lr", "lr-summary", "data"):
+        if a.phase in ("lr", "lr-summary", "lr-fixed", "data"):
             p.error(f"--phase {a.phase} is for the full table (--part full)")
         if a.phase == "summary":
             print(bottleneck_table(summarise_bottleneck(out)))
@@ -976,6 +1012,13 @@ def main(argv=None):
         return
     if a.phase == "summary":
         print(table(summarise_table(a.out, a.quick, a.data)))
+        return
+    if a.phase == "lr-fixed":
+        if a.lr is None or not a.rows or not a.seeds:
+            p.error("--phase lr-fixed needs --lr, --rows and --seeds")
+        rows = run_fixed_lr(a.data, a.out, a.lr, a.rows.split(","), [int(x) for x in a.seeds.split(",")],
+                            base=a.model, threads=threads)
+        print(json.dumps(rows, indent=1))
         return
     if a.phase in ("lr", "lr-summary"):
         if a.quick:

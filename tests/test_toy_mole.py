@@ -101,7 +101,7 @@ def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
     assert (tmp_path / "results_lr.json").exists() and (tmp_path / "table_lr_acc.png").exists()
     md = tm.lr_markdown(s)
     assert "| mole | 0.500 | 0.700 | 0.900 | 0.005 |" in md
-    assert "| MoLE minus no_esva (the part helps) | 0,1 | +0.100 [" in md and "| Q2 MoLE minus SFT + 8 placeholders | - |" in md
+    assert "| ESVA helps: MoLE minus no_esva | 0,1 | +0.100 [" in md and "| Q2 MoLE minus SFT + 8 placeholders | - |" in md
 
 
 def test_shared_items_needs_the_same_text_and_the_same_image(tmp_path):
