@@ -143,3 +143,17 @@ def test_verdict_follows_the_preregistered_criterion():
     assert verdict(cmp([down, down], down)) == "reversed"
     assert verdict(cmp([down, down], down), sign=-1) == "supported"  # "MoLE minus the ablation > 0"
     assert verdict(cmp([up], up)) == "one seed"
+
+
+def test_phase_data_prepares_data_and_base_and_trains_nothing(monkeypatch, tmp_path, capsys):
+    """--phase data: the splits and the base row only (so one process per --seeds can share --out)."""
+    import eval.toy_mole as tm
+    from mole import train as mt
+    calls = []
+    monkeypatch.setattr(tm.data, "ensure_splits", lambda d, sizes: calls.append(("splits", dict(sizes))))
+    monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
+    monkeypatch.setattr(tm, "_base_row", lambda tab_dir, *a: calls.append(("base", tab_dir)))
+    monkeypatch.setattr(mt, "main", lambda argv: calls.append(("train", argv)))
+    tm.main(["--phase", "data", "--out", str(tmp_path), "--data", str(tmp_path / "d"), "--threads", "1"])
+    assert calls == [("splits", {"train": 1280, "test": 500}), ("base", str(tmp_path / "table"))]
+    assert "are ready" in capsys.readouterr().out
