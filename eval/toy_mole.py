@@ -4,6 +4,9 @@
     python -m eval.toy_mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
     python -m eval.toy_mole --part bottleneck --threads 1   # stage-1 bottleneck experiment (mole/README.md)
     python -m eval.toy_mole --part shift                    # answer CE: position shift vs latent content
+    python -m eval.toy_mole --phase lr --threads 1          # the table with a per-row lr picked on validation
+    python -m eval.toy_mole --phase data; python -m eval.toy_mole --seeds 0 & python -m eval.toy_mole --seeds 1
+                                                            # one process per seed (mole/README.md, "Wall time")
 
 Rows (all trained with the same data, steps, optimiser and LoRA on the same base):
   base              the tiny dense Qwen3-VL, untouched
