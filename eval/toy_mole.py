@@ -4,6 +4,9 @@
     python -m eval.toy_mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
     python -m eval.toy_mole --part bottleneck --threads 1   # stage-1 bottleneck experiment (mole/README.md)
     python -m eval.toy_mole --part shift                    # answer CE: position shift vs latent content
+    python -m eval.toy_mole --phase lr --threads 1          # the table with a per-row lr picked on validation
+    python -m eval.toy_mole --phase data; python -m eval.toy_mole --seeds 0 & python -m eval.toy_mole --seeds 1
+                                                            # one process per seed (mole/README.md, "Wall time")
 
 Rows (all trained with the same data, steps, optimiser and LoRA on the same base):
   base              the tiny dense Qwen3-VL, untouched
@@ -57,16 +60,22 @@ def _ensure_data(data_dir, n_train, n_test):
     data.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
 
 
-def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, mole_evaluate, plain_evaluate):
+def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, mole_evaluate, plain_evaluate,
+               lr=None, path=None):
     """Train one row of the two-stage table for one seed (resumable checkpoint in
     {tab_dir}/ckpt/{name}_seed{seed}), evaluate it on `test`, write {tab_dir}/{name}_seed{seed}.json
-    atomically and return (result, net, stage). A result file that exists is returned as is
-    (net None): the table resumes where it stopped."""
+    (or `path`) atomically and return (result, net, stage). A result file that exists is
+    returned as is (net None): the table resumes where it stopped. lr: passed as mole.train
+    --lr (None: its toy default, TABLE_LR); a finished checkpoint is loaded, not retrained
+    (mole.train --resume), and "steps_s" (the sum of its recorded step times) says what the
+    training cost when it ran."""
     from mole import train as mt
     from mole.diagnostics import latent_stats
-    path = os.path.join(tab_dir, f"{name}_seed{seed}.json")
+    path = path or os.path.join(tab_dir, f"{name}_seed{seed}.json")
     if os.path.exists(path):
         return _json(path), None, None
+    if lr is not None:
+        flags = flags + ["--lr", f"{lr:g}"]
     t = time.time()
     net, proc, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(cfg["n_train"]),
                               "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
@@ -81,7 +90,8 @@ def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, m
             res = plain_evaluate(net, proc, test, desc=f"eval {name}")
         else:
             res = mole_evaluate(net, test, stage=stage, desc=f"eval {name}")
-    out = {"row": name, "seed": seed, "train_s": train_s, "infer_s": time.time() - t, "steps": len(log),
+    out = {"row": name, "seed": seed, "lr": lr if lr is not None else TABLE_LR, "train_s": train_s,
+           "steps_s": sum(x["s"] for x in log), "infer_s": time.time() - t, "steps": len(log),
            "stage": stage, "ce_log": [[x["step"], x["stage"], x["ce"]] for x in log], "items": res}
     if "sft" not in flags:
         with torch.inference_mode():
@@ -90,16 +100,53 @@ def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, m
     return out, net, stage
 
 
-def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
+def _interventions(tab_dir, seed, net, stage, test, mole_evaluate):
+    """MoLE of {tab_dir}/ckpt/mole_seed{seed} (`net` if already loaded) evaluated on `test` with
+    each latent intervention (INTERVENTIONS); one atomic {tab_dir}/mole_{kind}_seed{seed}.json
+    each, skipped when it exists."""
+    from mole.train import load_mole
+    for kind in INTERVENTIONS:
+        path = os.path.join(tab_dir, f"mole_{kind}_seed{seed}.json")
+        if os.path.exists(path):
+            continue
+        if net is None:
+            net, _, stage = load_mole(os.path.join(tab_dir, "ckpt", f"mole_seed{seed}"))
+        t = time.time()
+        with torch.inference_mode():
+            res = mole_evaluate(net, test, stage=stage, intervention=kind, desc=f"eval mole {kind}")
+        data.atomic_write_text(path, json.dumps({"row": f"mole_{kind}", "seed": seed,
+                                                 "infer_s": time.time() - t, "items": res}))
+        print(f"[toy_mole] mole_{kind} seed {seed}: acc "
+              f"{sum(x['correct'] for x in res) / len(res):.3f}", flush=True)
+
+
+def _base_row(tab_dir, base, test, plain_evaluate):
+    """The untouched base evaluated on `test` ({tab_dir}/base.json, seed-independent; kept if it exists)."""
+    base_path = os.path.join(tab_dir, "base.json")
+    if os.path.exists(base_path):
+        return
+    model, proc = bb.load_backbone(base)
+    t = time.time()
+    with torch.inference_mode():
+        res = plain_evaluate(model, proc, test, desc="eval base")
+    data.atomic_write_text(base_path, json.dumps({"row": "base", "seed": None, "infer_s": time.time() - t,
+                                                  "items": res}))
+
+
+def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,), phase="all"):
     """Train and evaluate the rows of the two-stage table (quick: sft, plain_latent, mole, seed 0
     only; else TABLE_MAIN, the interventions, then the ablations) for every seed, each (row, seed)
     its own atomic result file under {out_dir}/table (table_quick), so a stopped run resumes.
     Order: for each seed the main rows and the interventions, then for each seed the ablations.
     Writes and returns the summary (`summarise_table`: {out_dir}/results.json, results_quick.json
-    in quick mode, and the PNG figures)."""
+    in quick mode, and the PNG figures).
+    phase "data": only generate the data splits and the base row, return None. Then processes
+    with disjoint --seeds may share one out_dir (one core each): every (row, seed) has its own
+    result file and checkpoint, and every file is written atomically under a per-process
+    temporary name; only the data images are written under a fixed temporary name, so two
+    processes must not generate the data at the same time."""
     from eval.evaluate import evaluate as plain_evaluate
     from mole.infer import evaluate as mole_evaluate
-    from mole.train import load_mole
     if threads:
         torch.set_num_threads(threads)
     cfg = QUICK if quick else FULL
@@ -108,14 +155,10 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
     os.makedirs(tab_dir, exist_ok=True)
-    base_path = os.path.join(tab_dir, "base.json")
-    if not quick and not os.path.exists(base_path):  # the untouched base (seed-independent)
-        model, proc = bb.load_backbone(base)
-        t = time.time()
-        with torch.inference_mode():
-            res = plain_evaluate(model, proc, test, desc="eval base")
-        data.atomic_write_text(base_path, json.dumps({"row": "base", "seed": None, "infer_s": time.time() - t,
-                                                      "items": res}))
+    if not quick:
+        _base_row(tab_dir, base, test, plain_evaluate)
+    if phase == "data":
+        return None
     main_rows = {k: MAIN[k] for k in ("sft", "plain_latent", "mole")} if quick else TABLE_MAIN
     for seed in seeds:
         for name, flags in main_rows.items():
@@ -125,19 +168,7 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,)):
                   f"train {r.get('train_s', 0):.0f}s", flush=True)
             if name != "mole" or quick:
                 continue
-            for kind in INTERVENTIONS:
-                path = os.path.join(tab_dir, f"mole_{kind}_seed{seed}.json")
-                if os.path.exists(path):
-                    continue
-                if net is None:
-                    net, _, stage = load_mole(os.path.join(tab_dir, "ckpt", f"mole_seed{seed}"))
-                t = time.time()
-                with torch.inference_mode():
-                    res = mole_evaluate(net, test, stage=stage, intervention=kind, desc=f"eval mole {kind}")
-                data.atomic_write_text(path, json.dumps({"row": f"mole_{kind}", "seed": seed,
-                                                         "infer_s": time.time() - t, "items": res}))
-                print(f"[toy_mole] mole_{kind} seed {seed}: acc "
-                      f"{sum(x['correct'] for x in res) / len(res):.3f}", flush=True)
+            _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
     if not quick:
         for seed in seeds:
             for name, flags in ABLATIONS.items():
@@ -180,21 +211,15 @@ def report_rows(summary):
     return out
 
 
-def summarise_table(out_dir, quick=False, data_dir=None):
-    """Summary of whatever result files of the two-stage table exist (a partial run gives a
-    partial summary). Per row: accuracy per seed with its bootstrap CI, per-family accuracy,
+def _summary_rows(res):
+    """Rows of a two-stage-table summary from result files res {(row, seed): result} (seed None
+    for the base): per row the accuracy per seed with its bootstrap CI, per-family accuracy,
     the mean over seeds with the bootstrap CI over items of the per-item seed mean, and for
-    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of
-    the seed-averaged difference (seeds both rows have). Training CE points (`_ce_points`).
-    Writes {out_dir}/results.json (results_quick.json) and {out_dir}/table_acc.png."""
+    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of the
+    seed-averaged difference (seeds both rows have; "sd" = sd of the per-item difference of
+    the seed means, "mdd" = 2.8 sd / sqrt(n), the difference detectable at alpha 0.05 two-sided
+    with power 0.8). Training CE points (`_ce_points`)."""
     from eval.metrics import bootstrap_ci, by_family, paired_bootstrap
-    tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
-    res = {}
-    for f in sorted(os.listdir(tab_dir)):
-        m = re.fullmatch(r"(.+)_seed(\d+)\.json|base\.json", f)
-        if m:
-            r = _json(os.path.join(tab_dir, f))
-            res[(r["row"], r["seed"])] = r
     corr = lambda r: [float(x["correct"]) for x in r["items"]]
     rows = []
     for name in [n for n in TABLE_ORDER if any(k[0] == n for k in res)]:
@@ -221,8 +246,30 @@ def summarise_table(out_dir, quick=False, data_dir=None):
             per = {str(sd): paired_bootstrap(corr(res[(name, sd)]), corr(res[(ref, sd)])) for sd in both}
             a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in both))]
             b = [sum(v) / len(v) for v in zip(*(corr(res[(ref, sd)]) for sd in both))]
-            row[f"vs_{ref}"] = {"per_seed": per, "mean": paired_bootstrap(a, b), "seeds": both}
+            m = paired_bootstrap(a, b)
+            d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+            m["sd"] = float(d.std())
+            m["mdd"] = 2.8 * m["sd"] / len(a) ** 0.5
+            row[f"vs_{ref}"] = {"per_seed": per, "mean": m, "seeds": both}
         rows.append(row)
+    return rows
+
+
+def summarise_table(out_dir, quick=False, data_dir=None):
+    """Summary of whatever result files of the two-stage table exist (a partial run gives a
+    partial summary). Per row: accuracy per seed with its bootstrap CI, per-family accuracy,
+    the mean over seeds with the bootstrap CI over items of the per-item seed mean, and for
+    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of
+    the seed-averaged difference (seeds both rows have). Training CE points (`_ce_points`).
+    Writes {out_dir}/results.json (results_quick.json) and {out_dir}/table_acc.png."""
+    tab_dir = os.path.join(out_dir, "table_quick" if quick else "table")
+    res = {}
+    for f in sorted(os.listdir(tab_dir)):
+        m = re.fullmatch(r"(.+)_seed(\d+)\.json|base\.json", f)
+        if m:
+            r = _json(os.path.join(tab_dir, f))
+            res[(r["row"], r["seed"])] = r
+    rows = _summary_rows(res)
     cfg = QUICK if quick else FULL
     out = {"quick": quick, "config": cfg, "rows": rows}
     data.atomic_write_text(os.path.join(out_dir, "results_quick.json" if quick else "results.json"),
@@ -258,6 +305,270 @@ def table(summary):
         seeds = ",".join(str(s) for s in r["seeds"] if s is not None) or "-"
         lines.append(f"| {r['row']} | {seeds} | {per} | {f(r['mean'])} | " + " | ".join(cmp_) + f" | {ce} |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- per-row lr
+
+TABLE_LR = 2e-3          # the lr of every row of the two-stage table (mole.train's toy default)
+LR_GRID = (5e-4, 2e-3, 5e-3)
+LR_SWEPT = tuple(TABLE_MAIN)  # swept rows; the ablations and interventions take MoLE's picked lr
+N_VAL = 200              # validation items (the shapes "val" split: disjoint from train and test)
+
+
+def lr_dir(out_dir, lr):
+    """Folder of the two-stage table's result files and checkpoints at learning rate `lr`:
+    {out_dir}/table for TABLE_LR (the table as first run), {out_dir}/table_lr{lr:g} otherwise.
+    Each folder holds one lr only, so `summarise_table` of one folder never mixes lrs."""
+    return os.path.join(out_dir, "table" if lr == TABLE_LR else f"table_lr{lr:g}")
+
+
+def pick_lr(val_acc, prefer=TABLE_LR):
+    """The learning rate a row runs at: the one with the highest validation accuracy in
+    val_acc {lr: accuracy}; among exact ties `prefer` (the lr the table already ran at) if it
+    is tied, else the lowest tied lr (pre-registered in mole/README.md, "Per-row learning rate").
+    Raises ValueError for an empty sweep."""
+    if not val_acc:
+        raise ValueError("error: no lr sweep results to pick from; run --phase lr first")
+    best = max(val_acc.values())
+    tied = sorted(lr for lr, acc in val_acc.items() if acc == best)
+    return prefer if prefer in tied else tied[0]
+
+
+def _late(stop_at):
+    """True once the UTC clock has reached stop_at ("HH:MM", None = never): no new training starts."""
+    return bool(stop_at) and time.strftime("%H:%M", time.gmtime()) >= stop_at
+
+
+def read_sweep(out_dir):
+    """{row: {lr: validation accuracy}} of the sweep result files in {out_dir}/lr_sweep."""
+    sweep = {}
+    d = os.path.join(out_dir, "lr_sweep")
+    for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if re.fullmatch(r".+_lr[0-9.e-]+\.json", f):
+            r = _json(os.path.join(d, f))
+            sweep.setdefault(r["row"], {})[r["lr"]] = sum(x["correct"] for x in r["items"]) / len(r["items"])
+    return sweep
+
+
+def shared_items(train, other):
+    """Ids of the records of `other` that are also training records: the same question and
+    target text *and* the same image pixels (the text does not name an object's size, so equal
+    text alone can be two different images)."""
+    def pixels(r):
+        return data.load_image(r["image"], r["id"]).convert("RGB").tobytes()
+    by_text = {}
+    for r in train:
+        by_text.setdefault((r["question"], r["target"]), []).append(r)
+    out = []
+    for r in other:
+        same = by_text.get((r["question"], r["target"]), [])
+        if same and any(pixels(t) == pixels(r) for t in same):
+            out.append(r["id"])
+    return out
+
+
+def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), stop_at=None):
+    """The two-stage table with a per-row learning rate picked on a validation split
+    (pre-registered in mole/README.md, "Per-row learning rate").
+
+    1. sweep: each row of LR_SWEPT at each lr of LR_GRID, seed 0, the table's schedule on the
+       same 1,280 training examples, scored by final-answer accuracy on N_VAL validation items
+       ({out_dir}/lr_sweep/{row}_lr{lr}.json); the checkpoint is the row's seed-0 checkpoint at
+       that lr ({lr_dir}/ckpt/{row}_seed0), so a picked lr's seed 0 costs inference only and
+       the table's existing lr-2e-3 checkpoints are reused, not retrained.
+    2. `pick_lr` per row; ablations and interventions take MoLE's pick.
+    3. for each seed in `seeds` order: the main rows at their picked lr on the test split, and
+       MoLE's interventions; then for each seed the ablations at MoLE's lr. Files that exist
+       are kept (resumable; the lr-2e-3 results of the first run count as done).
+    stop_at: "HH:MM" UTC after which no new training starts (what is done is summarised).
+    Raises SystemExit (error) if a validation item is also a training item.
+    Returns `summarise_lr`'s summary."""
+    from eval.evaluate import evaluate as plain_evaluate
+    from mole.infer import evaluate as mole_evaluate
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = FULL
+    _ensure_data(data_dir, cfg["n_train"], cfg["n_test"])
+    data.ensure_splits(data_dir, {"val": N_VAL})
+    train = data.read_llava_json(os.path.join(data_dir, "train.json"))[: cfg["n_train"]]
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))[:N_VAL]
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    if shared_items(train, val):
+        raise SystemExit(f"error: {data_dir}/val.json shares items with the training records; "
+                         f"regenerate it (common.data.generate_split) so that it is disjoint")
+    sweep_dir = os.path.join(out_dir, "lr_sweep")
+    for name in LR_SWEPT:
+        for lr in sorted(LR_GRID, key=lambda x: x != TABLE_LR):  # the reused lr-2e-3 checkpoint first (cheap)
+            path = os.path.join(sweep_dir, f"{name}_lr{lr:g}.json")
+            if not os.path.exists(path) and _late(stop_at):
+                print(f"[toy_mole] {stop_at} UTC reached: sweep {name} lr {lr:g} not run", flush=True)
+                continue
+            r, _, _ = _table_one(name, TABLE_MAIN[name], 0, cfg, val, data_dir, lr_dir(out_dir, lr), base, threads,
+                                 mole_evaluate, plain_evaluate, lr=lr, path=path)
+            print(f"[toy_mole] sweep {name} lr {lr:g}: val acc "
+                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f} steps {r['steps_s']:.0f}s", flush=True)
+    sweep = read_sweep(out_dir)
+    if any(len(sweep.get(n, {})) < len(LR_GRID) for n in LR_SWEPT):
+        print("[toy_mole] the sweep is incomplete: no row runs at a picked lr", flush=True)
+        return summarise_lr(out_dir, data_dir)
+    picked = {n: pick_lr(sweep[n]) for n in LR_SWEPT}
+    print(f"[toy_mole] picked lr: {picked}", flush=True)
+    for seed in seeds:
+        for name in LR_SWEPT:
+            tab_dir = lr_dir(out_dir, picked[name])
+            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(stop_at):
+                print(f"[toy_mole] {stop_at} UTC reached: {name} seed {seed} not run", flush=True)
+                continue
+            r, net, stage = _table_one(name, TABLE_MAIN[name], seed, cfg, test, data_dir, tab_dir, base, threads,
+                                       mole_evaluate, plain_evaluate, lr=picked[name])
+            print(f"[toy_mole] {name} lr {picked[name]:g} seed {seed}: acc "
+                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+            if name == "mole":
+                _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
+    tab_dir = lr_dir(out_dir, picked["mole"])
+    for seed in seeds:
+        for name, flags in ABLATIONS.items():
+            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(stop_at):
+                print(f"[toy_mole] {stop_at} UTC reached: {name} seed {seed} not run", flush=True)
+                continue
+            r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
+                                 mole_evaluate, plain_evaluate, lr=picked["mole"])
+            print(f"[toy_mole] {name} lr {picked['mole']:g} seed {seed}: acc "
+                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+    return summarise_lr(out_dir, data_dir)
+
+
+def run_fixed_lr(data_dir, out_dir, lr, rows, seeds, base="tiny-dense", threads=None):
+    """Exploratory (not part of the pre-registered lr run): the main rows `rows` (names in
+    TABLE_MAIN) at one learning rate `lr` for `seeds`, into lr_dir(out_dir, lr) (files that
+    exist are kept), to compare rows at equal lr. Returns `_summary_rows` of those rows at that
+    lr (their comparisons with each other as in TABLE_REFS)."""
+    from eval.evaluate import evaluate as plain_evaluate
+    from mole.infer import evaluate as mole_evaluate
+    bad = [r for r in rows if r not in TABLE_MAIN]
+    if bad:
+        raise SystemExit(f"error: --rows takes main rows {list(TABLE_MAIN)}, got {bad}")
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = FULL
+    _ensure_data(data_dir, cfg["n_train"], cfg["n_test"])
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    tab_dir = lr_dir(out_dir, lr)
+    res = {}
+    for seed in seeds:
+        for name in rows:
+            r, _, _ = _table_one(name, TABLE_MAIN[name], seed, cfg, test, data_dir, tab_dir, base, threads,
+                                 mole_evaluate, plain_evaluate, lr=lr)
+            res[(name, seed)] = r
+            print(f"[toy_mole] {name} lr {lr:g} seed {seed}: acc "
+                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+    return _summary_rows(res)
+
+
+def summarise_lr(out_dir, data_dir=None):
+    """Summary of the per-row-lr table from whatever files exist: the sweep ({row: {lr: val
+    acc}}), the picked lr per row, and `_summary_rows` over each row's result files at its
+    picked lr only (main rows: their own pick; ablations and interventions: MoLE's; the base
+    from {out_dir}/table/base.json), so no row mixes lrs and every "vs MoLE" comparison is at
+    one lr. Writes {out_dir}/results_lr.json and {out_dir}/table_lr_acc.png; returns the summary."""
+    sweep = read_sweep(out_dir)
+    picked = {n: pick_lr(sweep[n]) for n in LR_SWEPT if len(sweep.get(n, {})) == len(LR_GRID)}
+    res = {}
+    base_path = os.path.join(out_dir, "table", "base.json")
+    if os.path.exists(base_path):
+        res[("base", None)] = _json(base_path)
+    lr_of = {}
+    for name in TABLE_ORDER[1:]:
+        lr = picked.get(name if name in LR_SWEPT else "mole")
+        if lr is None:
+            continue
+        lr_of[name] = lr
+        d = lr_dir(out_dir, lr)
+        for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            m = re.fullmatch(re.escape(name) + r"_seed(\d+)\.json", f)
+            if m:
+                res[(name, int(m.group(1)))] = _json(os.path.join(d, f))
+    rows = _summary_rows(res)
+    for row in rows:
+        row["lr"] = lr_of.get(row["row"])
+    out = {"config": FULL, "lr_grid": list(LR_GRID), "n_val": N_VAL,
+           "sweep_val_acc": {n: {f"{lr:g}": a for lr, a in sorted(v.items())} for n, v in sweep.items()},
+           "picked_lr": picked, "rows": rows}
+    os.makedirs(out_dir, exist_ok=True)
+    data.atomic_write_text(os.path.join(out_dir, "results_lr.json"), json.dumps(out, indent=1))
+    bars = [{"arm": r["row"], "seed": int(sd) if sd != "None" else 0,
+             "acc": {"value": v["acc"], "ci_low": v["ci_low"], "ci_high": v["ci_high"]}}
+            for r in rows for sd, v in r["per_seed"].items()]
+    if bars:
+        bar_png(bars, "acc", os.path.join(out_dir, "table_lr_acc.png"),
+                "two-stage table, per-row lr picked on validation: test accuracy per row and seed", w=1400,
+                order=TABLE_ORDER, label=11)
+    return out
+
+
+def verdict(cmp, sign=1):
+    """The pre-registered verdict of one comparison `cmp` ({"per_seed": {seed: {diff, ci_low,
+    ci_high}}, "mean": {...}, "seeds": [...]}, a row's "vs_<ref>" entry: row minus ref) for the
+    claim "sign * (row - ref) > 0": "supported" if every seed's and the seed-averaged 95 % CI
+    lie above 0 (after the sign), "reversed" if they all lie below, "one seed" with fewer than
+    two seeds, else "not supported"."""
+    if len(cmp["seeds"]) < 2:
+        return "one seed"
+    ds = list(cmp["per_seed"].values()) + [cmp["mean"]]
+    lo = [min(sign * d["ci_low"], sign * d["ci_high"]) for d in ds]
+    hi = [max(sign * d["ci_low"], sign * d["ci_high"]) for d in ds]
+    if all(x > 0 for x in lo):
+        return "supported"
+    if all(x < 0 for x in hi):
+        return "reversed"
+    return "not supported"
+
+
+# the pre-registered claims of the per-row-lr table: (label, row, ref, sign of row - ref)
+ABLATION_PART = {"no_router": "the router (vs w/o router and L_div)", "no_esva": "ESVA",
+                 "causal_mixing": "topological latent mixing (vs causal)",
+                 "stage1_only": "stage 2 (vs stage 1 only, 3 epochs)",
+                 "stage2_only": "the two-stage schedule (vs stage 2 only, 3 epochs)",
+                 "no_moe_loss": "the MoE losses (balance + z)", "no_div_loss": "the diversity loss",
+                 "s0": "Z_sum (vs S = 0, E = 8)"}
+LR_CLAIMS = ([("Q1 the shift costs SFT: SFT minus SFT + 8 placeholders", "sft_placeholders", "sft", -1),
+              ("Q2 MoLE minus SFT + 8 placeholders", "mole", "sft_placeholders", 1),
+              ("Q3 MoLE minus plain latents", "mole", "plain_latent", 1)] +
+             [(f"Q4 MoLE minus MoLE with latents {k}", f"mole_{k}", "mole", -1) for k in INTERVENTIONS] +
+             [(f"{ABLATION_PART[k]} helps: MoLE minus {k}", k, "mole", -1) for k in ABLATIONS])
+
+
+def lr_markdown(summary):
+    """Markdown of the per-row-lr table (`summarise_lr`): the sweep, every row (lr, seeds,
+    accuracy per seed, mean [95% CI]), and each pre-registered claim in LR_CLAIMS with its
+    per-seed and seed-averaged difference [95% CI], the MDD and the verdict (`verdict`)."""
+    f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d, sg=1: (f"{sg * d['diff']:+.3f} [{min(sg * d['ci_low'], sg * d['ci_high']):+.3f}, "
+                         f"{max(sg * d['ci_low'], sg * d['ci_high']):+.3f}]")
+    grid = summary["lr_grid"]
+    out = ["| row | " + " | ".join(f"val acc, lr {lr:g}" for lr in grid) + " | picked lr |",
+           "|---|" + "---|" * (len(grid) + 1)]
+    for n, v in summary["sweep_val_acc"].items():
+        cells = " | ".join(f"{v[f'{lr:g}']:.3f}" if f"{lr:g}" in v else "not run" for lr in grid)
+        picked = summary["picked_lr"].get(n)
+        out.append(f"| {n} | {cells} | {f'{picked:g}' if picked else '-'} |")
+    out += ["", "| row | lr | seeds | acc per seed | mean [95% CI] |", "|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        seeds = ",".join(str(s) for s in r["seeds"] if s is not None) or "-"
+        per = " / ".join(f"{v['acc']:.3f}" for v in r["per_seed"].values())
+        lr = f"{r['lr']:g}" if r.get("lr") else "-"
+        out.append(f"| {r['row']} | {lr} | {seeds} | {per} | {f(r['mean'])} |")
+    out += ["", "| claim | seeds | seed-averaged [95% CI] | MDD | per seed | verdict |", "|---|---|---|---|---|---|"]
+    rows = {r["row"]: r for r in summary["rows"]}
+    for label, row, ref, sg in LR_CLAIMS:
+        c = rows.get(row, {}).get(f"vs_{ref}")
+        if c is None:
+            out.append(f"| {label} | - | not run | | | not run |")
+            continue
+        per = "; ".join(f"seed {sd}: {g(d, sg)}" for sd, d in c["per_seed"].items())
+        out.append(f"| {label} | {','.join(map(str, c['seeds']))} | {g(c['mean'], sg)} | {c['mean']['mdd']:.3f} | "
+                   f"{per} | {verdict(c, sg)} |")
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- stage-1 bottleneck
@@ -662,9 +973,17 @@ def main(argv=None):
                    help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
     p.add_argument("--seeds", default="", help="comma-separated seeds (full: default 0,1; bottleneck: default 0,1,2)")
     p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
-    p.add_argument("--phase", default="all", choices=("all", "sweep", "main", "summary", "image", "long"),
+    p.add_argument("--phase", default="all",
+                   choices=("all", "sweep", "main", "summary", "image", "long", "lr", "lr-summary", "lr-fixed", "data"),
                    help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
-                        "the result files that exist (summary also for the full table)")
+                        "the result files that exist (summary also for the full table); full: lr = the table "
+                        "with a per-row lr picked on a validation split (sweep, then --seeds in that order, "
+                        "default 2,0,1), lr-summary = only summarise it, data = only the data and the base row (then "
+                        "one process per --seeds may share --out), lr-fixed = exploratory: --rows at one --lr)")
+    p.add_argument("--lr", type=float, default=None, help="--phase lr-fixed: the learning rate of every row")
+    p.add_argument("--rows", default="", help="--phase lr-fixed: comma-separated main rows (sft, sft_placeholders, "
+                                              "plain_latent, mole)")
+    p.add_argument("--stop-at", default=None, help="--phase lr: UTC time HH:MM after which no new training starts")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
@@ -682,6 +1001,8 @@ def main(argv=None):
     if a.part == "bottleneck":
         out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
         dd = a.data if a.data != "out/data" else os.path.join(out, "data")
+        if a.phase in ("lr", "lr-summary", "lr-fixed", "data"):
+            p.error(f"--phase {a.phase} is for the full table (--part full)")
         if a.phase == "summary":
             print(bottleneck_table(summarise_bottleneck(out)))
             return
@@ -696,8 +1017,30 @@ def main(argv=None):
     if a.phase == "summary":
         print(table(summarise_table(a.out, a.quick, a.data)))
         return
-    s = run(a.quick, a.data, a.out, base=a.model, threads=threads,
+    if a.phase == "lr-fixed":
+        if a.lr is None or not a.rows or not a.seeds:
+            p.error("--phase lr-fixed needs --lr, --rows and --seeds")
+        rows = run_fixed_lr(a.data, a.out, a.lr, a.rows.split(","), [int(x) for x in a.seeds.split(",")],
+                            base=a.model, threads=threads)
+        print(json.dumps(rows, indent=1))
+        return
+    if a.phase in ("lr", "lr-summary"):
+        if a.quick:
+            p.error("--phase lr is the full table's lr sweep; it has no --quick mode")
+        if a.stop_at and not re.fullmatch(r"[0-2]\d:[0-5]\d", a.stop_at):
+            p.error(f"--stop-at takes a UTC time HH:MM, got {a.stop_at!r}")
+        s = (summarise_lr(a.out, a.data) if a.phase == "lr-summary" else
+             run_lr(a.data, a.out, base=a.model, threads=threads, stop_at=a.stop_at,
+                    seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (2, 0, 1)))
+        print(lr_markdown(s))
+        return
+    if a.phase not in ("all", "data"):
+        p.error(f"--phase {a.phase} is for --part bottleneck; the full table takes all, data, summary, lr, lr-summary")
+    s = run(a.quick, a.data, a.out, base=a.model, threads=threads, phase=a.phase,
             seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (0, 1))
+    if s is None:
+        print(f"[toy_mole] data in {a.data} and the base row in {a.out}/table are ready")
+        return
     print(table(s))
 
 

@@ -48,3 +48,112 @@ def test_toy_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch
         assert argv[argv.index("--model") + 1] == "tiny-dense" and "--base" not in argv
         assert argv[argv.index("--threads") + 1] == "1"
     assert "--base is deprecated; use --model" in capsys.readouterr().err
+
+
+def test_pick_lr_best_validation_accuracy_and_the_preregistered_tie_rule():
+    from eval.toy_mole import pick_lr
+    assert pick_lr({5e-4: 0.60, 2e-3: 0.62, 5e-3: 0.65}) == 5e-3          # highest wins, not the default
+    assert pick_lr({5e-4: 0.70, 2e-3: 0.62, 5e-3: 0.65}) == 5e-4
+    assert pick_lr({5e-4: 0.99, 2e-3: 0.99, 5e-3: 0.98}) == 2e-3          # tie including the table's lr: keep it
+    assert pick_lr({5e-4: 0.90, 2e-3: 0.80, 5e-3: 0.90}) == 5e-4          # tie without it: the lowest
+    import pytest
+    with pytest.raises(ValueError, match="no lr sweep"):
+        pick_lr({})
+
+
+def _fake(path, row, seed, lr, correct):
+    import json
+    import os
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    items = [{"id": f"t{i}", "family": "count", "correct": bool(c)} for i, c in enumerate(correct)]
+    with open(path, "w") as f:
+        json.dump({"row": row, "seed": seed, "lr": lr, "items": items}, f)
+
+
+def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
+    """Sweep picks 5e-3 for MoLE, 2e-3 for SFT and, by the tie rule, for plain latents (tied
+    with 5e-4): the summary takes MoLE (and its ablation)
+    from table_lr0.005, SFT from table, never the other lr's files, and compares the ablation
+    with MoLE at the same lr."""
+    import eval.toy_mole as tm
+    out = str(tmp_path)
+    n = 20
+    for row in tm.LR_SWEPT:
+        for lr in tm.LR_GRID:
+            acc = {"mole": {5e-3: 9}, "plain_latent": {5e-4: 7}}.get(row, {}).get(lr, 5 if lr != 2e-3 else 7)
+            _fake(f"{out}/lr_sweep/{row}_lr{lr:g}.json", row, 0, lr, [1] * acc + [0] * (10 - acc))
+    for lr, good in ((2e-3, 4), (5e-3, 15)):  # MoLE: 4/20 at 2e-3, 15/20 at 5e-3
+        d = tm.lr_dir(out, lr)
+        for seed in (0, 1):
+            _fake(f"{d}/mole_seed{seed}.json", "mole", seed, lr, [1] * good + [0] * (n - good))
+            _fake(f"{d}/no_esva_seed{seed}.json", "no_esva", seed, lr, [1] * (good - 2) + [0] * (n - good + 2))
+            _fake(f"{d}/sft_seed{seed}.json", "sft", seed, lr, [1] * (n - (lr == 5e-3) * 10) + [0] * ((lr == 5e-3) * 10))
+    s = tm.summarise_lr(out)
+    assert s["picked_lr"] == {"sft": 2e-3, "sft_placeholders": 2e-3, "plain_latent": 2e-3, "mole": 5e-3}
+    rows = {r["row"]: r for r in s["rows"]}
+    assert rows["mole"]["lr"] == 5e-3 and rows["mole"]["mean"]["acc"] == 15 / 20
+    assert rows["sft"]["lr"] == 2e-3 and rows["sft"]["mean"]["acc"] == 1.0
+    assert rows["no_esva"]["lr"] == 5e-3 and abs(rows["no_esva"]["vs_mole"]["mean"]["diff"] + 2 / 20) < 1e-9
+    sd = (1.8 / 19) ** 0.5  # per-item differences: two -1, eighteen 0 (sample sd)
+    m = rows["no_esva"]["vs_mole"]["mean"]
+    assert abs(m["sd"] - sd) < 1e-9 and abs(m["mdd"] - 2.8 * sd / 20 ** 0.5) < 1e-9
+    assert rows["mole"]["vs_sft"]["seeds"] == [0, 1] and abs(rows["mole"]["vs_sft"]["mean"]["diff"] + 5 / 20) < 1e-9
+    assert (tmp_path / "results_lr.json").exists() and (tmp_path / "table_lr_acc.png").exists()
+    md = tm.lr_markdown(s)
+    assert "| mole | 0.500 | 0.700 | 0.900 | 0.005 |" in md
+    assert "| ESVA helps: MoLE minus no_esva | 0,1 | +0.100 [" in md and "| Q2 MoLE minus SFT + 8 placeholders | - |" in md
+
+
+def test_shared_items_needs_the_same_text_and_the_same_image(tmp_path):
+    """A validation item is a training item only if question, target and pixels are equal:
+    the shapes text does not name object size, so equal text can be another image."""
+    from PIL import Image
+    from eval.toy_mole import shared_items
+    for name, colour in (("a", "red"), ("b", "red"), ("c", "blue")):
+        Image.new("RGB", (8, 8), colour).save(tmp_path / f"{name}.png")
+    rec = lambda i, img, q="How many squares?": {"id": i, "image": str(tmp_path / img), "question": q,
+                                                 "target": "tl empty -. Answer: 0"}
+    train = [rec("t0", "a.png")]
+    assert shared_items(train, [rec("v0", "b.png")]) == ["v0"]          # same text, same pixels
+    assert shared_items(train, [rec("v1", "c.png")]) == []              # same text, other image
+    assert shared_items(train, [rec("v2", "a.png", q="What colour?")]) == []  # same image, other question
+
+
+def test_phases_of_the_other_part_are_refused(capsys):
+    import pytest
+    import eval.toy_mole as tm
+    for argv in (["--phase", "sweep"], ["--part", "bottleneck", "--phase", "lr"], ["--phase", "lr", "--quick"],
+                 ["--phase", "lr", "--stop-at", "5pm"]):
+        with pytest.raises(SystemExit) as e:
+            tm.main(argv)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "is for --part bottleneck" in err and "is for the full table" in err and "HH:MM" in err
+
+
+def test_verdict_follows_the_preregistered_criterion():
+    from eval.toy_mole import verdict
+    d = lambda x, lo, hi: {"diff": x, "ci_low": lo, "ci_high": hi}
+    cmp = lambda per, mean: {"per_seed": {str(i): p for i, p in enumerate(per)}, "mean": mean,
+                             "seeds": list(range(len(per)))}
+    up, down, zero = d(0.1, 0.05, 0.15), d(-0.1, -0.15, -0.05), d(0.02, -0.01, 0.05)
+    assert verdict(cmp([up, up, up], up)) == "supported"
+    assert verdict(cmp([up, zero, up], up)) == "not supported"      # one seed's CI reaches 0
+    assert verdict(cmp([up, up], zero)) == "not supported"          # the seed average's does
+    assert verdict(cmp([down, down], down)) == "reversed"
+    assert verdict(cmp([down, down], down), sign=-1) == "supported"  # "MoLE minus the ablation > 0"
+    assert verdict(cmp([up], up)) == "one seed"
+
+
+def test_phase_data_prepares_data_and_base_and_trains_nothing(monkeypatch, tmp_path, capsys):
+    """--phase data: the splits and the base row only (so one process per --seeds can share --out)."""
+    import eval.toy_mole as tm
+    from mole import train as mt
+    calls = []
+    monkeypatch.setattr(tm.data, "ensure_splits", lambda d, sizes: calls.append(("splits", dict(sizes))))
+    monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
+    monkeypatch.setattr(tm, "_base_row", lambda tab_dir, *a: calls.append(("base", tab_dir)))
+    monkeypatch.setattr(mt, "main", lambda argv: calls.append(("train", argv)))
+    tm.main(["--phase", "data", "--out", str(tmp_path), "--data", str(tmp_path / "d"), "--threads", "1"])
+    assert calls == [("splits", {"train": 1280, "test": 500}), ("base", str(tmp_path / "table"))]
+    assert "are ready" in capsys.readouterr().out
