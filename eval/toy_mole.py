@@ -199,15 +199,19 @@ def _ce_points(log):
 
 def report_rows(summary):
     """The quickstart's report rows ({model, family, metric, value, ci_low, ci_high, n}) of a
-    two-stage-table summary (`summarise_table`): accuracy of each row's first seed, overall
-    with its bootstrap CI, per family without one."""
+    two-stage-table summary (`summarise_table`): accuracy of each row's first seed per family
+    and overall ("all"), one row each, with its bootstrap CI and n (a summary written before
+    family CIs were recorded gives None there)."""
     out = []
     for row in summary["rows"]:
         ps = row["per_seed"][str(row["seeds"][0])]
+        for f, v in ps["family"].items():  # the test items' order, as the quickstart's other tables
+            if f != "all":
+                lo, hi = ps.get("family_ci", {}).get(f, (None, None))
+                out.append({"model": row["row"], "family": f, "metric": "accuracy", "value": v, "ci_low": lo,
+                            "ci_high": hi, "n": ps.get("family_n", {}).get(f)})
         out.append({"model": row["row"], "family": "all", "metric": "accuracy", "value": ps["acc"],
                     "ci_low": ps["ci_low"], "ci_high": ps["ci_high"], "n": ps["n"]})
-        out += [{"model": row["row"], "family": f, "metric": "accuracy", "value": v, "ci_low": None,
-                 "ci_high": None, "n": None} for f, v in sorted(ps["family"].items())]
     return out
 
 
@@ -228,8 +232,11 @@ def _summary_rows(res):
         for sd in seeds:
             r = res[(name, sd)]
             lo, hi = bootstrap_ci(corr(r))
+            fams = {f: c for f, c in by_family(r["items"]).items() if f != "all"}
             ps = {"acc": sum(corr(r)) / len(corr(r)), "ci_low": lo, "ci_high": hi, "n": len(corr(r)),
-                  "family": {f: sum(c) / len(c) for f, c in by_family(r["items"]).items()}}
+                  "family": {f: sum(c) / len(c) for f, c in fams.items()},
+                  "family_n": {f: len(c) for f, c in fams.items()},
+                  "family_ci": {f: list(bootstrap_ci(c)) for f, c in fams.items()}}
             for k in ("train_s", "infer_s", "latent_sim_x100", "attn_kl_x100"):
                 if k in r:
                     ps[k] = r[k]

@@ -241,12 +241,15 @@ def test_quickstart_toy_stages_hand_back_report_rows():
     step) and after MoLE (toy_mole.run returns its table summary, not report rows)."""
     from eval import toy_mole, toy_rolemerge
     assert isinstance(toy_rolemerge.MAX_NEW, int)
-    summary = {"rows": [{"row": "mole", "seeds": [0], "per_seed": {"0": {
-        "acc": 0.5, "ci_low": 0.25, "ci_high": 0.75, "n": 4, "family": {"count": 1.0, "colour": 0.0}}}}]}
+    items = [{"family": f, "correct": c} for f, c in (("count", 1), ("count", 1), ("colour", 0), ("colour", 0))]
+    summary = {"rows": toy_mole._summary_rows({("mole", 0): {"items": items}})}
     rows = toy_mole.report_rows(summary)
-    assert rows[0] == {"model": "mole", "family": "all", "metric": "accuracy", "value": 0.5,
-                       "ci_low": 0.25, "ci_high": 0.75, "n": 4}
-    assert [(r["family"], r["value"]) for r in rows[1:]] == [("colour", 0.0), ("count", 1.0)]
+    # one row per (model, family), each with its n and CI (the trial found a second "all" row
+    # without a CI, and family rows without n)
+    assert rows[-1] == {"model": "mole", "family": "all", "metric": "accuracy", "value": 0.5,
+                        "ci_low": 0.0, "ci_high": 1.0, "n": 4}
+    assert [(r["family"], r["value"], r["n"], r["ci_low"]) for r in rows[:-1]] == [("count", 1.0, 2, 1.0),
+                                                                                 ("colour", 0.0, 2, 0.0)]
     from eval.quickstart import stage_tables
     assert any("mole" in line for line in stage_tables("mole", rows))
 
