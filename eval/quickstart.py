@@ -1,6 +1,6 @@
 """Quickstart: the repo's main job, end to end on the embedded tiny defaults.
 
-    python -m eval.quickstart                 # 2-4 minutes on 2 CPU cores (see README)
+    python -m eval.quickstart                 # ~4 min on 2 idle CPU cores, ~6 min at load 3 (README)
     python -m eval.quickstart --retrain-base  # first re-pretrain the tiny bases (~30 more minutes)
 
 1. generates the shapes data (out/data: train / val / test, images + LLaVA JSON),
@@ -205,9 +205,10 @@ def main(argv=None):
                     raise Interrupted(f"stopped after stage '{stage}' ({flag['stop']})", flag["signum"])
     except (Interrupted, KeyboardInterrupt) as e:  # ours after a stage, or a trainer's mid-stage, or a 2nd Ctrl-C
         where = (f"after stage '{stage}'" if isinstance(e, Interrupted) and str(e).startswith("stopped after")
-                 else f"during stage '{stage}' (it reruns from its start)")
-        print(f"[quickstart] stopped {where}; finished stages are kept in {a.out}/stages: rerun the same "
-              f"command to continue", file=sys.stderr)
+                 else f"during stage '{stage}' (the quickstart reruns a stopped stage from its start; the "
+                      f"trainer's checkpoint is not reused)")
+        print(f"\n[quickstart] stopped {where}; finished stages are kept in {a.out}/stages: rerun the same "
+              f"command to continue", file=sys.stderr)  # own line: not after a progress bar
         raise SystemExit(128 + getattr(e, "signum", 2))
     stages = {"bases (shapes test split)": bases_rows, **stages}
     wall = time.time() - t0

@@ -125,7 +125,7 @@ def get_parser():
     p.add_argument("--max-steps", type=number(min=0), default=0,
                    help="stop after this global step (0 = full schedule); the schedule itself is unchanged")
     add_threads(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no start-up notes")
     return p
 
 
@@ -499,7 +499,7 @@ def train(a):
             else:
                 restore_optimizer(opt, optim, a.out)
             step, log = state["step"], state["log"]
-        elif rank == 0:
+        elif rank == 0 and not a.quiet:  # the toys pass --resume on every run: no news there
             print(f"--resume: no checkpoint in {a.out}; starting at step 0", file=sys.stderr)
     saved_at = step or None  # step of the last checkpoint of this run on disk
     if a.compile and isinstance(net, MoLE):   # MoLE's hot functions (latent attention, ESVA MLPs) in place; the base model stays eager
