@@ -299,7 +299,7 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     logged = lambda step: step % log_every == 0 or step == steps - 1
     if rank == 0:  # a fresh log, or the resumed run's (lines after its checkpoint are dropped)
         _write_log(log_path, [r for r in log if logged(r["step"])])
-    bar = tqdm(range(start, steps), desc=desc, disable=quiet or rank != 0, leave=False)
+    bar = tqdm(range(start, steps), desc=desc, disable=quiet or rank != 0, leave=False, initial=start, total=steps)
     with sigterm_flag() as flag:
         for step in bar:
             for g in opt.param_groups:
