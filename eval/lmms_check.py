@@ -151,8 +151,9 @@ def compare(rows, name, ref, got):
 
 
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--venv", default="/work/venv-lmms", help="venv for lmms-eval (made if missing)")
     p.add_argument("--lmms-eval-version", default="0.7.3", help="lmms-eval version to install")
     p.add_argument("--out", default="out/lmms_check", help="working folder (data, checkpoints, results)")

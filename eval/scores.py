@@ -645,7 +645,8 @@ def load_predictions(path, method=None):
 
 def main(argv=None):
     from common.data import atomic_write_text, read_any
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="Score saved predictions the way each benchmark defines it.")
     p.add_argument("--data", required=True, help="the converted benchmark JSONL (python -m eval.convert)")
     p.add_argument("--preds", required=True, help="predictions JSON of eval.evaluate / mod.infer / mole.infer / "

@@ -214,7 +214,8 @@ METHODS = ("base", "single", "multi", "mad", "sc", "base-misled", "misled")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")

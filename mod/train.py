@@ -341,7 +341,8 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="Train MoD / LoRA / MoE-LoRA adapters on a frozen VLM (MoD §3.3).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,

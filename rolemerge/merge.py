@@ -682,8 +682,9 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
 
 
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe)")
     p.add_argument("--stats", nargs="+", required=True, help="stats file(s) from rolemerge.calibrate; all are summed")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
