@@ -302,3 +302,23 @@ def test_readme_lists_the_supported_models_the_code_supports():
     for family in SUPPORTED.values():
         short = family.split(" (")[0].split(" ")[0]                             # "DeepSeek-VL2 (Tiny ..." -> name
         assert short in top[top.index("RoleMerge merges"):] and short in rm, short
+
+
+def test_mod_infer_base_json_is_the_toys_fair_baseline(tmp_path):
+    """Newcomer trial: mod.infer offered `base` (plain question) but not the quickstart's `base-json`
+    (the frozen base on the adapters' JSON prompt), so base vs single compared different prompts.
+    `--methods base-json` answers as eval.toy_mod's base-json row: plain(base, json_prompt=True)."""
+    from mod import infer
+    data.generate_split(str(tmp_path / "d"), "test", 3)
+    out = infer.main(["--model", "tiny-chat", "--data", str(tmp_path / "d" / "test.json"), "--methods",
+                      "base,base-json", "--max-new-tokens", "6", "--threads", "1"])
+    recs = data.read_records(str(tmp_path / "d" / "test.json"))
+    model, proc = bb.load_backbone("tiny-chat")
+    with torch.inference_mode():
+        toy, _ = infer.plain(model, proc, recs, max_new_tokens=6, json_prompt=True)   # toy_mod's base-json call
+    got = out["results"]["base-json"]
+    assert [(r["id"], r["pred"], r["n_tokens"]) for r in got] == [(r["id"], r["pred"], r["n_tokens"]) for r in toy]
+    assert [r["pred"] for r in got] != [r["pred"] for r in out["results"]["base"]]     # another prompt
+    import inspect
+    from eval import toy_mod
+    assert 'record("base-json", plain(base, proc, test, json_prompt=True))' in inspect.getsource(toy_mod.run)
