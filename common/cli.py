@@ -63,6 +63,19 @@ def run_cli(fn, *args):
         fail(e)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every entry point's `-h`: the description as written (RawDescription) and each option's default
+    appended as "(default: X)", except when the default says nothing (None, False, "", SUPPRESS) or the
+    help text already names it (contains "default")."""
+
+    def _get_help_string(self, action):
+        d, text = action.default, action.help or ""
+        if d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, str) and d == "") \
+                or "default" in text.lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Deprecated(argparse.Action):
     """An old flag spelling kept for one release: stores into the new flag's dest and prints
     `warning: --base is deprecated; use --model`. Usage:

@@ -775,7 +775,8 @@ def load_image(path, rid="?"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="Generate the synthetic shapes dataset (images + LLaVA JSON).")
     from common.cli import fail, number
     p.add_argument("--out", default="out/data", help="output directory")

@@ -204,8 +204,9 @@ def lr_at(step, steps, lr, warmup):
 
 
 def main():
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"],
                    help="transformers architecture of the tiny base")
     p.add_argument("--out", required=True, help="save_pretrained directory of the result")

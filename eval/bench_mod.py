@@ -66,7 +66,8 @@ def timed(fns, reps, sync, stat=statistics.median):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="MoD vs LoRA vs per-expert loop speed, and decoding cost vs context.")
     p.add_argument("--dim", type=int, default=2048, help="in = out features (Qwen2.5-VL-3B hidden: 2048)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward+backward")

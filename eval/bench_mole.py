@@ -111,8 +111,9 @@ def bench_size(size, reps, layers_3b, compile=False):
 
 
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--sizes", default="tiny,3b", help="comma list of sizes: tiny, 3b")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median)")
     p.add_argument("--layers-3b", type=int, default=2, help="decoder layers of the 3B-like size")

@@ -161,8 +161,9 @@ def child(code, *args):
 
 
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--dir", default="out/bench_rolemerge", help="work directory (checkpoint, stats, merged output)")
     p.add_argument("--layers", type=int, default=16, help="MoE layers")
     p.add_argument("--hidden", type=int, default=512, help="hidden size")

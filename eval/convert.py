@@ -454,7 +454,8 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="Convert a public benchmark export (parquet / arrow / JSON / JSONL, "
                                             "the hub dataset's schema) to canonical JSONL with images beside it.")
     p.add_argument("--benchmark", required=True, choices=sorted(CONVERTERS), help="which schema --src is in")

@@ -258,7 +258,8 @@ def extra_metrics(results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
                                             "JSONL): per-family accuracy vs the best constant answer.")
     p.add_argument("--model", default=None,  # required, checked after parsing so the old --base spelling counts

@@ -169,8 +169,9 @@ def check_ddp(device, tmp, steps):
 
 
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default; skipped without a GPU) or cpu for a smoke run")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {CHECKS}")
     p.add_argument("--steps", type=int, default=30, help="train steps per timing check")

@@ -151,8 +151,9 @@ def compare(rows, name, ref, got):
 
 
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--venv", default="/work/venv-lmms", help="venv for lmms-eval (made if missing)")
     p.add_argument("--lmms-eval-version", default="0.7.3", help="lmms-eval version to install")
     p.add_argument("--out", default="out/lmms_check", help="working folder (data, checkpoints, results)")
@@ -194,7 +195,7 @@ def main(argv=None):
     merged = os.path.join(rm, "tiny-moe-A1B-rho0.5")
     if not os.path.exists(os.path.join(mod_dir, "adapter_config.json")):
         run([py, "-m", "mod.train", "--model", "tiny-chat", "--data", os.path.join(data, "train.json"), "--out",
-             mod_dir, "--steps", "30", "--batch-size", "8", "--lr", "5e-3", "--overwrite"] + T, env, "MoD adapter")
+             mod_dir, "--steps", "30", "--warmup", "20", "--batch-size", "8", "--lr", "5e-3", "--overwrite"] + T, env, "MoD adapter")
     if not os.path.exists(os.path.join(mole_dir, "state.json")):
         run([py, "-m", "mole.train", "--data", data, "--out", mole_dir, "--max-steps", "30", "--batch-size", "8",
              "--overwrite", "--quiet"] + T, env, "MoLE checkpoint")

@@ -580,8 +580,9 @@ def load_results(path):
 
 
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--models", default=",".join(REAL), help=f"comma list of {tuple(REAL)}")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {JOBS} (calib: MoE models only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -134,8 +134,9 @@ def retrain_bases():
 
 
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", default="out/quickstart", help="report directory (each method's quick run in OUT/<method>)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--n-test", type=number(min=1), default=500, help="test examples to evaluate")

@@ -645,7 +645,8 @@ def load_predictions(path, method=None):
 
 def main(argv=None):
     from common.data import atomic_write_text, read_any
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="Score saved predictions the way each benchmark defines it.")
     p.add_argument("--data", required=True, help="the converted benchmark JSONL (python -m eval.convert)")
     p.add_argument("--preds", required=True, help="predictions JSON of eval.evaluate / mod.infer / mole.infer / "
@@ -655,6 +656,12 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="also write {method: scores} as JSON here")
     a = p.parse_args(argv)
     records = read_any(a.data, image_root=a.image_root, check_images=False)
+    if not any(r.get("benchmark") for r in records):  # shapes data, own data: nothing here defines a score
+        raise ValueError(f"{a.data}: no record has a \"benchmark\" field, so eval.scores has nothing to score. It "
+                         f"scores benchmark files made by eval.convert (records with a \"benchmark\" field: "
+                         f"{', '.join(SCORERS)}); for other data (the shapes world, your own records) the score is "
+                         f"the accuracy eval.evaluate prints and saves (mod.infer, mole.infer and rolemerge.infer "
+                         f"print it too)")
     out = {}
     for m, preds in load_predictions(a.preds, a.method).items():
         have = [r for r in records if r["id"] in preds]

@@ -1,5 +1,8 @@
 """Self-debate inference with MoD (paper Alg. 2, App. B.5) and the external baselines.
 
+    base         the frozen base model, one round on the plain question (its own format)
+    base-json    the frozen base model on MoD-Single's prompt (question + JSON instruction): the
+                 fair baseline of MoD-Single, since both see the same prompt
     MoD-Single   one round: question + JSON instruction
     MoD-Multi    K debate rounds: round k sees the question, the debate prompt and the
                  model's own responses of rounds 0..k-1 (Alg. 2), final answer = last round
@@ -210,19 +213,22 @@ def summarize(name, results, wall_s):
     return {"method": name, "accuracy": acc, "tokens_per_q": toks, "wall_s": wall_s, "n": len(results)}
 
 
-METHODS = ("base", "single", "multi", "mad", "sc", "base-misled", "misled")
+METHODS = ("base", "base-json", "single", "multi", "mad", "sc", "base-misled", "misled")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")
     p.add_argument("--data", required=True, help="questions (LLaVA JSON/JSONL or canonical JSONL)")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--methods", default="single,multi,mad,sc",
-                   help="comma list of: base, single, multi, misled (need --adapter), mad, sc, base-misled "
-                   "(base model); misled = one debate round whose only prior response is wrong")
+                   help="comma list of: single, multi, misled (need --adapter); base, base-json, mad, sc, "
+                   "base-misled (the frozen base model). base = the plain question; base-json = the adapters' "
+                   "JSON prompt (the fair baseline of single, as eval.toy_mod's base-json row); misled = one "
+                   "debate round whose only prior response is wrong")
     p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
     add_limit(p, what="questions")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
@@ -265,6 +271,7 @@ def run(args, methods):
         load_adapters(tuned, args.adapter)  # refuses adapters trained on another base
         tuned.eval()
     drivers = {"base": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens),
+           "base-json": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens, json_prompt=True),
            "single": lambda: mod_debate(tuned, proc, records, 0, args.batch_size, args.max_new_tokens),
            "multi": lambda: mod_debate(tuned, proc, records, args.rounds, args.batch_size, args.max_new_tokens),
            "mad": lambda: multi_agent_debate(base, proc, records, args.rounds, batch_size=args.batch_size,

@@ -136,6 +136,12 @@ def batch_indices(n, batch_size, seed, step, micro, rank):
     return [rng.randrange(n) for _ in range(batch_size)]
 
 
+def default_warmup(steps):
+    """Warmup steps when --warmup is not given: a tenth of the run, at least 1 and at most 20 (so 20 from
+    200 steps on, as before; a 10-step run warms up over 1 step instead of never reaching its peak lr)."""
+    return min(20, max(1, steps // 10))
+
+
 def lr_at(step, steps, lr, warmup):
     """Linear warmup then cosine decay to 10% of lr."""
     if step < warmup:
@@ -258,7 +264,7 @@ def accumulate(run, raw, batches, aux_coef=0.0, amp=None, world=1):
     return task_sum, aux_sum
 
 
-def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, lr=2e-3, warmup=20,
+def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, lr=2e-3, warmup=None,
         weight_decay=0.0, clip=1.0, seed=0, aux_coef=0.01, save_every=0, resume=False, compile=False,
         log_every=10, rank=0, world=1, desc="train", quiet=False, batcher=None):
     """Train the attached adapters of `model` on (question, target) records.
@@ -271,9 +277,12 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     made earlier (its images already decoded), else one is made here.
     Raises RunError when resuming a checkpoint of other settings, when a batch has no label
     to train on, and on a non-finite loss or gradient (the update is skipped, the last
-    checkpoint kept); Interrupted after SIGTERM (step finished, checkpoint written)."""
+    checkpoint kept); Interrupted after SIGTERM (step finished, checkpoint written).
+    warmup None: `default_warmup(steps)`, resolved here, so a checkpoint records (and --resume
+    compares) the number of steps actually used."""
     if not records:
         raise RunError("no training records")
+    warmup = default_warmup(steps) if warmup is None else warmup
     os.makedirs(out_dir, exist_ok=True)
     raw = model
     device = next(raw.parameters()).device
@@ -341,7 +350,8 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="Train MoD / LoRA / MoE-LoRA adapters on a frozen VLM (MoD §3.3).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
@@ -354,7 +364,8 @@ def main(argv=None):
     p.add_argument("--grad-accum", type=number(min=1), default=1,
                    help="micro-batches per optimizer step (the loss is normalised by the step's label tokens)")
     p.add_argument("--lr", type=number(float, above=0), default=2e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=number(min=0), default=20, help="linear warmup steps")
+    p.add_argument("--warmup", type=number(min=0), default=None,
+                   help="linear warmup steps (default: min(20, steps // 10), at least 1: 20 for --steps >= 200)")
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient-norm clip (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of adapter init and batch sampling")

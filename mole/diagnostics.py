@@ -75,7 +75,8 @@ def latent_stats(mole, records, stage=2, batch_size=64):
 
 def main(argv=None):
     """Command line: a mole.train checkpoint + data -> printed (and optionally JSON) diagnostics."""
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
                                 description="MoLE latent diagnostics: latent similarity and attention-pattern KL "
                                             "(both x100) of a mole.train checkpoint on a data file.")
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")

@@ -55,8 +55,9 @@ NOT_SETTINGS = ("model", "base", "data", "image_root", "grad_accum", "out", "res
 
 def get_parser():
     """The argparse parser of mole.train (every flag with its help)."""
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--data", default="out/data",
@@ -294,7 +295,28 @@ def load_mole(path, device="cpu", base=None):
             raise RunError(f"{path} was trained on base {saved['name_or_path'] or '?'} and does not fit base "
                            f"{now['name_or_path'] or a.model} ({'; '.join(diff)})")
     copy_tensors(params, tensors, path)
+    warning = unfinished_stage2(state)
+    if warning:
+        print(f"warning: {path}: {warning}", file=sys.stderr)
     return net.eval(), proc, (2 if a.stage2_epochs > 0 else 1)
+
+
+def unfinished_stage2(state):
+    """A sentence if a MoLE checkpoint's schedule has a stage 2 (--stage2-epochs > 0) that never ran
+    (its last logged step is in stage 1, or it has none, e.g. stopped by --max-steps or an interrupt):
+    its answers were trained only through the visual bottleneck, yet inference uses stage 2. None
+    otherwise (stage 2 reached, no stage 2 planned, or a --method sft checkpoint, which has no stages).
+    state: the checkpoint's state.json dict ({"args", "step", "log": [{"stage", ...}, ...]})."""
+    a = state.get("args", {})
+    if a.get("method", "mole") != "mole" or not a.get("stage2_epochs", 0):
+        return None
+    log = state.get("log") or []
+    if log and log[-1].get("stage") == 2:
+        return None
+    return (f"training stopped at step {state.get('step', 0)} in stage 1 (visual bottleneck: answers could "
+            f"not read the image); the stage 2 of its schedule (--stage2-epochs {a['stage2_epochs']}) never "
+            f"ran, so this model is undertrained for stage-2 inference. Finish it with mole.train --resume "
+            f"(without --max-steps)")
 
 
 def recorded_base(path):

@@ -439,8 +439,9 @@ def _raw_model_type(path):
 def main(argv=None):
     from common import data
     from common.cli import add_limit, add_threads, fail, set_threads
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
     p.add_argument("--data", nargs="+", required=True,
                    help="calibration files (LLaVA JSON/JSONL or canonical JSONL); each file is one source (task)")

@@ -164,8 +164,9 @@ def main(argv=None):
     from common import data
     from common.cli import add_limit, add_threads, fail, set_threads
     from eval.metrics import accuracy, by_family
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
     p.add_argument("--data", required=True,
                    help="LLaVA JSON/JSONL or canonical JSONL with questions (and answers for accuracy)")

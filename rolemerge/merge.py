@@ -681,9 +681,19 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     return report
 
 
+def summary_line(rep, out):
+    """The line `rolemerge.merge` prints for a `run_merge` report: sizes, time, ACR in % (1 decimal) and the
+    expert-phase MI retention (3 decimals; pruning has none: it keeps no grouping of all experts)."""
+    mi = rep["mi_retention"]
+    mi = "n/a (pruning keeps no grouping of all experts)" if mi is None else f"{mi:.3f}"
+    return (f"merged {rep['N']} -> {rep['K']} experts per layer ({rep['method']}) in {rep['merge_seconds']:.1f}s: "
+            f"{out}; ACR {100 * rep['acr_mean']:.1f}%, expert-phase MI retention {mi}")
+
+
 def main(argv=None):
+    from common.cli import HelpFormatter
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe)")
     p.add_argument("--stats", nargs="+", required=True, help="stats file(s) from rolemerge.calibrate; all are summed")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
@@ -711,8 +721,7 @@ def main(argv=None):
                         a.force, None if a.dtype == "auto" else getattr(torch, a.dtype))
     except (MergeError, cal.CalibrationError) as e:
         fail(e)  # `error: ...`, exit status 2
-    print(f"merged {rep['N']} -> {rep['K']} experts per layer ({rep['method']}) in {rep['merge_seconds']:.1f}s: "
-          f"{a.out}; ACR {100 * rep['acr_mean']:.1f}%, expert-phase MI retention {rep['mi_retention']}")
+    print(summary_line(rep, a.out))
     if rep["routing"]:
         print(f"note: group-limited routing rewritten so K={rep['K']} is valid: {rep['routing']} (experts were merged "
               f"only within these routing groups)")

@@ -365,3 +365,16 @@ def test_save_adapters_leaves_no_temp_file_on_failure(run, tmp_path):
     with pytest.raises(OSError):
         save_adapters(model, str(tmp_path))
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def test_short_run_default_warmup_reaches_the_peak_lr(shapes, tmp_path):
+    """Newcomer trial: `mod.train --steps 10` kept --warmup 20, so the lr never reached its peak.
+    The default is now min(20, steps // 10), at least 1; the checkpoint records the resolved value."""
+    assert [mtrain.default_warmup(s) for s in (1, 10, 35, 199, 200, 5000)] == [1, 1, 3, 19, 20, 20]
+    args = ["--model", "tiny-dense", "--data", str(shapes / "train.json"), "--out", str(tmp_path / "r"),
+            "--steps", "2", "--batch-size", "2", "--lr", "0.004", "--save-every", "1"]
+    res = mtrain.main(args)
+    assert [round(r["lr"], 6) for r in res["log"]] == [0.004, 0.004]           # peak from the first step
+    state = json.loads((tmp_path / "r" / "ckpt" / "state.json").read_text())
+    assert state["settings"]["warmup"] == 1
+    assert mtrain.main(args + ["--resume", "--warmup", "1"])["steps"] == 0      # the same run, spelled out

@@ -335,3 +335,27 @@ def test_overwrite_keeps_the_old_run_when_data_or_base_is_wrong(shapes, run, tmp
     before = snapshot(out)
     error_of(mt.main, train_args(shapes, out, "--overwrite", *extra), capsys)
     assert snapshot(out) == before
+
+
+def test_infer_warns_when_stage2_never_ran(shapes, run, tmp_path, capsys):
+    """Newcomer trial: a `mole.train --max-steps 10` checkpoint stopped in stage 1 (answers could not
+    read the image) and mole.infer used it without a word. One `warning:` line now; none for a
+    finished run, a schedule without stage 2, or an SFT checkpoint (no stages)."""
+    mt.main(train_args(shapes, tmp_path / "s1", "--max-steps", "1"))         # stops in stage 1 (2 steps there)
+    capsys.readouterr()
+    test = str(shapes / "test.json")
+    for main in (minfer.main, mdiag.main):
+        main(["--ckpt", str(tmp_path / "s1"), "--data", test, "--limit", "1", "--max-new-tokens", "2"]
+             if main is minfer.main else ["--ckpt", str(tmp_path / "s1"), "--data", test, "--limit", "1"])
+        warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+        assert len(warnings) == 1 and warnings[0].startswith(f"warning: {tmp_path / 's1'}: training stopped at "
+                                                             f"step 1 in stage 1"), warnings
+        assert "stage 2 of its schedule (--stage2-epochs 0.5) never ran" in warnings[0]
+    minfer.main(["--ckpt", str(run), "--data", test, "--limit", "1", "--max-new-tokens", "2"])
+    assert "warning" not in capsys.readouterr().err                           # stage 2 ran
+    log1, log2 = [{"step": 1, "stage": 1}], [{"step": 1, "stage": 1}, {"step": 2, "stage": 2}]
+    assert mt.unfinished_stage2({"args": {"stage2_epochs": 1}, "step": 1, "log": log1})
+    assert mt.unfinished_stage2({"args": {"stage2_epochs": 1}, "step": 0, "log": []})
+    assert mt.unfinished_stage2({"args": {"stage2_epochs": 1}, "step": 2, "log": log2}) is None
+    assert mt.unfinished_stage2({"args": {"stage2_epochs": 0}, "step": 1, "log": log1}) is None
+    assert mt.unfinished_stage2({"args": {"stage2_epochs": 1, "method": "sft"}, "step": 1, "log": log1}) is None

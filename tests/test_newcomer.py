@@ -145,11 +145,36 @@ def test_one_flag_vocabulary(module, capsys):
     assert not missing, f"{module} -h lacks {missing}"
     assert not re.search(r"--base[ ,]|--n[ ,]", text)                         # old spellings are not advertised
     assert text.startswith(f"usage: python -m {module} ")                     # the command a user types
+    assert "(default:" in text                                                # -h shows the defaults
+    if module == "mod.train":
+        flat = " ".join(text.split())
+        assert "optimizer steps (default: 300)" in flat and "(AdamW) (default: 0.002)" in flat, flat
+        assert "--shared-router one router for both pools (I_A = I_B) --noise" in flat   # no "(default: False)"
+        assert "(default: the data file's folder)" in flat and "(default: None)" not in flat
+        assert "MoE-LoRA baseline) --combine" in flat                          # help that names its default
     if "--limit" in ENTRY_POINTS[module]:                                     # one meaning of --limit 0 everywhere
         assert re.search(r"--limit N\s+use only the first N [\w\s]+\(0\s+=\s+all", text), text
         with pytest.raises(SystemExit) as e:
             importlib.import_module(module).main(["--limit", "-1", "--data", "x", "--model", "x"])
         assert e.value.code == 2 and "--limit: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_help_formatter_appends_only_defaults_that_say_something():
+    """Newcomer trial: -h listed --steps, --lr, --warmup without their defaults."""
+    import argparse
+    from common.cli import HelpFormatter
+    p = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter, description="a\n  kept as written")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--device", default="cuda", help="cuda (default; cpu for a smoke run)")
+    p.add_argument("--ckpt", default=None, help="checkpoint")
+    p.add_argument("--adapter", default="", help="adapter dir")
+    p.add_argument("--quick", action="store_true", help="main rows")
+    p.add_argument("--share", type=float, default=0.5, help="a share in %%")
+    flat = " ".join(p.format_help().split())
+    assert "a\n  kept as written" in p.format_help()                         # the description is not re-wrapped
+    assert "optimizer steps (default: 300)" in flat and "a share in % (default: 0.5)" in flat
+    assert "(default; cpu for a smoke run) --ckpt" in flat                    # its help already names it
+    assert flat.count("(default:") == 2, flat                                 # not None, "", False
 
 
 def test_old_flag_spellings_still_work_with_a_warning(capsys):
@@ -280,3 +305,23 @@ def test_readme_lists_the_supported_models_the_code_supports():
     for family in SUPPORTED.values():
         short = family.split(" (")[0].split(" ")[0]                             # "DeepSeek-VL2 (Tiny ..." -> name
         assert short in top[top.index("RoleMerge merges"):] and short in rm, short
+
+
+def test_mod_infer_base_json_is_the_toys_fair_baseline(tmp_path):
+    """Newcomer trial: mod.infer offered `base` (plain question) but not the quickstart's `base-json`
+    (the frozen base on the adapters' JSON prompt), so base vs single compared different prompts.
+    `--methods base-json` answers as eval.toy_mod's base-json row: plain(base, json_prompt=True)."""
+    from mod import infer
+    data.generate_split(str(tmp_path / "d"), "test", 3)
+    out = infer.main(["--model", "tiny-chat", "--data", str(tmp_path / "d" / "test.json"), "--methods",
+                      "base,base-json", "--max-new-tokens", "6", "--threads", "1"])
+    recs = data.read_records(str(tmp_path / "d" / "test.json"))
+    model, proc = bb.load_backbone("tiny-chat")
+    with torch.inference_mode():
+        toy, _ = infer.plain(model, proc, recs, max_new_tokens=6, json_prompt=True)   # toy_mod's base-json call
+    got = out["results"]["base-json"]
+    assert [(r["id"], r["pred"], r["n_tokens"]) for r in got] == [(r["id"], r["pred"], r["n_tokens"]) for r in toy]
+    assert [r["pred"] for r in got] != [r["pred"] for r in out["results"]["base"]]     # another prompt
+    import inspect
+    from eval import toy_mod
+    assert 'record("base-json", plain(base, proc, test, json_prompt=True))' in inspect.getsource(toy_mod.run)

@@ -237,3 +237,14 @@ def test_calibrate_keeps_two_sources_with_the_same_file_name(tmp_path):
     meta = json.load(open(tmp_path / "st.json"))
     assert len(meta["tokens"]) == 2  # both files are sources (not one overwriting the other)
     assert sum(v["image"] for v in meta["tokens"].values()) == 4 * 9  # 2 + 2 examples x 9 visual tokens
+
+
+def test_summary_line_rounds_mi_retention():
+    """Newcomer trial: merge printed `expert-phase MI retention 0.8028173676820882`; now 3 decimals like its
+    other numbers, and a word (not `None`) for pruning."""
+    rep = {"N": 8, "K": 4, "method": "rolemerge", "merge_seconds": 1.234, "acr_mean": 0.91234,
+           "mi_retention": 0.8028173676820882}
+    assert mg.summary_line(rep, "out/m") == ("merged 8 -> 4 experts per layer (rolemerge) in 1.2s: out/m; ACR 91.2%, "
+                                              "expert-phase MI retention 0.803")
+    assert mg.summary_line(dict(rep, mi_retention=None), "o").endswith(
+        "MI retention n/a (pruning keeps no grouping of all experts)")

@@ -228,3 +228,26 @@ def test_benchmark_scores_dispatch():
         S.benchmark_scores([rec("z", "B", "nope")], ["B"])
     assert "mme (n=2): perception 200.000, cognition 0.000" in S.format_scores(S.benchmark_scores(
         [rec("a", "Yes", "mme", "OCR", meta={"pair": 1}), rec("b", "No", "mme", "OCR", meta={"pair": 1})], ["Yes", "No"]))
+
+
+def test_main_refuses_data_without_benchmark_records(tmp_path, capsys):
+    """Newcomer trial: `eval.scores --data mine.jsonl --preds x.json` on records without a benchmark
+    name printed only `model:` and a blank line and exited 0. Now: `error: ...` (status 2) saying
+    what it scores and that eval.evaluate's accuracy is the score for other data."""
+    import json
+    from common.cli import run_cli
+    from helpers import error_of
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "image": "x.png", "question": "q?", "answer": "a"}) + "\n"
+                            for i in range(3)))
+    preds = tmp_path / "x.json"
+    preds.write_text(json.dumps([{"id": "0", "pred": "a"}]))
+    err = error_of(lambda argv: run_cli(S.main, argv), ["--data", str(data), "--preds", str(preds)], capsys)
+    assert err.startswith(f"error: {data}: no record has a \"benchmark\" field, so eval.scores has nothing to score")
+    assert "benchmark files made by eval.convert" in err and "pope" in err
+    assert "the accuracy eval.evaluate prints" in err
+    lines = data.read_text().splitlines()                   # one benchmark record is enough to score
+    lines[0] = json.dumps(dict(json.loads(lines[0]), benchmark="pope", answer="yes", category="adversarial"))
+    data.write_text("\n".join(lines) + "\n")
+    preds.write_text(json.dumps([{"id": "0", "pred": "yes"}]))
+    assert S.main(["--data", str(data), "--preds", str(preds)])["model"]["pope"]["n"] == 1
