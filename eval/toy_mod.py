@@ -31,6 +31,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 
 import torch
@@ -201,10 +202,16 @@ def main(argv=None):
                    "separated folder names (default: all; every arm on disk is reported)")
     p.add_argument("--debate-seeds", default="0", help="debate part: training seeds, comma separated")
     p.add_argument("--debate-rounds", default="2", help="debate part: MoD-Multi rounds scored, comma separated")
-    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "e2e"],
+    p.add_argument("--debate-lrs", default="", help="debate-lr part: the lr grid, comma separated (default "
+                   "2e-3,5e-3,1e-2)")
+    p.add_argument("--debate-val", type=int, default=150, help="debate-lr part: validation questions (the "
+                   "shapes val split; default 150)")
+    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e"],
                    help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
                    "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
-                   "e2e: the shapes-world pipeline below; all: every part (--quick runs e2e only)")
+                   "debate-lr: per-arm lr of MoD and MoE-LoRA token picked on the val split, then --debate-seeds "
+                   "at the picks (after debate; -> OUT/debate/lr/); "
+                   "e2e: the shapes-world pipeline below; all: every part but debate-lr (--quick runs e2e only)")
     a = p.parse_args(argv)
     from eval import toy_mod_debate
     arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
@@ -219,13 +226,27 @@ def main(argv=None):
     if not seeds or any(k < 1 for k in rounds):
         p.error("--debate-seeds needs at least one seed; --debate-rounds values must be >= 1")
     debate = dict(toy_mod_debate.SETTINGS, arms=arms or None, seeds=tuple(seeds), rounds=tuple(rounds))
+    try:
+        lrs = tuple(float(x) for x in a.debate_lrs.split(",") if x.strip()) or toy_mod_debate.LR_SETTINGS["lrs"]
+    except ValueError:
+        p.error("--debate-lrs takes comma-separated numbers, e.g. 2e-3,5e-3,1e-2")
+    if any(x <= 0 for x in lrs) or a.debate_val < 1:
+        p.error("--debate-lrs values must be > 0 and --debate-val >= 1")
+    lr_arms = tuple(toy_mod_debate.SLUGS[x] for x in arms) or toy_mod_debate.LR_SETTINGS["lr_arms"]
+    lr_part = dict(toy_mod_debate.LR_SETTINGS, lrs=lrs, n_val=a.debate_val, lr_arms=lr_arms)
     set_threads(a.threads, a.model)
     if a.part in ("all", "mechanism") and not a.quick:
         from eval import toy_mod_mechanism
         toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
     if a.part in ("all", "debate") and not a.quick:
         toy_mod_debate.run(a.data, a.out, a.model, S=debate)
-    if a.part in ("mechanism", "debate"):
+    if a.part == "debate-lr":
+        try:
+            toy_mod_debate.run_lr(a.data, a.out, a.model, S=debate, L=lr_part)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+    if a.part in ("mechanism", "debate", "debate-lr"):
         return
     rows = run(a.quick, a.data, a.out, a.model)
     main_rows = [r for r in rows if r["family"] == "all" and r["metric"] in ("accuracy", "tokens_per_question",

@@ -196,3 +196,56 @@ def test_debate_paired_comparison_over_seeds():
     pb = _paired(a, b, [0, 1])                    # items: 0 + .5 - .5 + .5 = .5, / 4
     assert pb["per_seed"] == [0.5, -0.25] and not pb["seeds_agree"] and pb["diff"] == pytest.approx(0.125)
     assert _paired(a, b, [0])["seeds_agree"] and _paired(a, b, [0])["seeds"] == [0]
+
+
+def test_debate_lr_validation_questions_are_disjoint_from_train_and_test(tmp_path, capsys):
+    """eval.toy_mod_debate.val_questions: the shapes val split shares no id, image or (image,
+    question) pair with the training and test questions; a clash is an error, as is a short split."""
+    from common.data import generate_split
+    from eval.toy_mod_debate import val_questions
+    train = generate_split(str(tmp_path), "train", 30)
+    test = generate_split(str(tmp_path), "test", 30)
+    generate_split(str(tmp_path), "val", 12)
+    val = val_questions(str(tmp_path), 10, train, test)
+    assert len(val) == 10 and all(r["id"].startswith("val_") for r in val)
+    with pytest.raises(ValueError, match="also occur"):
+        val_questions(str(tmp_path), 10, train, test + val[3:4])       # one val question in "test"
+    twin = dict(val[0], id="test_x", image="images/x.png")              # same scene and question, other file
+    with pytest.raises(ValueError, match="also occur"):
+        val_questions(str(tmp_path), 10, [twin])
+    with pytest.raises(ValueError, match="12 records, 20 asked"):
+        val_questions(str(tmp_path), 20, train)
+
+
+def test_debate_lr_pick_and_verdict():
+    """eval.toy_mod_debate.pick_lr: the highest mean of validation single-round and misled
+    accuracy, ties to the smaller lr; verdict: the pre-registered 3-seed criterion."""
+    from eval.toy_mod_debate import pick_lr, selection_score, verdict
+    grid = {2e-3: {"single": 0.70, "misled_own": 0.30},   # mean 0.50
+            5e-3: {"single": 0.66, "misled_own": 0.40},   # mean 0.53: the pick (single alone would pick 2e-3)
+            1e-2: {"single": 0.72, "misled_own": 0.20}}   # mean 0.46
+    assert selection_score(grid[5e-3]) == pytest.approx(0.53)
+    assert pick_lr(grid) == 5e-3
+    assert pick_lr(grid, ("single",)) == 1e-2
+    grid[1e-2] = {"single": 0.60, "misled_own": 0.46}     # mean 0.53 too: the tie goes to the smaller lr
+    assert pick_lr(grid) == 5e-3
+    with pytest.raises(ValueError):
+        pick_lr({})
+    pb = lambda lo, hi, agree: {"ci_low": lo, "ci_high": hi, "seeds_agree": agree}
+    assert verdict(pb(0.01, 0.05, True)) == "supported"
+    assert verdict(pb(-0.05, -0.01, True)) == "contradicted"
+    assert verdict(pb(0.01, 0.05, False)) == "inconclusive"    # the CI alone is not enough
+    assert verdict(pb(-0.01, 0.05, True)) == "inconclusive"
+    assert verdict(pb(-0.05, -0.01, True), sign=-1) == "supported"
+
+
+def test_debate_lr_part_needs_the_debate_part_first(tmp_path, capsys):
+    """`--part debate-lr` without the debate part's prep.json: an error naming the command to run, exit 2."""
+    from eval import toy_mod
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as e:
+            toy_mod.main(["--part", "debate-lr", "--out", str(tmp_path), "--threads", "1"])
+    finally:
+        torch.set_num_threads(before)
+    assert e.value.code == 2 and "--part debate" in capsys.readouterr().err
