@@ -314,21 +314,24 @@ def _pair_key(r):
 
 
 def val_questions(data_dir, n_val, *others):
-    """The first `n_val` records of the shapes "val" split (`common.data.generate_split`, made the
-    same way as the test split: its own seed and hash bucket), generated if missing. Raises
-    ValueError when fewer than n_val exist or when one shares an id, an image or an (image,
-    question) pair with a record of `others` (e.g. the training and test questions)."""
+    """`n_val` records of the shapes "val" split (`common.data.generate_split`, made the same
+    way as the test split: its own seed and hash bucket), generated if missing: the first ones
+    in file order that share no id, image or question-and-target text with a record of `others`
+    (e.g. the training and test questions). The text check also drops near twins the split's
+    hash keeps apart: one-object scenes that differ only in the object's size (not in the text).
+    Returns (records, ids dropped). Raises ValueError when fewer than n_val are left."""
     from common import data
     data.ensure_splits(data_dir, {"val": max(n_val, 500)})
-    val = read_llava_json(os.path.join(data_dir, "val.json"))[:n_val]
-    if len(val) < n_val:
-        raise ValueError(f"{data_dir}/val.json has {len(val)} records, {n_val} asked; remove it to regenerate")
     seen = {x for recs in others for r in recs for x in (("id", r["id"]), ("image", r["image"]), _pair_key(r))}
-    clash = [r["id"] for r in val if {("id", r["id"]), ("image", r["image"]), _pair_key(r)} & seen]
-    if clash:
-        raise ValueError(f"validation questions {clash[:5]} also occur in the training / test questions; "
-                         f"regenerate {data_dir}/val.json")
-    return val
+    val, dropped = [], []
+    for r in read_llava_json(os.path.join(data_dir, "val.json")):
+        if len(val) == n_val:
+            break
+        (dropped if {("id", r["id"]), ("image", r["image"]), _pair_key(r)} & seen else val).append(r)
+    if len(val) < n_val:
+        raise ValueError(f"{data_dir}/val.json has {len(val)} records not in the training / test questions, "
+                         f"{n_val} asked; remove it to regenerate a larger one, or ask for fewer")
+    return val, [r["id"] for r in dropped]
 
 
 def selection_score(row, metrics=LR_SETTINGS["select"]):
@@ -372,7 +375,7 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
         prep = json.load(f)
     train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
     test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
-    val = val_questions(data_dir, L["n_val"], train, read_llava_json(os.path.join(data_dir, "test.json")))
+    val, dropped = val_questions(data_dir, L["n_val"], train, read_llava_json(os.path.join(data_dir, "test.json")))
     base, proc = load_backbone(base_name)
     path = os.path.join(root, "train_vs.json")
     if not os.path.exists(path):
@@ -395,9 +398,11 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             bad = [s for s in ss if not vs.is_correct(s, r["answer"], r["family"])]
             if bad:
                 own_val[r["id"]] = vs.to_json_response(bad[0])
-        return {"own_wrong": own_val, "n_val": len(val), "wall_s": time.time() - t}
+        return {"own_wrong": own_val, "n_val": len(val), "val_ids": [r["id"] for r in val], "dropped": dropped,
+                "wall_s": time.time() - t}
     own_val = cached(os.path.join(lroot, "val_prep.json"), val_prep)["own_wrong"]
-    log(f"lr sweep: {len(val)} validation questions, {len(own_val)} with an own wrong answer")
+    log(f"lr sweep: {len(val)} validation questions ({len(dropped)} skipped as twins of a training / test "
+        f"question: {dropped}), {len(own_val)} with an own wrong answer")
 
     def val_scores(model):
         with torch.inference_mode():

@@ -199,22 +199,24 @@ def test_debate_paired_comparison_over_seeds():
 
 
 def test_debate_lr_validation_questions_are_disjoint_from_train_and_test(tmp_path, capsys):
-    """eval.toy_mod_debate.val_questions: the shapes val split shares no id, image or (image,
-    question) pair with the training and test questions; a clash is an error, as is a short split."""
+    """eval.toy_mod_debate.val_questions: the shapes val split's questions, skipping any that
+    shares an id, an image or its question-and-target text with a training / test question;
+    too few left is an error."""
     from common.data import generate_split
-    from eval.toy_mod_debate import val_questions
+    from eval.toy_mod_debate import _pair_key, val_questions
     train = generate_split(str(tmp_path), "train", 30)
     test = generate_split(str(tmp_path), "test", 30)
     generate_split(str(tmp_path), "val", 12)
-    val = val_questions(str(tmp_path), 10, train, test)
-    assert len(val) == 10 and all(r["id"].startswith("val_") for r in val)
-    with pytest.raises(ValueError, match="also occur"):
-        val_questions(str(tmp_path), 10, train, test + val[3:4])       # one val question in "test"
-    twin = dict(val[0], id="test_x", image="images/x.png")              # same scene and question, other file
-    with pytest.raises(ValueError, match="also occur"):
-        val_questions(str(tmp_path), 10, [twin])
-    with pytest.raises(ValueError, match="12 records, 20 asked"):
-        val_questions(str(tmp_path), 20, train)
+    val, dropped = val_questions(str(tmp_path), 10, train, test)
+    assert [r["id"] for r in val] == [f"val_{i:06d}" for i in range(10)] and dropped == []
+    taken = {_pair_key(r) for r in train + test}
+    assert not [r for r in val if _pair_key(r) in taken]
+    twin = dict(val[0], id="test_x", image="images/x.png")              # same question and scene text, other file
+    val2, dropped = val_questions(str(tmp_path), 10, train, test + val[3:4] + [twin])
+    assert dropped == ["val_000000", "val_000003"]
+    assert [r["id"] for r in val2] == [f"val_{i:06d}" for i in (1, 2, 4, 5, 6, 7, 8, 9, 10, 11)]
+    with pytest.raises(ValueError, match="11 records not in the training / test questions, 12 asked"):
+        val_questions(str(tmp_path), 12, [twin])
 
 
 def test_debate_lr_pick_and_verdict():
