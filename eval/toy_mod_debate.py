@@ -302,8 +302,9 @@ def report(results, root, S, prep, own, t0, log=print):
 # ---- per-arm learning rate on a validation split (MoD issue 10: the fair-baseline rule) ----
 # arms of the main claim, the lr grid, the validation questions and the selection metric are
 # pre-registered in mod/README.md ("Debate part: per-arm learning rate").
+# train: False = report what is on disk (nothing trained or scored; a missing sweep point is an error)
 LR_SETTINGS = dict(lr_arms=("MoD", "MoE-LoRA token"), lrs=(2e-3, 5e-3, 1e-2), n_val=150, val_k=4, val_seed=2,
-                   select=("single", "misled_own"))
+                   select=("single", "misled_own"), train=True)
 
 
 def _pair_key(r):
@@ -445,6 +446,8 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
         for lr in L["lrs"]:
             vf = os.path.join(lroot, f"{ARMS[arm][0]}_lr{lr:g}_s0", "val.json")
             if not os.path.exists(vf):
+                if not L.get("train", True):
+                    raise ValueError(f"{vf} missing: the sweep is not finished; run without --debate-no-train")
                 model, info = trained(arm, lr, 0)
                 res = dict(val_scores(model), train=info)
                 atomic_write_text(vf, json.dumps(res))
@@ -465,6 +468,9 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     for seed in S["seeds"]:
         for arm in L["lr_arms"]:
             d = folder(arm, picks[arm], seed)
+            if not L.get("train", True) and not os.path.exists(os.path.join(d, "scores.json")):
+                log(f"  {arm} seed {seed} at lr {picks[arm]:g}: not run")
+                continue
 
             def score(arm=arm, seed=seed, d=d):
                 model, info = trained(arm, picks[arm], seed)
@@ -482,6 +488,19 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     return out
 
 
+def _reference(root, S, L):
+    """Test results at the debate part's own lr S["lr"] of the arms L["lr_arms"], every seed of
+    S["seeds"] on disk: {(arm, seed): scores} (the figures' reference bars)."""
+    ref = {}
+    for arm in L["lr_arms"]:
+        for seed in S["seeds"]:
+            f = os.path.join(root, f"{ARMS[arm][0]}_s{seed}", "scores.json")
+            if os.path.exists(f):
+                with open(f) as fh:
+                    ref[(arm, seed)] = json.load(fh)
+    return ref
+
+
 def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
     """The lr part's results.json and figures (OUT/debate/lr/): the validation grid, the picks,
     test accuracy per arm at its pick (mean over seeds [95% CI], per seed, final training loss)
@@ -495,20 +514,28 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
            "val_base": {m: summarize(m, base_val[m], 0)["accuracy"] for m in L["select"]},
            "val": {arm: {f"{lr:g}": row for lr, row in g.items()} for arm, g in grid.items()},
            "picks": {arm: lr for arm, lr in picks.items()}, "test": {}, "compare": {}, "figures": []}
-    per = {}  # arm -> metric -> seed -> results
-    for (arm, seed), r in scores.items():
-        for metric, res in r["results"].items():
-            per.setdefault(arm, {}).setdefault(metric, {})[seed] = res
-    for arm, by_metric in per.items():
-        seeds = sorted(s for (a, s) in scores if a == arm)
-        out["test"][arm] = {"lr": picks[arm], "seeds": seeds,
-                            "loss": [scores[(arm, s)]["loss"] for s in seeds],
-                            "step0_loss": [scores[(arm, s)].get("step0_loss") for s in seeds]}
-        for metric, by_seed in by_metric.items():
-            c = np.mean([[x["correct"] for x in by_seed[s]] for s in seeds], axis=0)
-            lo, hi = bootstrap_ci(c)
-            out["test"][arm][metric] = {"accuracy": float(c.mean()), "ci_low": lo, "ci_high": hi, "n": len(c),
-                                        "per_seed": [float(np.mean([x["correct"] for x in by_seed[s]])) for s in seeds]}
+    ref = _reference(root, S, L)
+
+    def summary(scores, lr_of):
+        per = {}  # arm -> metric -> seed -> results
+        for (arm, seed), r in scores.items():
+            for metric, res in r["results"].items():
+                if metric in METRICS:
+                    per.setdefault(arm, {}).setdefault(metric, {})[seed] = res
+        table = {}
+        for arm, by_metric in per.items():
+            seeds = sorted(s for (a, s) in scores if a == arm)
+            table[arm] = {"lr": lr_of(arm), "seeds": seeds, "loss": [scores[(arm, s)]["loss"] for s in seeds]}
+            for metric, by_seed in by_metric.items():
+                c = np.mean([[x["correct"] for x in by_seed[s]] for s in seeds], axis=0)
+                lo, hi = bootstrap_ci(c)
+                table[arm][metric] = {"accuracy": float(c.mean()), "ci_low": lo, "ci_high": hi, "n": len(c),
+                                      "per_seed": [float(np.mean([x["correct"] for x in by_seed[s]])) for s in seeds]}
+        return per, table
+    per, out["test"] = summary(scores, lambda arm: picks[arm])
+    for arm in out["test"]:
+        out["test"][arm]["step0_loss"] = [scores[(arm, s)].get("step0_loss") for s in out["test"][arm]["seeds"]]
+    _, out["reference"] = summary(ref, lambda arm: S["lr"])
     a, b = L["lr_arms"][:2]
     if a in per and b in per:
         for metric in per[a]:
@@ -523,9 +550,10 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                                    "learning rate (log2)", "selection metric", logx=True))
     for metric, title in (("single", "single round"), ("misled_own", "misled in distribution"),
                           ("misled_ood", "misled out of distribution")):
-        bars = [(arm.replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {picks[arm]:g}\n{len(t['seeds'])} seeds",
+        bars = [(arm.replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {t['lr']:g}{tag}\n{len(t['seeds'])} seeds",
                  t[metric]["accuracy"], t[metric]["ci_low"], t[metric]["ci_high"])
-                for arm, t in out["test"].items() if metric in t]
+                for tab, tag in ((out["reference"], " (one lr)"), (out["test"], " (picked)"))
+                for arm, t in tab.items() if metric in t]
         if bars:
             out["figures"].append(bar_ci_png(bars, os.path.join(lroot, f"debate_lr_{metric}.png"),
                                              f"at the per-arm lr: accuracy, {title}, mean over seeds, 95% CI",
