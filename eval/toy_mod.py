@@ -206,6 +206,9 @@ def main(argv=None):
                    "2e-3,5e-3,1e-2)")
     p.add_argument("--debate-val", type=int, default=150, help="debate-lr part: validation questions (the "
                    "shapes val split; default 150)")
+    p.add_argument("--debate-lr-tag", default="", help="debate-lr part: suffix of the report's files "
+                   "(OUT/debate/lr/results<TAG>.json, figures), e.g. _wide for a second grid; the (arm, lr, seed) "
+                   "folders are shared")
     p.add_argument("--debate-no-train", action="store_true", help="debate-lr part: report what is on disk, "
                    "train and score nothing ((arm, seed) without scores are listed as not run)")
     p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e"],
@@ -236,7 +239,7 @@ def main(argv=None):
         p.error("--debate-lrs values must be > 0 and --debate-val >= 1")
     lr_arms = tuple(toy_mod_debate.SLUGS[x] for x in arms) or toy_mod_debate.LR_SETTINGS["lr_arms"]
     lr_part = dict(toy_mod_debate.LR_SETTINGS, lrs=lrs, n_val=a.debate_val, lr_arms=lr_arms,
-                   train=not a.debate_no_train)
+                   train=not a.debate_no_train, tag=a.debate_lr_tag)
     set_threads(a.threads, a.model)
     if a.part in ("all", "mechanism") and not a.quick:
         from eval import toy_mod_mechanism

@@ -302,9 +302,10 @@ def report(results, root, S, prep, own, t0, log=print):
 # ---- per-arm learning rate on a validation split (MoD issue 10: the fair-baseline rule) ----
 # arms of the main claim, the lr grid, the validation questions and the selection metric are
 # pre-registered in mod/README.md ("Debate part: per-arm learning rate").
-# train: False = report what is on disk (nothing trained or scored; a missing sweep point is an error)
+# train: False = report what is on disk (nothing trained or scored; a missing sweep point is an error);
+# tag: suffix of the report's files (results<tag>.json, debate_lr<tag>_*.png), e.g. for a second grid
 LR_SETTINGS = dict(lr_arms=("MoD", "MoE-LoRA token"), lrs=(2e-3, 5e-3, 1e-2), n_val=150, val_k=4, val_seed=2,
-                   select=("single", "misled_own"), train=True)
+                   select=("single", "misled_own"), train=True, tag="")
 
 
 def _pair_key(r):
@@ -545,21 +546,22 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                 pb["verdict"] = verdict(pb, +1)   # H-e1 / H-e2 / out of distribution: MoD > MoE-LoRA
                 out["compare"][metric] = pb
     line = {arm: [(lr, row["selection"]) for lr, row in sorted(g.items())] for arm, g in grid.items()}
-    out["figures"].append(line_png(line, os.path.join(lroot, "debate_lr_val.png"),
+    tag = L.get("tag", "")
+    out["figures"].append(line_png(line, os.path.join(lroot, f"debate_lr{tag}_val.png"),
                                    "lr sweep (seed 0): validation selection metric (mean of single, misled own)",
                                    "learning rate (log2)", "selection metric", logx=True))
     for metric, title in (("single", "single round"), ("misled_own", "misled in distribution"),
                           ("misled_ood", "misled out of distribution")):
-        bars = [(arm.replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {t['lr']:g}{tag}\n{len(t['seeds'])} seeds",
+        bars = [(arm.replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {t['lr']:g}{note}\n{len(t['seeds'])} seeds",
                  t[metric]["accuracy"], t[metric]["ci_low"], t[metric]["ci_high"])
-                for tab, tag in ((out["reference"], " (one lr)"), (out["test"], " (picked)"))
+                for tab, note in ((out["reference"], " (one lr)"), (out["test"], " (picked)"))
                 for arm, t in tab.items() if metric in t]
         if bars:
-            out["figures"].append(bar_ci_png(bars, os.path.join(lroot, f"debate_lr_{metric}.png"),
+            out["figures"].append(bar_ci_png(bars, os.path.join(lroot, f"debate_lr{tag}_{metric}.png"),
                                              f"at the per-arm lr: accuracy, {title}, mean over seeds, 95% CI",
                                              "accuracy"))
     out["wall_s"] = time.time() - t0
-    atomic_write_text(os.path.join(lroot, "results.json"), json.dumps(out, indent=1))
+    atomic_write_text(os.path.join(lroot, f"results{tag}.json"), json.dumps(out, indent=1))
     for metric, pb in out["compare"].items():
         log(f"  {a} minus {b} at the picks, {metric}: {pb['diff']:+.3f} [{pb['ci_low']:+.3f}, {pb['ci_high']:+.3f}] "
             f"per seed {[round(x, 3) for x in pb['per_seed']]} -> {pb['verdict']}")
