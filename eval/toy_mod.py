@@ -209,6 +209,10 @@ def main(argv=None):
     p.add_argument("--debate-lr-tag", default="", help="debate-lr part: suffix of the report's files "
                    "(OUT/debate/lr/results<TAG>.json, figures), e.g. _wide for a second grid; the (arm, lr, seed) "
                    "folders are shared")
+    p.add_argument("--debate-steps", type=int, default=0, help="debate-lr part: training steps "
+                   "(default 300; other steps train into their own folders, OUT/debate/lr/<arm>_lr<LR>_steps<N>_s<seed>)")
+    p.add_argument("--debate-picks", default="", help="debate-lr part: fixed lr per arm, no sweep, e.g. "
+                   "MoD=1e-2,MoE-LoRA=5e-3 (folder names as in --debate-arms)")
     p.add_argument("--debate-no-train", action="store_true", help="debate-lr part: report what is on disk, "
                    "train and score nothing ((arm, seed) without scores are listed as not run)")
     p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e"],
@@ -238,8 +242,19 @@ def main(argv=None):
     if any(x <= 0 for x in lrs) or a.debate_val < 1:
         p.error("--debate-lrs values must be > 0 and --debate-val >= 1")
     lr_arms = tuple(toy_mod_debate.SLUGS[x] for x in arms) or toy_mod_debate.LR_SETTINGS["lr_arms"]
+    picks = {}
+    for item in [x.strip() for x in a.debate_picks.split(",") if x.strip()]:
+        slug, _, lr = item.partition("=")
+        try:
+            picks[toy_mod_debate.SLUGS[slug.strip()]] = float(lr)
+        except (KeyError, ValueError):
+            p.error(f"--debate-picks: {item!r} is not ARM=LR with ARM in {sorted(toy_mod_debate.SLUGS)}, "
+                    "e.g. MoD=1e-2,MoE-LoRA=5e-3")
+    if a.debate_steps < 0 or any(v <= 0 for v in picks.values()):
+        p.error("--debate-steps must be >= 1 (0 = the default 300) and --debate-picks lrs > 0")
+    lr_arms = tuple(picks) or lr_arms
     lr_part = dict(toy_mod_debate.LR_SETTINGS, lrs=lrs, n_val=a.debate_val, lr_arms=lr_arms,
-                   train=not a.debate_no_train, tag=a.debate_lr_tag)
+                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None)
     set_threads(a.threads, a.model)
     if a.part in ("all", "mechanism") and not a.quick:
         from eval import toy_mod_mechanism
@@ -248,7 +263,8 @@ def main(argv=None):
         toy_mod_debate.run(a.data, a.out, a.model, S=debate)
     if a.part == "debate-lr":
         try:
-            toy_mod_debate.run_lr(a.data, a.out, a.model, S=debate, L=lr_part)
+            toy_mod_debate.run_lr(a.data, a.out, a.model, S=dict(debate, steps=a.debate_steps or debate["steps"]),
+                                  L=lr_part)
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2)

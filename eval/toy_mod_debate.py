@@ -303,9 +303,10 @@ def report(results, root, S, prep, own, t0, log=print):
 # arms of the main claim, the lr grid, the validation questions and the selection metric are
 # pre-registered in mod/README.md ("Debate part: per-arm learning rate").
 # train: False = report what is on disk (nothing trained or scored; a missing sweep point is an error);
-# tag: suffix of the report's files (results<tag>.json, debate_lr<tag>_*.png), e.g. for a second grid
+# tag: suffix of the report's files (results<tag>.json, debate_lr<tag>_*.png), e.g. for a second grid;
+# picks: {arm: lr} given = no sweep (e.g. the picks of the 300-step sweep for a run with other steps)
 LR_SETTINGS = dict(lr_arms=("MoD", "MoE-LoRA token"), lrs=(2e-3, 5e-3, 1e-2), n_val=150, val_k=4, val_seed=2,
-                   select=("single", "misled_own"), train=True, tag="")
+                   select=("single", "misled_own"), train=True, tag="", picks=None)
 
 
 def _pair_key(r):
@@ -412,9 +413,13 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     base_val = cached(os.path.join(lroot, "base_val.json"), lambda: {
         "single": plain(base, proc, val, json_prompt=True)[0], "misled_own": misled_own(base, proc, val, own_val)[0]})
 
-    def folder(arm, lr, seed):  # the debate part's own folder for its lr, else one under lr/
+    steps = "" if S["steps"] == SETTINGS["steps"] else f"_steps{S['steps']}"
+
+    def folder(arm, lr, seed):  # the debate part's own folder for its lr and steps, else one under lr/
         slug = ARMS[arm][0]
-        return os.path.join(root, f"{slug}_s{seed}") if lr == S["lr"] else os.path.join(lroot, f"{slug}_lr{lr:g}_s{seed}")
+        if lr == S["lr"] and not steps:
+            return os.path.join(root, f"{slug}_s{seed}")
+        return os.path.join(lroot, f"{slug}_lr{lr:g}{steps}_s{seed}")
 
     def trained(arm, lr, seed):
         """(model with the adapters of (arm, lr, seed), training info), training when missing."""
@@ -443,9 +448,9 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
 
     # 1. the sweep: every lr at seed 0, scored on the validation questions
     grid = {}
-    for arm in L["lr_arms"]:
+    for arm in L["lr_arms"] if not L.get("picks") else ():
         for lr in L["lrs"]:
-            vf = os.path.join(lroot, f"{ARMS[arm][0]}_lr{lr:g}_s0", "val.json")
+            vf = os.path.join(lroot, f"{ARMS[arm][0]}_lr{lr:g}{steps}_s0", "val.json")
             if not os.path.exists(vf):
                 if not L.get("train", True):
                     raise ValueError(f"{vf} missing: the sweep is not finished; run without --debate-no-train")
@@ -460,7 +465,7 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             grid.setdefault(arm, {})[lr] = row
             log(f"  val {arm} lr {lr:g}: " + ", ".join(f"{m} {row[m]:.3f}" for m in L["select"])
                 + f", selection {row['selection']:.4f}, loss {row['loss']:.4f}")
-    picks = {arm: pick_lr(g, L["select"]) for arm, g in grid.items()}
+    picks = dict(L["picks"]) if L.get("picks") else {arm: pick_lr(g, L["select"]) for arm, g in grid.items()}
     log(f"  picked lr: {picks}")
     out = lr_report(root, S, L, grid, picks, base_val, {}, t0, log)
 
@@ -547,12 +552,14 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                 out["compare"][metric] = pb
     line = {arm: [(lr, row["selection"]) for lr, row in sorted(g.items())] for arm, g in grid.items()}
     tag = L.get("tag", "")
-    out["figures"].append(line_png(line, os.path.join(lroot, f"debate_lr{tag}_val.png"),
-                                   "lr sweep (seed 0): validation selection metric (mean of single, misled own)",
-                                   "learning rate (log2)", "selection metric", logx=True))
+    if line:
+        out["figures"].append(line_png(line, os.path.join(lroot, f"debate_lr{tag}_val.png"),
+                                       "lr sweep (seed 0): validation selection metric (mean of single, misled own)",
+                                       "learning rate (log2)", "selection metric", logx=True))
     for metric, title in (("single", "single round"), ("misled_own", "misled in distribution"),
                           ("misled_ood", "misled out of distribution")):
-        bars = [(arm.replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {t['lr']:g}{note}\n{len(t['seeds'])} seeds",
+        bars = [(arm.replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {t['lr']:g}{note}\n{len(t['seeds'])} seeds"
+                 + (f", {S['steps']} steps" if note == " (picked)" and S["steps"] != SETTINGS["steps"] else ""),
                  t[metric]["accuracy"], t[metric]["ci_low"], t[metric]["ci_high"])
                 for tab, note in ((out["reference"], " (one lr)"), (out["test"], " (picked)"))
                 for arm, t in tab.items() if metric in t]
