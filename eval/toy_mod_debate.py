@@ -22,6 +22,14 @@ comparisons (`report`).
     python -m eval.toy_mod --part debate --threads 1
     python -m eval.toy_mod --part debate --threads 1 --debate-arms MoD,MoE-LoRA --debate-seeds 2 \
         --debate-rounds 2,3
+
+Per-arm learning rate (`run_lr`, after the above): MoD and MoE-LoRA token each train at every
+lr of a small grid (seed 0), are scored on validation questions of the shapes "val" split
+(`val_questions`), the lr with the best mean of validation single-round and misled-in-distribution
+accuracy is picked (`pick_lr`), then the seeds train / score at the picks on the test questions
+-> OUT/debate/lr/results.json and figures:
+
+    python -m eval.toy_mod --part debate-lr --debate-seeds 0,1,2 --threads 1
 """
 import copy
 import json
