@@ -253,11 +253,11 @@ def test_debate_lr_part_needs_the_debate_part_first(tmp_path, capsys):
     assert e.value.code == 2 and "--part debate" in capsys.readouterr().err
 
 
-def test_debate_lr_picks_flag_is_checked(capsys):
+def test_debate_lr_picks_flag_is_checked(tmp_path, capsys):
     """`--debate-picks` takes ARM=LR with a known arm and a positive lr; anything else: exit 2 naming the form."""
     from eval import toy_mod
     for bad in ("MoD:1e-2", "Nope=1e-2", "MoD=abc", "MoD=-1e-2"):
         with pytest.raises(SystemExit) as e:
-            toy_mod.main(["--part", "debate-lr", "--debate-picks", bad])
+            toy_mod.main(["--part", "debate-lr", "--debate-picks", bad, "--out", str(tmp_path)])
         assert e.value.code == 2
         assert "--debate-picks" in capsys.readouterr().err
