@@ -31,6 +31,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 
 import torch
@@ -203,10 +204,25 @@ def main(argv=None):
                    "separated folder names (default: all; every arm on disk is reported)")
     p.add_argument("--debate-seeds", default="0", help="debate part: training seeds, comma separated")
     p.add_argument("--debate-rounds", default="2", help="debate part: MoD-Multi rounds scored, comma separated")
-    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "e2e"],
+    p.add_argument("--debate-lrs", default="", help="debate-lr part: the lr grid, comma separated (default "
+                   "2e-3,5e-3,1e-2)")
+    p.add_argument("--debate-val", type=int, default=150, help="debate-lr part: validation questions (the "
+                   "shapes val split; default 150)")
+    p.add_argument("--debate-lr-tag", default="", help="debate-lr part: suffix of the report's files "
+                   "(OUT/debate/lr/results<TAG>.json, figures), e.g. _wide for a second grid; the (arm, lr, seed) "
+                   "folders are shared")
+    p.add_argument("--debate-steps", type=int, default=0, help="debate-lr part: training steps "
+                   "(default 300; other steps train into their own folders, OUT/debate/lr/<arm>_lr<LR>_steps<N>_s<seed>)")
+    p.add_argument("--debate-picks", default="", help="debate-lr part: fixed lr per arm, no sweep, e.g. "
+                   "MoD=1e-2,MoE-LoRA=5e-3 (folder names as in --debate-arms)")
+    p.add_argument("--debate-no-train", action="store_true", help="debate-lr part: report what is on disk, "
+                   "train and score nothing ((arm, seed) without scores are listed as not run)")
+    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e"],
                    help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
                    "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
-                   "e2e: the shapes-world pipeline below; all: every part (--quick runs e2e only)")
+                   "debate-lr: per-arm lr of MoD and MoE-LoRA token picked on the val split, then --debate-seeds "
+                   "at the picks (after debate; -> OUT/debate/lr/); "
+                   "e2e: the shapes-world pipeline below; all: every part but debate-lr (--quick runs e2e only)")
     a = p.parse_args(argv)
     from eval import toy_mod_debate
     arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
@@ -221,13 +237,40 @@ def main(argv=None):
     if not seeds or any(k < 1 for k in rounds):
         p.error("--debate-seeds needs at least one seed; --debate-rounds values must be >= 1")
     debate = dict(toy_mod_debate.SETTINGS, arms=arms or None, seeds=tuple(seeds), rounds=tuple(rounds))
+    try:
+        lrs = tuple(float(x) for x in a.debate_lrs.split(",") if x.strip()) or toy_mod_debate.LR_SETTINGS["lrs"]
+    except ValueError:
+        p.error("--debate-lrs takes comma-separated numbers, e.g. 2e-3,5e-3,1e-2")
+    if any(x <= 0 for x in lrs) or a.debate_val < 1:
+        p.error("--debate-lrs values must be > 0 and --debate-val >= 1")
+    lr_arms = tuple(toy_mod_debate.SLUGS[x] for x in arms) or toy_mod_debate.LR_SETTINGS["lr_arms"]
+    picks = {}
+    for item in [x.strip() for x in a.debate_picks.split(",") if x.strip()]:
+        slug, _, lr = item.partition("=")
+        try:
+            picks[toy_mod_debate.SLUGS[slug.strip()]] = float(lr)
+        except (KeyError, ValueError):
+            p.error(f"--debate-picks: {item!r} is not ARM=LR with ARM in {sorted(toy_mod_debate.SLUGS)}, "
+                    "e.g. MoD=1e-2,MoE-LoRA=5e-3")
+    if a.debate_steps < 0 or any(v <= 0 for v in picks.values()):
+        p.error("--debate-steps must be >= 1 (0 = the default 300) and --debate-picks lrs > 0")
+    lr_arms = tuple(picks) or lr_arms
+    lr_part = dict(toy_mod_debate.LR_SETTINGS, lrs=lrs, n_val=a.debate_val, lr_arms=lr_arms,
+                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None)
     set_threads(a.threads, a.model)
     if a.part in ("all", "mechanism") and not a.quick:
         from eval import toy_mod_mechanism
         toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
     if a.part in ("all", "debate") and not a.quick:
         toy_mod_debate.run(a.data, a.out, a.model, S=debate)
-    if a.part in ("mechanism", "debate"):
+    if a.part == "debate-lr":
+        try:
+            toy_mod_debate.run_lr(a.data, a.out, a.model, S=dict(debate, steps=a.debate_steps or debate["steps"]),
+                                  L=lr_part)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+    if a.part in ("mechanism", "debate", "debate-lr"):
         return
     rows = run(a.quick, a.data, a.out, a.model)
     main_rows = [r for r in rows if r["family"] == "all" and r["metric"] in ("accuracy", "tokens_per_question",

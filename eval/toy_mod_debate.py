@@ -22,6 +22,14 @@ comparisons (`report`).
     python -m eval.toy_mod --part debate --threads 1
     python -m eval.toy_mod --part debate --threads 1 --debate-arms MoD,MoE-LoRA --debate-seeds 2 \
         --debate-rounds 2,3
+
+Per-arm learning rate (`run_lr`, after the above): MoD and MoE-LoRA token each train at every
+lr of a small grid (seed 0), are scored on validation questions of the shapes "val" split
+(`val_questions`), the lr with the best mean of validation single-round and misled-in-distribution
+accuracy is picked (`pick_lr`), then the seeds train / score at the picks on the test questions
+-> OUT/debate/lr/results.json and figures:
+
+    python -m eval.toy_mod --part debate-lr --debate-seeds 0,1,2 --threads 1
 """
 import copy
 import json
@@ -296,4 +304,280 @@ def report(results, root, S, prep, own, t0, log=print):
     for arm, d in means.items():
         log(f"  {arm:22s} " + "  ".join(f"{m} {v['accuracy']:.3f} [{v['ci_low']:.2f}, {v['ci_high']:.2f}] "
                                          f"({len(v['seeds'])}s)" for m, v in d.items()))
+    return out
+
+
+# ---- per-arm learning rate on a validation split (MoD issue 10: the fair-baseline rule) ----
+# arms of the main claim, the lr grid, the validation questions and the selection metric are
+# pre-registered in mod/README.md ("Debate part: per-arm learning rate").
+# train: False = report what is on disk (nothing trained or scored; a missing sweep point is an error);
+# tag: suffix of the report's files (results<tag>.json, debate_lr<tag>_*.png), e.g. for a second grid;
+# picks: {arm: lr} given = no sweep (e.g. the picks of the 300-step sweep for a run with other steps)
+LR_SETTINGS = dict(lr_arms=("MoD", "MoE-LoRA token"), lrs=(2e-3, 5e-3, 1e-2), n_val=150, val_k=4, val_seed=2,
+                   select=("single", "misled_own"), train=True, tag="", picks=None)
+
+
+def _pair_key(r):
+    """The content of an (image, question) pair: the question turn and the target (the marked
+    scene text, which lists every object, and the answer)."""
+    c = r["conversations"]
+    return c[0]["value"].removeprefix("<image>\n"), c[1]["value"]
+
+
+def val_questions(data_dir, n_val, *others):
+    """`n_val` records of the shapes "val" split (`common.data.generate_split`, made the same
+    way as the test split: its own seed and hash bucket), generated if missing: the first ones
+    in file order that share no id, image or question-and-target text with a record of `others`
+    (e.g. the training and test questions). The text check also drops near twins the split's
+    hash keeps apart: one-object scenes that differ only in the object's size (not in the text).
+    Returns (records, ids dropped). Raises ValueError when fewer than n_val are left."""
+    from common import data
+    data.ensure_splits(data_dir, {"val": max(n_val, 500)})
+    seen = {x for recs in others for r in recs for x in (("id", r["id"]), ("image", r["image"]), _pair_key(r))}
+    val, dropped = [], []
+    for r in read_llava_json(os.path.join(data_dir, "val.json")):
+        if len(val) == n_val:
+            break
+        (dropped if {("id", r["id"]), ("image", r["image"]), _pair_key(r)} & seen else val).append(r)
+    if len(val) < n_val:
+        raise ValueError(f"{data_dir}/val.json has {len(val)} records not in the training / test questions, "
+                         f"{n_val} asked; remove it to regenerate a larger one, or ask for fewer")
+    return val, [r["id"] for r in dropped]
+
+
+def selection_score(row, metrics=LR_SETTINGS["select"]):
+    """The pre-registered lr-selection metric: the unweighted mean of the validation accuracies
+    `row[m]` over `metrics` (default: single round and misled in distribution)."""
+    return sum(row[m] for m in metrics) / len(metrics)
+
+
+def pick_lr(grid, metrics=LR_SETTINGS["select"]):
+    """grid {lr: {metric: validation accuracy}} -> the lr with the highest `selection_score`;
+    ties (equal to 1e-9) go to the smaller lr. Raises ValueError on an empty grid."""
+    if not grid:
+        raise ValueError("no learning rate scored on the validation split")
+    return min(grid, key=lambda lr: (-round(selection_score(grid[lr], metrics), 9), lr))
+
+
+def verdict(pb, sign=1):
+    """The 3-seed criterion of H-e1 / H-e2: "supported" when the paired CI of the seed-averaged
+    difference excludes 0 in the predicted direction (`sign` +1 / -1) and every seed has that
+    sign; "contradicted" when both hold in the other direction; else "inconclusive"."""
+    lo, hi = pb["ci_low"] * sign, pb["ci_high"] * sign
+    if (lo > 0 or hi < 0) and pb["seeds_agree"]:
+        return "supported" if lo > 0 else "contradicted"
+    return "inconclusive"
+
+
+def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTINGS, L=LR_SETTINGS, log=print):
+    """Per-arm lr for the arms L["lr_arms"]: train each lr of L["lrs"] at seed 0 on the debate
+    part's 600 samples (prep.json of `run`, required), score validation single round and misled
+    in distribution, pick per arm (`pick_lr`), then train / score S["seeds"] at the picks on the
+    test questions (single, misled own wrong answer, misled other scene). The lr S["lr"] reuses
+    the debate part's own folders <slug>_s<seed>. Everything per (arm, lr, seed) is written
+    atomically under OUT/debate/lr/ and skipped when present. -> OUT/debate/lr/results.json."""
+    t0 = time.time()
+    root = os.path.join(out_dir, "debate")
+    lroot = os.path.join(root, "lr")
+    prep_f = os.path.join(root, "prep.json")
+    if not os.path.exists(prep_f):
+        raise FileNotFoundError(f"{prep_f} missing: run `python -m eval.toy_mod --part debate` first")
+    with open(prep_f) as f:
+        prep = json.load(f)
+    train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
+    test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
+    val, dropped = val_questions(data_dir, L["n_val"], train, read_llava_json(os.path.join(data_dir, "test.json")))
+    base, proc = load_backbone(base_name)
+    path = os.path.join(root, "train_vs.json")
+    if not os.path.exists(path):
+        atomic_write_text(path, json.dumps(prep["train_vs"]))
+    recs = read_llava_json(path)
+    own = prep["own_wrong"]
+
+    def cached(f, fn):
+        if os.path.exists(f):
+            with open(f) as fh:
+                return json.load(fh)
+        res = fn()
+        atomic_write_text(f, json.dumps(res))
+        return res
+
+    def val_prep():
+        t = time.time()
+        own_val = {}
+        for r, ss in zip(val, json_samples(base, proc, val, L["val_k"], L["val_seed"])):
+            bad = [s for s in ss if not vs.is_correct(s, r["answer"], r["family"])]
+            if bad:
+                own_val[r["id"]] = vs.to_json_response(bad[0])
+        return {"own_wrong": own_val, "n_val": len(val), "val_ids": [r["id"] for r in val], "dropped": dropped,
+                "wall_s": time.time() - t}
+    own_val = cached(os.path.join(lroot, "val_prep.json"), val_prep)["own_wrong"]
+    log(f"lr sweep: {len(val)} validation questions ({len(dropped)} skipped as twins of a training / test "
+        f"question: {dropped}), {len(own_val)} with an own wrong answer")
+
+    def val_scores(model):
+        with torch.inference_mode():
+            return {"single": mod_debate(model, proc, val, rounds=0)[0], "misled_own": misled_own(model, proc, val, own_val)[0]}
+    base_val = cached(os.path.join(lroot, "base_val.json"), lambda: {
+        "single": plain(base, proc, val, json_prompt=True)[0], "misled_own": misled_own(base, proc, val, own_val)[0]})
+
+    steps = "" if S["steps"] == SETTINGS["steps"] else f"_steps{S['steps']}"
+
+    def folder(arm, lr, seed):  # the debate part's own folder for its lr and steps, else one under lr/
+        slug = ARMS[arm][0]
+        if lr == S["lr"] and not steps:
+            return os.path.join(root, f"{slug}_s{seed}")
+        return os.path.join(lroot, f"{slug}_lr{lr:g}{steps}_s{seed}")
+
+    def trained(arm, lr, seed):
+        """(model with the adapters of (arm, lr, seed), training info), training when missing."""
+        d, kw = folder(arm, lr, seed), ARMS[arm][1]
+        model = copy.deepcopy(base)
+        info_f = os.path.join(d, "train.json")
+        if os.path.exists(os.path.join(d, "adapter_model.safetensors")) and (
+                os.path.exists(info_f) or os.path.exists(os.path.join(d, "scores.json"))):
+            load_adapters(model, d)
+            src = info_f if os.path.exists(info_f) else os.path.join(d, "scores.json")
+            with open(src) as fh:
+                info = json.load(fh)
+            with open(os.path.join(d, "log.jsonl")) as fh:
+                step0 = json.loads(fh.readline())["loss"]
+            return model.eval(), {"loss": info["loss"], "wall_s": info["wall_s"], "step0_loss": step0}
+        torch.manual_seed(seed)
+        attach(model, AdapterConfig(**kw))
+        tr = fit(model, proc, recs, d, steps=S["steps"], batch_size=S["batch_size"], lr=lr,
+                 warmup=max(1, S["steps"] // 10), seed=seed, desc=f"train {d}", quiet=True, save_every=100, resume=True)
+        info = {"loss": tr["loss"], "wall_s": tr["wall_s"], "step0_loss": tr["log"][0]["loss"], "lr": lr,
+                "trainable": num_trainable(model)}
+        save_adapters(model, d)
+        atomic_write_text(info_f, json.dumps(info))
+        log(f"  trained {d}: loss {info['loss']:.4f} (step 0 {info['step0_loss']:.7f}), {info['wall_s']:.0f} s")
+        return model.eval(), info
+
+    # 1. the sweep: every lr at seed 0, scored on the validation questions
+    grid = {}
+    for arm in L["lr_arms"] if not L.get("picks") else ():
+        for lr in L["lrs"]:
+            vf = os.path.join(lroot, f"{ARMS[arm][0]}_lr{lr:g}{steps}_s0", "val.json")
+            if not os.path.exists(vf):
+                if not L.get("train", True):
+                    raise ValueError(f"{vf} missing: the sweep is not finished; run without --debate-no-train")
+                model, info = trained(arm, lr, 0)
+                res = dict(val_scores(model), train=info)
+                atomic_write_text(vf, json.dumps(res))
+            with open(vf) as fh:
+                res = json.load(fh)
+            row = {m: summarize(m, res[m], 0)["accuracy"] for m in L["select"]}
+            row.update(n={m: len(res[m]) for m in L["select"]}, loss=res["train"]["loss"],
+                       step0_loss=res["train"]["step0_loss"], selection=selection_score(row, L["select"]))
+            grid.setdefault(arm, {})[lr] = row
+            log(f"  val {arm} lr {lr:g}: " + ", ".join(f"{m} {row[m]:.3f}" for m in L["select"])
+                + f", selection {row['selection']:.4f}, loss {row['loss']:.4f}")
+    picks = dict(L["picks"]) if L.get("picks") else {arm: pick_lr(g, L["select"]) for arm, g in grid.items()}
+    log(f"  picked lr: {picks}")
+    out = lr_report(root, S, L, grid, picks, base_val, {}, t0, log)
+
+    # 2. test scores at the picks: seed 0 first (the sweep's adapters), then the other seeds
+    scores = {}
+    for seed in S["seeds"]:
+        for arm in L["lr_arms"]:
+            d = folder(arm, picks[arm], seed)
+            if not L.get("train", True) and not os.path.exists(os.path.join(d, "scores.json")):
+                log(f"  {arm} seed {seed} at lr {picks[arm]:g}: not run")
+                continue
+
+            def score(arm=arm, seed=seed, d=d):
+                model, info = trained(arm, picks[arm], seed)
+                out = {}
+                with torch.inference_mode():
+                    out["single"] = mod_debate(model, proc, test, rounds=0)[0]
+                    out["misled_own"] = misled_own(model, proc, test, own)[0]
+                    out["misled_ood"] = misled(model, proc, test)[0]
+                log(f"  test {d}: " + ", ".join(f"{k} {summarize(k, v, 0)['accuracy']:.3f}" for k, v in out.items()))
+                return {"results": out, "trainable": num_trainable(model), **info}
+            scores[(arm, seed)] = cached(os.path.join(d, "scores.json"), score)
+            with open(os.path.join(d, "log.jsonl")) as fh:
+                scores[(arm, seed)].setdefault("step0_loss", json.loads(fh.readline())["loss"])
+            out = lr_report(root, S, L, grid, picks, base_val, scores, t0, log)
+    return out
+
+
+def _reference(root, S, L):
+    """Test results at the debate part's own lr S["lr"] of the arms L["lr_arms"], every seed of
+    S["seeds"] on disk: {(arm, seed): scores} (the figures' reference bars)."""
+    ref = {}
+    for arm in L["lr_arms"]:
+        for seed in S["seeds"]:
+            f = os.path.join(root, f"{ARMS[arm][0]}_s{seed}", "scores.json")
+            if os.path.exists(f):
+                with open(f) as fh:
+                    ref[(arm, seed)] = json.load(fh)
+    return ref
+
+
+def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
+    """The lr part's results.json and figures (OUT/debate/lr/): the validation grid, the picks,
+    test accuracy per arm at its pick (mean over seeds [95% CI], per seed, final training loss)
+    and MoD minus MoE-LoRA token paired over the seeds both have, with the 3-seed verdicts."""
+    import numpy as np
+    from eval.metrics import bootstrap_ci
+    from eval.plots import bar_ci_png, line_png
+    lroot = os.path.join(root, "lr")
+    out = {"settings": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in L.items()},
+                        "steps": S["steps"], "batch_size": S["batch_size"], "seeds": list(S["seeds"])},
+           "val_base": {m: summarize(m, base_val[m], 0)["accuracy"] for m in L["select"]},
+           "val": {arm: {f"{lr:g}": row for lr, row in g.items()} for arm, g in grid.items()},
+           "picks": {arm: lr for arm, lr in picks.items()}, "test": {}, "compare": {}, "figures": []}
+    ref = _reference(root, S, L)
+
+    def summary(scores, lr_of):
+        per = {}  # arm -> metric -> seed -> results
+        for (arm, seed), r in scores.items():
+            for metric, res in r["results"].items():
+                if metric in METRICS:
+                    per.setdefault(arm, {}).setdefault(metric, {})[seed] = res
+        table = {}
+        for arm, by_metric in per.items():
+            seeds = sorted(s for (a, s) in scores if a == arm)
+            table[arm] = {"lr": lr_of(arm), "seeds": seeds, "loss": [scores[(arm, s)]["loss"] for s in seeds]}
+            for metric, by_seed in by_metric.items():
+                c = np.mean([[x["correct"] for x in by_seed[s]] for s in seeds], axis=0)
+                lo, hi = bootstrap_ci(c)
+                table[arm][metric] = {"accuracy": float(c.mean()), "ci_low": lo, "ci_high": hi, "n": len(c),
+                                      "per_seed": [float(np.mean([x["correct"] for x in by_seed[s]])) for s in seeds]}
+        return per, table
+    per, out["test"] = summary(scores, lambda arm: picks[arm])
+    for arm in out["test"]:
+        out["test"][arm]["step0_loss"] = [scores[(arm, s)].get("step0_loss") for s in out["test"][arm]["seeds"]]
+    _, out["reference"] = summary(ref, lambda arm: S["lr"])
+    a, b = L["lr_arms"][:2]
+    if a in per and b in per:
+        for metric in per[a]:
+            common = sorted(set(per[a][metric]) & set(per[b].get(metric, {})))
+            if common:
+                pb = _paired(per[a][metric], per[b][metric], common)
+                pb["verdict"] = verdict(pb, +1)   # H-e1 / H-e2 / out of distribution: MoD > MoE-LoRA
+                out["compare"][metric] = pb
+    line = {arm: [(lr, row["selection"]) for lr, row in sorted(g.items())] for arm, g in grid.items()}
+    tag = L.get("tag", "")
+    if line:
+        out["figures"].append(line_png(line, os.path.join(lroot, f"debate_lr{tag}_val.png"),
+                                       "lr sweep (seed 0): validation selection metric (mean of single, misled own)",
+                                       "learning rate (log2)", "selection metric", logx=True))
+    for metric, title in (("single", "single round"), ("misled_own", "misled in distribution"),
+                          ("misled_ood", "misled out of distribution")):
+        bars = [(arm.replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {t['lr']:g}{note}\n{len(t['seeds'])} seeds"
+                 + (f", {S['steps']} steps" if note == " (picked)" and S["steps"] != SETTINGS["steps"] else ""),
+                 t[metric]["accuracy"], t[metric]["ci_low"], t[metric]["ci_high"])
+                for tab, note in ((out["reference"], " (one lr)"), (out["test"], " (picked)"))
+                for arm, t in tab.items() if metric in t]
+        if bars:
+            out["figures"].append(bar_ci_png(bars, os.path.join(lroot, f"debate_lr{tag}_{metric}.png"),
+                                             f"at the per-arm lr: accuracy, {title}, mean over seeds, 95% CI",
+                                             "accuracy"))
+    out["wall_s"] = time.time() - t0
+    atomic_write_text(os.path.join(lroot, f"results{tag}.json"), json.dumps(out, indent=1))
+    for metric, pb in out["compare"].items():
+        log(f"  {a} minus {b} at the picks, {metric}: {pb['diff']:+.3f} [{pb['ci_low']:+.3f}, {pb['ci_high']:+.3f}] "
+            f"per seed {[round(x, 3) for x in pb['per_seed']]} -> {pb['verdict']}")
     return out

@@ -196,3 +196,68 @@ def test_debate_paired_comparison_over_seeds():
     pb = _paired(a, b, [0, 1])                    # items: 0 + .5 - .5 + .5 = .5, / 4
     assert pb["per_seed"] == [0.5, -0.25] and not pb["seeds_agree"] and pb["diff"] == pytest.approx(0.125)
     assert _paired(a, b, [0])["seeds_agree"] and _paired(a, b, [0])["seeds"] == [0]
+
+
+def test_debate_lr_validation_questions_are_disjoint_from_train_and_test(tmp_path, capsys):
+    """eval.toy_mod_debate.val_questions: the shapes val split's questions, skipping any that
+    shares an id, an image or its question-and-target text with a training / test question;
+    too few left is an error."""
+    from common.data import generate_split
+    from eval.toy_mod_debate import _pair_key, val_questions
+    train = generate_split(str(tmp_path), "train", 30)
+    test = generate_split(str(tmp_path), "test", 30)
+    generate_split(str(tmp_path), "val", 12)
+    val, dropped = val_questions(str(tmp_path), 10, train, test)
+    assert [r["id"] for r in val] == [f"val_{i:06d}" for i in range(10)] and dropped == []
+    taken = {_pair_key(r) for r in train + test}
+    assert not [r for r in val if _pair_key(r) in taken]
+    twin = dict(val[0], id="test_x", image="images/x.png")              # same question and scene text, other file
+    val2, dropped = val_questions(str(tmp_path), 10, train, test + val[3:4] + [twin])
+    assert dropped == ["val_000000", "val_000003"]
+    assert [r["id"] for r in val2] == [f"val_{i:06d}" for i in (1, 2, 4, 5, 6, 7, 8, 9, 10, 11)]
+    with pytest.raises(ValueError, match="11 records not in the training / test questions, 12 asked"):
+        val_questions(str(tmp_path), 12, [twin])
+
+
+def test_debate_lr_pick_and_verdict():
+    """eval.toy_mod_debate.pick_lr: the highest mean of validation single-round and misled
+    accuracy, ties to the smaller lr; verdict: the pre-registered 3-seed criterion."""
+    from eval.toy_mod_debate import pick_lr, selection_score, verdict
+    grid = {2e-3: {"single": 0.70, "misled_own": 0.30},   # mean 0.50
+            5e-3: {"single": 0.66, "misled_own": 0.40},   # mean 0.53: the pick (single alone would pick 2e-3)
+            1e-2: {"single": 0.72, "misled_own": 0.20}}   # mean 0.46
+    assert selection_score(grid[5e-3]) == pytest.approx(0.53)
+    assert pick_lr(grid) == 5e-3
+    assert pick_lr(grid, ("single",)) == 1e-2
+    grid[1e-2] = {"single": 0.60, "misled_own": 0.46}     # mean 0.53 too: the tie goes to the smaller lr
+    assert pick_lr(grid) == 5e-3
+    with pytest.raises(ValueError):
+        pick_lr({})
+    pb = lambda lo, hi, agree: {"ci_low": lo, "ci_high": hi, "seeds_agree": agree}
+    assert verdict(pb(0.01, 0.05, True)) == "supported"
+    assert verdict(pb(-0.05, -0.01, True)) == "contradicted"
+    assert verdict(pb(0.01, 0.05, False)) == "inconclusive"    # the CI alone is not enough
+    assert verdict(pb(-0.01, 0.05, True)) == "inconclusive"
+    assert verdict(pb(-0.05, -0.01, True), sign=-1) == "supported"
+
+
+def test_debate_lr_part_needs_the_debate_part_first(tmp_path, capsys):
+    """`--part debate-lr` without the debate part's prep.json: an error naming the command to run, exit 2."""
+    from eval import toy_mod
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as e:
+            toy_mod.main(["--part", "debate-lr", "--out", str(tmp_path), "--threads", "1"])
+    finally:
+        torch.set_num_threads(before)
+    assert e.value.code == 2 and "--part debate" in capsys.readouterr().err
+
+
+def test_debate_lr_picks_flag_is_checked(tmp_path, capsys):
+    """`--debate-picks` takes ARM=LR with a known arm and a positive lr; anything else: exit 2 naming the form."""
+    from eval import toy_mod
+    for bad in ("MoD:1e-2", "Nope=1e-2", "MoD=abc", "MoD=-1e-2"):
+        with pytest.raises(SystemExit) as e:
+            toy_mod.main(["--part", "debate-lr", "--debate-picks", bad, "--out", str(tmp_path)])
+        assert e.value.code == 2
+        assert "--debate-picks" in capsys.readouterr().err
