@@ -67,6 +67,17 @@ SETTINGS = dict(n_train=200, n_test=300, k=8, n_samples=600, ratios=(1.0, 1.0, 1
 METRICS = ("single", "misled_own", "misled_ood")
 
 
+
+def cached(path, fn):
+    """json.load(path) if it exists (a finished step of a resumable run), else fn()'s result,
+    written to path atomically first."""
+    if os.path.exists(path):
+        with open(path) as fh:
+            return json.load(fh)
+    res = fn()
+    atomic_write_text(path, json.dumps(res))
+    return res
+
 def balanced_mix(records, pools, n_samples, ratios, max_priors, seed=0):
     """LLaVA-format training records whose category counts follow `ratios` exactly (up to
     rounding): category c gets round(n_samples * ratio_c / sum) samples, each from a question
@@ -150,13 +161,7 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTING
     own = prep["own_wrong"]
 
     def scored(name, fn):
-        f = os.path.join(root, name, "scores.json")
-        if os.path.exists(f):
-            with open(f) as fh:
-                return json.load(fh)
-        res = fn()
-        atomic_write_text(f, json.dumps(res))
-        return res
+        return cached(os.path.join(root, name, "scores.json"), fn)
 
     def score_base():
         out = {}
@@ -393,14 +398,6 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
         atomic_write_text(path, json.dumps(prep["train_vs"]))
     recs = read_llava_json(path)
     own = prep["own_wrong"]
-
-    def cached(f, fn):
-        if os.path.exists(f):
-            with open(f) as fh:
-                return json.load(fh)
-        res = fn()
-        atomic_write_text(f, json.dumps(res))
-        return res
 
     def val_prep():
         t = time.time()
