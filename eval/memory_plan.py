@@ -53,28 +53,26 @@ CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.261302
 
 # The public config.json / preprocessor_config.json of each checkpoint (fields that set sizes).
 # Qwen2.5-VL's vision_config lists only hidden_size / out_hidden_size; the rest are the
-# Qwen2_5_VLVisionConfig defaults the checkpoint relies on (depth 32, MLP 3420, 16 heads, ...).
+# Qwen2_5_VLVisionConfig defaults the checkpoint relies on (depth 32, MLP 3420, 16 heads, ...),
+# the same for the 3B and the 7B, as is the image processor.
+QWEN2_5_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                         spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                         fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu")
+QWEN2_5_VL_IMAGE = dict(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136, max_pixels=12845056,
+                        mean=CLIP_MEAN, std=CLIP_STD)
 REAL = {
     "qwen2_5_vl_3b": dict(
         repo="Qwen/Qwen2.5-VL-3B-Instruct", model_type="qwen2_5_vl", layers=36, tie_word_embeddings=True,
         text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
                   num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128000,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                    fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
-        image=dict(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136, max_pixels=12845056,
-                   mean=CLIP_MEAN, std=CLIP_STD)),
+        vision=dict(QWEN2_5_VL_VISION, out_hidden_size=2048), image=QWEN2_5_VL_IMAGE),
     "qwen2_5_vl_7b": dict(
         repo="Qwen/Qwen2.5-VL-7B-Instruct", model_type="qwen2_5_vl", layers=28, tie_word_embeddings=False,
         text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                   num_key_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=128000,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                    fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
-        image=dict(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136, max_pixels=12845056,
-                   mean=CLIP_MEAN, std=CLIP_STD)),
+        vision=dict(QWEN2_5_VL_VISION, out_hidden_size=3584), image=QWEN2_5_VL_IMAGE),
     "qwen3_vl_30b_a3b": dict(
         repo="Qwen/Qwen3-VL-30B-A3B-Instruct", model_type="qwen3_vl_moe", layers=48, tie_word_embeddings=False,
         text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
