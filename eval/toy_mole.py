@@ -31,6 +31,7 @@ import torch
 from common import backbone as bb
 from common import data
 from common.cli import Deprecated, add_threads, set_threads
+from eval.metrics import accuracy
 
 MAIN = {  # name -> extra mole.train flags
     "sft": ["--method", "sft"],
@@ -54,6 +55,11 @@ TABLE_MAIN = {"sft": MAIN["sft"], "sft_placeholders": ["--method", "sft", "--pla
               "plain_latent": MAIN["plain_latent"], "mole": MAIN["mole"]}
 QUICK = dict(n_train=480, n_test=200, batch_size=32)  # 15 steps per epoch, 45 steps per model
 FULL = dict(n_train=1280, n_test=500, batch_size=32)  # 40 steps per epoch, 120 steps per model
+
+
+def _acc(items):
+    """Accuracy of a list of scored items ({"correct": bool, ...}), as eval.metrics.accuracy."""
+    return accuracy([x["correct"] for x in items])
 
 
 def _ensure_data(data_dir, n_train, n_test):
@@ -117,7 +123,7 @@ def _interventions(tab_dir, seed, net, stage, test, mole_evaluate):
         data.atomic_write_text(path, json.dumps({"row": f"mole_{kind}", "seed": seed,
                                                  "infer_s": time.time() - t, "items": res}))
         print(f"[toy_mole] mole_{kind} seed {seed}: acc "
-              f"{sum(x['correct'] for x in res) / len(res):.3f}", flush=True)
+              f"{_acc(res):.3f}", flush=True)
 
 
 def _base_row(tab_dir, base, test, plain_evaluate):
@@ -164,7 +170,7 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,), p
         for name, flags in main_rows.items():
             r, net, stage = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
                                        mole_evaluate, plain_evaluate)
-            print(f"[toy_mole] {name} seed {seed}: acc {sum(x['correct'] for x in r['items']) / len(r['items']):.3f} "
+            print(f"[toy_mole] {name} seed {seed}: acc {_acc(r['items']):.3f} "
                   f"train {r.get('train_s', 0):.0f}s", flush=True)
             if name != "mole" or quick:
                 continue
@@ -175,7 +181,7 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,), p
                 r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
                                      mole_evaluate, plain_evaluate)
                 print(f"[toy_mole] {name} seed {seed}: acc "
-                      f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+                      f"{_acc(r['items']):.3f}", flush=True)
     return summarise_table(out_dir, quick, data_dir)
 
 
@@ -353,7 +359,7 @@ def read_sweep(out_dir):
     for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
         if re.fullmatch(r".+_lr[0-9.e-]+\.json", f):
             r = _json(os.path.join(d, f))
-            sweep.setdefault(r["row"], {})[r["lr"]] = sum(x["correct"] for x in r["items"]) / len(r["items"])
+            sweep.setdefault(r["row"], {})[r["lr"]] = _acc(r["items"])
     return sweep
 
 
@@ -413,7 +419,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
             r, _, _ = _table_one(name, TABLE_MAIN[name], 0, cfg, val, data_dir, lr_dir(out_dir, lr), base, threads,
                                  mole_evaluate, plain_evaluate, lr=lr, path=path)
             print(f"[toy_mole] sweep {name} lr {lr:g}: val acc "
-                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f} steps {r['steps_s']:.0f}s", flush=True)
+                  f"{_acc(r['items']):.3f} steps {r['steps_s']:.0f}s", flush=True)
     sweep = read_sweep(out_dir)
     if any(len(sweep.get(n, {})) < len(LR_GRID) for n in LR_SWEPT):
         print("[toy_mole] the sweep is incomplete: no row runs at a picked lr", flush=True)
@@ -429,7 +435,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
             r, net, stage = _table_one(name, TABLE_MAIN[name], seed, cfg, test, data_dir, tab_dir, base, threads,
                                        mole_evaluate, plain_evaluate, lr=picked[name])
             print(f"[toy_mole] {name} lr {picked[name]:g} seed {seed}: acc "
-                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+                  f"{_acc(r['items']):.3f}", flush=True)
             if name == "mole":
                 _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
     tab_dir = lr_dir(out_dir, picked["mole"])
@@ -441,7 +447,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
             r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
                                  mole_evaluate, plain_evaluate, lr=picked["mole"])
             print(f"[toy_mole] {name} lr {picked['mole']:g} seed {seed}: acc "
-                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+                  f"{_acc(r['items']):.3f}", flush=True)
     return summarise_lr(out_dir, data_dir)
 
 
@@ -468,7 +474,7 @@ def run_fixed_lr(data_dir, out_dir, lr, rows, seeds, base="tiny-dense", threads=
                                  mole_evaluate, plain_evaluate, lr=lr)
             res[(name, seed)] = r
             print(f"[toy_mole] {name} lr {lr:g} seed {seed}: acc "
-                  f"{sum(x['correct'] for x in r['items']) / len(r['items']):.3f}", flush=True)
+                  f"{_acc(r['items']):.3f}", flush=True)
     return _summary_rows(res)
 
 
@@ -736,7 +742,7 @@ def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=Non
             r = _bottleneck_one(name, lr_of[name], seed, cfg["steps"], test, data_dir, out_dir, base, threads,
                                 f"{name}_seed{seed}")
             results[(name, seed)] = r
-            acc = sum(x["correct"] for x in r["items"]) / len(r["items"])
+            acc = _acc(r["items"])
             cell = sum(x["cell_acc"] for x in r["items"]) / len(r["items"])
             print(f"[bottleneck] {name} seed {seed} lr {lr_of[name]:g}: cell {cell:.3f} answer {acc:.3f} "
                   f"train {r['train_s']:.0f}s", flush=True)
