@@ -34,6 +34,7 @@ criteria need per MoE layer (no per-token storage):
 """
 import math
 
+import numpy as np
 import torch
 
 BASELINES = ("msmoe", "hcsmoe", "reap")
@@ -79,29 +80,22 @@ def hcsmoe_groups(out_mean, K, linkage="average"):
     outputs out_mean [N, H] with distance 1 - cos, Lance-Williams `linkage` ("average", the
     paper's choice; "single", "complete"), merging the closest pair until K clusters remain
     (exact ties: lower sorted member list). Returns K sorted groups."""
-    from rolemerge.model import LINKAGES
+    from rolemerge.model import LINKAGES, lance_williams
     if linkage not in LINKAGES:
         raise ValueError(f"unknown linkage {linkage!r}; choose from {LINKAGES}")
-    D = 1.0 - cosine_matrix(out_mean)
+    D = (1.0 - cosine_matrix(out_mean)).cpu().numpy()   # numpy: the loop of small ops shared with agglomerate
     N = D.shape[0]
     if not 1 <= K <= N:
         raise ValueError(f"K={K} must be in [1, N={N}]")
     members = {i: [i] for i in range(N)}
-    size = torch.ones(N, dtype=torch.float64)
-    active = torch.ones(N, dtype=torch.bool)
-    upper = torch.triu(torch.ones(N, N, dtype=torch.bool), 1)
+    size = np.ones(N)
+    active = np.ones(N, dtype=bool)
+    upper = np.triu(np.ones((N, N), dtype=bool), 1)
     for _ in range(N - K):
-        Dm = torch.where(upper & active[:, None] & active[None, :], D, torch.full_like(D, math.inf))
-        cand = (Dm == Dm.min()).nonzero().tolist()
+        Dm = np.where(upper & active[:, None] & active[None, :], D, math.inf)
+        cand = np.argwhere(Dm == Dm.min()).tolist()
         a, b = min(cand, key=lambda ij: sorted(members[ij[0]] + members[ij[1]]))
-        if linkage == "single":
-            row = torch.minimum(D[a], D[b])
-        elif linkage == "complete":
-            row = torch.maximum(D[a], D[b])
-        else:
-            row = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
-        D[a], D[:, a] = row, row
-        D[a, a] = 0.0
+        lance_williams(D, a, b, size, linkage)
         members[a] = sorted(members[a] + members.pop(b))
         size[a] += size[b]
         active[b] = False

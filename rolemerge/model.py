@@ -156,6 +156,22 @@ def collision_scale(p_ans, eps=EPS):
 
 # ----------------------------------------------------------------------------- grouping
 
+def lance_williams(D, a, b, size, linkage):
+    """Lance-Williams linkage update after merging group b into group a, in place: D [N, N]
+    (numpy, symmetric group-to-group distances) gets the merged group's row and column
+    (single: min, complete: max, average: size-weighted mean of rows a and b) and D[a, a] = 0;
+    size [N] holds the group sizes before the merge (the caller updates it). Row / column b
+    are left for the caller to retire."""
+    if linkage == "single":
+        row = np.minimum(D[a], D[b])
+    elif linkage == "complete":
+        row = np.maximum(D[a], D[b])
+    else:
+        row = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
+    D[a], D[:, a] = row, row
+    D[a, a] = 0.0
+
+
 def agglomerate(d_norm, p_ans, K, lam=0.0, tau=1.0, linkage="single"):
     """Greedy answer-aware agglomeration (§4.3, App. B.2).
 
@@ -202,15 +218,7 @@ def agglomerate(d_norm, p_ans, K, lam=0.0, tau=1.0, linkage="single"):
                 k = key()
                 ci, cj = ci[k == k.min()], cj[k == k.min()]
         a, b = min(zip(ci.tolist(), cj.tolist()), key=lambda ij: tuple(sorted(members[ij[0]] + members[ij[1]])))
-        # Lance-Williams update of the linkage from the merged group u = a (b retires)
-        if linkage == "single":
-            row = np.minimum(D[a], D[b])
-        elif linkage == "complete":
-            row = np.maximum(D[a], D[b])
-        else:
-            row = (size[a] * D[a] + size[b] * D[b]) / (size[a] + size[b])
-        D[a], D[:, a] = row, row
-        D[a, a] = 0.0
+        lance_williams(D, a, b, size, linkage)
         members[a] = sorted(members[a] + members.pop(b))
         s[a], m[a], size[a] = s[a] + s[b], max(m[a], m[b]), size[a] + size[b]
         r[a] = max(s[a] / (m[a] + EPS) - 1.0, 0.0)
