@@ -76,6 +76,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+
+def entry_parser(module, description):
+    """The argparse parser of an entry point: usage names the command a user types (`python -m
+    {module}`), the description is shown as written and each option's default is appended
+    (`HelpFormatter`). Call as `entry_parser(__spec__.name, __doc__)`."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=description, formatter_class=HelpFormatter)
+
 class Deprecated(argparse.Action):
     """An old flag spelling kept for one release: stores into the new flag's dest and prints
     `warning: --base is deprecated; use --model`. Usage:

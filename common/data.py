@@ -20,7 +20,6 @@ whether the question is about it (`marks`), then the answer:
 images + LLaVA-style conversation JSON, the format real instruction data uses, so
 `read_llava_json` serves both.
 """
-import argparse
 import hashlib
 import json
 import os
@@ -775,9 +774,8 @@ def load_image(path, rid="?"):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="Generate the synthetic shapes dataset (images + LLaVA JSON).")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "Generate the synthetic shapes dataset (images + LLaVA JSON).")
     from common.cli import fail, number
     p.add_argument("--out", default="out/data", help="output directory")
     p.add_argument("--n-train", type=number(min=1), default=2000, help="training examples")

@@ -20,7 +20,6 @@ answer); the target is always correct. The committed `tiny-chat` used --wrong-pr
 only ever saw agreeing priors and so learned to lean on them (misled by a wrong prior, as the
 MoD paper says real VLMs are), which is what viewpoint-shift training is meant to fix.
 """
-import argparse
 import json
 import math
 import os
@@ -204,9 +203,8 @@ def lr_at(step, steps, lr, warmup):
 
 
 def main():
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"],
                    help="transformers architecture of the tiny base")
     p.add_argument("--out", required=True, help="save_pretrained directory of the result")

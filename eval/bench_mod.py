@@ -12,7 +12,6 @@ Measures, in one run and side by side:
     python -m eval.bench_mod                  # Qwen2.5-VL-3B sizes, CPU or the first GPU
     python -m eval.bench_mod --dim 512 --tokens 512 --reps 3     # quick
 """
-import argparse
 import statistics
 import time
 
@@ -66,9 +65,8 @@ def timed(fns, reps, sync, stat=statistics.median):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="MoD vs LoRA vs per-expert loop speed, and decoding cost vs context.")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "MoD vs LoRA vs per-expert loop speed, and decoding cost vs context.")
     p.add_argument("--dim", type=int, default=2048, help="in = out features (Qwen2.5-VL-3B hidden: 2048)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward+backward")
     p.add_argument("--experts", type=int, default=8, help="experts per pool E")

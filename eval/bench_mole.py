@@ -13,7 +13,6 @@ batch 32); "3b" = Qwen2.5-VL-3B text width (hidden 2048, 16 heads, 2 KV heads, h
 Random weights: speed does not depend on them. Goal from the issue: MoLE step <= 1.5x plain.
 Writes out/mole/bench.json.
 """
-import argparse
 import json
 import random
 import statistics
@@ -111,9 +110,8 @@ def bench_size(size, reps, layers_3b, compile=False):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--sizes", default="tiny,3b", help="comma list of sizes: tiny, 3b")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median)")
     p.add_argument("--layers-3b", type=int, default=2, help="decoder layers of the 3B-like size")

@@ -18,7 +18,6 @@ Page cache: every file is fsync'ed and dropped from the cache with posix_fadvise
 before each timed read (`--warm` keeps it warm instead: the files are read once first), so
 all three read from the same place.
 """
-import argparse
 import json
 import os
 import shutil
@@ -161,9 +160,8 @@ def child(code, *args):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--dir", default="out/bench_rolemerge", help="work directory (checkpoint, stats, merged output)")
     p.add_argument("--layers", type=int, default=16, help="MoE layers")
     p.add_argument("--hidden", type=int, default=512, help="hidden size")

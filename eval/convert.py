@@ -41,7 +41,6 @@ list (`--multi-image keep`, the default), which `eval.evaluate` and the method s
 today; `--multi-image concat` pastes them side by side into one image instead (as VLMEvalKit
 does for single-image models), so every record has at most one image.
 """
-import argparse
 import ast
 import base64
 import binascii
@@ -454,10 +453,9 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="Convert a public benchmark export (parquet / arrow / JSON / JSONL, "
-                                            "the hub dataset's schema) to canonical JSONL with images beside it.")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "Convert a public benchmark export (parquet / arrow / JSON / JSONL, "
+                                    "the hub dataset's schema) to canonical JSONL with images beside it.")
     p.add_argument("--benchmark", required=True, choices=sorted(CONVERTERS), help="which schema --src is in")
     p.add_argument("--src", required=True, nargs="+",
                    help="one or more .parquet / .arrow / .json / .jsonl files, or folders of them (read in order)")

@@ -258,10 +258,9 @@ def extra_metrics(results):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
-                                            "JSONL): per-family accuracy vs the best constant answer.")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
+                                    "JSONL): per-family accuracy vs the best constant answer.")
     p.add_argument("--model", default=None,  # required, checked after parsing so the old --base spelling counts
                    help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-moe (required)")
     p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")

@@ -16,7 +16,6 @@ Checks, each reported as ok / skipped / failed with its figures:
   ddp            a 1-process `torchrun` DDP run of mod.train (2 steps)
 Exit status: 0 all ok or skipped (no CUDA: everything skipped), 1 if a check failed.
 """
-import argparse
 import importlib.util
 import json
 import os
@@ -169,9 +168,8 @@ def check_ddp(device, tmp, steps):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--device", default="cuda", help="cuda (default; skipped without a GPU) or cpu for a smoke run")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {CHECKS}")
     p.add_argument("--steps", type=int, default=30, help="train steps per timing check")

@@ -444,11 +444,9 @@ def register():
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["make-task"]:
-        import argparse
-        from common.cli import HelpFormatter, add_limit, run_cli
+        from common.cli import add_limit, entry_parser, run_cli
         from common.data import IMAGE_ROOT_HELP, read_any
-        p = argparse.ArgumentParser(prog="python -m eval.lmms make-task", formatter_class=HelpFormatter,
-                                    description="Write an lmms-eval task folder (YAML + JSONL + utils.py) from a "
+        p = entry_parser("eval.lmms make-task", "Write an lmms-eval task folder (YAML + JSONL + utils.py) from a "
                                                 "benchmark file of ours (LLaVA JSON or canonical JSONL).")
         p.add_argument("--data", required=True, help="benchmark file (e.g. out/data/test.json)")
         p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)

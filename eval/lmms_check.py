@@ -29,7 +29,6 @@ transformers 5), so that mode exits 1.
 Every step's output stays in --out; a rerun redoes only what is missing (--fresh redoes all).
 Runs one thread per process (`--threads`); about 10 minutes on a busy 2-core CPU after the venv.
 """
-import argparse
 import glob
 import json
 import os
@@ -151,9 +150,8 @@ def compare(rows, name, ref, got):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--venv", default="/work/venv-lmms", help="venv for lmms-eval (made if missing)")
     p.add_argument("--lmms-eval-version", default="0.7.3", help="lmms-eval version to install")
     p.add_argument("--out", default="out/lmms_check", help="working folder (data, checkpoints, results)")

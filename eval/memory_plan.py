@@ -578,9 +578,8 @@ def load_results(path):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--models", default=",".join(REAL), help=f"comma list of {tuple(REAL)}")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {JOBS} (calib: MoE models only)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

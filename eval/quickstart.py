@@ -21,7 +21,6 @@ training step and exits with 130 (Ctrl-C again stops at once); the interrupted s
 from its start, and a rerun skips the stages already done with the
 same settings and bases (`--fresh` redoes them all).
 """
-import argparse
 import hashlib
 import importlib
 import json
@@ -134,9 +133,8 @@ def retrain_bases():
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--out", default="out/quickstart", help="report directory (each method's quick run in OUT/<method>)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--n-test", type=number(min=1), default=500, help="test examples to evaluate")

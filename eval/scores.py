@@ -33,7 +33,6 @@ nothing else is normalised unless the benchmark does it.
 Accuracies are fractions in [0, 1]; MME scores are on its own scale (x100 per subtask, summed)
 and OCRBench's are points.
 """
-import argparse
 import json
 import random
 import re
@@ -645,9 +644,8 @@ def load_predictions(path, method=None):
 
 def main(argv=None):
     from common.data import atomic_write_text, read_any
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="Score saved predictions the way each benchmark defines it.")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "Score saved predictions the way each benchmark defines it.")
     p.add_argument("--data", required=True, help="the converted benchmark JSONL (python -m eval.convert)")
     p.add_argument("--preds", required=True, help="predictions JSON of eval.evaluate / mod.infer / mole.infer / "
                                                   "rolemerge.infer")

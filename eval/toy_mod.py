@@ -191,9 +191,8 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-chat
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="Toy reproduction of Mixture of Debaters on the shapes world.")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "Toy reproduction of Mixture of Debaters on the shapes world.")
     p.add_argument("--quick", action="store_true", help="main rows only (~3 CPU minutes)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")

@@ -979,9 +979,8 @@ def position_shift(data_dir, n=64, base="tiny-dense", stage=2, n_lat=8):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--quick", action="store_true", help="main rows only, small budget (~3 CPU minutes)")
     p.add_argument("--part", default="full", choices=("full", "bottleneck", "shift"),
                    help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")

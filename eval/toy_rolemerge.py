@@ -422,9 +422,8 @@ def grouping_png(stats_path, groups_by_arm, layer, path):
 def parser():
     """The command line (also used by the tests)."""
     from common.cli import Deprecated, add_threads
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--quick", action="store_true", help="rho=.5 with RoleMerge and the two baselines only")
     p.add_argument("--data", default="out/data", help="shapes data directory (val + test generated if missing)")
     p.add_argument("--out", default="out/rolemerge", help="output directory (results.json, merged checkpoints)")

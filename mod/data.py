@@ -146,9 +146,8 @@ def ratios_arg(text):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="MoD viewpoint-shift data synthesis (§3.2).")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "MoD viewpoint-shift data synthesis (§3.2).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
                    help="training questions (LLaVA JSON/JSONL with answer + family, or canonical JSONL)")

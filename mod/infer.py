@@ -18,7 +18,6 @@ the text after the last "Answer" when the JSON is malformed.
 
     python -m mod.infer --model tiny-chat --adapter out/mod/run --data out/data/test.json --rounds 1
 """
-import argparse
 import json
 import os
 import time
@@ -217,9 +216,8 @@ METHODS = ("base", "base-json", "single", "multi", "mad", "sc", "base-misled", "
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")
     p.add_argument("--data", required=True, help="questions (LLaVA JSON/JSONL or canonical JSONL)")

@@ -23,7 +23,6 @@ SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exits (stat
 loss stops the run before the update and keeps the last checkpoint. User errors print
 `error: ...` and exit with status 2.
 """
-import argparse
 import json
 import math
 import os
@@ -350,9 +349,8 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="Train MoD / LoRA / MoE-LoRA adapters on a frozen VLM (MoD §3.3).")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "Train MoD / LoRA / MoE-LoRA adapters on a frozen VLM (MoD §3.3).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
                    help="training records: LLaVA JSON/JSONL (e.g. from mod.data) or canonical JSONL")

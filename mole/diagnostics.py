@@ -75,10 +75,9 @@ def latent_stats(mole, records, stage=2, batch_size=64):
 
 def main(argv=None):
     """Command line: a mole.train checkpoint + data -> printed (and optionally JSON) diagnostics."""
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", formatter_class=HelpFormatter,
-                                description="MoLE latent diagnostics: latent similarity and attention-pattern KL "
-                                            "(both x100) of a mole.train checkpoint on a data file.")
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, "MoLE latent diagnostics: latent similarity and attention-pattern KL "
+                                    "(both x100) of a mole.train checkpoint on a data file.")
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")

@@ -127,9 +127,8 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None,

@@ -55,9 +55,8 @@ NOT_SETTINGS = ("model", "base", "data", "image_root", "grad_accum", "out", "res
 
 def get_parser():
     """The argparse parser of mole.train (every flag with its help)."""
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--data", default="out/data",

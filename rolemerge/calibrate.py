@@ -20,7 +20,6 @@ The file written is a safetensors file (counts/<source> [L, B, N] and tokens/<so
 int64) whose metadata holds the model id, family, MoE layer names, top-k, expert count and a
 router fingerprint; a readable .json summary is written next to it.
 """
-import argparse
 import hashlib
 import json
 import os
@@ -439,9 +438,8 @@ def _raw_model_type(path):
 def main(argv=None):
     from common import data
     from common.cli import add_limit, add_threads, fail, set_threads
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
     p.add_argument("--data", nargs="+", required=True,
                    help="calibration files (LLaVA JSON/JSONL or canonical JSONL); each file is one source (task)")

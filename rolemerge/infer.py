@@ -7,7 +7,6 @@ first token, decode tokens/s.
 A merged checkpoint is an ordinary transformers checkpoint: nothing here is specific to
 merging, which is the point (it loads with `from_pretrained` alone).
 """
-import argparse
 import json
 import os
 import statistics
@@ -164,9 +163,8 @@ def main(argv=None):
     from common import data
     from common.cli import add_limit, add_threads, fail, set_threads
     from eval.metrics import accuracy, by_family
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
     p.add_argument("--data", required=True,
                    help="LLaVA JSON/JSONL or canonical JSONL with questions (and answers for accuracy)")

@@ -25,7 +25,6 @@ Memory of the streaming path: one layer's merged experts plus one I/O buffer.
 The groupings are planned all at once from the stats (all layers share lambda's mean); every
 step is deterministic, so the same inputs give byte-identical tensors.
 """
-import argparse
 import json
 import math
 import os
@@ -691,9 +690,8 @@ def summary_line(rep, out):
 
 
 def main(argv=None):
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
-                                description=__doc__, formatter_class=HelpFormatter)
+    from common.cli import entry_parser
+    p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe)")
     p.add_argument("--stats", nargs="+", required=True, help="stats file(s) from rolemerge.calibrate; all are summed")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")

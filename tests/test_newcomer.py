@@ -161,9 +161,8 @@ def test_one_flag_vocabulary(module, capsys):
 
 def test_help_formatter_appends_only_defaults_that_say_something():
     """Newcomer trial: -h listed --steps, --lr, --warmup without their defaults."""
-    import argparse
-    from common.cli import HelpFormatter
-    p = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter, description="a\n  kept as written")
+    from common.cli import entry_parser
+    p = entry_parser("x", "a\n  kept as written")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--device", default="cuda", help="cuda (default; cpu for a smoke run)")
     p.add_argument("--ckpt", default=None, help="checkpoint")
