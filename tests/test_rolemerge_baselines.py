@@ -340,14 +340,51 @@ def test_toy_retrain_base_runs_the_readme_recipe(monkeypatch, tmp_path):
 
     from eval import toy_rolemerge as toy
     readme = open(os.path.join(os.path.dirname(__file__), "..", "rolemerge", "README.md")).read()
-    cmd = re.search(r"python -m common\.pretrain (--arch qwen3_vl_moe --experts 32 [^`]*--look objects[^`]*)`",
-                    readme.replace("\n", " ")).group(1)
+    cmds = re.findall(r"python -m common\.pretrain (--arch qwen3_vl_moe --experts 32 [^`]*--look objects[^`]*)`",
+                      readme.replace("\n", " "))
     pairs = lambda words: dict(zip(words[::2], words[1::2]))
-    readme_flags = {k: v for k, v in pairs(cmd.split()).items() if k not in ("--seed", "--threads", "--out")}
-    assert readme_flags == pairs(toy.PAPER_RECIPE)                # the README's command is what --retrain-base runs
+    readme_flags = [{k: v for k, v in pairs(c.split()).items() if k not in ("--seed", "--threads", "--out")}
+                    for c in cmds]
+    assert pairs(toy.PAPER_RECIPE) in readme_flags                # a README command is what --retrain-base runs
+    assert pairs(toy.PAPER_RECIPE)["--steps"] == "5500"           # ... the session-4 recipe of the results
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda c, check: calls.append(c))
     assert toy.retrain_bases(str(tmp_path), [0, 2], 1) == [str(tmp_path / "seed0"), str(tmp_path / "seed2")]
     assert calls[1][-6:] == ["--seed", "2", "--out", str(tmp_path / "seed2"), "--threads", "1"]
     with pytest.raises(SystemExit):
         toy.main(["--retrain-base", str(tmp_path), "--paper", "x"])
+
+
+def _claim_results(per_base):
+    """Minimal toy_rolemerge per-base result dicts: per_base = [{arm: correct list}] at one rho."""
+    return [{"base": f"out/b/seed{i}", "config": {"rhos": (0.5,)},
+             "arms": {f"{a}@0.5": {"correct": c, "groups": [[[0], [1]]] if a in ("rolemerge", "lambda0") else [[[0, 1]]]}
+                      for a, c in arms.items()}} for i, arms in enumerate(per_base)]
+
+
+def test_claim_verdicts_pooled_and_per_base():
+    """The pre-registered verdict rule and the pooled / per-seed differences, hand-computed."""
+    from eval.toy_rolemerge import claim_table, verdict
+    assert verdict({"ci_low": 0.01, "ci_high": 0.2}) == "supported"
+    assert verdict({"ci_low": -0.2, "ci_high": -0.01}) == "contradicted"
+    assert verdict({"ci_low": 0.0, "ci_high": 0.2}) == "not resolved"
+    ones, zeros = [1] * 20, [0] * 20
+    half = [1] * 10 + [0] * 10
+    b0 = {"rolemerge": ones, "msmoe": zeros, "hcsmoe": zeros, "reap": ones, "prune": half, "lambda0": ones}
+    b1 = {"rolemerge": half, "msmoe": zeros, "hcsmoe": zeros, "reap": half, "prune": ones, "lambda0": half}
+    t = claim_table(_claim_results([b0, b1]))
+    rows = {ln.split(" | ")[0][2:]: ln for ln in t.splitlines() if ln.startswith("| H")}
+    # M-SMoE: rolemerge 30/40 vs 0/40 pooled -> +0.750, per base +1.000 / +0.500
+    assert "supported (+0.750 [" in rows["H1 RoleMerge > M-SMoE"]
+    assert "[+1.000 / +0.500]" in rows["H1 RoleMerge > M-SMoE"]
+    # pruning: +0.500 on base 0, -0.500 on base 1 -> pooled 0, seeds disagree in sign
+    assert "not resolved (+0.000 [" in rows["H1 RoleMerge > frequency pruning"]
+    assert "[+0.500 / -0.500]" in rows["H1 RoleMerge > frequency pruning"]
+    assert "same groups" in rows["H3 collision term (vs lambda0)"]
+    assert "H2 phase split (vs no_phase_split)" not in rows   # arm missing: row left out
+    assert t.rstrip().endswith("rhos): no")                   # REAP / pruning not supported
+    worse = {a: (zeros if a != "rolemerge" else ones) for a in b0}
+    t2 = claim_table(_claim_results([worse, worse]))
+    assert "contradicted" not in t2 and t2.rstrip().endswith("rhos): yes")
+    flip = claim_table(_claim_results([{a: (ones if a != "rolemerge" else zeros) for a in b0}]))
+    assert "| H1 RoleMerge > REAP | contradicted (-1.000 [-1.000, -1.000]) |" in flip.splitlines()  # one base: no per-base brackets
