@@ -1,7 +1,7 @@
 """Our REAP against llmcompressor's `REAPPruningModifier` on the same model and calibration data
 (a bench, not a test; llmcompressor is no dependency of this repository).
 
-    nice -n 10 python -m eval.bench_reap_llmcompressor            # first run installs (~2 min), then ~2 min
+    nice -n 10 python -m eval.bench_reap_llmcompressor            # ~30 s; a first run also installs (~2 min in all)
 
 1. creates (or reuses) a separate venv, `--venv` (default out/reap_llmcompressor/venv), with
    llmcompressor==0.14.0.1 and the transformers it pins (<= 5.17; ours is 5.24). torch is not
@@ -288,7 +288,8 @@ def main():
     theirs_json = os.path.join(a.out, "llmcompressor.json")
     spec = {"model": model_dir, "calib": calib, "keep": a.keep, "runs": RUNS, "out": theirs_json, "threads": threads}
     atomic_write_text(os.path.join(a.out, "spec.json"), json.dumps(spec))
-    r = subprocess.run([venv_python(venv), DRIVER, os.path.join(a.out, "spec.json")],
+    # -P: the driver's folder (eval/, whose module names could shadow packages) stays off sys.path
+    r = subprocess.run([venv_python(venv), "-P", DRIVER, os.path.join(a.out, "spec.json")],
                        env={**os.environ, "PYTHONPATH": ""}, capture_output=True, text=True)
     if r.returncode != 0:
         fail(f"llmcompressor's run failed (exit {r.returncode}):\n" + "\n".join(r.stderr.splitlines()[-25:]))
