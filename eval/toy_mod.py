@@ -219,7 +219,8 @@ def main(argv=None):
     p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e"],
                    help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
                    "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
-                   "debate-lr: per-arm lr of MoD and MoE-LoRA token picked on the val split, then --debate-seeds "
+                   "debate-lr: per-arm lr of the --debate-arms (default MoD,MoE-LoRA; the first two are the "
+                   "references every further arm is compared with) picked on the val split, then --debate-seeds "
                    "at the picks (after debate; -> OUT/debate/lr/); "
                    "e2e: the shapes-world pipeline below; all: every part but debate-lr (--quick runs e2e only)")
     a = p.parse_args(argv)

@@ -55,6 +55,8 @@ MOELORA = dict(method="moelora", num_experts=4, expert_rank=4, r=2, lora_alpha=4
 ARMS = {"MoD": ("MoD", dict(method="mod")),
         "MoE-LoRA token": ("MoE-LoRA", MOELORA),
         "LoRA r=17 (matched)": ("LoRA", dict(method="lora", r=17, lora_alpha=34.0)),
+        # LoRA at MoD's rank r (top-r = 4 rank-1 experts per pool), alpha / r = 2 as every arm: 14,336 params
+        "LoRA r=4 (rank r)": ("LoRA_r4", dict(method="lora", r=4, lora_alpha=8.0)),
         "MoD shared router": ("MoD_shared", dict(method="mod", shared_router=True)),
         "MoE-LoRA window": ("MoE-LoRA_window", dict(MOELORA, granularity="window")),
         "MoD T_pos only": ("MoD_pos", dict(method="mod"), ("pos",)),
@@ -374,6 +376,36 @@ def verdict(pb, sign=1):
     return "inconclusive"
 
 
+def compare_arms(per, ref="MoD", other="MoE-LoRA token", min_seeds=3):
+    """The other arms at their picks (pre-registered in mod/README.md, "per-arm lr for the other
+    arms"): per {arm: {metric: {seed: [{"correct": ...}, ...]}}} -> {arm: {metric: {"vs_<ref>": pb,
+    "vs_<other>": pb}}} for every arm but `ref` and `other`, each `_paired` over the seeds both have.
+    vs ref: ref minus arm (hypothesis ref > arm), "verdict" by the 3-seed criterion (`verdict`);
+    vs other: arm minus other, no direction predicted: "higher" / "lower" by the same rule, else
+    "not resolved". Fewer than `min_seeds` common seeds: "partial (n seeds)", no verdict."""
+    out = {}
+    for arm, by_metric in per.items():
+        if arm in (ref, other):
+            continue
+        for metric, res in by_metric.items():
+            row = {}
+            for name, directed in ((ref, True), (other, False)):
+                theirs = per.get(name, {}).get(metric, {})
+                common = sorted(set(res) & set(theirs))
+                if not common:
+                    continue
+                pb = _paired(theirs, res, common) if directed else _paired(res, theirs, common)
+                v = verdict(pb, +1)
+                if len(common) < min_seeds:
+                    pb["verdict"] = f"partial ({len(common)} seed{'s' if len(common) > 1 else ''})"
+                else:
+                    pb["verdict"] = v if directed else {"supported": "higher", "contradicted": "lower"}.get(
+                        v, "not resolved")
+                row[f"vs_{name}"] = pb
+            out.setdefault(arm, {})[metric] = row
+    return out
+
+
 def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTINGS, L=LR_SETTINGS, log=print):
     """Per-arm lr for the arms L["lr_arms"]: train each lr of L["lrs"] at seed 0 on the debate
     part's 600 samples (prep.json of `run`, required), score validation single round and misled
@@ -460,7 +492,9 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
                 if not L.get("train", True):
                     raise ValueError(f"{vf} missing: the sweep is not finished; run without --debate-no-train")
                 model, info = trained(arm, lr, 0)
+                t = time.time()
                 res = dict(val_scores(model), train=info)
+                res["wall_s_score"] = time.time() - t
                 atomic_write_text(vf, json.dumps(res))
             with open(vf) as fh:
                 res = json.load(fh)
@@ -485,13 +519,13 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
 
             def score(arm=arm, seed=seed, d=d):
                 model, info = trained(arm, picks[arm], seed)
-                out = {}
+                out, t = {}, time.time()
                 with torch.inference_mode():
                     out["single"] = mod_debate(model, proc, test, rounds=0)[0]
                     out["misled_own"] = misled_own(model, proc, test, own)[0]
                     out["misled_ood"] = misled(model, proc, test)[0]
                 log(f"  test {d}: " + ", ".join(f"{k} {summarize(k, v, 0)['accuracy']:.3f}" for k, v in out.items()))
-                return {"results": out, "trainable": num_trainable(model), **info}
+                return {"results": out, "trainable": num_trainable(model), **info, "wall_s_score": time.time() - t}
             scores[(arm, seed)] = cached(os.path.join(d, "scores.json"), score)
             with open(os.path.join(d, "log.jsonl")) as fh:
                 scores[(arm, seed)].setdefault("step0_loss", json.loads(fh.readline())["loss"])
@@ -536,7 +570,8 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
         table = {}
         for arm, by_metric in per.items():
             seeds = sorted(s for (a, s) in scores if a == arm)
-            table[arm] = {"lr": lr_of(arm), "seeds": seeds, "loss": [scores[(arm, s)]["loss"] for s in seeds]}
+            table[arm] = {"lr": lr_of(arm), "seeds": seeds, "loss": [scores[(arm, s)]["loss"] for s in seeds],
+                          "trainable": scores[(arm, seeds[0])].get("trainable")}
             for metric, by_seed in by_metric.items():
                 c = np.mean([[x["correct"] for x in by_seed[s]] for s in seeds], axis=0)
                 lo, hi = bootstrap_ci(c)
@@ -555,6 +590,7 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                 pb = _paired(per[a][metric], per[b][metric], common)
                 pb["verdict"] = verdict(pb, +1)   # H-e1 / H-e2 / out of distribution: MoD > MoE-LoRA
                 out["compare"][metric] = pb
+    out["compare_arms"] = compare_arms(per, a, b)
     line = {arm: [(lr, row["selection"]) for lr, row in sorted(g.items())] for arm, g in grid.items()}
     tag = L.get("tag", "")
     if line:
@@ -563,18 +599,26 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                                        "learning rate (log2)", "selection metric", logx=True))
     for metric, title in (("single", "single round"), ("misled_own", "misled in distribution"),
                           ("misled_ood", "misled out of distribution")):
-        bars = [(arm.replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {t['lr']:g}{note}\n{len(t['seeds'])} seeds"
+        bars = [(arm.replace(" (", "\n(").replace("MoE-LoRA ", "MoE-LoRA\n") + f"\nlr {t['lr']:g}{note}"
+                 + f"\n{len(t['seeds'])} seeds"
                  + (f", {S['steps']} steps" if note == " (picked)" and S["steps"] != SETTINGS["steps"] else ""),
                  t[metric]["accuracy"], t[metric]["ci_low"], t[metric]["ci_high"])
+                for arm in L["lr_arms"]   # per arm: the one-lr bar, then the bar at its pick
                 for tab, note in ((out["reference"], " (one lr)"), (out["test"], " (picked)"))
-                for arm, t in tab.items() if metric in t]
+                for t in [tab.get(arm, {})] if metric in t]
         if bars:
             out["figures"].append(bar_ci_png(bars, os.path.join(lroot, f"debate_lr{tag}_{metric}.png"),
                                              f"at the per-arm lr: accuracy, {title}, mean over seeds, 95% CI",
-                                             "accuracy"))
+                                             "accuracy", width=max(640, 90 * len(bars))))
     out["wall_s"] = time.time() - t0
     atomic_write_text(os.path.join(lroot, f"results{tag}.json"), json.dumps(out, indent=1))
     for metric, pb in out["compare"].items():
         log(f"  {a} minus {b} at the picks, {metric}: {pb['diff']:+.3f} [{pb['ci_low']:+.3f}, {pb['ci_high']:+.3f}] "
             f"per seed {[round(x, 3) for x in pb['per_seed']]} -> {pb['verdict']}")
+    for arm, by_metric in out["compare_arms"].items():
+        for metric, row in by_metric.items():
+            for name, pb in row.items():
+                lhs, rhs = (name[3:], arm) if name == f"vs_{a}" else (arm, name[3:])
+                log(f"  {lhs} minus {rhs} at the picks, {metric}: {pb['diff']:+.3f} [{pb['ci_low']:+.3f}, "
+                    f"{pb['ci_high']:+.3f}] per seed {[round(x, 3) for x in pb['per_seed']]} -> {pb['verdict']}")
     return out

@@ -261,3 +261,30 @@ def test_debate_lr_picks_flag_is_checked(tmp_path, capsys):
             toy_mod.main(["--part", "debate-lr", "--debate-picks", bad, "--out", str(tmp_path)])
         assert e.value.code == 2
         assert "--debate-picks" in capsys.readouterr().err
+
+
+def test_debate_lr_other_arms_are_compared_with_mod_and_moelora():
+    """eval.toy_mod_debate.compare_arms: every further arm as MoD minus arm (3-seed verdict, MoD >
+    arm predicted) and arm minus MoE-LoRA token (higher / lower / not resolved), paired over the
+    seeds both have; fewer than 3 seeds: partial, no verdict. Hand case: 4 items, 3 seeds."""
+    from eval.toy_mod_debate import ARMS, compare_arms
+    r = lambda *c: [{"correct": bool(x)} for x in c]
+    per = {"MoD": {"single": {s: r(1, 1, 1, 1) for s in (0, 1, 2)}},
+           "MoE-LoRA token": {"single": {0: r(0, 0, 0, 1), 1: r(0, 0, 0, 0), 2: r(0, 0, 0, 0)}},
+           "X": {"single": {0: r(1, 0, 0, 0), 1: r(0, 1, 0, 0), 2: r(0, 0, 0, 1)}},   # 0.25 each seed
+           "Y": {"single": {0: r(1, 1, 0, 0), 5: r(1, 1, 1, 1)}}}                       # seed 5: nobody else has it
+    out = compare_arms(per)
+    assert set(out) == {"X", "Y"}
+    x = out["X"]["single"]
+    assert x["vs_MoD"]["diff"] == pytest.approx(0.75) and x["vs_MoD"]["per_seed"] == [0.75] * 3
+    assert x["vs_MoD"]["ci_low"] > 0 and x["vs_MoD"]["verdict"] == "supported"
+    assert x["vs_MoE-LoRA token"]["diff"] == pytest.approx(1 / 6)      # X minus MoE-LoRA: items 1/3, 1/3, 0, 0
+    assert x["vs_MoE-LoRA token"]["per_seed"] == [0.0, 0.25, 0.25]
+    assert x["vs_MoE-LoRA token"]["verdict"] == "not resolved"         # seed 0 has no sign
+    per["MoE-LoRA token"]["single"] = {s: r(1, 1, 1, 1) for s in (0, 1, 2)}
+    assert compare_arms(per)["X"]["single"]["vs_MoE-LoRA token"]["verdict"] == "lower"
+    per["MoD"]["single"] = {s: r(0, 0, 0, 0) for s in (0, 1, 2)}
+    assert compare_arms(per)["X"]["single"]["vs_MoD"]["verdict"] == "contradicted"   # MoD minus X: -0.25 each seed
+    y = out["Y"]["single"]["vs_MoD"]
+    assert y["seeds"] == [0] and y["diff"] == pytest.approx(0.5) and y["verdict"] == "partial (1 seed)"
+    assert ARMS["LoRA r=4 (rank r)"] == ("LoRA_r4", {"method": "lora", "r": 4, "lora_alpha": 8.0})
