@@ -388,3 +388,20 @@ def test_claim_verdicts_pooled_and_per_base():
     assert "contradicted" not in t2 and t2.rstrip().endswith("rhos): yes")
     flip = claim_table(_claim_results([{a: (ones if a != "rolemerge" else zeros) for a in b0}]))
     assert "| H1 RoleMerge > REAP | contradicted (-1.000 [-1.000, -1.000]) |" in flip.splitlines()  # one base: no per-base brackets
+
+
+def test_committed_paper_structure_base_is_the_recipe():
+    """common/tiny/moe32 (seed 2 of the session-4 recipe, rolemerge/README.md) is what
+    `--retrain-base` would train: 32 experts, top-4, and every PAPER_RECIPE flag in its log."""
+    import json
+    import os
+
+    from eval import toy_rolemerge as toy
+    d = os.path.join(os.path.dirname(__file__), "..", "common", "tiny", "moe32")
+    cfg = json.load(open(os.path.join(d, "config.json")))["text_config"]
+    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (32, 4, 32)
+    args = json.load(open(os.path.join(d, "pretrain_log.json")))["args"]
+    flags = dict(zip(toy.PAPER_RECIPE[::2], toy.PAPER_RECIPE[1::2]))
+    for k, v in flags.items():
+        assert str(args[k[2:].replace("-", "_")]) == v or float(args[k[2:].replace("-", "_")]) == float(v), k
+    assert args["seed"] == 2
