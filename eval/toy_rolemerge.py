@@ -312,6 +312,11 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
     return res
 
 
+def pooled(results, key, field="correct"):
+    """The per-example values of arm `key` concatenated over the bases (paired by (base, example))."""
+    return sum((list(r["arms"][key][field]) for r in results), [])
+
+
 def paper_report(results, out_dir):
     """Markdown tables + PNG figures from the per-base result dicts (pooled over bases: the
     examples of every base are concatenated, paired by (base, example))."""
@@ -319,7 +324,7 @@ def paper_report(results, out_dir):
     rhos = results[0]["config"]["rhos"]
     arms = [a for a in PAPER_ARMS if all(f"{a}@{rhos[0]}" in r["arms"] for r in results)]
     fams = list(dict.fromkeys(f for r in results for f in r["families"]))
-    cat = lambda key, field="correct": sum((list(r["arms"][key][field]) for r in results), [])
+    cat = lambda key, field="correct": pooled(results, key, field)
     lines = [f"Bases: {', '.join(os.path.basename(r['base'].rstrip('/')) for r in results)}; "
              f"{len(results[0]['arms']['full']['correct'])} test examples per base.", "",
              "| premise | " + " | ".join(os.path.basename(r["base"].rstrip("/")) for r in results) + " |",
@@ -389,15 +394,16 @@ def claim_table(results):
     lines = [f"Verdicts (RoleMerge side minus arm; pooled over {', '.join(names)}; per base in the "
              "last brackets):", "", "| claim | " + " | ".join(f"rho {rho}" for rho in rhos) + " |",
              "|---" * (len(rhos) + 1) + "|"]
+    found = {}   # (arm, field, rho) -> pooled verdict, for the H1 rule below
     for label, a, b, field in CLAIMS:
         keys = [(f"{a}@{rho}", f"{b}@{rho}") for rho in rhos]
         if not all(ka in r["arms"] and kb in r["arms"] and r["arms"][ka].get(field) is not None
                    and r["arms"][kb].get(field) is not None for r in results for ka, kb in keys):
             continue
         cells = []
-        for ka, kb in keys:
-            d = paired_bootstrap(sum((list(r["arms"][ka][field]) for r in results), []),
-                                 sum((list(r["arms"][kb][field]) for r in results), []))
+        for rho, (ka, kb) in zip(rhos, keys):
+            d = paired_bootstrap(pooled(results, ka, field), pooled(results, kb, field))
+            found[(b, field, rho)] = verdict(d)
             per = [sum(r["arms"][ka][field]) / len(r["arms"][ka][field])
                    - sum(r["arms"][kb][field]) / len(r["arms"][kb][field]) for r in results]
             same = results[0]["arms"][ka].get("groups") is not None \
@@ -406,10 +412,8 @@ def claim_table(results):
                          + ("; same groups" if same else "") + ")"
                          + (f" [{' / '.join(f'{x:+.3f}' for x in per)}]" if len(results) > 1 else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    h1 = [sum(verdict(paired_bootstrap(sum((list(r["arms"][f"rolemerge@{rho}"]["correct"]) for r in results), []),
-                                       sum((list(r["arms"][f"{b}@{rho}"]["correct"]) for r in results), [])))
-              == "supported" for rho in rhos) >= min(2, len(rhos))
-          for b in PAPER_BASELINES if all(f"{b}@{rho}" in r["arms"] for r in results for rho in rhos)]
+    h1 = [sum(found[(b, "correct", rho)] == "supported" for rho in rhos) >= min(2, len(rhos))
+          for b in PAPER_BASELINES if (b, "correct", rhos[0]) in found]
     lines += ["", "H1 reproduced (supported against every baseline at >= 2 of the rhos): "
               + ("yes" if h1 and all(h1) else "no")]
     return "\n".join(lines)
