@@ -151,12 +151,10 @@ def calibration_batches(seed, n_batches=8, batch=4, lengths=(6, 32)):
 
 def prune_layer(block, keep):
     """Remove every expert of a Qwen3-MoE sparse block except `keep` (router rows and expert
-    tensors), as llmcompressor's prune step does; the block keeps working with len(keep) experts."""
-    ix = torch.tensor(keep)
-    block.gate.weight = torch.nn.Parameter(block.gate.weight.data[ix].clone(), requires_grad=False)
-    block.experts.gate_up_proj = torch.nn.Parameter(block.experts.gate_up_proj.data[ix].clone(), requires_grad=False)
-    block.experts.down_proj = torch.nn.Parameter(block.experts.down_proj.data[ix].clone(), requires_grad=False)
-    block.gate.num_experts = block.experts.num_experts = len(keep)
+    tensors), as llmcompressor's prune step does; the block keeps working with len(keep) experts.
+    Pruning is RoleMerge's block merge with singleton groups of weight 1 (`rolemerge.merge.merge_block`)."""
+    from rolemerge.merge import merge_block
+    merge_block(block, [[e] for e in keep], [[1.0] for _ in keep])
 
 
 @torch.no_grad()

@@ -201,29 +201,36 @@ def merge_stacked(x, groups, weights):
 
 
 @torch.no_grad()
+def merge_block(block, groups, weights, routing=None):
+    """One MoE block in place: its expert tensors, router rows (and router score-correction
+    bias) become their group merges (groups [K] lists of expert indices, weights [K] lists of
+    their merge weights; singleton groups with weight 1 prune), and the expert counts of the
+    block's modules become K. routing: the plan's group-limited routing fields, if any."""
+    K, dev = len(groups), block.gate.weight.device
+    for mod, pname in ((block.experts, "gate_up_proj"), (block.experts, "down_proj"), (block.gate, "weight")):
+        p = getattr(mod, pname)
+        setattr(mod, pname, torch.nn.Parameter(merge_stacked(p.detach().cpu(), groups, weights).to(dev),
+                                               requires_grad=False))
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    if isinstance(bias, torch.Tensor):
+        block.gate.e_score_correction_bias = merge_stacked(bias.cpu(), groups, weights).to(dev)
+    for mod in (block, block.gate, block.experts):
+        for attr in cal.EXPERT_FIELDS:
+            if isinstance(getattr(mod, attr, None), int):
+                setattr(mod, attr, K)
+    for attr, v in {"num_group": (routing or {}).get("n_group"),
+                    "topk_group": (routing or {}).get("topk_group")}.items():
+        if v is not None:
+            setattr(block.gate, attr, v)
+
+
+@torch.no_grad()
 def merge_model(model, plan):
-    """In-memory merge: replace every MoE block's expert tensors, router rows (and router
-    score-correction bias) by their group merges; update the expert counts in modules and
-    config. model is changed in place and returned."""
-    blocks = cal.moe_blocks(model)
+    """In-memory merge: `merge_block` on every MoE block with the plan's groups and weights;
+    update the expert counts in the config. model is changed in place and returned."""
     K = len(plan["groups"][0])
-    for (name, block), groups, weights in zip(blocks, plan["groups"], plan["weights"]):
-        dev = block.gate.weight.device
-        for mod, pname in ((block.experts, "gate_up_proj"), (block.experts, "down_proj"), (block.gate, "weight")):
-            p = getattr(mod, pname)
-            setattr(mod, pname, torch.nn.Parameter(merge_stacked(p.detach().cpu(), groups, weights).to(dev),
-                                                   requires_grad=False))
-        bias = getattr(block.gate, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor):
-            block.gate.e_score_correction_bias = merge_stacked(bias.cpu(), groups, weights).to(dev)
-        for mod in (block, block.gate, block.experts):
-            for attr in cal.EXPERT_FIELDS:
-                if isinstance(getattr(mod, attr, None), int):
-                    setattr(mod, attr, K)
-        for attr, v in {"num_group": plan.get("routing", {}).get("n_group"),
-                        "topk_group": plan.get("routing", {}).get("topk_group")}.items():
-            if v is not None:
-                setattr(block.gate, attr, v)
+    for (name, block), groups, weights in zip(cal.moe_blocks(model), plan["groups"], plan["weights"]):
+        merge_block(block, groups, weights, plan.get("routing"))
     tc = cal.text_config(model.config)
     setattr(tc, cal.expert_count_field(model.config), K)
     for f, v in plan.get("routing", {}).items():
