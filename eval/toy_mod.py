@@ -202,7 +202,10 @@ def main(argv=None):
     p.add_argument("--debate-arms", default="", help="debate part: arms to train / score when missing, comma "
                    "separated folder names (default: all; every arm on disk is reported)")
     p.add_argument("--debate-seeds", default="0", help="debate part: training seeds, comma separated")
-    p.add_argument("--debate-rounds", default="2", help="debate part: MoD-Multi rounds scored, comma separated")
+    p.add_argument("--debate-rounds", default=None, help="MoD-Multi rounds scored on the MoD arm's adapters, comma "
+                   "separated (default: 2 in the debate part, none in debate-lr)")
+    p.add_argument("--debate-test", type=int, default=300, help="debate parts: test questions (the first N of the "
+                   "shapes test split, default 300; other sizes are scored into scores_test<N>.json)")
     p.add_argument("--debate-lrs", default="", help="debate-lr part: the lr grid, comma separated (default "
                    "2e-3,5e-3,1e-2)")
     p.add_argument("--debate-val", type=int, default=150, help="debate-lr part: validation questions (the "
@@ -231,12 +234,13 @@ def main(argv=None):
                 f"choose from {sorted(toy_mod_debate.SLUGS)}")
     try:
         seeds = [int(x) for x in a.debate_seeds.split(",") if x.strip()]
-        rounds = [int(x) for x in a.debate_rounds.split(",") if x.strip()]
+        rounds = [int(x) for x in (a.debate_rounds or "").split(",") if x.strip()]
     except ValueError:
         p.error("--debate-seeds / --debate-rounds take comma-separated integers, e.g. 0,1,2")
-    if not seeds or any(k < 1 for k in rounds):
-        p.error("--debate-seeds needs at least one seed; --debate-rounds values must be >= 1")
-    debate = dict(toy_mod_debate.SETTINGS, arms=arms or None, seeds=tuple(seeds), rounds=tuple(rounds))
+    if not seeds or any(k < 1 for k in rounds) or a.debate_test < 1:
+        p.error("--debate-seeds needs at least one seed; --debate-rounds values and --debate-test must be >= 1")
+    debate = dict(toy_mod_debate.SETTINGS, arms=arms or None, seeds=tuple(seeds), n_test=a.debate_test,
+                  rounds=tuple(rounds) if a.debate_rounds is not None else toy_mod_debate.SETTINGS["rounds"])
     try:
         lrs = tuple(float(x) for x in a.debate_lrs.split(",") if x.strip()) or toy_mod_debate.LR_SETTINGS["lrs"]
     except ValueError:
@@ -256,7 +260,7 @@ def main(argv=None):
         p.error("--debate-steps must be >= 1 (0 = the default 300) and --debate-picks lrs > 0")
     lr_arms = tuple(picks) or lr_arms
     lr_part = dict(toy_mod_debate.LR_SETTINGS, lrs=lrs, n_val=a.debate_val, lr_arms=lr_arms,
-                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None)
+                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None, rounds=tuple(rounds))
     set_threads(a.threads, a.model)
     if a.part in ("all", "mechanism") and not a.quick:
         from eval import toy_mod_mechanism

@@ -122,21 +122,22 @@ def misled_own(model, proc, records, wrong, batch_size=64, max_new_tokens=96):
     return _results(recs, [h[-1] for h in hist], toks), time.time() - t0
 
 
-def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTINGS, log=print):
-    """Run (or resume) the debate part -> out_dir/debate/results.json. Returns that dict."""
-    t0 = time.time()
-    root = os.path.join(out_dir, "debate")
-    os.makedirs(root, exist_ok=True)
-    from common import data
-    data.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
-    train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
-    test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
-    base, proc = load_backbone(base_name)
-
+def prepare(root, base, proc, train, test, S, log=print):
+    """The debate part's data, made once and kept in root/prep.json: K = S["k"] JSON-prompt samples
+    per training question (seed 0) -> P+ / P- pools -> the quota mix of S["n_samples"] samples
+    (`balanced_mix`); 4 JSON-prompt samples per test question (seed 1), the first wrong one being
+    that question's "own wrong answer" (misled in distribution). The test samples depend on the
+    test set, so prep.json records its size: a prep.json made for fewer test questions than
+    `test` raises ValueError (naming the fix) instead of silently scoring misled-own on a subset."""
     prep_f = os.path.join(root, "prep.json")
     if os.path.exists(prep_f):
         with open(prep_f) as f:
             prep = json.load(f)
+        have = prep.get("n_test", SETTINGS["n_test"])   # prep.json files written before n_test was recorded: 300
+        if have < len(test):
+            raise ValueError(f"{prep_f} holds the base's own wrong answers for the first {have} test questions, "
+                             f"{len(test)} asked: move it away to make a new one for {len(test)}, or pass "
+                             f"--debate-test {have}")
     else:
         t = time.time()
         samples = json_samples(base, proc, train, S["k"], 0)
@@ -152,11 +153,26 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTING
         prep = {"train_vs": recs, "mix": {f"T_{c}": counts[c] for c in vs.CATEGORIES},
                 "mix_share": {f"T_{c}": counts[c] / max(1, sum(counts.values())) for c in vs.CATEGORIES},
                 "gold_filled": n_gold, "json_sample_accuracy": n_ok / (S["k"] * len(train)),
-                "own_wrong": own_wrong, "wall_s": time.time() - t}
+                "own_wrong": own_wrong, "n_test": len(test), "wall_s": time.time() - t}
         atomic_write_text(prep_f, json.dumps(prep))
     log(f"debate data: mix {prep['mix']} (shares {', '.join(f'{k} {v:.3f}' for k, v in prep['mix_share'].items())}), "
         f"base JSON-prompt sample accuracy {prep['json_sample_accuracy']:.3f}, gold-filled {prep['gold_filled']}, "
         f"test questions with an own wrong answer {len(prep['own_wrong'])}/{len(test)}")
+    return prep
+
+
+def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTINGS, log=print):
+    """Run (or resume) the debate part -> out_dir/debate/results.json. Returns that dict."""
+    t0 = time.time()
+    root = os.path.join(out_dir, "debate")
+    os.makedirs(root, exist_ok=True)
+    from common import data
+    data.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
+    train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
+    test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
+    base, proc = load_backbone(base_name)
+
+    prep = prepare(root, base, proc, train, test, S, log)
     path = os.path.join(root, "train_vs.json")
     atomic_write_text(path, json.dumps(prep["train_vs"]))
     recs = read_llava_json(path)
@@ -320,8 +336,9 @@ def report(results, root, S, prep, own, t0, log=print):
 # train: False = report what is on disk (nothing trained or scored; a missing sweep point is an error);
 # tag: suffix of the report's files (results<tag>.json, debate_lr<tag>_*.png), e.g. for a second grid;
 # picks: {arm: lr} given = no sweep (e.g. the picks of the 300-step sweep for a run with other steps)
+# rounds: MoD-Multi rounds scored on the MoD arm at its pick (test only)
 LR_SETTINGS = dict(lr_arms=("MoD", "MoE-LoRA token"), lrs=(2e-3, 5e-3, 1e-2), n_val=150, val_k=4, val_seed=2,
-                   select=("single", "misled_own"), train=True, tag="", picks=None)
+                   select=("single", "misled_own"), train=True, tag="", picks=None, rounds=())
 
 
 def _pair_key(r):
@@ -416,20 +433,28 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     t0 = time.time()
     root = os.path.join(out_dir, "debate")
     lroot = os.path.join(root, "lr")
-    prep_f = os.path.join(root, "prep.json")
-    if not os.path.exists(prep_f):
-        raise FileNotFoundError(f"{prep_f} missing: run `python -m eval.toy_mod --part debate` first")
-    with open(prep_f) as f:
-        prep = json.load(f)
+    os.makedirs(lroot, exist_ok=True)
+    from common import data
+    data.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
     train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
     test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
+    if len(test) < S["n_test"]:
+        raise ValueError(f"{data_dir}/test.json has {len(test)} questions, --debate-test asks {S['n_test']}")
     val, dropped = val_questions(data_dir, L["n_val"], train, read_llava_json(os.path.join(data_dir, "test.json")))
     base, proc = load_backbone(base_name)
-    path = os.path.join(root, "train_vs.json")
-    if not os.path.exists(path):
-        atomic_write_text(path, json.dumps(prep["train_vs"]))
-    recs = read_llava_json(path)
+    prep = prepare(root, base, proc, train, test, S, log)
     own = prep["own_wrong"]
+
+    def arm_records(arm):
+        """The arm's training records: the 1:1:1 mix, or its categories only (data-mix arms)."""
+        cats = (ARMS[arm] + (None,))[2]
+        sub = [r for r in prep["train_vs"] if not cats or r["category"] in cats]
+        path = os.path.join(root, f"train_vs_{ARMS[arm][0]}.json" if cats else "train_vs.json")
+        if not os.path.exists(path):
+            atomic_write_text(path, json.dumps(sub))
+        return read_llava_json(path)
+    # test scores of another test-set size than the default live in their own file
+    sfile = "scores.json" if S["n_test"] == SETTINGS["n_test"] else f"scores_test{S['n_test']}.json"
 
     def val_prep():
         t = time.time()
@@ -474,10 +499,10 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             return model.eval(), {"loss": info["loss"], "wall_s": info["wall_s"], "step0_loss": step0}
         torch.manual_seed(seed)
         attach(model, AdapterConfig(**kw))
-        tr = fit(model, proc, recs, d, steps=S["steps"], batch_size=S["batch_size"], lr=lr,
+        tr = fit(model, proc, arm_records(arm), d, steps=S["steps"], batch_size=S["batch_size"], lr=lr,
                  warmup=max(1, S["steps"] // 10), seed=seed, desc=f"train {d}", quiet=True, save_every=100, resume=True)
         info = {"loss": tr["loss"], "wall_s": tr["wall_s"], "step0_loss": tr["log"][0]["loss"], "lr": lr,
-                "trainable": num_trainable(model)}
+                "trainable": num_trainable(model), "n_train": len(arm_records(arm))}
         save_adapters(model, d)
         atomic_write_text(info_f, json.dumps(info))
         log(f"  trained {d}: loss {info['loss']:.4f} (step 0 {info['step0_loss']:.7f}), {info['wall_s']:.0f} s")
@@ -509,11 +534,15 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     out = lr_report(root, S, L, grid, picks, base_val, {}, t0, log)
 
     # 2. test scores at the picks: seed 0 first (the sweep's adapters), then the other seeds
-    scores = {}
+    def base_test():
+        with torch.inference_mode():
+            return {"results": {"single": plain(base, proc, test, json_prompt=True)[0],
+                                "misled_own": misled_own(base, proc, test, own)[0], "misled_ood": misled(base, proc, test)[0]}}
+    scores = {("base", 0): cached(os.path.join(lroot, f"base_test{len(test)}.json"), base_test)}
     for seed in S["seeds"]:
         for arm in L["lr_arms"]:
             d = folder(arm, picks[arm], seed)
-            if not L.get("train", True) and not os.path.exists(os.path.join(d, "scores.json")):
+            if not L.get("train", True) and not os.path.exists(os.path.join(d, sfile)):
                 log(f"  {arm} seed {seed} at lr {picks[arm]:g}: not run")
                 continue
 
@@ -526,9 +555,19 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
                     out["misled_ood"] = misled(model, proc, test)[0]
                 log(f"  test {d}: " + ", ".join(f"{k} {summarize(k, v, 0)['accuracy']:.3f}" for k, v in out.items()))
                 return {"results": out, "trainable": num_trainable(model), **info, "wall_s_score": time.time() - t}
-            scores[(arm, seed)] = cached(os.path.join(d, "scores.json"), score)
+            res = scores[(arm, seed)] = cached(os.path.join(d, sfile), score)
+            if {len(v) for k, v in res["results"].items() if k != "misled_own"} != {len(test)}:
+                raise ValueError(f"{os.path.join(d, sfile)} was scored on another test set than the {len(test)} "
+                                 "questions asked: move it away to rescore")
+            for k in [k for k in L.get("rounds", ()) if arm == "MoD" and f"multi{k}" not in res["results"]]:
+                model, t = trained(arm, picks[arm], seed)[0], time.time()   # MoD-Multi, Alg. 2: from the adapters
+                with torch.inference_mode():
+                    res["results"][f"multi{k}"] = mod_debate(model, proc, test, rounds=k)[0]
+                res.setdefault("wall_s_multi", {})[f"multi{k}"] = time.time() - t
+                atomic_write_text(os.path.join(d, sfile), json.dumps(res))
+                log(f"  test {d}: multi{k} {summarize('m', res['results'][f'multi{k}'], 0)['accuracy']:.3f}")
             with open(os.path.join(d, "log.jsonl")) as fh:
-                scores[(arm, seed)].setdefault("step0_loss", json.loads(fh.readline())["loss"])
+                res.setdefault("step0_loss", json.loads(fh.readline())["loss"])
             out = lr_report(root, S, L, grid, picks, base_val, scores, t0, log)
     return out
 
@@ -546,6 +585,26 @@ def _reference(root, S, L):
     return ref
 
 
+def paper_table(test):
+    """The paper's main-table layout as markdown: one row per method (and MoD-Multi k rounds),
+    one column per question family plus "all", each cell the mean over seeds ± the half-width of
+    its 95% bootstrap CI; `test` is lr_report's out["test"] ({arm: {metric: {"accuracy", "ci_low",
+    "ci_high", "seeds", "by_family": {family: ...}}}}). Rows: single round; misled rows below."""
+    rows = []
+    for metric, what in (("single", ""), ("multi2", "MoD-Multi, 2 rounds"), ("multi3", "MoD-Multi, 3 rounds"),
+                         ("misled_own", "misled, own wrong answer"), ("misled_ood", "misled, other scene")):
+        for arm, t in test.items():
+            if metric in t:
+                name = what if metric.startswith("multi") else f"{arm}{', ' + what if what else ''}"
+                rows.append((name, t[metric]))
+    fams = sorted({f for _, r in rows for f in r["by_family"]})
+    cell = lambda r: f"{r['accuracy']:.3f} ± {(r['ci_high'] - r['ci_low']) / 2:.3f}"
+    out = ["| method | seeds | " + " | ".join(fams) + " | all |", "|---|---|" + "---|" * (len(fams) + 1)]
+    out += [f"| {name} | {len(r['seeds'])} | " + " | ".join(cell(r["by_family"][f]) if f in r["by_family"] else ""
+                                                        for f in fams) + f" | {cell(r)} |" for name, r in rows]
+    return "\n".join(out) + "\n"
+
+
 def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
     """The lr part's results.json and figures (OUT/debate/lr/): the validation grid, the picks,
     test accuracy per arm at its pick (mean over seeds [95% CI], per seed, final training loss)
@@ -561,27 +620,40 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
            "picks": {arm: lr for arm, lr in picks.items()}, "test": {}, "compare": {}, "figures": []}
     ref = _reference(root, S, L)
 
+    def acc_ci(c):
+        lo, hi = bootstrap_ci(c)
+        return {"accuracy": float(np.mean(c)), "ci_low": lo, "ci_high": hi, "n": len(c)}
+
     def summary(scores, lr_of):
-        per = {}  # arm -> metric -> seed -> results
+        per = {}  # arm -> metric -> seed -> results (metrics: METRICS, plus multi<k> for MoD)
         for (arm, seed), r in scores.items():
             for metric, res in r["results"].items():
-                if metric in METRICS:
+                if metric in METRICS or metric.startswith("multi"):
                     per.setdefault(arm, {}).setdefault(metric, {})[seed] = res
         table = {}
         for arm, by_metric in per.items():
             seeds = sorted(s for (a, s) in scores if a == arm)
-            table[arm] = {"lr": lr_of(arm), "seeds": seeds, "loss": [scores[(arm, s)]["loss"] for s in seeds],
-                          "trainable": scores[(arm, seeds[0])].get("trainable")}
+            table[arm] = {"lr": lr_of(arm), "seeds": seeds, "loss": [scores[(arm, s)].get("loss") for s in seeds],
+                          "trainable": scores[(arm, seeds[0])].get("trainable", 0)}
             for metric, by_seed in by_metric.items():
-                c = np.mean([[x["correct"] for x in by_seed[s]] for s in seeds], axis=0)
-                lo, hi = bootstrap_ci(c)
-                table[arm][metric] = {"accuracy": float(c.mean()), "ci_low": lo, "ci_high": hi, "n": len(c),
-                                      "per_seed": [float(np.mean([x["correct"] for x in by_seed[s]])) for s in seeds]}
+                seeds_m = sorted(by_seed)   # multi<k> may be scored on fewer seeds than the arm has
+                c = np.mean([[x["correct"] for x in by_seed[s]] for s in seeds_m], axis=0)
+                fam = [x["family"] for x in by_seed[seeds_m[0]]]   # same items, same order, every seed
+                table[arm][metric] = dict(acc_ci(c), seeds=seeds_m, per_seed=[
+                    float(np.mean([x["correct"] for x in by_seed[s]])) for s in seeds_m], by_family={
+                    f: acc_ci(c[[i for i, g in enumerate(fam) if g == f]]) for f in sorted(set(fam))})
         return per, table
-    per, out["test"] = summary(scores, lambda arm: picks[arm])
+    per, out["test"] = summary(scores, lambda arm: picks.get(arm))
     for arm in out["test"]:
         out["test"][arm]["step0_loss"] = [scores[(arm, s)].get("step0_loss") for s in out["test"][arm]["seeds"]]
     _, out["reference"] = summary(ref, lambda arm: S["lr"])
+    base = per.pop("base", None)
+    if base:   # every arm minus the frozen base (its single round is on the same JSON prompt)
+        for arm, by_metric in per.items():
+            for metric, by_seed in by_metric.items():
+                if metric in base:
+                    out["test"][arm][metric]["vs_base"] = _paired(by_seed, {s: base[metric][0] for s in by_seed},
+                                                                  sorted(by_seed))
     a, b = L["lr_arms"][:2]
     if a in per and b in per:
         for metric in per[a]:
@@ -591,8 +663,21 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                 pb["verdict"] = verdict(pb, +1)   # H-e1 / H-e2 / out of distribution: MoD > MoE-LoRA
                 out["compare"][metric] = pb
     out["compare_arms"] = compare_arms(per, a, b)
-    line = {arm: [(lr, row["selection"]) for lr, row in sorted(g.items())] for arm, g in grid.items()}
+    # MoD-Multi k rounds minus MoD-Single (H: more rounds help), paired over the seeds scored
+    out["rounds"] = {m: dict(pb, verdict=verdict(pb, +1)) for m, by_seed in per.get("MoD", {}).items()
+                     if m.startswith("multi") for pb in [_paired(by_seed, per["MoD"]["single"], sorted(by_seed))]}
+    # the data-mix ablation's second contrast (MoD minus each data-mix arm is in compare_arms)
+    hi, lo_ = "MoD T_pos+T_rev", "MoD T_pos only"
+    out["data_mix"] = {}
+    for metric in per.get(hi, {}):
+        common = sorted(set(per[hi][metric]) & set(per.get(lo_, {}).get(metric, {})))
+        if common:
+            pb = _paired(per[hi][metric], per[lo_][metric], common)
+            pb["verdict"] = verdict(pb, +1) if len(common) >= 3 else f"partial ({len(common)} seeds)"
+            out["data_mix"][f"{hi} minus {lo_}|{metric}"] = pb
     tag = L.get("tag", "")
+    atomic_write_text(os.path.join(lroot, f"table{tag}.md"), paper_table(out["test"]))
+    line = {arm: [(lr, row["selection"]) for lr, row in sorted(g.items())] for arm, g in grid.items()}
     if line:
         out["figures"].append(line_png(line, os.path.join(lroot, f"debate_lr{tag}_val.png"),
                                        "lr sweep (seed 0): validation selection metric (mean of single, misled own)",
@@ -610,10 +695,19 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
             out["figures"].append(bar_ci_png(bars, os.path.join(lroot, f"debate_lr{tag}_{metric}.png"),
                                              f"at the per-arm lr: accuracy, {title}, mean over seeds, 95% CI",
                                              "accuracy", width=max(640, 90 * len(bars))))
+    if out["rounds"]:
+        md = out["test"]["MoD"]
+        bars = [(f"{'Single' if m == 'single' else f'Multi {m[5:]}'}\n{len(md[m]['seeds'])} seeds", md[m]["accuracy"],
+                 md[m]["ci_low"], md[m]["ci_high"]) for m in ["single"] + sorted(out["rounds"])]
+        out["figures"].append(bar_ci_png(bars, os.path.join(lroot, f"debate_lr{tag}_rounds.png"),
+                                         "MoD at its pick: accuracy by debate rounds, mean over seeds, 95% CI", "accuracy"))
     out["wall_s"] = time.time() - t0
     atomic_write_text(os.path.join(lroot, f"results{tag}.json"), json.dumps(out, indent=1))
-    for metric, pb in out["compare"].items():
-        log(f"  {a} minus {b} at the picks, {metric}: {pb['diff']:+.3f} [{pb['ci_low']:+.3f}, {pb['ci_high']:+.3f}] "
+    lines = [(f"{a} minus {b}, {m}", pb) for m, pb in out["compare"].items()]
+    lines += [(f"MoD-Multi {m[5:]} rounds minus MoD-Single", pb) for m, pb in out["rounds"].items()]
+    lines += [(k.replace("|", ", "), pb) for k, pb in out["data_mix"].items()]
+    for what, pb in lines:
+        log(f"  {what} at the picks: {pb['diff']:+.3f} [{pb['ci_low']:+.3f}, {pb['ci_high']:+.3f}] "
             f"per seed {[round(x, 3) for x in pb['per_seed']]} -> {pb['verdict']}")
     for arm, by_metric in out["compare_arms"].items():
         for metric, row in by_metric.items():

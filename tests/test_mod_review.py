@@ -241,16 +241,19 @@ def test_debate_lr_pick_and_verdict():
     assert verdict(pb(-0.05, -0.01, True), sign=-1) == "supported"
 
 
-def test_debate_lr_part_needs_the_debate_part_first(tmp_path, capsys):
-    """`--part debate-lr` without the debate part's prep.json: an error naming the command to run, exit 2."""
-    from eval import toy_mod
-    before = torch.get_num_threads()
-    try:
-        with pytest.raises(SystemExit) as e:
-            toy_mod.main(["--part", "debate-lr", "--out", str(tmp_path), "--threads", "1"])
-    finally:
-        torch.set_num_threads(before)
-    assert e.value.code == 2 and "--part debate" in capsys.readouterr().err
+def test_debate_prep_made_for_fewer_test_questions_is_refused(tmp_path):
+    """eval.toy_mod_debate.prepare: a prep.json whose own wrong answers cover fewer test questions
+    than asked raises ValueError naming both sizes and the fix (a prep.json without n_test is the
+    300-question one of the earlier runs); one that covers as many or more is used as it is."""
+    from eval.toy_mod_debate import prepare, SETTINGS
+    prep = {"train_vs": [], "mix": {}, "mix_share": {}, "gold_filled": 0, "json_sample_accuracy": 0.5, "own_wrong": {}}
+    (tmp_path / "prep.json").write_text(json.dumps(prep))
+    test = [{"id": f"t{i}"} for i in range(600)]
+    with pytest.raises(ValueError, match=r"first 300 test questions, 600 asked.*--debate-test 300"):
+        prepare(str(tmp_path), None, None, [], test, SETTINGS, log=lambda *a: None)
+    assert prepare(str(tmp_path), None, None, [], test[:300], SETTINGS, log=lambda *a: None) == prep
+    (tmp_path / "prep.json").write_text(json.dumps(dict(prep, n_test=600)))
+    assert prepare(str(tmp_path), None, None, [], test, SETTINGS, log=lambda *a: None)["n_test"] == 600
 
 
 def test_debate_lr_picks_flag_is_checked(tmp_path, capsys):
