@@ -654,7 +654,7 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                 if metric in base:
                     out["test"][arm][metric]["vs_base"] = _paired(by_seed, {s: base[metric][0] for s in by_seed},
                                                                   sorted(by_seed))
-    a, b = L["lr_arms"][:2]
+    a, b = (tuple(L["lr_arms"]) + (None, None))[:2]   # the two references (a run may have one arm)
     if a in per and b in per:
         for metric in per[a]:
             common = sorted(set(per[a][metric]) & set(per[b].get(metric, {})))
@@ -664,7 +664,8 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                 out["compare"][metric] = pb
     out["compare_arms"] = compare_arms(per, a, b)
     # MoD-Multi k rounds minus MoD-Single (H: more rounds help), paired over the seeds scored
-    out["rounds"] = {m: dict(pb, verdict=verdict(pb, +1)) for m, by_seed in per.get("MoD", {}).items()
+    out["rounds"] = {m: dict(pb, verdict=verdict(pb, +1) if len(by_seed) >= 3 else f"partial ({len(by_seed)} seeds)")
+                     for m, by_seed in per.get("MoD", {}).items()
                      if m.startswith("multi") for pb in [_paired(by_seed, per["MoD"]["single"], sorted(by_seed))]}
     # the data-mix ablation's second contrast (MoD minus each data-mix arm is in compare_arms)
     hi, lo_ = "MoD T_pos+T_rev", "MoD T_pos only"
