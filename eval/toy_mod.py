@@ -22,7 +22,9 @@ instruction following:
     python -m eval.toy_mod --quick      # main rows only, ~1-3 CPU minutes
     python -m eval.toy_mod --part e2e   # the pipeline below -> out/mod/results.json (~20 CPU minutes)
     python -m eval.toy_mod --part mechanism   # frozen single-layer mechanism experiments -> out/mod/mechanism/
-    python -m eval.toy_mod              # both
+    python -m eval.toy_mod --part debate      # end to end with headroom, one lr -> out/mod/debate/
+    python -m eval.toy_mod              # mechanism, debate and e2e; out/mod/results.json lists every part's report
+    bash eval/toy_mod_main.sh a|b|report      # the debate part's main setting (per-arm lr, 600 questions, 3 seeds)
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
@@ -161,7 +163,14 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-chat
                               ("usage_entropy_B", usage_entropy(d["share_B"]))):
                 rows.append({"model": f"mod-toy/ablation-{name}", "family": "all", "metric": metric, "value": v,
                              "ci_low": None, "ci_high": None, "n": len(res)})
-        out = {"quick": bool(quick), "complete": done, "settings": S, "data": data_info, "training": training,
+        # the other parts' reports on disk (per arm, seed, family and metric), relative to out_dir
+        parts = {name: f for name, f in (("mechanism", "mechanism/mechanism.json"), ("debate", "debate/results.json"))
+                 if os.path.exists(os.path.join(out_dir, f))}
+        lr_dir = os.path.join(out_dir, "debate", "lr")
+        if os.path.isdir(lr_dir):
+            parts["debate_lr"] = sorted(f"debate/lr/{f}" for f in os.listdir(lr_dir) if f.startswith("results"))
+        out = {"quick": bool(quick), "complete": done, "parts": parts, "settings": S, "data": data_info,
+               "training": training,
                "summaries": summaries, "diagnostics": {"mod": diag["mod"]},
                "ablation_training": {k: v[2] for k, v in ablations.items()}, "rows": rows,
                "wall_s": time.time() - t0}
