@@ -233,7 +233,7 @@ def main(argv=None):
                    "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
                    "debate-lr: per-arm lr of the --debate-arms (default MoD,MoE-LoRA; the first two are the "
                    "references every further arm is compared with) picked on the val split, then --debate-seeds "
-                   "at the picks (after debate; -> OUT/debate/lr/); "
+                   "at the picks (-> OUT/debate/lr/; makes the debate data when missing); "
                    "e2e: the shapes-world pipeline below; all: every part but debate-lr (--quick runs e2e only)")
     a = p.parse_args(argv)
     from eval import toy_mod_debate

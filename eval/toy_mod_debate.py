@@ -425,11 +425,14 @@ def compare_arms(per, ref="MoD", other="MoE-LoRA token", min_seeds=3):
 
 def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTINGS, L=LR_SETTINGS, log=print):
     """Per-arm lr for the arms L["lr_arms"]: train each lr of L["lrs"] at seed 0 on the debate
-    part's 600 samples (prep.json of `run`, required), score validation single round and misled
-    in distribution, pick per arm (`pick_lr`), then train / score S["seeds"] at the picks on the
-    test questions (single, misled own wrong answer, misled other scene). The lr S["lr"] reuses
-    the debate part's own folders <slug>_s<seed>. Everything per (arm, lr, seed) is written
-    atomically under OUT/debate/lr/ and skipped when present. -> OUT/debate/lr/results.json."""
+    part's 600 samples (`prepare`: prep.json, made when missing; a data-mix arm trains on its
+    categories of them), score validation single round and misled in distribution, pick per arm
+    (`pick_lr`; or take L["picks"], no sweep), then train / score S["seeds"] at the picks on the
+    first S["n_test"] test questions (single, misled own wrong answer, misled other scene; MoD-Multi
+    L["rounds"] on the MoD arm) and the frozen base on the same. The lr S["lr"] at the default
+    steps reuses the debate part's own folders <slug>_s<seed>. Everything per (arm, lr, steps,
+    seed) is written atomically under OUT/debate/lr/ and skipped when present; a scores file
+    for another test-set size raises ValueError. -> OUT/debate/lr/results<tag>.json, table<tag>.md."""
     t0 = time.time()
     root = os.path.join(out_dir, "debate")
     lroot = os.path.join(root, "lr")
