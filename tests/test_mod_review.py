@@ -291,3 +291,23 @@ def test_debate_lr_other_arms_are_compared_with_mod_and_moelora():
     y = out["Y"]["single"]["vs_MoD"]
     assert y["seeds"] == [0] and y["diff"] == pytest.approx(0.5) and y["verdict"] == "partial (1 seed)"
     assert ARMS["LoRA r=4 (rank r)"] == ("LoRA_r4", {"method": "lora", "r": 4, "lora_alpha": 8.0})
+
+
+def test_debate_paper_table_layout():
+    """eval.toy_mod_debate.paper_table: the paper's main-table layout: one row per method (single
+    round first, MoD-Multi rows after the arms, misled rows last), one column per family then
+    "all", each cell mean ± the half-width of its 95% CI; a family an arm lacks is blank."""
+    from eval.toy_mod_debate import paper_table
+    cell = lambda a, lo, hi: {"accuracy": a, "ci_low": lo, "ci_high": hi}
+    row = lambda a, fams, seeds=(0, 1, 2): dict(cell(a, a - 0.1, a + 0.1), seeds=list(seeds), by_family=fams)
+    test = {"MoD": {"single": row(0.7, {"count": cell(0.8, 0.6, 0.9), "colour": cell(0.6, 0.5, 0.7)}),
+                    "multi2": row(0.65, {"count": cell(0.7, 0.6, 0.8), "colour": cell(0.6, 0.4, 0.8)}),
+                    "misled_own": row(0.5, {"count": cell(0.5, 0.3, 0.7)})},
+            "base": {"single": row(0.75, {"count": cell(0.9, 0.8, 1.0), "colour": cell(0.6, 0.5, 0.7)}, seeds=(0,))}}
+    lines = paper_table(test).splitlines()
+    assert lines[0] == "| method | seeds | colour | count | all |"
+    assert lines[2] == "| MoD | 3 | 0.600 ± 0.100 | 0.800 ± 0.150 | 0.700 ± 0.100 |"
+    assert lines[3] == "| base | 1 | 0.600 ± 0.100 | 0.900 ± 0.100 | 0.750 ± 0.100 |"
+    assert lines[4].startswith("| MoD-Multi, 2 rounds | 3 | 0.600 ± 0.200 | 0.700 ± 0.100 |")
+    assert lines[5] == "| MoD, misled, own wrong answer | 3 |  | 0.500 ± 0.200 | 0.500 ± 0.100 |"
+    assert len(lines) == 6
