@@ -698,7 +698,7 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
         if bars:
             out["figures"].append(bar_ci_png(bars, os.path.join(lroot, f"debate_lr{tag}_{metric}.png"),
                                              f"at the per-arm lr: accuracy, {title}, mean over seeds, 95% CI",
-                                             "accuracy", width=max(640, 90 * len(bars))))
+                                             "accuracy", width=max(640, 110 * len(bars))))
     if out["rounds"]:
         md = out["test"]["MoD"]
         bars = [(f"{'Single' if m == 'single' else f'Multi {m[5:]}'}\n{len(md[m]['seeds'])} seeds", md[m]["accuracy"],
