@@ -393,6 +393,13 @@ def verdict(pb, sign=1):
     return "inconclusive"
 
 
+def verdict_over(pb, min_seeds=3):
+    """`verdict` (direction +1) when the comparison `pb` (`_paired`) covers at least `min_seeds`
+    seeds, else "partial (n seeds)": fewer seeds than pre-registered get no verdict."""
+    n = len(pb["seeds"])
+    return verdict(pb, +1) if n >= min_seeds else f"partial ({n} seed{'s' if n > 1 else ''})"
+
+
 def compare_arms(per, ref="MoD", other="MoE-LoRA token", min_seeds=3):
     """The other arms at their picks (pre-registered in mod/README.md, "per-arm lr for the other
     arms"): per {arm: {metric: {seed: [{"correct": ...}, ...]}}} -> {arm: {metric: {"vs_<ref>": pb,
@@ -412,12 +419,9 @@ def compare_arms(per, ref="MoD", other="MoE-LoRA token", min_seeds=3):
                 if not common:
                     continue
                 pb = _paired(theirs, res, common) if directed else _paired(res, theirs, common)
-                v = verdict(pb, +1)
-                if len(common) < min_seeds:
-                    pb["verdict"] = f"partial ({len(common)} seed{'s' if len(common) > 1 else ''})"
-                else:
-                    pb["verdict"] = v if directed else {"supported": "higher", "contradicted": "lower"}.get(
-                        v, "not resolved")
+                v = verdict_over(pb, min_seeds)
+                pb["verdict"] = v if directed else {"supported": "higher", "contradicted": "lower",
+                                                    "inconclusive": "not resolved"}.get(v, v)
                 row[f"vs_{name}"] = pb
             out.setdefault(arm, {})[metric] = row
     return out
@@ -562,8 +566,10 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             if {len(v) for k, v in res["results"].items() if k != "misled_own"} != {len(test)}:
                 raise ValueError(f"{os.path.join(d, sfile)} was scored on another test set than the {len(test)} "
                                  "questions asked: move it away to rescore")
-            for k in [k for k in L.get("rounds", ()) if arm == "MoD" and f"multi{k}" not in res["results"]]:
-                model, t = trained(arm, picks[arm], seed)[0], time.time()   # MoD-Multi, Alg. 2: from the adapters
+            todo = [k for k in L.get("rounds", ()) if arm == "MoD" and f"multi{k}" not in res["results"]]
+            model = trained(arm, picks[arm], seed)[0] if todo else None   # MoD-Multi, Alg. 2: from the adapters
+            for k in todo:
+                t = time.time()
                 with torch.inference_mode():
                     res["results"][f"multi{k}"] = mod_debate(model, proc, test, rounds=k)[0]
                 res.setdefault("wall_s_multi", {})[f"multi{k}"] = time.time() - t
@@ -667,8 +673,7 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
                 out["compare"][metric] = pb
     out["compare_arms"] = compare_arms(per, a, b)
     # MoD-Multi k rounds minus MoD-Single (H: more rounds help), paired over the seeds scored
-    out["rounds"] = {m: dict(pb, verdict=verdict(pb, +1) if len(by_seed) >= 3 else f"partial ({len(by_seed)} seeds)")
-                     for m, by_seed in per.get("MoD", {}).items()
+    out["rounds"] = {m: dict(pb, verdict=verdict_over(pb)) for m, by_seed in per.get("MoD", {}).items()
                      if m.startswith("multi") for pb in [_paired(by_seed, per["MoD"]["single"], sorted(by_seed))]}
     # the data-mix ablation's second contrast (MoD minus each data-mix arm is in compare_arms)
     hi, lo_ = "MoD T_pos+T_rev", "MoD T_pos only"
@@ -677,7 +682,7 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
         common = sorted(set(per[hi][metric]) & set(per.get(lo_, {}).get(metric, {})))
         if common:
             pb = _paired(per[hi][metric], per[lo_][metric], common)
-            pb["verdict"] = verdict(pb, +1) if len(common) >= 3 else f"partial ({len(common)} seeds)"
+            pb["verdict"] = verdict_over(pb)
             out["data_mix"][f"{hi} minus {lo_}|{metric}"] = pb
     tag = L.get("tag", "")
     atomic_write_text(os.path.join(lroot, f"table{tag}.md"), paper_table(out["test"]))
