@@ -161,46 +161,73 @@ def prepare(root, base, proc, train, test, S, log=print):
     return prep
 
 
+def load_data(data_dir, base_name, S):
+    """The start both debate parts share: the shapes splits (generated when missing), the first
+    S["n_train"] training and S["n_test"] test questions, and the frozen base.
+    Returns (train, test, base, proc)."""
+    from common import data
+    data.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
+    train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
+    test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
+    return train, test, *load_backbone(base_name)
+
+
+def arm_records(root, prep, arm):
+    """The arm's training records, written to root/train_vs[_<slug>].json and read back as
+    LLaVA records: prep.json's 1:1:1 mix, or only the categories a data-mix arm names (the
+    third entry of its ARMS row; the paper's Table 2 ablation)."""
+    cats = (ARMS[arm] + (None,))[2]
+    sub = [r for r in prep["train_vs"] if not cats or r["category"] in cats]
+    path = os.path.join(root, f"train_vs_{ARMS[arm][0]}.json" if cats else "train_vs.json")
+    atomic_write_text(path, json.dumps(sub))
+    return read_llava_json(path)
+
+
+def score_test(model, proc, test, own, base=False):
+    """The three test metrics of the debate parts, in this order: single round on MoD-Single's
+    JSON prompt (`mod_debate` with 0 rounds; the frozen base (`base`) through `plain` on the same
+    prompt), misled by the base's own wrong answer `own[id]`, misled by another scene."""
+    with torch.inference_mode():
+        single = plain(model, proc, test, json_prompt=True) if base else mod_debate(model, proc, test, rounds=0)
+        return {"single": single[0], "misled_own": misled_own(model, proc, test, own)[0],
+                "misled_ood": misled(model, proc, test)[0]}
+
+
+def score_rounds(load, proc, test, res, rounds, path, log=print):
+    """MoD-Multi (Alg. 2) with k debate rounds for every k of `rounds` that res["results"] lacks:
+    added as "multi<k>" (its wall time under "wall_s_multi"), res written to `path` atomically
+    after each. `load()` returns the model with the adapters; called once, only when a k is missing."""
+    todo = [k for k in rounds if f"multi{k}" not in res["results"]]
+    model = load() if todo else None
+    for k in todo:
+        t = time.time()
+        with torch.inference_mode():
+            res["results"][f"multi{k}"] = mod_debate(model, proc, test, rounds=k)[0]
+        res.setdefault("wall_s_multi", {})[f"multi{k}"] = time.time() - t
+        atomic_write_text(path, json.dumps(res))
+        log(f"  {os.path.dirname(path)}: multi{k} {summarize('m', res['results'][f'multi{k}'], 0)['accuracy']:.3f}")
+
+
 def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTINGS, log=print):
     """Run (or resume) the debate part -> out_dir/debate/results.json. Returns that dict."""
     t0 = time.time()
     root = os.path.join(out_dir, "debate")
     os.makedirs(root, exist_ok=True)
-    from common import data
-    data.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
-    train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
-    test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
-    base, proc = load_backbone(base_name)
-
+    train, test, base, proc = load_data(data_dir, base_name, S)
     prep = prepare(root, base, proc, train, test, S, log)
-    path = os.path.join(root, "train_vs.json")
-    atomic_write_text(path, json.dumps(prep["train_vs"]))
-    recs = read_llava_json(path)
     own = prep["own_wrong"]
 
     def scored(name, fn):
         return cached(os.path.join(root, name, "scores.json"), fn)
 
-    def score_base():
-        out = {}
-        with torch.inference_mode():
-            out["single"] = plain(base, proc, test, json_prompt=True)[0]
-            out["misled_own"] = misled_own(base, proc, test, own)[0]
-            out["misled_ood"] = misled(base, proc, test)[0]
-        return {"results": out, "trainable": 0}
-
-    results = {"base": scored("base", score_base)}
+    results = {"base": scored("base", lambda: {"results": score_test(base, proc, test, own, base=True),
+                                               "trainable": 0})}
     arms = [SLUGS[x] for x in S["arms"]] if S.get("arms") else list(ARMS)
     for seed in S["seeds"]:
         for arm in arms:
-            slug, kw, cats = (ARMS[arm] + (None,))[:3]
+            slug, kw = ARMS[arm][:2]
             name = f"{slug}_s{seed}"
-            arm_recs = recs
-            if cats:  # the data-mix ablation: the same samples, only these categories
-                sub = [r for r in prep["train_vs"] if r["category"] in cats]
-                path = os.path.join(root, f"train_vs_{slug}.json")
-                atomic_write_text(path, json.dumps(sub))
-                arm_recs = read_llava_json(path)
+            arm_recs = arm_records(root, prep, arm)
 
             def train_score(arm=arm, kw=kw, seed=seed, name=name, arm_recs=arm_recs):
                 model = copy.deepcopy(base)
@@ -209,12 +236,7 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTING
                 tr = fit(model, proc, arm_recs, os.path.join(root, name), steps=S["steps"], batch_size=S["batch_size"],
                          lr=S["lr"], warmup=max(1, S["steps"] // 10), seed=seed, desc=f"train {name}", quiet=True)
                 save_adapters(model, os.path.join(root, name))
-                model.eval()
-                out = {}
-                with torch.inference_mode():
-                    out["single"] = mod_debate(model, proc, test, rounds=0)[0]
-                    out["misled_own"] = misled_own(model, proc, test, own)[0]
-                    out["misled_ood"] = misled(model, proc, test)[0]
+                out = score_test(model.eval(), proc, test, own)
                 log(f"  {name}: loss {tr['loss']:.3f}, " + ", ".join(
                     f"{k} {summarize(k, v, 0)['accuracy']:.3f}" for k, v in out.items()))
                 return {"results": out, "trainable": num_trainable(model), "loss": tr["loss"], "wall_s": tr["wall_s"],
@@ -222,15 +244,11 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTING
 
             res = scored(name, train_score)
             if arm == "MoD":  # MoD-Multi rounds not scored yet: from the saved adapters
-                for k in [k for k in S["rounds"] if f"multi{k}" not in res["results"]]:
-                    t = time.time()
+                def load(name=name):
                     model = copy.deepcopy(base)
                     load_adapters(model, os.path.join(root, name))
-                    with torch.inference_mode():
-                        res["results"][f"multi{k}"] = mod_debate(model.eval(), proc, test, rounds=k)[0]
-                    res.setdefault("wall_s_multi", {})[f"multi{k}"] = time.time() - t
-                    atomic_write_text(os.path.join(root, name, "scores.json"), json.dumps(res))
-                    log(f"  {name}: multi{k} {summarize('m', res['results'][f'multi{k}'], 0)['accuracy']:.3f}")
+                    return model.eval()
+                score_rounds(load, proc, test, res, S["rounds"], os.path.join(root, name, "scores.json"), log)
     for arm, v in ARMS.items():  # report every (arm, seed) on disk
         for d in sorted(os.listdir(root)):
             f = os.path.join(root, d, "scores.json")
@@ -441,25 +459,12 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     root = os.path.join(out_dir, "debate")
     lroot = os.path.join(root, "lr")
     os.makedirs(lroot, exist_ok=True)
-    from common import data
-    data.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
-    train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
-    test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
+    train, test, base, proc = load_data(data_dir, base_name, S)
     if len(test) < S["n_test"]:
         raise ValueError(f"{data_dir}/test.json has {len(test)} questions, --debate-test asks {S['n_test']}")
     val, dropped = val_questions(data_dir, L["n_val"], train, read_llava_json(os.path.join(data_dir, "test.json")))
-    base, proc = load_backbone(base_name)
     prep = prepare(root, base, proc, train, test, S, log)
     own = prep["own_wrong"]
-
-    def arm_records(arm):
-        """The arm's training records: the 1:1:1 mix, or its categories only (data-mix arms)."""
-        cats = (ARMS[arm] + (None,))[2]
-        sub = [r for r in prep["train_vs"] if not cats or r["category"] in cats]
-        path = os.path.join(root, f"train_vs_{ARMS[arm][0]}.json" if cats else "train_vs.json")
-        if not os.path.exists(path):
-            atomic_write_text(path, json.dumps(sub))
-        return read_llava_json(path)
     # test scores of another test-set size than the default live in their own file
     sfile = "scores.json" if S["n_test"] == SETTINGS["n_test"] else f"scores_test{S['n_test']}.json"
 
@@ -506,10 +511,11 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             return model.eval(), {"loss": info["loss"], "wall_s": info["wall_s"], "step0_loss": step0}
         torch.manual_seed(seed)
         attach(model, AdapterConfig(**kw))
-        tr = fit(model, proc, arm_records(arm), d, steps=S["steps"], batch_size=S["batch_size"], lr=lr,
+        recs = arm_records(root, prep, arm)
+        tr = fit(model, proc, recs, d, steps=S["steps"], batch_size=S["batch_size"], lr=lr,
                  warmup=max(1, S["steps"] // 10), seed=seed, desc=f"train {d}", quiet=True, save_every=100, resume=True)
         info = {"loss": tr["loss"], "wall_s": tr["wall_s"], "step0_loss": tr["log"][0]["loss"], "lr": lr,
-                "trainable": num_trainable(model), "n_train": len(arm_records(arm))}
+                "trainable": num_trainable(model), "n_train": len(recs)}
         save_adapters(model, d)
         atomic_write_text(info_f, json.dumps(info))
         log(f"  trained {d}: loss {info['loss']:.4f} (step 0 {info['step0_loss']:.7f}), {info['wall_s']:.0f} s")
@@ -541,11 +547,8 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     out = lr_report(root, S, L, grid, picks, base_val, {}, t0, log)
 
     # 2. test scores at the picks: seed 0 first (the sweep's adapters), then the other seeds
-    def base_test():
-        with torch.inference_mode():
-            return {"results": {"single": plain(base, proc, test, json_prompt=True)[0],
-                                "misled_own": misled_own(base, proc, test, own)[0], "misled_ood": misled(base, proc, test)[0]}}
-    scores = {("base", 0): cached(os.path.join(lroot, f"base_test{len(test)}.json"), base_test)}
+    scores = {("base", 0): cached(os.path.join(lroot, f"base_test{len(test)}.json"),
+                                  lambda: {"results": score_test(base, proc, test, own, base=True)})}
     for seed in S["seeds"]:
         for arm in L["lr_arms"]:
             d = folder(arm, picks[arm], seed)
@@ -555,26 +558,17 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
 
             def score(arm=arm, seed=seed, d=d):
                 model, info = trained(arm, picks[arm], seed)
-                out, t = {}, time.time()
-                with torch.inference_mode():
-                    out["single"] = mod_debate(model, proc, test, rounds=0)[0]
-                    out["misled_own"] = misled_own(model, proc, test, own)[0]
-                    out["misled_ood"] = misled(model, proc, test)[0]
+                t = time.time()
+                out = score_test(model, proc, test, own)
                 log(f"  test {d}: " + ", ".join(f"{k} {summarize(k, v, 0)['accuracy']:.3f}" for k, v in out.items()))
                 return {"results": out, "trainable": num_trainable(model), **info, "wall_s_score": time.time() - t}
             res = scores[(arm, seed)] = cached(os.path.join(d, sfile), score)
             if {len(v) for k, v in res["results"].items() if k != "misled_own"} != {len(test)}:
                 raise ValueError(f"{os.path.join(d, sfile)} was scored on another test set than the {len(test)} "
                                  "questions asked: move it away to rescore")
-            todo = [k for k in L.get("rounds", ()) if arm == "MoD" and f"multi{k}" not in res["results"]]
-            model = trained(arm, picks[arm], seed)[0] if todo else None   # MoD-Multi, Alg. 2: from the adapters
-            for k in todo:
-                t = time.time()
-                with torch.inference_mode():
-                    res["results"][f"multi{k}"] = mod_debate(model, proc, test, rounds=k)[0]
-                res.setdefault("wall_s_multi", {})[f"multi{k}"] = time.time() - t
-                atomic_write_text(os.path.join(d, sfile), json.dumps(res))
-                log(f"  test {d}: multi{k} {summarize('m', res['results'][f'multi{k}'], 0)['accuracy']:.3f}")
+            if arm == "MoD":   # MoD-Multi, Alg. 2: from the adapters
+                score_rounds(lambda: trained(arm, picks[arm], seed)[0], proc, test, res, L.get("rounds", ()),
+                             os.path.join(d, sfile), log)
             with open(os.path.join(d, "log.jsonl")) as fh:
                 res.setdefault("step0_loss", json.loads(fh.readline())["loss"])
             out = lr_report(root, S, L, grid, picks, base_val, scores, t0, log)
