@@ -10,7 +10,7 @@ Both paths end in the same objects: a `transformers` model and a `VLProcessor`
 
 The tiny defaults are real `transformers` architectures (Qwen3-VL dense, Qwen3-VL-MoE),
 built here with a byte-level BPE tokenizer and a Qwen2-VL image processor, pretrained by
-`python -m common.pretrain` and saved with `save_pretrained` under `common/tiny/`.
+`python -m eval.tools.pretrain` and saved with `save_pretrained` under `common/tiny/`.
 """
 import hashlib
 import json
@@ -376,7 +376,7 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
                                 f"(point --model at the folder that holds config.json and *.safetensors)")
     elif path in TINY.values():
         raise BackboneError(f"{path} missing: the committed tiny checkpoint is gone; restore it with git "
-                            f"or rebuild it with `python -m common.pretrain` (README)")
+                            f"or rebuild it with `python -m eval.tools.pretrain` (README)")
     elif path.startswith((".", os.sep, "~")) or path.count("/") != 1:
         import difflib
         near = difflib.get_close_matches(path, list(TINY), n=1, cutoff=0.7)

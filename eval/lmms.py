@@ -364,7 +364,7 @@ def _make_classes():
 
         def _generate(self, images, questions, max_new_tokens):
             from common.backbone import generate
-            from common.prompts import debate_prompt, single_prompt
+            from mod.prompts import debate_prompt, single_prompt
             hist = [[] for _ in questions]
             for k in range(self.rounds + 1):  # round 0: single prompt; round k: debate over rounds < k
                 prompts = [single_prompt(q) if k == 0 else debate_prompt(q, h) for q, h in zip(questions, hist)]
@@ -425,7 +425,7 @@ def __getattr__(name):
                 _CLASSES.update(_make_classes())
             except ImportError as e:
                 raise ImportError(f"eval.lmms.{name} needs lmms-eval ({e}); install it in its own venv: "
-                                  f"python eval/lmms_check.py, or pip install lmms-eval (mod/README.md, "
+                                  f"python eval/tools/lmms_check.py, or pip install lmms-eval (mod/README.md, "
                                   f"'lmms-eval')") from e
         return _CLASSES[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@
    checkpoint takes (or retrains them with --retrain-base),
 3. evaluates them on the test split next to the best-constant-answer baseline ("majority"),
 4. runs each method's toy reproduction in quick mode (MoD, RoleMerge, MoLE, where present)
-   into out/quickstart/<method> (a full `python -m eval.toy_<method>` run in out/<method>
+   into out/quickstart/<method> (a full `python -m eval.toys.<method>` run in out/<method>
    is never touched),
 5. writes out/quickstart/report.json (a list of rows: model, family, metric, value, ci_low,
    ci_high, n) and out/quickstart/report.md (accuracy first, one captioned table per metric,
@@ -120,12 +120,12 @@ def run_stage(name, settings, out, fresh, fn):
 
 def retrain_bases():
     """The README's three pretraining commands (the first two side by side, one thread each)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "common.pretrain", "--arch", arch, "--out", bb.TINY[name],
+    procs = [subprocess.Popen([sys.executable, "-m", "eval.tools.pretrain", "--arch", arch, "--out", bb.TINY[name],
                                "--steps", "6000", "--stop-at", "3500", "--threads", "1", "--fresh"])
              for arch, name in (("qwen3_vl", "tiny-dense"), ("qwen3_vl_moe", "tiny-moe"))]
     if any(p.wait() != 0 for p in procs):
         fail("base pretraining failed (see its output above)")
-    chat = subprocess.run([sys.executable, "-m", "common.pretrain", "--init", bb.TINY["tiny-dense"],
+    chat = subprocess.run([sys.executable, "-m", "eval.tools.pretrain", "--init", bb.TINY["tiny-dense"],
                            "--chat-mix", "1,1,2,1,1", "--wrong-priors", "0", "--steps", "800", "--batch-size", "16",
                            "--lr", "1e-3", "--out", bb.TINY["tiny-chat"], "--threads", "1", "--fresh"])
     if chat.returncode != 0:
@@ -182,7 +182,7 @@ def main(argv=None):
         return ev.family_rows(name, res)
 
     def method_rows(m):
-        toy = importlib.import_module(f"eval.toy_{m}")
+        toy = importlib.import_module(f"eval.toys.{m}")
         out = toy.run(quick=True, data_dir=a.data, out_dir=os.path.join(a.out, m))
         return toy.report_rows(out) if isinstance(out, dict) else out  # toy_mole returns its table summary
 
@@ -190,8 +190,8 @@ def main(argv=None):
     try:
         with sigterm_flag("finishing the current stage, then stopping; a rerun continues from there") as flag:
             for stage, what in todo:
-                if what in METHODS and not os.path.exists(os.path.join(os.path.dirname(__file__), f"toy_{what}.py")):
-                    print(f"[quickstart] eval/toy_{what}.py not present: skipping {what}")
+                if what in METHODS and not os.path.exists(os.path.join(os.path.dirname(__file__), "toys", f"{what}.py")):
+                    print(f"[quickstart] eval/toys/{what}.py not present: skipping {what}")
                     continue
                 fn = (lambda w=what: base_rows(w)) if what in BASES else (lambda w=what: method_rows(w))
                 rows, secs, reused = run_stage(stage.replace(" ", "_"), settings, a.out, a.fresh, fn)

@@ -1,4 +1,4 @@
-"""Viewpoint-shift data synthesis (MoD paper §3.2, App. B.2); the debate prompts are in `common.prompts`.
+"""Viewpoint-shift data synthesis (MoD paper §3.2, App. B.2); the debate prompts are in `mod.prompts`.
 
 For every training question (image V, question Q, gold answer A*):
   1. sample K responses from the frozen base model (temperature sampling),
@@ -34,7 +34,7 @@ from common.cli import add_limit, add_threads, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP
 from common.data import DataError, atomic_write_text, final_answer, load_image
 # The prompt shapes live in common/ (the tiny chat base is pretrained on them too); mod.infer reads them here.
-from common.prompts import (ANSWER_SPACE, DEBATE_PROMPT, JSON_INSTRUCTION, debate_prompt,  # noqa: F401
+from mod.prompts import (ANSWER_SPACE, DEBATE_PROMPT, JSON_INSTRUCTION, debate_prompt,  # noqa: F401
                             debater_prompt, judge_prompt, review_prompt, single_prompt, to_json_response,
                             wrong_response)
 

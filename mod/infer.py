@@ -225,7 +225,7 @@ def main(argv=None):
     p.add_argument("--methods", default="single,multi,mad,sc",
                    help="comma list of: single, multi, misled (need --adapter); base, base-json, mad, sc, "
                    "base-misled (the frozen base model). base = the plain question; base-json = the adapters' "
-                   "JSON prompt (the fair baseline of single, as eval.toy_mod's base-json row); misled = one "
+                   "JSON prompt (the fair baseline of single, as eval.toys.mod's base-json row); misled = one "
                    "debate round whose only prior response is wrong")
     p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
     add_limit(p, what="questions")

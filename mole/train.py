@@ -282,7 +282,7 @@ def load_mole(path, device="cpu", base=None):
         raise FileNotFoundError(f"{path}: no checkpoint (expected a directory written by mole.train)")
     if not isinstance(state, dict) or "args" not in state:
         raise RunError(f"{path} is not a mole.train checkpoint (its state.json has no 'args'; mod.train and "
-                       f"common.pretrain write other checkpoints)")
+                       f"eval.tools.pretrain write other checkpoints)")
     a = argparse.Namespace(**state["args"])
     a.model = base or getattr(a, "model", None) or a.base   # checkpoints before the rename saved "base"
     net, proc, params = build(a, device)
@@ -390,7 +390,7 @@ def load_full(net, params, tensors, path, fsdp):
 
 def is_mole_ckpt(path):
     """True if `path` holds a state.json written by this script (it alone records "args"; a
-    mod.train or common.pretrain checkpoint also has a state.json, without "args")."""
+    mod.train or eval.tools.pretrain checkpoint also has a state.json, without "args")."""
     try:
         with open(os.path.join(path, "state.json")) as f:
             state = json.load(f)

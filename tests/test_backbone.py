@@ -85,7 +85,7 @@ def test_load_errors(tmp_path):
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_committed_tiny_models_load_and_answer(name):
     if not os.path.exists(os.path.join(bb.TINY[name], "config.json")):
-        pytest.fail(f"committed checkpoint {bb.TINY[name]} missing: run python -m common.pretrain (README)")
+        pytest.fail(f"committed checkpoint {bb.TINY[name]} missing: run python -m eval.tools.pretrain (README)")
     model, proc = bb.load_backbone(name)
     rng = random.Random(7)
     ex = [data.sample_example(rng) for _ in range(8)]

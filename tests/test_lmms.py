@@ -1,6 +1,6 @@
 """eval/lmms.py without lmms-eval: the lazy import, the shapes task it writes, the record ->
 document mapping, and the model classes' request plumbing against a stand-in `lmms` base
-class (the real lmms-eval run is `python -m eval.lmms_check`, outside CI)."""
+class (the real lmms-eval run is `python -m eval.tools.lmms_check`, outside CI)."""
 import ast
 import json
 import os

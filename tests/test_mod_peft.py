@@ -1,5 +1,5 @@
 """MoD's LoRA baseline in peft's file format (mod.model.save_peft / load_peft; peft itself is
-cross-checked both ways by eval/bench_peft.py in a venv that has it: exact logits)."""
+cross-checked both ways by eval/tools/bench_peft.py in a venv that has it: exact logits)."""
 import json
 import random
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from common import pretrain
+from eval.tools import pretrain
 
 TINY = ["--arch", "qwen3_vl", "--hidden", "32", "--layers", "1", "--batch-size", "4", "--steps", "4",
         "--eval-every", "100", "--ckpt-every", "1"]

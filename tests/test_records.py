@@ -100,7 +100,7 @@ def test_text_only_records_are_refused_before_the_model_loads(entry, argv, tmp_p
     ("mod.data", ["--model", "nowhere", "--out", "OUT/x.json"])])
 def test_text_only_records_pass_mods_record_check(entry, argv, tmp_path, capsys):
     """MoD takes text-only records (the paper's MMLU rows): its entry points read them and stop
-    at the (missing) model, not at the record check; tests/test_mod_review.py trains and infers
+    at the (missing) model, not at the record check; tests/test_mod_equations.py trains and infers
     on them end to end."""
     import importlib
     main = importlib.import_module(entry).main
@@ -408,7 +408,7 @@ def test_grad_accum_normalises_by_step_tokens_mole(small):
 
 def test_grad_accum_normalises_by_step_tokens_pretrain(small):
     import copy
-    from common.pretrain import accumulate, make_batch
+    from eval.tools.pretrain import accumulate, make_batch
     model, proc = copy.deepcopy(small[0]), small[1]
     batch, answer_mask = make_batch(proc, 0, 4, 0, [1, 1, 1, 1, 1], 0.5)  # prompt shapes of unequal length
     assert len(set((batch["labels"] != -100).sum(1).tolist())) > 1

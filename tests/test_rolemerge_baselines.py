@@ -290,7 +290,7 @@ def test_oracle_routing_sends_each_token_to_its_original_experts_groups(groups):
 
 
 def test_toy_rolemerge_model_flag_with_deprecated_base_and_threads(capsys):
-    from eval import toy_rolemerge as toy
+    from eval.toys import rolemerge as toy
     a = toy.parser().parse_args([])
     assert a.model == "tiny-moe" and a.threads is None and capsys.readouterr().err == ""
     a = toy.parser().parse_args(["--base", "out/b", "--threads", "1"])
@@ -301,7 +301,7 @@ def test_toy_rolemerge_model_flag_with_deprecated_base_and_threads(capsys):
 
 
 def test_toy_gold_turn_follows_the_base_look_step():
-    from eval import toy_rolemerge as toy
+    from eval.toys import rolemerge as toy
     look = "tl blue square 1tl tc empty - tr empty - ml empty - mc empty - mr red circle - bl empty - bc blue circle 2bc br empty -."
     rec = {"scene": look, "answer": "yes", "question": "Is the blue square to the left of the blue circle?"}
     assert toy.gold_turn(rec, "full") == toy.gold_turn(rec, True) == look + " Answer: yes"
@@ -338,7 +338,7 @@ def test_toy_retrain_base_runs_the_readme_recipe(monkeypatch, tmp_path):
     import re
     import subprocess
 
-    from eval import toy_rolemerge as toy
+    from eval.toys import rolemerge as toy
     readme = open(os.path.join(os.path.dirname(__file__), "..", "rolemerge", "README.md")).read()
     cmds = re.findall(r"python -m common\.pretrain (--arch qwen3_vl_moe --experts 32 [^`]*--look objects[^`]*)`",
                       readme.replace("\n", " "))
@@ -364,7 +364,7 @@ def _claim_results(per_base):
 
 def test_claim_verdicts_pooled_and_per_base():
     """The pre-registered verdict rule and the pooled / per-seed differences, hand-computed."""
-    from eval.toy_rolemerge import claim_table, verdict
+    from eval.toys.rolemerge import claim_table, verdict
     assert verdict({"ci_low": 0.01, "ci_high": 0.2}) == "supported"
     assert verdict({"ci_low": -0.2, "ci_high": -0.01}) == "contradicted"
     assert verdict({"ci_low": 0.0, "ci_high": 0.2}) == "not resolved"
@@ -396,7 +396,7 @@ def test_committed_paper_structure_base_is_the_recipe():
     import json
     import os
 
-    from eval import toy_rolemerge as toy
+    from eval.toys import rolemerge as toy
     d = os.path.join(os.path.dirname(__file__), "..", "common", "tiny", "moe32")
     cfg = json.load(open(os.path.join(d, "config.json")))["text_config"]
     assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (32, 4, 32)

@@ -169,9 +169,9 @@ def test_text_only_rows_have_no_vision_markers():
 
 
 def test_toy_mod_takes_model_threads_and_the_deprecated_base(monkeypatch, capsys):
-    """eval.toy_mod speaks the entry points' vocabulary: --model (the old --base still works,
+    """eval.toys.mod speaks the entry points' vocabulary: --model (the old --base still works,
     with a warning) and --threads."""
-    from eval import toy_mod
+    from eval.toys import mod as toy_mod
     seen, before = [], torch.get_num_threads()
     monkeypatch.setattr(toy_mod, "run", lambda quick, data_dir, out_dir, model: seen.append(model) or [])
     try:
@@ -183,9 +183,9 @@ def test_toy_mod_takes_model_threads_and_the_deprecated_base(monkeypatch, capsys
 
 
 def test_debate_paired_comparison_over_seeds():
-    """eval.toy_mod_debate._paired: the seed-averaged item difference, per-seed differences and
+    """eval.toys.mod_debate._paired: the seed-averaged item difference, per-seed differences and
     the all-seeds-agree flag, on a hand case (4 items, 2 seeds)."""
-    from eval.toy_mod_debate import _paired
+    from eval.toys.mod_debate import _paired
     r = lambda *c: [{"correct": bool(x)} for x in c]
     a = {0: r(1, 1, 0, 1), 1: r(1, 0, 0, 1)}
     b = {0: r(1, 0, 0, 0), 1: r(0, 0, 0, 1)}
@@ -199,11 +199,11 @@ def test_debate_paired_comparison_over_seeds():
 
 
 def test_debate_lr_validation_questions_are_disjoint_from_train_and_test(tmp_path, capsys):
-    """eval.toy_mod_debate.val_questions: the shapes val split's questions, skipping any that
+    """eval.toys.mod_debate.val_questions: the shapes val split's questions, skipping any that
     shares an id, an image or its question-and-target text with a training / test question;
     too few left is an error."""
     from common.data import generate_split
-    from eval.toy_mod_debate import _pair_key, val_questions
+    from eval.toys.mod_debate import _pair_key, val_questions
     train = generate_split(str(tmp_path), "train", 30)
     test = generate_split(str(tmp_path), "test", 30)
     generate_split(str(tmp_path), "val", 12)
@@ -220,9 +220,9 @@ def test_debate_lr_validation_questions_are_disjoint_from_train_and_test(tmp_pat
 
 
 def test_debate_lr_pick_and_verdict():
-    """eval.toy_mod_debate.pick_lr: the highest mean of validation single-round and misled
+    """eval.toys.mod_debate.pick_lr: the highest mean of validation single-round and misled
     accuracy, ties to the smaller lr; verdict: the pre-registered 3-seed criterion."""
-    from eval.toy_mod_debate import pick_lr, selection_score, verdict
+    from eval.toys.mod_debate import pick_lr, selection_score, verdict
     grid = {2e-3: {"single": 0.70, "misled_own": 0.30},   # mean 0.50
             5e-3: {"single": 0.66, "misled_own": 0.40},   # mean 0.53: the pick (single alone would pick 2e-3)
             1e-2: {"single": 0.72, "misled_own": 0.20}}   # mean 0.46
@@ -242,10 +242,10 @@ def test_debate_lr_pick_and_verdict():
 
 
 def test_debate_prep_made_for_fewer_test_questions_is_refused(tmp_path):
-    """eval.toy_mod_debate.prepare: a prep.json whose own wrong answers cover fewer test questions
+    """eval.toys.mod_debate.prepare: a prep.json whose own wrong answers cover fewer test questions
     than asked raises ValueError naming both sizes and the fix (a prep.json without n_test is the
     300-question one of the earlier runs); one that covers as many or more is used as it is."""
-    from eval.toy_mod_debate import prepare, SETTINGS
+    from eval.toys.mod_debate import prepare, SETTINGS
     prep = {"train_vs": [], "mix": {}, "mix_share": {}, "gold_filled": 0, "json_sample_accuracy": 0.5, "own_wrong": {}}
     (tmp_path / "prep.json").write_text(json.dumps(prep))
     test = [{"id": f"t{i}"} for i in range(600)]
@@ -258,7 +258,7 @@ def test_debate_prep_made_for_fewer_test_questions_is_refused(tmp_path):
 
 def test_debate_lr_picks_flag_is_checked(tmp_path, capsys):
     """`--debate-picks` takes ARM=LR with a known arm and a positive lr; anything else: exit 2 naming the form."""
-    from eval import toy_mod
+    from eval.toys import mod as toy_mod
     for bad in ("MoD:1e-2", "Nope=1e-2", "MoD=abc", "MoD=-1e-2"):
         with pytest.raises(SystemExit) as e:
             toy_mod.main(["--part", "debate-lr", "--debate-picks", bad, "--out", str(tmp_path)])
@@ -267,10 +267,10 @@ def test_debate_lr_picks_flag_is_checked(tmp_path, capsys):
 
 
 def test_debate_lr_other_arms_are_compared_with_mod_and_moelora():
-    """eval.toy_mod_debate.compare_arms: every further arm as MoD minus arm (3-seed verdict, MoD >
+    """eval.toys.mod_debate.compare_arms: every further arm as MoD minus arm (3-seed verdict, MoD >
     arm predicted) and arm minus MoE-LoRA token (higher / lower / not resolved), paired over the
     seeds both have; fewer than 3 seeds: partial, no verdict. Hand case: 4 items, 3 seeds."""
-    from eval.toy_mod_debate import ARMS, compare_arms
+    from eval.toys.mod_debate import ARMS, compare_arms
     r = lambda *c: [{"correct": bool(x)} for x in c]
     per = {"MoD": {"single": {s: r(1, 1, 1, 1) for s in (0, 1, 2)}},
            "MoE-LoRA token": {"single": {0: r(0, 0, 0, 1), 1: r(0, 0, 0, 0), 2: r(0, 0, 0, 0)}},
@@ -294,10 +294,10 @@ def test_debate_lr_other_arms_are_compared_with_mod_and_moelora():
 
 
 def test_debate_paper_table_layout():
-    """eval.toy_mod_debate.paper_table: the paper's main-table layout: one row per method (single
+    """eval.toys.mod_debate.paper_table: the paper's main-table layout: one row per method (single
     round first, MoD-Multi rows after the arms, misled rows last), one column per family then
     "all", each cell mean ± the half-width of its 95% CI; a family an arm lacks is blank."""
-    from eval.toy_mod_debate import paper_table
+    from eval.toys.mod_debate import paper_table
     cell = lambda a, lo, hi: {"accuracy": a, "ci_low": lo, "ci_high": hi}
     row = lambda a, fams, seeds=(0, 1, 2): dict(cell(a, a - 0.1, a + 0.1), seeds=list(seeds), by_family=fams)
     test = {"MoD": {"single": row(0.7, {"count": cell(0.8, 0.6, 0.9), "colour": cell(0.6, 0.5, 0.7)}),

@@ -1,6 +1,6 @@
 """MoD end-to-end debate part with headroom (MoD issue 10, item 2; design in mod/README.md).
 
-Differences from the e2e toy in `eval/toy_mod.py`, each answering a point of the review:
+Differences from the e2e toy in `eval/toys/mod.py`, each answering a point of the review:
   * responses are sampled on the JSON prompt (`mod.data.single_prompt`), where `tiny-chat` errs
     (0.787 on the test questions, below the 0.85 headroom bar), K = 8 per question;
   * the category mix is drawn with quotas (`balanced_mix`): each category's count is its share
@@ -19,8 +19,8 @@ rounds missing from a MoD folder are scored from its saved adapters. The report 
 figures) covers every (arm, seed) on disk: per seed, and the mean over seeds with paired
 comparisons (`report`).
 
-    python -m eval.toy_mod --part debate --threads 1
-    python -m eval.toy_mod --part debate --threads 1 --debate-arms MoD,MoE-LoRA --debate-seeds 2 \
+    python -m eval.toys.mod --part debate --threads 1
+    python -m eval.toys.mod --part debate --threads 1 --debate-arms MoD,MoE-LoRA --debate-seeds 2 \
         --debate-rounds 2,3
 
 Per-arm learning rate (`run_lr`, after the above): MoD and MoE-LoRA token each train at every
@@ -29,7 +29,7 @@ lr of a small grid (seed 0), are scored on validation questions of the shapes "v
 accuracy is picked (`pick_lr`), then the seeds train / score at the picks on the test questions
 -> OUT/debate/lr/results.json and figures:
 
-    python -m eval.toy_mod --part debate-lr --debate-seeds 0,1,2 --threads 1
+    python -m eval.toys.mod --part debate-lr --debate-seeds 0,1,2 --threads 1
 """
 import copy
 import json

@@ -1,8 +1,8 @@
 """Memory and time plan for real checkpoints: measure at 1 and 2 decoder layers, extrapolate.
 
-    python -m eval.memory_plan --threads 1                       # every measurement, then the plan
-    python -m eval.memory_plan --models qwen2_5_vl_3b --jobs mod  # a subset
-    python -m eval.memory_plan --plan-only                        # print the plan from out/memory_plan.json
+    python -m eval.tools.memory_plan --threads 1                       # every measurement, then the plan
+    python -m eval.tools.memory_plan --models qwen2_5_vl_3b --jobs mod  # a subset
+    python -m eval.tools.memory_plan --plan-only                        # print the plan from out/memory_plan.json
 
 What it measures. Random-init models at the REAL widths of Qwen2.5-VL-3B-Instruct,
 Qwen2.5-VL-7B-Instruct and Qwen3-VL-30B-A3B-Instruct (hidden size, heads, KV heads, MLP /
@@ -614,7 +614,7 @@ def main(argv=None):
             if key in results.get(name, {}).get(job, {}) and not a.redo:
                 continue
             t = time.time()
-            cmd = [sys.executable, "-m", "eval.memory_plan", "--threads", str(a.threads), "--device", a.device,
+            cmd = [sys.executable, "-m", "eval.tools.memory_plan", "--threads", str(a.threads), "--device", a.device,
                    "--one", name, job, str(L), str(B)] + (["--no-optimizer-step"] if kw.get("optimizer_step") is False
                                                           else [])
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)

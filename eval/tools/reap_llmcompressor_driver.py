@@ -1,8 +1,8 @@
-"""llmcompressor's REAP on a saved model: the half of `eval.bench_reap_llmcompressor` that runs in
+"""llmcompressor's REAP on a saved model: the half of `eval.tools.bench_reap_llmcompressor` that runs in
 the bench's own venv (llmcompressor 0.14.0.1 and the transformers it pins). Imports nothing from
 this repository. Not a test; started by the bench as
 
-    <venv>/bin/python eval/reap_llmcompressor_driver.py SPEC.json
+    <venv>/bin/python eval/tools/reap_llmcompressor_driver.py SPEC.json
 
 SPEC: {"model": dir, "calib": safetensors file (input_ids.{i}, attention_mask.{i} [B, L]),
 "keep": [K, ...], "runs": {name: {"pipeline": null | "basic" | "sequential", "unpadded": bool}},

@@ -1,9 +1,9 @@
-"""The pure helpers of eval.bench_reap_llmcompressor (no llmcompressor needed)."""
+"""The pure helpers of eval.tools.bench_reap_llmcompressor (no llmcompressor needed)."""
 import math
 
 import torch
 
-from eval import bench_reap_llmcompressor as bench
+from eval.tools import bench_reap_llmcompressor as bench
 from rolemerge import baselines as bl
 
 

@@ -119,7 +119,7 @@ ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --d
     # --threads, --seed)
     "eval.evaluate": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
     "eval.quickstart": ("--data", "--out", "--threads"),
-    "eval.toy_mod": ("--model", "--data", "--out", "--threads"),
+    "eval.toys.mod": ("--model", "--data", "--out", "--threads"),
     "mod.data": ("--model", "--data", "--image-root", "--limit", "--out", "--threads", "--seed"),
     "mod.train": ("--model", "--data", "--image-root", "--out", "--threads", "--seed"),
     "mod.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
@@ -129,7 +129,7 @@ ENTRY_POINTS = {  # module: flags its -h must list (one vocabulary: --model, --d
     "rolemerge.calibrate": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
     "rolemerge.merge": ("--model", "--out", "--threads", "--seed"),
     "rolemerge.infer": ("--model", "--data", "--image-root", "--limit", "--out", "--threads"),
-    "eval.toy_rolemerge": ("--model", "--data", "--out", "--threads"),
+    "eval.toys.rolemerge": ("--model", "--data", "--out", "--threads"),
     "eval.convert": ("--limit", "--out"),
 }
 
@@ -263,7 +263,7 @@ def test_evaluate_accepts_the_old_base_and_n_spellings(capsys):
 def test_quickstart_toy_stages_hand_back_report_rows():
     """Newcomer trial: the quickstart crashed in RoleMerge (MAX_NEW redefined as a dict by look
     step) and after MoLE (toy_mole.run returns its table summary, not report rows)."""
-    from eval import toy_mole, toy_rolemerge
+    from eval.toys import mole as toy_mole, rolemerge as toy_rolemerge
     assert isinstance(toy_rolemerge.MAX_NEW, int)
     items = [{"family": f, "correct": c} for f, c in (("count", 1), ("count", 1), ("colour", 0), ("colour", 0))]
     summary = {"rows": toy_mole._summary_rows({("mole", 0): {"items": items}})}
@@ -309,7 +309,7 @@ def test_readme_lists_the_supported_models_the_code_supports():
 def test_mod_infer_base_json_is_the_toys_fair_baseline(tmp_path):
     """Newcomer trial: mod.infer offered `base` (plain question) but not the quickstart's `base-json`
     (the frozen base on the adapters' JSON prompt), so base vs single compared different prompts.
-    `--methods base-json` answers as eval.toy_mod's base-json row: plain(base, json_prompt=True)."""
+    `--methods base-json` answers as eval.toys.mod's base-json row: plain(base, json_prompt=True)."""
     from mod import infer
     data.generate_split(str(tmp_path / "d"), "test", 3)
     out = infer.main(["--model", "tiny-chat", "--data", str(tmp_path / "d" / "test.json"), "--methods",
@@ -322,5 +322,5 @@ def test_mod_infer_base_json_is_the_toys_fair_baseline(tmp_path):
     assert [(r["id"], r["pred"], r["n_tokens"]) for r in got] == [(r["id"], r["pred"], r["n_tokens"]) for r in toy]
     assert [r["pred"] for r in got] != [r["pred"] for r in out["results"]["base"]]     # another prompt
     import inspect
-    from eval import toy_mod
+    from eval.toys import mod as toy_mod
     assert 'record("base-json", plain(base, proc, test, json_prompt=True))' in inspect.getsource(toy_mod.run)

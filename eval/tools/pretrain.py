@@ -1,8 +1,8 @@
 """Pretrain the embedded tiny base VLMs from scratch on the shapes world.
 
-    python -m common.pretrain --arch qwen3_vl     --out common/tiny/dense   # dense base
-    python -m common.pretrain --arch qwen3_vl_moe --out common/tiny/moe     # MoE base
-    python -m common.pretrain --init common/tiny/dense --chat-mix 1,1,2,1,1 --wrong-priors 0 \
+    python -m eval.tools.pretrain --arch qwen3_vl     --out common/tiny/dense   # dense base
+    python -m eval.tools.pretrain --arch qwen3_vl_moe --out common/tiny/moe     # MoE base
+    python -m eval.tools.pretrain --init common/tiny/dense --chat-mix 1,1,2,1,1 --wrong-priors 0 \
         --steps 800 --batch-size 16 --lr 1e-3 --out common/tiny/chat        # chat base (MoD toy)
 
 Fresh examples every step (seeded by step, so a resumed run sees the same data), AdamW with
@@ -79,7 +79,7 @@ def chat_example(rng, ex, fmt, wrong_priors=0.5):
     prior agrees with the target, so copying the prior's answer is as good as reading the image
     and the base may learn to anchor on priors. The answer tail is the target's
     last characters that hold the short answer (weighted by --answer-weight)."""
-    from common import prompts as vs
+    from mod import prompts as vs
     scene, family, q, a = ex
     gold = data.target_text(scene, a, q)
 

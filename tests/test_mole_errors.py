@@ -317,7 +317,7 @@ def test_inference_on_a_truncated_checkpoint_names_no_trainer_flag(shapes, run, 
 
 
 def test_checkpoint_of_another_trainer_is_not_a_mole_checkpoint(shapes, run, tmp_path, capsys):
-    out = copy_run(run, tmp_path)  # a mod.train / common.pretrain checkpoint: state.json without "args"
+    out = copy_run(run, tmp_path)  # a mod.train / eval.tools.pretrain checkpoint: state.json without "args"
     state = json.loads((out / "state.json").read_text())
     (out / "state.json").write_text(json.dumps({k: state[k] for k in ("step", "settings", "log")}))
     before = snapshot(out)

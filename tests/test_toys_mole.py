@@ -1,5 +1,5 @@
-"""Scoring of the MoLE stage-1 bottleneck experiment (eval/toy_mole.py): per-cell transcription."""
-from eval.toy_mole import cell_accuracy, cells_of
+"""Scoring of the MoLE stage-1 bottleneck experiment (eval/toys/mole.py): per-cell transcription."""
+from eval.toys.mole import cell_accuracy, cells_of
 
 GOLD = ("tl red circle + tc empty - tr empty - ml empty - mc blue square - mr empty - bl empty - bc empty - "
         "br empty -. Answer: yes")
@@ -22,10 +22,10 @@ def test_cell_accuracy_hand_values():
     assert cell_accuracy("tl red circle", GOLD) == 1 / 9  # missing cells count as wrong
 
 
-def test_toy_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch, capsys, tmp_path):
-    """eval.toy_mole has the entry-point vocabulary (--model, --base deprecated, --threads) and
+def test_toys_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch, capsys, tmp_path):
+    """eval.toys.mole has the entry-point vocabulary (--model, --base deprecated, --threads) and
     hands mole.train --model, never the deprecated --base."""
-    import eval.toy_mole as tm
+    import eval.toys.mole as tm
     from mole import train as mt
     seen = []
 
@@ -51,7 +51,7 @@ def test_toy_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch
 
 
 def test_pick_lr_best_validation_accuracy_and_the_preregistered_tie_rule():
-    from eval.toy_mole import pick_lr
+    from eval.toys.mole import pick_lr
     assert pick_lr({5e-4: 0.60, 2e-3: 0.62, 5e-3: 0.65}) == 5e-3          # highest wins, not the default
     assert pick_lr({5e-4: 0.70, 2e-3: 0.62, 5e-3: 0.65}) == 5e-4
     assert pick_lr({5e-4: 0.99, 2e-3: 0.99, 5e-3: 0.98}) == 2e-3          # tie including the table's lr: keep it
@@ -75,7 +75,7 @@ def test_summarise_lr_reads_each_row_at_its_picked_lr_only(tmp_path):
     with 5e-4): the summary takes MoLE (and its ablation)
     from table_lr0.005, SFT from table, never the other lr's files, and compares the ablation
     with MoLE at the same lr."""
-    import eval.toy_mole as tm
+    import eval.toys.mole as tm
     out = str(tmp_path)
     n = 20
     for row in tm.LR_SWEPT:
@@ -108,7 +108,7 @@ def test_shared_items_needs_the_same_text_and_the_same_image(tmp_path):
     """A validation item is a training item only if question, target and pixels are equal:
     the shapes text does not name object size, so equal text can be another image."""
     from PIL import Image
-    from eval.toy_mole import shared_items
+    from eval.toys.mole import shared_items
     for name, colour in (("a", "red"), ("b", "red"), ("c", "blue")):
         Image.new("RGB", (8, 8), colour).save(tmp_path / f"{name}.png")
     rec = lambda i, img, q="How many squares?": {"id": i, "image": str(tmp_path / img), "question": q,
@@ -121,7 +121,7 @@ def test_shared_items_needs_the_same_text_and_the_same_image(tmp_path):
 
 def test_phases_of_the_other_part_are_refused(capsys):
     import pytest
-    import eval.toy_mole as tm
+    import eval.toys.mole as tm
     for argv in (["--phase", "sweep"], ["--part", "bottleneck", "--phase", "lr"], ["--phase", "lr", "--quick"],
                  ["--phase", "lr", "--stop-at", "5pm"]):
         with pytest.raises(SystemExit) as e:
@@ -132,7 +132,7 @@ def test_phases_of_the_other_part_are_refused(capsys):
 
 
 def test_verdict_follows_the_preregistered_criterion():
-    from eval.toy_mole import verdict
+    from eval.toys.mole import verdict
     d = lambda x, lo, hi: {"diff": x, "ci_low": lo, "ci_high": hi}
     cmp = lambda per, mean: {"per_seed": {str(i): p for i, p in enumerate(per)}, "mean": mean,
                              "seeds": list(range(len(per)))}
@@ -147,7 +147,7 @@ def test_verdict_follows_the_preregistered_criterion():
 
 def test_phase_data_prepares_data_and_base_and_trains_nothing(monkeypatch, tmp_path, capsys):
     """--phase data: the splits and the base row only (so one process per --seeds can share --out)."""
-    import eval.toy_mole as tm
+    import eval.toys.mole as tm
     from mole import train as mt
     calls = []
     monkeypatch.setattr(tm.data, "ensure_splits", lambda d, sizes: calls.append(("splits", dict(sizes))))

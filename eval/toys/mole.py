@@ -1,11 +1,11 @@
 """Toy reproduction of MoLE (paper 002) on the shapes world, from the tiny dense base.
 
-    python -m eval.toy_mole            # every row below, writes out/mole/results.json
-    python -m eval.toy_mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
-    python -m eval.toy_mole --part bottleneck --threads 1   # stage-1 bottleneck experiment (mole/README.md)
-    python -m eval.toy_mole --part shift                    # answer CE: position shift vs latent content
-    python -m eval.toy_mole --phase lr --threads 1          # the table with a per-row lr picked on validation
-    python -m eval.toy_mole --phase data; python -m eval.toy_mole --seeds 0 & python -m eval.toy_mole --seeds 1
+    python -m eval.toys.mole            # every row below, writes out/mole/results.json
+    python -m eval.toys.mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
+    python -m eval.toys.mole --part bottleneck --threads 1   # stage-1 bottleneck experiment (mole/README.md)
+    python -m eval.toys.mole --part shift                    # answer CE: position shift vs latent content
+    python -m eval.toys.mole --phase lr --threads 1          # the table with a per-row lr picked on validation
+    python -m eval.toys.mole --phase data; python -m eval.toys.mole --seeds 0 & python -m eval.toys.mole --seeds 1
                                                             # one process per seed (mole/README.md, "Wall time")
 
 Rows (all trained with the same data, steps, optimiser and LoRA on the same base):

@@ -1,7 +1,7 @@
 """Integration check (not CI): lmms-eval runs our models and scores them as we do.
 
-    python -m eval.lmms_check                       # venv /work/venv-lmms, results in out/lmms_check
-    python -m eval.lmms_check --venv ~/venv-lmms --n 100 --lmms-eval-version 0.7.3
+    python -m eval.tools.lmms_check                       # venv /work/venv-lmms, results in out/lmms_check
+    python -m eval.tools.lmms_check --venv ~/venv-lmms --n 100 --lmms-eval-version 0.7.3
 
 Needs only the standard library to start: it
 1. makes its own venv (--venv) with requirements.txt + lmms-eval, our pins held as pip
@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
 
 

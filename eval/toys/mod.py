@@ -2,7 +2,7 @@
 
 Pipeline, all on the committed tiny chat VLM `tiny-chat` (frozen): `tiny-dense` continued on the
 prompt shapes used here (JSON instruction, debate prompt with prior responses, self-correction
-and multi-agent-debate turns; `common.pretrain.chat_example`), the stand-in for a real VLM's
+and multi-agent-debate turns; `eval.tools.pretrain.chat_example`), the stand-in for a real VLM's
 instruction following:
   1. viewpoint-shift data (§3.2): K samples per training question from the base model,
      T_pos / T_rev / T_rob samples with the debate prompt and a JSON target,
@@ -19,12 +19,12 @@ instruction following:
      router, sqrt-product vs product vs mean, with vs without the aux loss (expert usage
      entropy), plus the router-A per-family heatmap.
 
-    python -m eval.toy_mod --quick      # main rows only, ~1-3 CPU minutes
-    python -m eval.toy_mod --part e2e   # the pipeline below -> out/mod/results.json (~20 CPU minutes)
-    python -m eval.toy_mod --part mechanism   # frozen single-layer mechanism experiments -> out/mod/mechanism/
-    python -m eval.toy_mod --part debate      # end to end with headroom, one lr -> out/mod/debate/
-    python -m eval.toy_mod              # mechanism, debate and e2e; out/mod/results.json lists every part's report
-    bash eval/toy_mod_main.sh a|b|report      # the debate part's main setting (per-arm lr, 600 questions, 3 seeds)
+    python -m eval.toys.mod --quick      # main rows only, ~1-3 CPU minutes
+    python -m eval.toys.mod --part e2e   # the pipeline below -> out/mod/results.json (~20 CPU minutes)
+    python -m eval.toys.mod --part mechanism   # frozen single-layer mechanism experiments -> out/mod/mechanism/
+    python -m eval.toys.mod --part debate      # end to end with headroom, one lr -> out/mod/debate/
+    python -m eval.toys.mod              # mechanism, debate and e2e; out/mod/results.json lists every part's report
+    bash eval/toys/mod_main.sh a|b|report      # the debate part's main setting (per-arm lr, 600 questions, 3 seeds)
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
@@ -229,14 +229,14 @@ def main(argv=None):
     p.add_argument("--debate-no-train", action="store_true", help="debate-lr part: report what is on disk, "
                    "train and score nothing ((arm, seed) without scores are listed as not run)")
     p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e"],
-                   help="mechanism: frozen single-layer experiments (eval/toy_mod_mechanism.py, -> OUT/mechanism/); "
-                   "debate: end to end with headroom (eval/toy_mod_debate.py, -> OUT/debate/); "
+                   help="mechanism: frozen single-layer experiments (eval/toys/mod_mechanism.py, -> OUT/mechanism/); "
+                   "debate: end to end with headroom (eval/toys/mod_debate.py, -> OUT/debate/); "
                    "debate-lr: per-arm lr of the --debate-arms (default MoD,MoE-LoRA; the first two are the "
                    "references every further arm is compared with) picked on the val split, then --debate-seeds "
                    "at the picks (-> OUT/debate/lr/; makes the debate data when missing); "
                    "e2e: the shapes-world pipeline below; all: every part but debate-lr (--quick runs e2e only)")
     a = p.parse_args(argv)
-    from eval import toy_mod_debate
+    from eval.toys import mod_debate as toy_mod_debate
     arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
     if [x for x in arms if x not in toy_mod_debate.SLUGS]:
         p.error(f"--debate-arms: unknown {[x for x in arms if x not in toy_mod_debate.SLUGS]}; "
@@ -272,7 +272,7 @@ def main(argv=None):
                    train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None, rounds=tuple(rounds))
     set_threads(a.threads, a.model)
     if a.part in ("all", "mechanism") and not a.quick:
-        from eval import toy_mod_mechanism
+        from eval.toys import mod_mechanism as toy_mod_mechanism
         toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
     if a.part in ("all", "debate") and not a.quick:
         toy_mod_debate.run(a.data, a.out, a.model, S=debate)

@@ -9,8 +9,8 @@ Measures, in one run and side by side:
   2. per-token decoding cost of the MoD layer (one new token with the W-1 routing cache)
      after a context of 64 vs 2048 tokens. Goal: ratio ~1 (independent of context length).
 
-    python -m eval.bench_mod                  # Qwen2.5-VL-3B sizes, CPU or the first GPU
-    python -m eval.bench_mod --dim 512 --tokens 512 --reps 3     # quick
+    python -m eval.tools.bench_mod                  # Qwen2.5-VL-3B sizes, CPU or the first GPU
+    python -m eval.tools.bench_mod --dim 512 --tokens 512 --reps 3     # quick
 """
 import statistics
 import time

@@ -1,7 +1,7 @@
 """Our REAP against llmcompressor's `REAPPruningModifier` on the same model and calibration data
 (a bench, not a test; llmcompressor is no dependency of this repository).
 
-    nice -n 10 python -m eval.bench_reap_llmcompressor            # ~30 s; a first run also installs (~2 min in all)
+    nice -n 10 python -m eval.tools.bench_reap_llmcompressor            # ~30 s; a first run also installs (~2 min in all)
 
 1. creates (or reuses) a separate venv, `--venv` (default out/reap_llmcompressor/venv), with
    llmcompressor==0.14.0.1 and the transformers it pins (<= 5.17; ours is 5.24). torch is not
@@ -12,7 +12,7 @@
 2. builds a tiny Qwen3-MoE offline (4 layers, 16 experts, top-4, norm_topk_prob, seeded random
    weights, float32, safetensors + a word-level tokenizer) and fixed calibration batches with
    right padding (8 batches x 4 sequences of 6-32 tokens);
-3. runs llmcompressor's REAP in the venv (`eval/reap_llmcompressor_driver.py`, a subprocess) and
+3. runs llmcompressor's REAP in the venv (`eval/tools/reap_llmcompressor_driver.py`, a subprocess) and
    ours (`rolemerge.baselines`) here, for every K in `--keep`:
      ours                    our definition: non-padding tokens, one pass over the full model
      ours_unmasked           every position, padding included, one pass

@@ -1,5 +1,5 @@
 """Prompt shapes shared by MoD inference / data synthesis (`mod/`) and the chat pretraining of
-the tiny base (`common.pretrain`): the debate prompt and JSON response format of "Mixture of
+the tiny base (`eval.tools.pretrain`): the debate prompt and JSON response format of "Mixture of
 Debaters: Learn to Debate at Architectural Level in Multi-Agent Reasoning" (arXiv 2606.29425;
 §3.2, Alg. 2, App. B), self-correction and multi-agent-debate turns, and the shapes world's
 wrong responses used as misleading priors.

@@ -1,7 +1,7 @@
 """GPU readiness check (a few minutes on one GPU; not a test). Skips cleanly without CUDA.
 
-    python -m eval.gpu_check                      # one GPU: every check, figures to out/gpu_check.json
-    python -m eval.gpu_check --device cpu         # the same code paths on CPU (smoke run, slow)
+    python -m eval.tools.gpu_check                      # one GPU: every check, figures to out/gpu_check.json
+    python -m eval.tools.gpu_check --device cpu         # the same code paths on CPU (smoke run, slow)
 
 Checks, each reported as ok / skipped / failed with its figures:
   mod_bf16       MoD train steps under bf16 autocast on the tiny base (mod.train.fit): loss finite,

@@ -1,9 +1,9 @@
-"""eval.memory_plan: the accounting and the extrapolation, on hand cases and a tiny config (seconds)."""
+"""eval.tools.memory_plan: the accounting and the extrapolation, on hand cases and a tiny config (seconds)."""
 import pytest
 import torch
 import torch.nn as nn
 
-from eval import memory_plan as mp
+from eval.tools import memory_plan as mp
 
 # a tiny Qwen2.5-VL-shaped spec (same keys as memory_plan.REAL)
 TINY = dict(

@@ -1,7 +1,7 @@
 """Scale benchmark of the RoleMerge streaming merge (not a test).
 
-    python -m eval.bench_rolemerge                       # ~1.2 GB synthetic checkpoint, 1-2 minutes
-    python -m eval.bench_rolemerge --layers 48 --hidden 2048 --moe-intermediate 768   # Qwen3-30B-A3B experts (~58 GB)
+    python -m eval.tools.bench_rolemerge                       # ~1.2 GB synthetic checkpoint, 1-2 minutes
+    python -m eval.tools.bench_rolemerge --layers 48 --hidden 2048 --moe-intermediate 768   # Qwen3-30B-A3B experts (~58 GB)
 
 1. writes a synthetic Qwen3-MoE checkpoint (random bf16 weights, the real per-expert key
    names `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, 128 experts, several

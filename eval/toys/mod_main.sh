@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The MoD debate part's main setting (pre-registered in mod/README.md, "Debate part: the main
 # setting"): 600 test questions, 500 steps, every arm at its validated lr, seeds 0-2, MoD-Multi
-# 2 and 3 rounds. Two processes, one thread each:   bash eval/toy_mod_main.sh a   and   ... b
+# 2 and 3 rounds. Two processes, one thread each:   bash eval/toys/mod_main.sh a   and   ... b
 # Each (arm, seed) is its own call, so the cut-off (no new training after CUTOFF, UTC HHMM)
 # is checked before every training; everything on disk is reused, so a stopped run resumes.
-# The report over everything on disk:   bash eval/toy_mod_main.sh report
+# The report over everything on disk:   bash eval/toys/mod_main.sh report
 set -u
 OUT=${OUT:-out/mod}; CUTOFF=${CUTOFF:-1230}
-M="python -m eval.toy_mod --part debate-lr --debate-test 600 --threads 1 --out $OUT"
+M="python -m eval.toys.mod --part debate-lr --debate-test 600 --threads 1 --out $OUT"
 export OMP_NUM_THREADS=1
 late() { [ "$(date -u +%H%M)" -ge "$CUTOFF" ]; }
 one() {  # one (arm=lr, seed) at 500 steps; extra flags after the seed
@@ -34,6 +34,6 @@ case ${1:-} in
     P1=$(mixpick "MoD T_pos only"); P2=$(mixpick "MoD T_pos+T_rev")
     $M --debate-steps 500 --debate-seeds 0,1,2 --debate-rounds 2,3 --debate-no-train --debate-lr-tag _main \
        --debate-picks MoD=1e-2,MoE-LoRA=5e-3,LoRA=5e-3,LoRA_r4=1e-2,MoE-LoRA_window=5e-3,MoD_shared=1e-2,MoD_pos=$P1,MoD_pos_rev=$P2 ;;
-  *) echo "usage: bash eval/toy_mod_main.sh a|b|report" >&2; exit 2 ;;
+  *) echo "usage: bash eval/toys/mod_main.sh a|b|report" >&2; exit 2 ;;
 esac
 echo "$(date -u +%T) done $1"

@@ -1,7 +1,7 @@
 """Toy reproduction of RoleMerge (paper 001) on the shapes world, from the tiny MoE-VLM base.
 
-    python -m eval.toy_rolemerge            # every row below, writes out/rolemerge/results.json
-    python -m eval.toy_rolemerge --quick    # rho = .5: full, RoleMerge, both baselines (~3 CPU minutes)
+    python -m eval.toys.rolemerge            # every row below, writes out/rolemerge/results.json
+    python -m eval.toys.rolemerge --quick    # rho = .5: full, RoleMerge, both baselines (~3 CPU minutes)
 
 1. calibration: greedy decoding of the tiny Qwen3-VL-MoE (8 experts, top-2) on validation
    examples, one source per question family (the analogue of the paper's TCS task mix);
@@ -200,7 +200,7 @@ CLAIMS = [("H1 RoleMerge > M-SMoE", "rolemerge", "msmoe", "correct"),
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
 # The base with the paper's structure (rolemerge/README.md, session 4: one 5,500-step schedule per
 # seed; the second recipe's 1,000 steps did not give a usable base): `--retrain-base DIR` runs
-# `python -m common.pretrain {PAPER_RECIPE} --seed S --out DIR/seedS` (resuming DIR/seedS.ckpt).
+# `python -m eval.tools.pretrain {PAPER_RECIPE} --seed S --out DIR/seedS` (resuming DIR/seedS.ckpt).
 PAPER_RECIPE = ("--arch qwen3_vl_moe --experts 32 --top-k 4 --expert-width 32 --patch-size 7 --merge-size 1 "
                 "--look objects --steps 5500 --batch-size 16 --lr 2e-3 --eval-every 1000 --ckpt-every 50").split()
 MAX_NEW_BY_LOOK = {"none": 8, "objects": 32, "full": 64}   # new tokens by the base's look step (its longest turn fits)
@@ -218,10 +218,10 @@ def premise(stats):
 
 
 def gold_turn(record, look):
-    """The assistant turn a `look` base ("full" / "objects" / "none", common.pretrain.LOOKS) was
+    """The assistant turn a `look` base ("full" / "objects" / "none", eval.tools.pretrain.LOOKS) was
     trained to produce for a shapes record: its look step (from the raw record's "scene", or the
     part of `data.read_llava_json`'s "target" before " Answer:") + answer."""
-    from common.pretrain import LOOKS
+    from eval.tools.pretrain import LOOKS
     look = {True: "full", False: "none"}.get(look, look)
     scene = record["scene"] if "scene" in record else record.get("target", "").rsplit(" Answer:", 1)[0]
     if look == "full":
@@ -499,7 +499,7 @@ def parser():
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--paper", default="",
-                   help="comma-separated base directories with the paper's structure (common.pretrain "
+                   help="comma-separated base directories with the paper's structure (eval.tools.pretrain "
                         "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --no-look): run the pre-registered "
                         "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
     p.add_argument("--arms", default=",".join(PAPER_ARMS), help="--paper arms, comma-separated")
@@ -517,7 +517,7 @@ def retrain_bases(root, seeds, threads):
     out = []
     for s in seeds:
         d = os.path.join(root, f"seed{s}")
-        cmd = [sys.executable, "-m", "common.pretrain", *PAPER_RECIPE, "--seed", str(s), "--out", d]
+        cmd = [sys.executable, "-m", "eval.tools.pretrain", *PAPER_RECIPE, "--seed", str(s), "--out", d]
         cmd += ["--threads", str(threads)] if threads is not None else []
         print("[paper] " + " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True)

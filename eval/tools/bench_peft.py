@@ -1,7 +1,7 @@
 """Cross-check of MoD's LoRA baseline against peft's own loader and saver (not a test; peft
 is not a dependency of this repository: run it from a venv that has peft).
 
-    /work/venv-scale/bin/python -m eval.bench_peft      # any venv with torch, transformers, peft
+    /work/venv-scale/bin/python -m eval.tools.bench_peft      # any venv with torch, transformers, peft
 
 1. ours -> peft: attach our LoRA (random A and B) to the tiny Qwen2.5-VL, `mod.model.save_peft`,
    then `peft.PeftModel.from_pretrained(fresh base, dir)`; logits must equal ours.

@@ -1,11 +1,11 @@
-"""eval.gpu_check: skips cleanly without CUDA; --device-map auto without accelerate is
+"""eval.tools.gpu_check: skips cleanly without CUDA; --device-map auto without accelerate is
 reported naming the package."""
 import importlib.util
 
 import pytest
 import torch
 
-from eval import gpu_check
+from eval.tools import gpu_check
 
 
 def test_skips_cleanly_without_cuda(monkeypatch, tmp_path, capsys):

@@ -24,7 +24,7 @@ base scores 1.0). Per arm: learning rate picked from LRS on a validation split (
 bootstrap over test items of the seed-averaged item error; paired bootstrap vs the reference
 arm. Switch rate: fraction of adjacent test tokens whose top-1 router-A expert differs.
 
-    python -m eval.toy_mod --part mechanism --threads 1      # ~minutes on one CPU thread
+    python -m eval.toys.mod --part mechanism --threads 1      # ~minutes on one CPU thread
 """
 import json
 import math

@@ -1,7 +1,7 @@
 """Speed of MoLE vs the plain-latent (LIVR-like) baseline at the same latent budget (8).
 
-    python -m eval.bench_mole                  # tiny and 3B-like sizes, prints ratios
-    python -m eval.bench_mole --sizes tiny --reps 5
+    python -m eval.tools.bench_mole                  # tiny and 3B-like sizes, prints ratios
+    python -m eval.tools.bench_mole --sizes tiny --reps 5
 
 Both models run through the same wrapper, mask and trainer-default trainable set (LoRA r=8
 on q/k/v/o + latents [+ routers + ESVAs]); the only difference is the MoLE path (routing
