@@ -20,10 +20,11 @@ import sys
 
 import torch
 
-TINY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
-# tiny-chat: tiny-dense continued on the single-JSON and debate prompt formats (mod/README.md)
-TINY = {"tiny-dense": os.path.join(TINY_DIR, "dense"), "tiny-moe": os.path.join(TINY_DIR, "moe"),
-        "tiny-chat": os.path.join(TINY_DIR, "chat")}
+from common import shapes
+from common.checkpoint import CheckpointError, checked_weights
+from common.data import follow_umask
+from common.tiny import TINY, TINY_DIR  # noqa: F401  (bb.TINY: the tiny bases by name)
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
 CHAT_TEMPLATE = (
@@ -43,15 +44,14 @@ class BackboneError(ValueError):
 def build_tokenizer(vocab_size=400, seed=0):
     """Byte-level BPE tokenizer trained in memory on shapes-world text (any text encodes:
     unknown words fall back to bytes), with the Qwen special tokens, one added token per
-    object name / option / spatial mark (`common.data.mark_tokens`) and a chat template.
+    object name / option / spatial mark (`common.shapes.mark_tokens`) and a chat template.
     Returns a `Qwen2Tokenizer`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
-    from common import data
     rng, corpus = random.Random(seed), []
     for _ in range(3000):
-        scene, family, q, a = data.sample_example(rng)
-        corpus += [q, data.target_text(scene, a, q)]
+        scene, family, q, a = shapes.sample_example(rng)
+        corpus += [q, shapes.target_text(scene, a, q)]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(
@@ -63,7 +63,7 @@ def build_tokenizer(vocab_size=400, seed=0):
     # Object names ("red circle"), option texts ("A. red circle") and spatial marks ("1tl") are
     # single tokens, so every step of the look-then-answer target is a one-hop lookup for the
     # 4-layer model instead of a multi-token match (see README, "How the tiny bases learn").
-    tok.add_tokens([" " + w for w in data.mark_tokens()])
+    tok.add_tokens([" " + w for w in shapes.mark_tokens()])
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -363,7 +363,6 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     trust_remote_code), weights only in pickle files (pytorch_model.bin: pickles can run code,
     so they are never loaded), and a truncated / corrupt safetensors file (named)."""
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-    from common.checkpoint import CheckpointError, checked_weights
     path = resolve(path)
     old = path.rstrip("/") + ".old"
     if not os.path.exists(path) and os.path.exists(os.path.join(old, "config.json")):  # see save_backbone
@@ -421,7 +420,6 @@ def save_backbone(model, proc, path):
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     proc.save_pretrained(tmp)
-    from common.data import follow_umask
     follow_umask(tmp)
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)

@@ -16,6 +16,9 @@ import signal
 import sys
 from contextlib import contextmanager
 
+from common.checkpoint import read_state
+from common.tiny import TINY, TINY_DIR
+
 
 def number(kind=int, min=None, above=None):
     """argparse type: a finite int / float that is >= min (or > above). Degenerate values
@@ -141,7 +144,6 @@ def set_threads(threads, model=None):
     0 leaves torch's own default. Measured in the README (Setup): on a 2-core machine busy
     with other jobs, torch's default threads made a 200-example evaluation ~10x slower."""
     import torch
-    from common.backbone import TINY, TINY_DIR
     if threads is None:
         tiny = (model is None or model in TINY or os.path.abspath(str(model)).startswith(TINY_DIR)
                 or _small_checkpoint(model))
@@ -227,7 +229,6 @@ def read_checkpoint(path, optim=True, hint=None):
     gets RESUME_HINT (its --overwrite starts over); a load for inference (optim=False, e.g.
     `mole.train.load_mole` from mole.infer / mole.diagnostics, which have no --overwrite)
     gets LOAD_HINT."""
-    from common.checkpoint import read_state
     if hint is None:
         hint = RESUME_HINT if optim else LOAD_HINT
     try:

@@ -37,8 +37,8 @@ from tqdm import tqdm
 
 from common.backbone import generate, load_backbone
 from common.cli import Deprecated, RunError, add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from common.data import (ANSWER_TYPE, IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns,
-                         load_image, read_any)
+from common.data import IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns, load_image, read_any
+from common.answers import ANSWER_TYPE, options_of, score  # noqa: F401  (eval.evaluate.options_of)
 from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
                           option_letters, pope_prf, record_answer_type, short_answer)
 from eval.scores import SCORERS, benchmark_scores, format_scores
@@ -71,12 +71,10 @@ def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"
         texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens,
                                history=[r.get("history", []) for r in batch])
         for r, t, n in zip(batch, texts, lens):
-            opts, typ = options_of(r), record_answer_type(r)
-            letters = option_letters(opts, gold_list(r["answer"])) if typ == "letter" else None
-            results.append({"id": r["id"], "family": r["family"], "pred": t, "answer_type": typ,
-                            "extracted": extract(t, typ, letters, opts), "answer": r["answer"],
-                            "correct": is_correct(t, r["answer"], r["family"], opts, typ), "n_tokens": n,
-                            **({"benchmark": r["benchmark"]} if r.get("benchmark") else {})})
+            s = score(r, t)
+            results.append({"id": r["id"], "family": r["family"], "pred": t, "answer_type": s["answer_type"],
+                            "extracted": s["extracted"], "answer": r["answer"], "correct": s["correct"],
+                            "n_tokens": n, **({"benchmark": r["benchmark"]} if r.get("benchmark") else {})})
         bar.update(len(batch))
     bar.close()
     model.train(was_training)
@@ -84,14 +82,6 @@ def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"
 
 
 # ----------------------------------------------------------------------------- multiple choice
-
-def options_of(record):
-    """[(letter, text), ...] of a multiple-choice record: its "options" field (canonical
-    JSONL), else the lettered options listed in a letter-type family's question; [] if none."""
-    if record.get("options"):
-        return list(record["options"])
-    return parse_options(record["question"]) if record_answer_type(record) == "letter" else []
-
 
 def loglik_prefix(generated):
     """Assistant-turn context for option scoring: the generated text up to and including its

@@ -391,7 +391,7 @@ def _make_classes():
                 raise ValueError("mole: needs pretrained=CKPT (a checkpoint directory written by mole.train)")
             if dtype not in (None, "auto"):
                 raise ValueError("mole: dtype is set by the checkpoint (its base's own dtype); leave it out")
-            from mole.train import load_mole, recorded_base
+            from mole.checkpoint import load_mole, recorded_base
             super().__init__(batch_size, device, "auto", threads, base or recorded_base(pretrained))
             self.net, self.proc, self.stage = load_mole(pretrained, device=self.device, base=base)
             from mole.model import MoLE as _Net

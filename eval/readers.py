@@ -12,4 +12,4 @@ README ("Records"):
 
 `read_any` picks the reader from the file's content.
 """
-from common.data import REQUIRED, parse_options, read_any, read_jsonl, read_llava_json  # noqa: F401
+from common.data import REQUIRED, parse_options, read_any, read_jsonl, read_llava_json

@@ -3,7 +3,7 @@
 For every training question (image V, question Q, gold answer A*):
   1. sample K responses from the frozen base model (temperature sampling),
   2. split them into a correct pool P+ and an incorrect pool P- (answers checked with
-     `eval.metrics.is_correct`), every response rewritten in the debate format
+     `common.answers.is_correct`), every response rewritten in the debate format
      {"Reasoning": <scene description>, "Answer": <short answer>},
   3. build single-turn samples: the human turn holds Q, the debate prompt D and R prior
      responses; the target (gpt turn) is always drawn from P+. Three categories:
@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from common.cli import add_limit, add_threads, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP
-from common.data import DataError, atomic_write_text, final_answer, load_image
+from common.data import DataError, atomic_write_text, check_support, check_training_records, load_image, read_records
+from common.answers import final_answer, is_correct  # noqa: F401  (mod.infer scores with it)
 # The prompt shapes live in common/ (the tiny chat base is pretrained on them too); mod.infer reads them here.
 from mod.prompts import (ANSWER_SPACE, DEBATE_PROMPT, JSON_INSTRUCTION, debate_prompt,  # noqa: F401
                             debater_prompt, judge_prompt, review_prompt, single_prompt, to_json_response,
@@ -41,14 +42,17 @@ from mod.prompts import (ANSWER_SPACE, DEBATE_PROMPT, JSON_INSTRUCTION, debate_p
 CATEGORIES = ("pos", "rev", "rob")
 
 
-def is_correct(text, gold, family):
-    """`eval.metrics.is_correct` (answer-type aware) when present, else exact match of
-    `common.data.final_answer`."""
-    try:
-        from eval.metrics import is_correct as ev
-    except ImportError:
-        return final_answer(text).lower() == str(gold).lower()
-    return ev(text, gold, family)
+def load_records(path, image_root=None, entry="mod.train", multi_turn=True):
+    """Training records from LLaVA JSON/JSONL or canonical JSONL (`common.data.read_records`,
+    relative image paths against `image_root`, default the file's folder), checked for what
+    `entry` needs: at least one record, at most one image per record (`common.data.check_support`;
+    text-only records, image None, are allowed, as in the paper's MMLU rows; multi-turn records
+    only if `multi_turn`: mod.train trains on every gpt turn) and a non-empty answer
+    (`common.data.check_training_records`). Raises DataError."""
+    records = read_records(path, image_root)
+    check_support(records, entry, text_only=True, multi_turn=multi_turn)
+    check_training_records(records, path)
+    return records
 
 
 def gold_response(record):
@@ -180,7 +184,6 @@ def run(args):
     """The body of `main` for parsed flags (writes args.out atomically)."""
     from common.backbone import load_backbone
     from common.data import DataError
-    from mod.train import load_records
     records = load_records(args.data, args.image_root, "mod.data", multi_turn=False)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # fail before the sampling
     model, proc = load_backbone(args.model)

@@ -13,7 +13,7 @@
 
 Every method returns per-question results {id, family, pred, correct, n_tokens} and the
 wall time; `n_tokens` sums all generated tokens of all calls for that question.
-Answers are read with `eval.metrics.is_correct`, which parses the JSON and falls back to
+Answers are read with `common.answers.is_correct`, which parses the JSON and falls back to
 the text after the last "Answer" when the JSON is malformed.
 
     python -m mod.infer --model tiny-chat --adapter out/mod/run --data out/data/test.json --rounds 1
@@ -26,9 +26,8 @@ import torch
 
 from common.backbone import generate
 from common.cli import add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from common.data import IMAGE_ROOT_HELP
+from common.data import IMAGE_ROOT_HELP, Batcher
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
-from mod.train import Batcher
 
 
 def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):

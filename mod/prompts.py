@@ -6,7 +6,9 @@ wrong responses used as misleading priors.
 """
 import json
 
-from common.data import DataError, final_answer, sample_scene, target_text
+from common.data import DataError
+from common.shapes import sample_scene, target_text
+from common.answers import final_answer
 
 DEBATE_PROMPT = "Review the following responses from other assistants and determine your final answer."
 JSON_INSTRUCTION = 'Reply in JSON with the keys "Reasoning" and "Answer".'

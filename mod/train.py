@@ -38,10 +38,11 @@ from tqdm import tqdm
 
 from common.backbone import base_identity
 from common.checkpoint import save_train_state
-from common.data import IMAGE_ROOT_HELP
+from common.data import IMAGE_ROOT_HELP, Batcher  # noqa: F401  (mod.train.Batcher: the trainer's batches)
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
                         read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
                         token_ce, add_threads)
+from mod.data import load_records
 from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, compile_adapters,
                        num_trainable, save_adapters)
 
@@ -84,50 +85,6 @@ def adapter_config(args):
 
 
 # ----------------------------------------------------------------------------- data
-
-def load_records(path, image_root=None, entry="mod.train", multi_turn=True):
-    """Training records from LLaVA JSON/JSONL or canonical JSONL (`common.data.read_records`,
-    relative image paths against `image_root`, default the file's folder), checked for what
-    `entry` needs: at least one record, at most one image per record (`common.data.check_support`;
-    text-only records, image None, are allowed, as in the paper's MMLU rows; multi-turn records
-    only if `multi_turn`: mod.train trains on every gpt turn) and a non-empty answer
-    (`common.data.check_training_records`). Raises DataError."""
-    from common.data import check_support, check_training_records, read_records
-    records = read_records(path, image_root)
-    check_support(records, entry, text_only=True, multi_turn=multi_turn)
-    check_training_records(records, path)
-    return records
-
-
-class Batcher:
-    """Turns training records into model batches; each image file is decoded once and kept.
-
-    records: dicts with id, image (path, or None for a text-only record), question, target[,
-    history]. Pixels come from `VLProcessor.vision` / `images`, the one image path of every
-    entry point (the processor's resize rules; a torch fast path for images it keeps as they
-    are). Raises DataError naming the record for a missing or unreadable image."""
-
-    def __init__(self, proc, records):
-        from common.data import load_image
-        self.proc, self.records = proc, records
-        first = {}  # image path -> id of the first record using it (for error messages)
-        for r in records:
-            if r.get("image"):
-                first.setdefault(r["image"], r.get("id", "?"))
-        self.slot = {p: i for i, p in enumerate(first)}
-        self.images = [load_image(p, rid) for p, rid in first.items()]
-
-    def image_list(self, recs):
-        """The decoded image of each record, None for a text-only one."""
-        return [self.images[self.slot[r["image"]]] if r.get("image") else None for r in recs]
-
-    def encode(self, recs, answers=None, questions=None):
-        """Model inputs for records; with answers: training batch (right padding, labels on
-        every answer turn of a multi-turn record)."""
-        questions = questions or [r["question"] for r in recs]
-        return self.proc.encode(self.image_list(recs), questions, answers=answers,
-                                history=[r.get("history", []) for r in recs])
-
 
 def batch_indices(n, batch_size, seed, step, micro, rank):
     """Record indices of one micro-batch: a generator seeded by (seed, step, micro, rank)."""

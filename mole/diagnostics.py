@@ -97,7 +97,7 @@ def run(a):
     """The body of `main` for parsed flags. Returns the numbers as a dict."""
     from common.data import atomic_write_text, check_support, read_records
     from mole.model import MoLE
-    from mole.train import load_mole, recorded_base
+    from mole.checkpoint import load_mole, recorded_base
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:
         check_out_file(a.out)

@@ -16,6 +16,8 @@ import time
 import torch
 from transformers import DynamicCache
 
+from common import backbone as bb
+from common.answers import is_correct, score
 from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, load_record_images, topology_mask
@@ -110,10 +112,9 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
 
 def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervention="none", desc="mole"):
     """Greedy answers for LLaVA records (common.data.read_llava_json) -> list of dicts
-    {id, family, pred, answer, correct, n_tokens}, scored with `eval.metrics.is_correct`
+    {id, family, pred, answer, correct, n_tokens}, scored with `common.answers.is_correct`
     (the same scorer as `eval.evaluate`)."""
     from tqdm import tqdm
-    from eval.metrics import is_correct
     res = []
     for i in tqdm(range(0, len(records), batch_size), desc=desc, leave=False):
         chunk = records[i:i + batch_size]
@@ -149,7 +150,7 @@ def main(argv=None):
 def run(a):
     """The body of `main` for parsed flags. Returns the per-example results."""
     from common.data import atomic_write_text, check_support, read_records
-    from mole.train import load_mole, recorded_base, recorded_method
+    from mole.checkpoint import load_mole, recorded_base, recorded_method
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:  # fail now, not after the whole evaluation
         check_out_file(a.out)
@@ -164,8 +165,13 @@ def run(a):
         res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
                        intervention=a.intervention)
     else:  # an SFT checkpoint: the plain VLM, standard generation
-        from eval.evaluate import evaluate as plain_evaluate
-        res = plain_evaluate(mole, proc, recs, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
+        res = []
+        for i in range(0, len(recs), a.batch_size):
+            chunk = recs[i:i + a.batch_size]
+            texts, lens = bb.generate(mole, proc, [r["image"] and load_record_images(r)[0] for r in chunk],
+                                      [r["question"] for r in chunk], a.max_new_tokens)
+            res += [{"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"],
+                     "correct": score(r, t)["correct"], "n_tokens": n} for r, t, n in zip(chunk, texts, lens)]
     acc = sum(r["correct"] for r in res) / max(len(res), 1)
     print(f"accuracy {acc:.3f} on {len(res)} ({time.time() - t:.1f} s, intervention={a.intervention})")
     for fam in sorted({r["family"] for r in res}):

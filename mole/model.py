@@ -1,4 +1,4 @@
-"""MoLE: Mixture of Latent Experts (paper 002, section 3), on a `transformers` Qwen-VL.
+"""MoLE ("MoLE: Mixture of Latent Experts for Complementary Visual Reasoning", section 3), on a `transformers` Qwen-VL.
 
 The decoder input becomes (paper: [V; Q; Z_vis; Z_sum; Y])
 

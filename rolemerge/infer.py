@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from common.answers import is_correct
 from rolemerge import calibrate as cal
 
 
@@ -107,7 +108,6 @@ def predict(model, proc, records, batch_size=32, max_new_tokens=48, progress=Tru
     """Batched greedy answers. records: dicts with question[, image, answer, family, id].
     Returns a list of {id, family, pred, answer, correct (None without a gold answer), n_tokens}."""
     from tqdm import tqdm
-    from eval.metrics import is_correct
     eos, pad = _ids(model, proc)
     out = []
     for i in tqdm(range(0, len(records), batch_size), desc="predict", disable=not progress):
@@ -162,7 +162,6 @@ def main(argv=None):
     from common import backbone as bb
     from common import data
     from common.cli import add_limit, add_threads, fail, set_threads
-    from eval.metrics import accuracy, by_family
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
@@ -194,7 +193,11 @@ def main(argv=None):
                "load_s": load_s, "n": len(preds)}
     scored = [r for r in preds if r["correct"] is not None]
     if scored:
-        summary["accuracy"] = {f: accuracy(c) for f, c in by_family(scored).items()}
+        fams = {}
+        for x in scored:
+            fams.setdefault(x["family"], []).append(x["correct"])
+        fams["all"] = [x["correct"] for x in scored]
+        summary["accuracy"] = {f: sum(c) / len(c) for f, c in fams.items()}
     if a.speed:
         summary.update(speed(model, proc, records))
     print(json.dumps(summary, indent=1))

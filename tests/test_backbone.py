@@ -7,6 +7,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common import shapes
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +17,8 @@ def tiny():
 
 def _examples(n, seed=0):
     rng = random.Random(seed)
-    ex = [data.sample_example(rng) for _ in range(n)]
-    return [data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex]
+    ex = [shapes.sample_example(rng) for _ in range(n)]
+    return [shapes.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex], [shapes.target_text(s, a, q) for s, _, q, a in ex]
 
 
 def test_tokenizer_is_byte_level_and_round_trips():
@@ -88,7 +89,7 @@ def test_committed_tiny_models_load_and_answer(name):
         pytest.fail(f"committed checkpoint {bb.TINY[name]} missing: run python -m eval.tools.pretrain (README)")
     model, proc = bb.load_backbone(name)
     rng = random.Random(7)
-    ex = [data.sample_example(rng) for _ in range(8)]
-    texts, _ = bb.generate(model, proc, [data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex])
+    ex = [shapes.sample_example(rng) for _ in range(8)]
+    texts, _ = bb.generate(model, proc, [shapes.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex])
     # the pretrained bases write the marked scene, then the answer: most come out exactly right
-    assert sum(t == data.target_text(s, a, q) for t, (s, _, q, a) in zip(texts, ex)) >= 6
+    assert sum(t == shapes.target_text(s, a, q) for t, (s, _, q, a) in zip(texts, ex)) >= 6

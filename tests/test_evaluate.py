@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from common.backbone import build_tiny, load_backbone, save_backbone
-from common.data import DataError, generate_split, load_image
+from common.data import DataError, load_image
+from common.shapes import generate_split
 from eval.evaluate import (evaluate, family_rows, loglik_prefix, main, majority_answers, majority_rows, options_of,
                            score_options)
 from eval.readers import parse_options, read_any, read_jsonl
@@ -134,7 +135,7 @@ def test_score_options_matches_single_forward(saved):
 
 
 def test_score_options_can_pick_every_letter(saved):
-    """Issue 13: a 5-option record is scored over all five letters and its gold E is E."""
+    """A 5-option record is scored over all five letters and its gold E is E."""
     from eval.evaluate import pick_option
     _, model, proc, data = saved
     rec = dict(read_any(os.path.join(data, "val.json"))[0], family="mc", answer="E",

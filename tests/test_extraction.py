@@ -1,5 +1,5 @@
 """Answer extraction on real-style VLM outputs: one table row per convention of
-`eval.metrics.extract` (README, "Data formats and scoring"), then the exact values of issue 13
+`eval.metrics.extract` (README, "Data formats and scoring"), then exact values of reported cases
 (wrapped answers, answers on the next line, reasoning blocks, five options, gold lists)."""
 import json
 
@@ -127,7 +127,7 @@ def test_short_answer_keeps_quotes_and_lines():
     assert short_answer('{"Reasoning": "r", "Answer": "B"}') == "B"
 
 
-# ----------------------------------------------------------------------------- issue 13, exact values
+# ----------------------------------------------------------------------------- reported cases, exact values
 
 def test_issue_wrapped_answers():
     assert extract("Answer: **D**", "letter") == "D"

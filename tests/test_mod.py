@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from common import data
+from common import shapes
 from common.backbone import build_tiny
 from mod.model import (AdapterConfig, MoDLinear, RoutingContext, adapter_layers, attach, aux_loss, load_adapters,
                        num_trainable, routing_context, save_adapters)
@@ -18,8 +19,8 @@ def tiny():
     """arch -> (base model, proc, a left-padded 2-example generation batch, the examples)."""
     out = {}
     rng = random.Random(0)
-    ex = [data.sample_example(rng) for _ in range(2)]
-    images = [data.render(e[0]) for e in ex]
+    ex = [shapes.sample_example(rng) for _ in range(2)]
+    images = [shapes.render(e[0]) for e in ex]
     questions = ["How many circles are there?", "Is there a red square to the left of a blue circle in the image?"]
     for arch in ARCHS:
         model, proc = build_tiny(arch, hidden=64, layers=2)

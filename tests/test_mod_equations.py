@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common import data
+from common import shapes
 from common.backbone import build_tiny, save_backbone
 from mod.model import AdapterConfig, MoDLinear, RoutingContext
 
@@ -114,7 +115,7 @@ def test_router_logits_are_fp32_under_autocast(method):
 
 def _text_only_and_image_records(d):
     """LLaVA JSON with image records and text-only ones (no "image" key / "image": null)."""
-    recs = data.generate_split(d, "train", 4)
+    recs = shapes.generate_split(d, "train", 4)
     text = [{"id": f"t{i}", "family": "mmlu", "answer": "B", "image": None,
              "conversations": [{"from": "human", "value": f"Which letter is second? A B C D ({i})"},
                                {"from": "gpt", "value": '{"Reasoning": "order", "Answer": "B"}'}]} for i in range(3)]
@@ -145,7 +146,7 @@ def test_llava_next_image_tokens_match_the_model():
     """The processor's image-token count is what the model's vision features fill (a mismatch
     raises in the forward), for a batch mixing an image row with a text-only row."""
     model, proc = build_tiny("llava_next", hidden=64, layers=2)
-    ims = [data.render(data.sample_scene(__import__("random").Random(0))), None]
+    ims = [shapes.render(shapes.sample_scene(__import__("random").Random(0))), None]
     batch = proc.encode(ims, ["What colour?", "No image here."], answers=["red", "ok"])
     assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "image_sizes", "labels"}
     assert (batch["input_ids"][1] == proc.image_token_id).sum() == 0
@@ -158,7 +159,7 @@ def test_text_only_rows_have_no_vision_markers():
     also next to an image row in the same batch."""
     _, proc = build_tiny("qwen3_vl", hidden=64, layers=2)
     vs_id = proc.tokenizer.convert_tokens_to_ids("<|vision_start|>")
-    img = data.render(data.sample_scene(__import__("random").Random(0)))
+    img = shapes.render(shapes.sample_scene(__import__("random").Random(0)))
     batch = proc.encode([img, None], ["What colour?", "No image here."])
     ids = batch["input_ids"]
     assert (ids[1] == vs_id).sum() == 0 and (ids[1] == proc.image_token_id).sum() == 0
@@ -202,7 +203,7 @@ def test_debate_lr_validation_questions_are_disjoint_from_train_and_test(tmp_pat
     """eval.toys.mod_debate.val_questions: the shapes val split's questions, skipping any that
     shares an id, an image or its question-and-target text with a training / test question;
     too few left is an error."""
-    from common.data import generate_split
+    from common.shapes import generate_split
     from eval.toys.mod_debate import _pair_key, val_questions
     train = generate_split(str(tmp_path), "train", 30)
     test = generate_split(str(tmp_path), "test", 30)

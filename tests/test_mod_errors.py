@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common import data
+from common import shapes
 from common.checkpoint import load_train_state
 from mod import data as mdata
 from mod import infer as minfer
@@ -22,8 +23,8 @@ from helpers import error_of, snapshot
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     d = tmp_path_factory.mktemp("shapes")
-    data.generate_split(str(d), "train", 6)
-    data.generate_split(str(d), "val", 4)
+    shapes.generate_split(str(d), "train", 6)
+    shapes.generate_split(str(d), "val", 4)
     return d
 
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common import data
+from common import shapes
 from common.backbone import build_tiny
 from mod.model import AdapterConfig, attach, load_adapters, save_peft
 
@@ -19,8 +20,8 @@ def _tiny():
 
 def _batch(proc):
     rng = random.Random(0)
-    ex = [data.sample_example(rng) for _ in range(2)]
-    return proc.encode([data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex])
+    ex = [shapes.sample_example(rng) for _ in range(2)]
+    return proc.encode([shapes.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex])
 
 
 def test_peft_round_trip_names_and_refusals(tmp_path):

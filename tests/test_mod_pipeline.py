@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common import data
+from common import shapes
 from common.backbone import build_tiny
 from mod import data as vs
 from mod.infer import heatmap_png, mod_debate, multi_agent_debate, routing_trace, self_correction, usage_entropy
@@ -50,7 +51,7 @@ def test_synthesize_categories():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("shapes"))
-    data.generate_split(d, "train", 12)
+    shapes.generate_split(d, "train", 12)
     records = data.read_llava_json(os.path.join(d, "train.json"))
     base, proc = build_tiny("qwen2_5_vl", hidden=64, layers=2)
     return base.eval(), proc, records
@@ -121,8 +122,8 @@ def test_command_line_entry_points(tmp_path, capsys):
     from mod import data as mdata, infer, train
     base, proc = build_tiny("qwen3_vl", hidden=64, layers=2)
     save_backbone(base, proc, str(tmp_path / "base"))
-    data.generate_split(str(tmp_path / "d"), "train", 6)
-    data.generate_split(str(tmp_path / "d"), "test", 3)
+    shapes.generate_split(str(tmp_path / "d"), "train", 6)
+    shapes.generate_split(str(tmp_path / "d"), "test", 3)
     vsj = str(tmp_path / "vs.json")
     mdata.main(["--model", str(tmp_path / "base"), "--data", str(tmp_path / "d" / "train.json"), "--out", vsj,
                 "--k", "2", "--max-new-tokens", "8"])
@@ -139,7 +140,7 @@ def test_command_line_entry_points(tmp_path, capsys):
 
 
 def test_wrong_response_and_misled_prompt(setup, monkeypatch):
-    from common.data import final_answer
+    from common.answers import final_answer
     from mod import data as vs
     from mod import infer
     rng = random.Random(0)
@@ -165,7 +166,7 @@ def test_resume_past_the_requested_steps_and_overwrite_after_checks(tmp_path, ca
     from mod import train
     base, proc = build_tiny("qwen3_vl", hidden=64, layers=2)
     save_backbone(base, proc, str(tmp_path / "base"))
-    data.generate_split(str(tmp_path / "d"), "train", 6)
+    shapes.generate_split(str(tmp_path / "d"), "train", 6)
     args = ["--model", str(tmp_path / "base"), "--data", str(tmp_path / "d" / "train.json"), "--out",
             str(tmp_path / "run"), "--batch-size", "2", "--warmup", "20", "--save-every", "1"]
     train.main(args + ["--steps", "4"])

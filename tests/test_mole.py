@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from common import data
+from common import shapes
 from common.backbone import build_tiny
 from mole.infer import generate
 from mole.model import PAD, TEXT, VIS, ZSUM, ZVIS, MoLE, MoLEConfig, MoLEPass, diversity_loss, topology_mask
@@ -12,9 +13,9 @@ from mole.model import PAD, TEXT, VIS, ZSUM, ZVIS, MoLE, MoLEConfig, MoLEPass, d
 
 def examples(n, seed=0):
     rng = random.Random(seed)
-    ex = [data.sample_example(rng) for _ in range(n)]
-    return ([data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex],
-            [data.target_text(s, a, q)[-12:] for s, _, q, a in ex])  # short answers keep tests fast
+    ex = [shapes.sample_example(rng) for _ in range(n)]
+    return ([shapes.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex],
+            [shapes.target_text(s, a, q)[-12:] for s, _, q, a in ex])  # short answers keep tests fast
 
 
 def make(arch="qwen3_vl", layers=2, seed=0, **cfg):
@@ -241,7 +242,7 @@ def test_diagnostics_hand_values_and_run(tmp_path):
     q = torch.tensor([[[0.75, 0.25], [0.25, 0.75]]])
     kl = 0.75 * torch.log(torch.tensor(3.0)) + 0.25 * torch.log(torch.tensor(1 / 3))
     assert torch.allclose(pairwise_kl(q, eps=0.0), kl[None], atol=1e-6)
-    recs = data.generate_split(str(tmp_path), "test", 3)
+    recs = shapes.generate_split(str(tmp_path), "test", 3)
     for r in recs:
         r.update(image=str(tmp_path / r["image"]), question=r["conversations"][0]["value"].split("\n", 1)[1])
     sim, kl = latent_stats(make(), recs, stage=2)

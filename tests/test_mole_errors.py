@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from common import data
+from common import shapes
 from common.checkpoint import load_train_state
 from mole import diagnostics as mdiag
 from mole import infer as minfer
@@ -23,8 +24,8 @@ from helpers import error_of, snapshot
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     d = tmp_path_factory.mktemp("shapes")
-    data.generate_split(str(d), "train", 8)
-    data.generate_split(str(d), "test", 3)
+    shapes.generate_split(str(d), "train", 8)
+    shapes.generate_split(str(d), "test", 3)
     return d
 
 
@@ -183,7 +184,7 @@ def _broken_copy(shapes, tmp_path, how):
 
 
 @pytest.mark.parametrize("how, expected", [
-    ("missing dir", "no train.json or train.jsonl there; generate data with `python -m common.data"),
+    ("missing dir", "no train.json or train.jsonl there; generate data with `python -m common.shapes"),
     ("missing image", "record train_000001: image "),
     ("truncated image", "train_000001"),
     ("no image", "mole.train: 1 record(s) with no image (a text-only record), e.g. ['train_000003']"),

@@ -6,6 +6,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common import shapes
 from common.checkpoint import load_train_state
 from mole import train as mt
 
@@ -14,7 +15,7 @@ from mole import train as mt
 def setup(tmp_path, monkeypatch):
     model, proc = bb.build_tiny("qwen3_vl", layers=2)
     bb.save_backbone(model.to(torch.bfloat16), proc, str(tmp_path / "base"))   # bf16 LM + fp32 MoLE weights
-    data.generate_split(str(tmp_path / "data"), "train", 16)
+    shapes.generate_split(str(tmp_path / "data"), "train", 16)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

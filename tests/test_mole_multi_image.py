@@ -7,6 +7,7 @@ import random
 import torch
 
 from common import data
+from common import shapes
 from common.backbone import build_tiny
 from mole import train as mt
 from mole.infer import evaluate, generate
@@ -19,7 +20,7 @@ def two_image_examples(n, seed=0):
     rng = random.Random(seed)
     pairs, qs, ans = [], [], []
     for _ in range(n):
-        a, b = data.sample_scene(rng), data.sample_scene(rng)
+        a, b = shapes.sample_scene(rng), shapes.sample_scene(rng)
         name = rng.choice([o.name for o in a])
         both = name in {o.name for o in b}
         pairs.append((a, b))
@@ -41,7 +42,7 @@ def make(layers=2, **cfg):
 def test_encode_puts_one_vision_block_per_image():
     mole = make()
     pairs, qs, ans = two_image_examples(2)
-    imgs = [[data.render(a), data.render(b)] for a, b in pairs[:1]] + [data.render(pairs[1][0])]
+    imgs = [[shapes.render(a), shapes.render(b)] for a, b in pairs[:1]] + [shapes.render(pairs[1][0])]
     batch = mole.encode(imgs, qs, ans)
     tok = mole.proc.tokenizer.convert_tokens_to_ids
     vs, ve = tok("<|vision_start|>"), tok("<|vision_end|>")
@@ -72,7 +73,7 @@ def test_encode_puts_one_vision_block_per_image():
     except ValueError as e:
         assert "2 images has 1 '<image>' placeholders" in str(e)
     # counts that do not add up are refused
-    pv, grid = mole.proc.images([data.render(a) for a, _ in pairs])
+    pv, grid = mole.proc.images([shapes.render(a) for a, _ in pairs])
     try:
         mole.encode(None, qs, ans, pixels=(pv, grid), n_images=[2, 1])
         raise AssertionError("expected ValueError")
@@ -87,7 +88,7 @@ def test_visual_experts_route_over_both_images():
     only see it through direct attention, which the bottleneck blocks."""
     mole = make(layers=1)
     pairs, qs, ans = two_image_examples(2, seed=1)
-    imgs = [[data.render(a), data.render(b)] for a, b in pairs]
+    imgs = [[shapes.render(a), shapes.render(b)] for a, b in pairs]
     batch = mole.encode(imgs, qs, ans)
     out = mole(batch, 1, record=True)
     st = out["pass"]
@@ -98,7 +99,7 @@ def test_visual_experts_route_over_both_images():
     second = vis.long().cumsum(1) > n  # positions of the second image's tokens (and after)
     assert (st.attn[0][:, :, :, :][(vis & second)[:, None, None].expand_as(st.attn[0])] > 0).any()
     # change only the second image of row 0
-    imgs2 = [[imgs[0][0], data.render(pairs[1][1])], imgs[1]]
+    imgs2 = [[imgs[0][0], shapes.render(pairs[1][1])], imgs[1]]
     b2 = mole.encode(imgs2, qs, ans)
     o2 = mole(b2, 1)
     zv = out["types"] == ZVIS
@@ -112,7 +113,7 @@ def test_visual_experts_route_over_both_images():
 def test_two_image_cached_generation_equals_uncached_forward():
     mole = make()
     pairs, qs, _ = two_image_examples(2, seed=2)
-    imgs = [[data.render(a), data.render(b)] for a, b in pairs]
+    imgs = [[shapes.render(a), shapes.render(b)] for a, b in pairs]
     texts, lens, steps, full = generate(mole, imgs, qs, stage=2, max_new_tokens=4, stop_at_eos=False,
                                         return_logits=True)
     prompt = mole.encode(imgs, qs)
@@ -132,7 +133,7 @@ def test_two_image_records_train_and_infer_end_to_end(tmp_path):
     for i, ((a, b), q, y) in enumerate(zip(pairs, qs, ans)):
         names = []
         for k, scene in enumerate((a, b)):
-            data.render(scene).save(tmp_path / f"im{i}_{k}.png")
+            shapes.render(scene).save(tmp_path / f"im{i}_{k}.png")
             names.append(f"im{i}_{k}.png")
         rows.append({"id": f"two_{i}", "image": names, "family": "existence",
                      "conversations": [{"from": "human", "value": f"<image>\n<image>\n{q}"},

@@ -1,4 +1,4 @@
-"""MoLE router maths pinned to hand-computed values (paper 002, section 3: router, top-K,
+"""MoLE router maths pinned to hand-computed values (Mixture of Latent Experts, section 3: router, top-K,
 prior b = alpha * log(K * rho + eps), Z_vis attention with routed edges, prior and ESVA).
 
 Each case is small enough to check on paper; the expected numbers are written out from
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from common import data
+from common import shapes
 from common.backbone import build_tiny
 from mole.model import TEXT, VIS, ZVIS, MoLE, MoLEConfig, MoLEPass, topology_mask
 
@@ -183,8 +184,8 @@ def test_route_feeds_latent_attention_in_a_forward():
     """In a real forward, the recorded Z_vis attention over visual tokens is zero exactly on
     the unrouted (token, expert) pairs of the layer's own routing, and alpha changes it."""
     rng = random.Random(0)
-    ex = [data.sample_example(rng) for _ in range(2)]
-    imgs, qs, ans = [data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex], ["yes", "no"]
+    ex = [shapes.sample_example(rng) for _ in range(2)]
+    imgs, qs, ans = [shapes.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex], ["yes", "no"]
     probs = {}
     for alpha in (0.0, 2.0):
         torch.manual_seed(0)

@@ -3,6 +3,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common import shapes
 from common.checkpoint import load_train_state
 from mole import train as mt
 
@@ -10,7 +11,7 @@ from mole import train as mt
 def _setup(tmp_path):
     model, proc = bb.build_tiny("qwen3_vl", layers=2)
     bb.save_backbone(model, proc, str(tmp_path / "base"))
-    data.generate_split(str(tmp_path / "data"), "train", 32)
+    shapes.generate_split(str(tmp_path / "data"), "train", 32)
     return ["--model", str(tmp_path / "base"), "--data", str(tmp_path / "data"), "--batch-size", "8",
             "--stage1-epochs", "1", "--stage2-epochs", "1", "--quiet", "--device", "cpu", "--threads", "1"]
 

@@ -12,6 +12,7 @@ import torch
 from common import backbone as bb
 from common import checkpoint as ck
 from common import data
+from common import shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +24,7 @@ def merged(tmp_path_factory):
     d = tmp_path_factory.mktemp("merged")
     old = os.umask(0o022)
     try:
-        data.generate_split(str(d / "data"), "val", 4)
+        shapes.generate_split(str(d / "data"), "val", 4)
         calibrate.main(["--model", "tiny-moe", "--data", str(d / "data" / "val.json"), "--out",
                         str(d / "st.safetensors"), "--limit", "4"])
         merge.main(["--model", "tiny-moe", "--stats", str(d / "st.safetensors"), "--rho", "0.75",
@@ -207,7 +208,7 @@ def test_mod_infer_checks_every_method_first_and_keeps_finished_methods(tmp_path
     import json
     from helpers import error_of
     from mod import infer
-    data.generate_split(str(tmp_path / "d"), "test", 2)
+    shapes.generate_split(str(tmp_path / "d"), "test", 2)
     recs = json.load(open(tmp_path / "d" / "test.json"))
     free = tmp_path / "free.json"
     free.write_text(json.dumps([dict(r, family="freeform", image=str(tmp_path / "d" / r["image"])) for r in recs]))
@@ -311,7 +312,7 @@ def test_mod_infer_base_json_is_the_toys_fair_baseline(tmp_path):
     (the frozen base on the adapters' JSON prompt), so base vs single compared different prompts.
     `--methods base-json` answers as eval.toys.mod's base-json row: plain(base, json_prompt=True)."""
     from mod import infer
-    data.generate_split(str(tmp_path / "d"), "test", 3)
+    shapes.generate_split(str(tmp_path / "d"), "test", 3)
     out = infer.main(["--model", "tiny-chat", "--data", str(tmp_path / "d" / "test.json"), "--methods",
                       "base,base-json", "--max-new-tokens", "6", "--threads", "1"])
     recs = data.read_records(str(tmp_path / "d" / "test.json"))

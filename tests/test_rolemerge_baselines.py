@@ -346,7 +346,7 @@ def test_toy_retrain_base_runs_the_readme_recipe(monkeypatch, tmp_path):
     readme_flags = [{k: v for k, v in pairs(c.split()).items() if k not in ("--seed", "--threads", "--out")}
                     for c in cmds]
     assert pairs(toy.PAPER_RECIPE) in readme_flags                # a README command is what --retrain-base runs
-    assert pairs(toy.PAPER_RECIPE)["--steps"] == "5500"           # ... the session-4 recipe of the results
+    assert pairs(toy.PAPER_RECIPE)["--steps"] == "5500"           # ... the recipe of the three-seed results
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda c, check: calls.append(c))
     assert toy.retrain_bases(str(tmp_path), [0, 2], 1) == [str(tmp_path / "seed0"), str(tmp_path / "seed2")]
@@ -391,7 +391,7 @@ def test_claim_verdicts_pooled_and_per_base():
 
 
 def test_committed_paper_structure_base_is_the_recipe():
-    """common/tiny/moe32 (seed 2 of the session-4 recipe, rolemerge/README.md) is what
+    """common/tiny/moe32 (seed 2 of the paper-structure recipe, rolemerge/README.md) is what
     `--retrain-base` would train: 32 experts, top-4, and every PAPER_RECIPE flag in its log."""
     import json
     import os

@@ -72,10 +72,11 @@ def make_checkpoint(path, tok, mla, seed=0, top_level_copy=False, **kw):
 
 def records(tmp_path, n=4):
     from common import data
+    from common import shapes
     rng, out = random.Random(0), []
     for i in range(n):
-        scene, _, q, _ = data.sample_example(rng)
-        im = data.render(scene)
+        scene, _, q, _ = shapes.sample_example(rng)
+        im = shapes.render(scene)
         if i % 2:                                     # a wide image: 2 x 1 local tiles
             im = im.resize((2 * im.width, im.height))
         p = str(tmp_path / f"im{i}.png")
@@ -369,6 +370,7 @@ def test_batched_generation_matches_one_by_one(tok, tmp_path):
     model = vl2.load(make_checkpoint(tmp_path / "src", tok, False))
     proc = vl2.Processor.from_pretrained(str(tmp_path / "src"))
     from common import data
+    from common import shapes
     recs = records(tmp_path, 3)
     ims = [data.load_image(r["image"]) for r in recs[:2]] + [None]
     qs = [r["question"] for r in recs[:2]] + ["count the shapes please"]
@@ -417,6 +419,7 @@ def test_calibrate_merge_reload_generate(tok, tmp_path, mla, topk_method, n_grou
     m2, p2 = cal.load_model(str(tmp_path / "stream"))
     assert all(blk.gate.weight.shape[0] == 4 for _, blk in cal.moe_blocks(m2))
     from common import data
+    from common import shapes
     out = m2.generate(**p2.encode([data.load_image(recs[1]["image"]), None], ["what is here?", "hi"]),
                       max_new_tokens=4, eos_token_id=p2.eos_token_id, pad_token_id=p2.pad_token_id)
     assert out.shape[0] == 2

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from common import backbone as bb
 from common import data
+from common import shapes
 from rolemerge import calibrate as cal
 from rolemerge import merge as mg
 
@@ -32,7 +33,7 @@ def moe(tmp_path_factory):
     """tiny-moe loaded once, 3 calibration records and their stats file."""
     root = tmp_path_factory.mktemp("rm")
     model, proc = cal.load_model("tiny-moe")
-    data.generate_split(str(root), "val", 3)
+    shapes.generate_split(str(root), "val", 3)
     recs = data.read_llava_json(str(root / "val.json"))
     stats = cal.calibrate(model, proc, {"val": recs}, batch_size=3, max_new_tokens=4, model_id="tiny-moe",
                           progress=False)

@@ -69,11 +69,12 @@ def save(model, proc, path):
 def vl_records(tmp_path, n=4):
     import random
     from common import data
+    from common import shapes
     rng, out = random.Random(0), []
     for i in range(n):
-        scene, fam, q, a = data.sample_example(rng)
+        scene, fam, q, a = shapes.sample_example(rng)
         p = str(tmp_path / f"im{i}.png")
-        data.render(scene).save(p)
+        shapes.render(scene).save(p)
         out.append({"id": str(i), "question": q, "image": p})
     return out
 
@@ -114,6 +115,7 @@ def test_merge_every_family(family, tok, tmp_path):
     if family == "qwen3_vl_moe":
         recs = vl_records(tmp_path, 2)
         from common import data
+        from common import shapes
         texts, n = bb.generate(m2, proc, [data.load_image(r["image"]) for r in recs], [r["question"] for r in recs],
                                max_new_tokens=4)
     else:
@@ -137,6 +139,7 @@ def test_k_equals_n_reproduces_logits(tok, tmp_path):
         m2 = loader(family).from_pretrained(str(tmp_path / f"{family}-k8")).eval()
         if family == "qwen3_vl_moe":
             from common import data
+            from common import shapes
             recs = vl_records(tmp_path, 2)
             batch = proc.encode([data.load_image(r["image"]) for r in recs], [r["question"] for r in recs])
         else:
@@ -228,9 +231,10 @@ def test_merge_refuses_to_overwrite_its_input(tmp_path):
 def test_calibrate_keeps_two_sources_with_the_same_file_name(tmp_path):
     import json
     from common import data
+    from common import shapes
     from rolemerge import calibrate
     for d in ("a", "b"):
-        data.generate_split(str(tmp_path / d), "val", 2)
+        shapes.generate_split(str(tmp_path / d), "val", 2)
     out = tmp_path / "st.safetensors"
     calibrate.main(["--model", "tiny-moe", "--data", str(tmp_path / "a" / "val.json"),
                     str(tmp_path / "b" / "val.json"), "--out", str(out), "--limit", "2"])

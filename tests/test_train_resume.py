@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import data
+from common import shapes
 from common.checkpoint import load_train_state
 from mod import train as mtrain
 from mole import train as mt
@@ -132,7 +133,7 @@ def killed(tmp_path_factory):
     """Run every interrupted child (all at once); -> (data dir, tmp root, {case: (returncode, stderr, out)})."""
     root = tmp_path_factory.mktemp("interrupt")
     d = str(root / "data")
-    data.generate_split(d, "train", 8)
+    shapes.generate_split(d, "train", 8)
     cases = {name: (module, where, sig, n, args_of(module, d, str(root / name)))
              for name, (module, where, sig, n) in CASES.items()}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)

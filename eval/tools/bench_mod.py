@@ -1,4 +1,4 @@
-"""Speed benchmark of one MoD-wrapped projection (not a test; MoD issue item 7).
+"""Speed benchmark of one MoD-wrapped projection (not a test).
 
 Measures, in one run and side by side:
   1. forward+backward of a frozen 2048 -> 2048 nn.Linear on 2048 tokens wrapped with

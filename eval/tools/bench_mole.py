@@ -23,6 +23,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common import shapes
 from mole.lora import add_lora
 from mole.model import PLAIN_LATENT, MoLE, MoLEConfig
 
@@ -46,10 +47,10 @@ def build(size, layers_3b):
 
 def batch_inputs(n, image_size, seed=0):
     rng = random.Random(seed)
-    ex = [data.sample_example(rng) for _ in range(n)]
-    imgs = [data.render(s).resize((image_size, image_size)) for s, _, _, _ in ex]
+    ex = [shapes.sample_example(rng) for _ in range(n)]
+    imgs = [shapes.render(s).resize((image_size, image_size)) for s, _, _, _ in ex]
     pixels = bb.patchify(torch.from_numpy(np.stack([np.asarray(im) for im in imgs])))
-    return pixels, [q for _, _, q, _ in ex], [data.target_text(s, a, q) for s, _, q, a in ex]
+    return pixels, [q for _, _, q, _ in ex], [shapes.target_text(s, a, q) for s, _, q, a in ex]
 
 
 def bench_size(size, reps, layers_3b, compile=False):

@@ -21,10 +21,11 @@ from mod.model import AdapterConfig, attach, load_adapters, save_peft
 
 def batch(proc):
     from common import data
+    from common import shapes
     import random
     rng = random.Random(0)
-    ex = [data.sample_example(rng) for _ in range(2)]
-    return proc.encode([data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex])
+    ex = [shapes.sample_example(rng) for _ in range(2)]
+    return proc.encode([shapes.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex])
 
 
 def fresh():

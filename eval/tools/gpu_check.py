@@ -37,9 +37,10 @@ class Skip(Exception):
 
 def _tiny_mod(device, tmp, method="mod"):
     from common import data
+    from common import shapes
     from common.backbone import build_tiny
     from mod.model import AdapterConfig, attach
-    data.generate_split(tmp, "train", 16)
+    shapes.generate_split(tmp, "train", 16)
     records = data.read_records(os.path.join(tmp, "train.json"))
     base, proc = build_tiny("qwen2_5_vl", hidden=64, layers=2)
     attach(base.to(device), AdapterConfig(method=method, window=4))
@@ -86,6 +87,7 @@ def check_mod_compile(device, tmp, steps):
 
 def check_mod_decode(device, tmp, steps):
     from common import data
+    from common import shapes
     model, proc, records = _tiny_mod(device, tmp)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -113,15 +115,16 @@ def check_mod_decode(device, tmp, steps):
 def check_mole_bf16(device, tmp, steps):
     import random
     from common import data
+    from common import shapes
     from common.backbone import build_tiny
     from mole.model import MoLE, MoLEConfig
     model, proc = build_tiny("qwen3_vl", layers=2)
     model.requires_grad_(False)
     mole = MoLE(model.to(device), proc, MoLEConfig())
     rng = random.Random(0)
-    ex = [data.sample_example(rng) for _ in range(4)]
-    b = mole.encode([data.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex],
-                    [data.target_text(s, a, q) for s, _, q, a in ex])
+    ex = [shapes.sample_example(rng) for _ in range(4)]
+    b = mole.encode([shapes.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex],
+                    [shapes.target_text(s, a, q) for s, _, q, a in ex])
     b = {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     with amp:
@@ -151,12 +154,13 @@ def check_rolemerge_map(device, tmp, steps):
 
 def check_ddp(device, tmp, steps):
     from common import data
+    from common import shapes
     from common.backbone import build_tiny, save_backbone
     if device.type != "cuda":
         raise Skip("the DDP check runs on CUDA only")
     base, proc = build_tiny("qwen2_5_vl", hidden=64, layers=2)
     save_backbone(base, proc, os.path.join(tmp, "base"))
-    data.generate_split(os.path.join(tmp, "ddp_data"), "train", 8)
+    shapes.generate_split(os.path.join(tmp, "ddp_data"), "train", 8)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "mod.train", "--model",
            os.path.join(tmp, "base"), "--data", os.path.join(tmp, "ddp_data", "train.json"), "--out",
            os.path.join(tmp, "ddp_run"), "--steps", "2", "--batch-size", "2", "--device", "cuda"]

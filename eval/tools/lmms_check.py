@@ -241,7 +241,7 @@ from common.data import load_image, read_any
 from eval.evaluate import options_of, score_options
 from eval.lmms import loglik_mole
 from mod.model import load_adapters
-from mole.train import load_mole
+from mole.checkpoint import load_mole
 recs = [r for r in read_any({test!r}) if options_of(r)]
 model, proc = load_backbone("tiny-chat"); load_adapters(model, {mod_dir!r})
 out = {{"mod": [{{"id": r["id"], "correct": r["correct"]}} for r in score_options(model, proc, recs, batch_size={B})]}}

@@ -135,7 +135,7 @@ def sample_inputs(proc, batch, image_size, q_tokens, a_tokens):
     from PIL import Image
     rng = np.random.default_rng(0)
     img = Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))
-    word = " red circle"                     # one token of the repo's tokenizer (common.data.mark_tokens)
+    word = " red circle"                     # one token of the repo's tokenizer (common.shapes.mark_tokens)
     q, a = word * q_tokens, word * a_tokens
     assert len(proc.text_ids(q)) == q_tokens, "the filler word is not one token"
     return proc.images([img] * batch), [q] * batch, [a] * batch

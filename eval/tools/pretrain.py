@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from common import backbone as bb
 from common import data
+from common import shapes
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
 from common.cli import add_threads, fail, number, set_threads
 
@@ -40,15 +41,15 @@ LOOKS = ("full", "objects", "none")
 
 
 def look_target(look, scene, answer, question):
-    """The assistant turn a base is trained on, by look step: "full" (`data.target_text`, all nine
-    cells marked), "objects" (`data.short_target_text`, the occupied cells only), "none" (the short
+    """The assistant turn a base is trained on, by look step: "full" (`shapes.target_text`, all nine
+    cells marked), "objects" (`shapes.short_target_text`, the occupied cells only), "none" (the short
     "Answer: {answer}"). A bool is read as in older logs (True = "full", False = "none").
     Raises ValueError for an unknown look."""
     look = {True: "full", False: "none"}.get(look, look)
     if look == "full":
-        return data.target_text(scene, answer, question)
+        return shapes.target_text(scene, answer, question)
     if look == "objects":
-        return data.short_target_text(scene, answer, question)
+        return shapes.short_target_text(scene, answer, question)
     if look == "none":
         return f"Answer: {answer}"
     raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
@@ -59,7 +60,7 @@ def encode_examples(proc, ex, prompts=None, targets=None, look="full"):
     processor's patch / merge size through `VLProcessor.images`, the one image path, encoded).
     prompts / targets: per-example texts (default: the question and `look_target(look, ...)`)."""
     default = lambda s, a, q: look_target(look, s, a, q)
-    return proc.encode([data.render(s) for s, _, _, _ in ex], prompts or [q for _, _, q, _ in ex],
+    return proc.encode([shapes.render(s) for s, _, _, _ in ex], prompts or [q for _, _, q, _ in ex],
                        targets or [default(s, a, q) for s, _, q, a in ex])
 
 
@@ -81,7 +82,7 @@ def chat_example(rng, ex, fmt, wrong_priors=0.5):
     last characters that hold the short answer (weighted by --answer-weight)."""
     from mod import prompts as vs
     scene, family, q, a = ex
-    gold = data.target_text(scene, a, q)
+    gold = shapes.target_text(scene, a, q)
 
     def response(as_json):
         text = gold if rng.random() < 1 - wrong_priors else vs.wrong_response(rng, q, a, family)
@@ -105,7 +106,7 @@ def make_batch(proc, step, batch_size, seed, chat_mix=None, wrong_priors=0.5, lo
     True at the label positions of the final short answer and <|im_end|> (after "Answer:").
     chat_mix: None (the plain format only) or weights over CHAT_FORMATS (`chat_example`)."""
     rng = random.Random(seed * 1_000_003 + step)
-    ex = [data.sample_example(rng) for _ in range(batch_size)]
+    ex = [shapes.sample_example(rng) for _ in range(batch_size)]
     if chat_mix is None:
         batch = encode_examples(proc, ex, look=look)
         tails = [" " + a for _, _, _, a in ex]
@@ -173,7 +174,7 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100, look="fu
     step (the short answer after "Answer:" when the marked scene before it is given)."""
     model.eval()
     rng = random.Random(seed)
-    ex = [data.sample_example(rng) for _ in range(n)]
+    ex = [shapes.sample_example(rng) for _ in range(n)]
     full, ans = {}, {}
     for i in range(0, n, batch_size):
         chunk = ex[i:i + batch_size]

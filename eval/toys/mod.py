@@ -1,4 +1,4 @@
-"""Toy reproduction of Mixture of Debaters on the shapes world (MoD issue item 6).
+"""Toy reproduction of Mixture of Debaters on the shapes world.
 
 Pipeline, all on the committed tiny chat VLM `tiny-chat` (frozen): `tiny-dense` continued on the
 prompt shapes used here (JSON instruction, debate prompt with prior responses, self-correction
@@ -39,6 +39,7 @@ import time
 import torch
 
 from common import data
+from common import shapes
 from common.backbone import load_backbone
 from common.cli import Deprecated, add_threads, set_threads
 from common.data import atomic_write_text, read_llava_json
@@ -67,7 +68,7 @@ SETTINGS = {True: dict(n_train=120, n_test=80, k=2, steps=80, batch_size=8, max_
 
 
 def ensure_data(data_dir, n_train, n_test):
-    data.ensure_splits(data_dir, {"train": max(n_train, 2000), "test": max(n_test, 500)})
+    shapes.ensure_splits(data_dir, {"train": max(n_train, 2000), "test": max(n_test, 500)})
     train = read_llava_json(os.path.join(data_dir, "train.json"))[:n_train]
     test = read_llava_json(os.path.join(data_dir, "test.json"))[:n_test]
     return train, test

@@ -1,4 +1,4 @@
-"""MoD end-to-end debate part with headroom (MoD issue 10, item 2; design in mod/README.md).
+"""MoD end-to-end debate part with headroom (design in eval/logs/mod.md).
 
 Differences from the e2e toy in `eval/toys/mod.py`, each answering a point of the review:
   * responses are sampled on the JSON prompt (`mod.data.single_prompt`), where `tiny-chat` errs
@@ -166,7 +166,8 @@ def load_data(data_dir, base_name, S):
     S["n_train"] training and S["n_test"] test questions, and the frozen base.
     Returns (train, test, base, proc)."""
     from common import data
-    data.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
+    from common import shapes
+    shapes.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
     train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
     test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
     return train, test, *load_backbone(base_name)
@@ -348,9 +349,9 @@ def report(results, root, S, prep, own, t0, log=print):
     return out
 
 
-# ---- per-arm learning rate on a validation split (MoD issue 10: the fair-baseline rule) ----
+# ---- per-arm learning rate on a validation split (the fair-baseline rule) ----
 # arms of the main claim, the lr grid, the validation questions and the selection metric are
-# pre-registered in mod/README.md ("Debate part: per-arm learning rate").
+# pre-registered in eval/logs/mod.md ("Debate part: per-arm learning rate").
 # train: False = report what is on disk (nothing trained or scored; a missing sweep point is an error);
 # tag: suffix of the report's files (results<tag>.json, debate_lr<tag>_*.png), e.g. for a second grid;
 # picks: {arm: lr} given = no sweep (e.g. the picks of the 300-step sweep for a run with other steps)
@@ -367,14 +368,15 @@ def _pair_key(r):
 
 
 def val_questions(data_dir, n_val, *others):
-    """`n_val` records of the shapes "val" split (`common.data.generate_split`, made the same
+    """`n_val` records of the shapes "val" split (`common.shapes.generate_split`, made the same
     way as the test split: its own seed and hash bucket), generated if missing: the first ones
     in file order that share no id, image or question-and-target text with a record of `others`
     (e.g. the training and test questions). The text check also drops near twins the split's
     hash keeps apart: one-object scenes that differ only in the object's size (not in the text).
     Returns (records, ids dropped). Raises ValueError when fewer than n_val are left."""
     from common import data
-    data.ensure_splits(data_dir, {"val": max(n_val, 500)})
+    from common import shapes
+    shapes.ensure_splits(data_dir, {"val": max(n_val, 500)})
     seen = {x for recs in others for r in recs for x in (("id", r["id"]), ("image", r["image"]), _pair_key(r))}
     val, dropped = [], []
     for r in read_llava_json(os.path.join(data_dir, "val.json")):
@@ -419,8 +421,7 @@ def verdict_over(pb, min_seeds=3):
 
 
 def compare_arms(per, ref="MoD", other="MoE-LoRA token", min_seeds=3):
-    """The other arms at their picks (pre-registered in mod/README.md, "per-arm lr for the other
-    arms"): per {arm: {metric: {seed: [{"correct": ...}, ...]}}} -> {arm: {metric: {"vs_<ref>": pb,
+    """The other arms at their picks (pre-registered in eval/logs/mod.md): per {arm: {metric: {seed: [{"correct": ...}, ...]}}} -> {arm: {metric: {"vs_<ref>": pb,
     "vs_<other>": pb}}} for every arm but `ref` and `other`, each `_paired` over the seeds both have.
     vs ref: ref minus arm (hypothesis ref > arm), "verdict" by the 3-seed criterion (`verdict`);
     vs other: arm minus other, no direction predicted: "higher" / "lower" by the same rule, else

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# The MoD debate part's main setting (pre-registered in mod/README.md, "Debate part: the main
-# setting"): 600 test questions, 500 steps, every arm at its validated lr, seeds 0-2, MoD-Multi
+# The MoD debate part's main setting (pre-registered in eval/logs/mod.md): 600 test questions, 500 steps, every arm at its validated lr, seeds 0-2, MoD-Multi
 # 2 and 3 rounds. Two processes, one thread each:   bash eval/toys/mod_main.sh a   and   ... b
 # Each (arm, seed) is its own call, so the cut-off (no new training after CUTOFF, UTC HHMM)
 # is checked before every training; everything on disk is reused, so a stopped run resumes.

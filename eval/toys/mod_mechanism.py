@@ -1,5 +1,5 @@
-"""MoD mechanism experiments on one frozen linear layer (MoD issue 10, item 1; pre-registered in
-mod/README.md, "Mechanism experiments").
+"""MoD mechanism experiments on one frozen linear layer (pre-registered in
+eval/logs/mod.md).
 
 Both tasks wrap one frozen `nn.Linear` W0 (in = d_c + d_z, out = d_out) in `mod.model.MoDLinear`
 (the adapter code the VLM runs) and regress y = W0 x + delta(x). A token is x = [c ; z]: a

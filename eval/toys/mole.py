@@ -1,4 +1,4 @@
-"""Toy reproduction of MoLE (paper 002) on the shapes world, from the tiny dense base.
+"""Toy reproduction of MoLE on the shapes world, from the tiny dense base.
 
     python -m eval.toys.mole            # every row below, writes out/mole/results.json
     python -m eval.toys.mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
@@ -30,6 +30,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common import shapes
 from common.cli import Deprecated, add_threads, set_threads
 from eval.metrics import accuracy
 
@@ -63,7 +64,7 @@ def _acc(items):
 
 
 def _ensure_data(data_dir, n_train, n_test):
-    data.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
+    shapes.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
 
 
 def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, mole_evaluate, plain_evaluate,
@@ -110,7 +111,7 @@ def _interventions(tab_dir, seed, net, stage, test, mole_evaluate):
     """MoLE of {tab_dir}/ckpt/mole_seed{seed} (`net` if already loaded) evaluated on `test` with
     each latent intervention (INTERVENTIONS); one atomic {tab_dir}/mole_{kind}_seed{seed}.json
     each, skipped when it exists."""
-    from mole.train import load_mole
+    from mole.checkpoint import load_mole
     for kind in INTERVENTIONS:
         path = os.path.join(tab_dir, f"mole_{kind}_seed{seed}.json")
         if os.path.exists(path):
@@ -294,7 +295,7 @@ def summarise_table(out_dir, quick=False, data_dir=None):
             "two-stage table: accuracy on the test items (all families)", w=1400, order=TABLE_ORDER, label=11)
     ckpt = os.path.join(tab_dir, "ckpt", "mole_seed0")
     if not quick and os.path.exists(os.path.join(ckpt, "state.json")) and ("mole", 0) in res:
-        from mole.train import load_mole
+        from mole.checkpoint import load_mole
         net, _, stage = load_mole(ckpt)
         dd = data_dir or os.path.join(out_dir, "data")
         rec = data.read_llava_json(os.path.join(dd, "test.json"))[0] if os.path.isdir(dd) else None
@@ -338,7 +339,7 @@ def lr_dir(out_dir, lr):
 def pick_lr(val_acc, prefer=TABLE_LR):
     """The learning rate a row runs at: the one with the highest validation accuracy in
     val_acc {lr: accuracy}; among exact ties `prefer` (the lr the table already ran at) if it
-    is tied, else the lowest tied lr (pre-registered in mole/README.md, "Per-row learning rate").
+    is tied, else the lowest tied lr (pre-registered in eval/logs/mole.md).
     Raises ValueError for an empty sweep."""
     if not val_acc:
         raise ValueError("error: no lr sweep results to pick from; run --phase lr first")
@@ -382,7 +383,7 @@ def shared_items(train, other):
 
 def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), stop_at=None):
     """The two-stage table with a per-row learning rate picked on a validation split
-    (pre-registered in mole/README.md, "Per-row learning rate").
+    (pre-registered in eval/logs/mole.md).
 
     1. sweep: each row of LR_SWEPT at each lr of LR_GRID, seed 0, the table's schedule on the
        same 1,280 training examples, scored by final-answer accuracy on N_VAL validation items
@@ -402,13 +403,13 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
         torch.set_num_threads(threads)
     cfg = FULL
     _ensure_data(data_dir, cfg["n_train"], cfg["n_test"])
-    data.ensure_splits(data_dir, {"val": N_VAL})
+    shapes.ensure_splits(data_dir, {"val": N_VAL})
     train = data.read_llava_json(os.path.join(data_dir, "train.json"))[: cfg["n_train"]]
     val = data.read_llava_json(os.path.join(data_dir, "val.json"))[:N_VAL]
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     if shared_items(train, val):
         raise SystemExit(f"error: {data_dir}/val.json shares items with the training records; "
-                         f"regenerate it (common.data.generate_split) so that it is disjoint")
+                         f"regenerate it (common.shapes.generate_split) so that it is disjoint")
     sweep_dir = os.path.join(out_dir, "lr_sweep")
     for name in LR_SWEPT:
         for lr in sorted(LR_GRID, key=lambda x: x != TABLE_LR):  # the reused lr-2e-3 checkpoint first (cheap)
@@ -596,7 +597,7 @@ BOTTLENECK_ARMS = {  # name -> mole.train flags; all at 8 latent tokens, stage 1
 BOTTLENECK = dict(n_train=4800, n_val=150, n_test=500, batch_size=32, steps=100, sweep_steps=50,
                   sweep_lrs=(2e-3, 6e-3), seeds=(0, 1, 2), long_steps=300)
 SWEPT = ("plain_latent", "mole")  # the ablations are MoLE minus one part: they take MoLE's lr
-CELL_RE = re.compile(r"\b(" + "|".join(data.CELL_TAGS) + r") (empty|" + "|".join(data.OBJECT_NAMES) + r")\b")
+CELL_RE = re.compile(r"\b(" + "|".join(shapes.CELL_TAGS) + r") (empty|" + "|".join(shapes.OBJECT_NAMES) + r")\b")
 
 
 def cells_of(text):
@@ -627,7 +628,7 @@ def cell_ce(net, recs, stage=1, batch_size=50):
     import torch.nn.functional as F
     tok = net.proc.tokenizer
     empty = tok(" empty", add_special_tokens=False)["input_ids"]
-    objs = {tok(" " + n, add_special_tokens=False)["input_ids"][0] for n in data.OBJECT_NAMES}
+    objs = {tok(" " + n, add_special_tokens=False)["input_ids"][0] for n in shapes.OBJECT_NAMES}
     assert len(empty) == 1, "cell contents must be single tokens"
     empty = empty[0]
     all_ce, obj_ce = [], []
@@ -690,7 +691,7 @@ def _bottleneck_one(name, lr, seed, steps, recs, data_dir, out_dir, base, thread
 
 
 def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None, phase="all"):
-    """The stage-1 bottleneck experiment (pre-registered in mole/README.md).
+    """The stage-1 bottleneck experiment (pre-registered in eval/logs/mole.md).
 
     1. lr sweep: every arm at each of BOTTLENECK["sweep_lrs"], seed 0, sweep_steps steps,
        scored by per-cell transcription accuracy on the validation split; the best lr per arm wins.
@@ -706,7 +707,7 @@ def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=Non
     cfg = BOTTLENECK
     seeds = list(seeds if seeds is not None else cfg["seeds"])
     arms = list(arms or BOTTLENECK_ARMS)
-    data.ensure_splits(data_dir, {"train": cfg["n_train"], "val": cfg["n_val"], "test": cfg["n_test"]})
+    shapes.ensure_splits(data_dir, {"train": cfg["n_train"], "val": cfg["n_val"], "test": cfg["n_test"]})
     val = data.read_llava_json(os.path.join(data_dir, "val.json"))[: cfg["n_val"]]
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     os.makedirs(out_dir, exist_ok=True)
@@ -770,7 +771,7 @@ def summarise_bottleneck(out_dir):
         bar_png(summary["rows"], m, os.path.join(out_dir, f"bottleneck_{m}.png"), f"stage-1 bottleneck: {what}")
     ckpt = os.path.join(out_dir, "ckpt", "mole_seed0")
     if os.path.exists(os.path.join(ckpt, "state.json")) and os.path.exists(os.path.join(out_dir, "mole_seed0.json")):
-        from mole.train import load_mole
+        from mole.checkpoint import load_mole
         net, _, _ = load_mole(ckpt)
         dd = os.path.join(out_dir, "data")
         dd = dd if os.path.isdir(dd) else os.path.join(os.path.dirname(os.path.abspath(out_dir)), "data")
@@ -853,7 +854,7 @@ def image_dependence(out_dir, seeds=(0,), data_dir=None):
     (wrong - own): > 0 with the CI above 0 means the cell predictions use the image.
     Writes {out_dir}/image_dependence.json; returns it."""
     from eval.metrics import paired_bootstrap
-    from mole.train import load_mole
+    from mole.checkpoint import load_mole
     cfg = BOTTLENECK
     test = data.read_llava_json(os.path.join(data_dir or os.path.join(out_dir, "data"), "test.json"))[: cfg["n_test"]]
     wrong = [dict(r, image=test[(i + 1) % len(test)]["image"]) for i, r in enumerate(test)]
@@ -949,7 +950,7 @@ def position_shift(data_dir, n=64, base="tiny-dense", stage=2, n_lat=8):
     from mole.model import MoLE, MoLEConfig
     model, proc = bb.load_backbone(base)
     model.eval()
-    data.ensure_splits(data_dir, {"val": n})
+    shapes.ensure_splits(data_dir, {"val": n})
     recs = data.read_llava_json(os.path.join(data_dir, "val.json"))[:n]
     imgs = [data.load_image(r["image"], r["id"]) for r in recs]
     qs, ts = [r["question"] for r in recs], [r["target"] for r in recs]

@@ -1,4 +1,4 @@
-"""Toy reproduction of RoleMerge (paper 001) on the shapes world, from the tiny MoE-VLM base.
+"""Toy reproduction of RoleMerge on the shapes world, from the tiny MoE-VLM base.
 
     python -m eval.toys.rolemerge            # every row below, writes out/rolemerge/results.json
     python -m eval.toys.rolemerge --quick    # rho = .5: full, RoleMerge, both baselines (~3 CPU minutes)
@@ -29,6 +29,7 @@ import torch
 
 from common import backbone as bb
 from common import data
+from common import shapes
 
 VARIANTS = {  # name -> (method, linkage)
     "rolemerge": ("rolemerge", "single"),
@@ -48,7 +49,7 @@ MAX_NEW = 48      # the tiny models describe the scene (~32 tokens), then answer
 
 
 def _ensure_data(data_dir, n_val, n_test):
-    data.ensure_splits(data_dir, {"val": n_val, "test": n_test})  # never overwrites existing files
+    shapes.ensure_splits(data_dir, {"val": n_val, "test": n_test})  # never overwrites existing files
 
 
 def _scalar(name, metric, value, n):
@@ -83,7 +84,7 @@ def run(quick, data_dir, out_dir, base="tiny-moe", threads=None):
     if threads:
         torch.set_num_threads(threads)
     cfg = QUICK if quick else FULL
-    fams = data.FAMILIES
+    fams = shapes.FAMILIES
     _ensure_data(data_dir, 500, cfg["n_test"])
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     val = data.read_llava_json(os.path.join(data_dir, "val.json"))
@@ -164,8 +165,8 @@ def table(out):
 
 
 # ----------------------------------------------------------------------------- paper-structure experiment
-# (issue 11): a base with the paper's structure (32 experts, top-4, 144 image tokens, short answers),
-# the papers' own baselines, oracle routing; pre-registered in rolemerge/README.md.
+# a base with the paper's structure (32 experts, top-4, 144 image tokens, short answers),
+# the papers' own baselines, oracle routing; pre-registered in eval/logs/rolemerge.md.
 
 PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too)
     "rolemerge": ("rolemerge", "single", True),
@@ -198,7 +199,7 @@ CLAIMS = [("H1 RoleMerge > M-SMoE", "rolemerge", "msmoe", "correct"),
           ("H6 oracle: RoleMerge vs M-SMoE grouping", "rolemerge", "msmoe", "oracle_correct"),
           ("H6 oracle: RoleMerge vs HC-SMoE grouping", "rolemerge", "hcsmoe", "oracle_correct")]
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
-# The base with the paper's structure (rolemerge/README.md, session 4: one 5,500-step schedule per
+# The base with the paper's structure (rolemerge/README.md: one 5,500-step schedule per
 # seed; the second recipe's 1,000 steps did not give a usable base): `--retrain-base DIR` runs
 # `python -m eval.tools.pretrain {PAPER_RECIPE} --seed S --out DIR/seedS` (resuming DIR/seedS.ckpt).
 PAPER_RECIPE = ("--arch qwen3_vl_moe --experts 32 --top-k 4 --expert-width 32 --patch-size 7 --merge-size 1 "
@@ -227,7 +228,7 @@ def gold_turn(record, look):
     if look == "full":
         return f"{scene} Answer: {record['answer']}"
     if look == "objects":
-        return f"{data.short_look(scene)} Answer: {record['answer']}"
+        return f"{shapes.short_look(scene)} Answer: {record['answer']}"
     if look == "none":
         return f"Answer: {record['answer']}"
     raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
@@ -265,7 +266,7 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
     _ensure_data(data_dir, 500, cfg["n_test"])
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     val = data.read_llava_json(os.path.join(data_dir, "val.json"))
-    sources = {f: [r for r in val if r["family"] == f][: cfg["n_cal"]] for f in data.FAMILIES}
+    sources = {f: [r for r in val if r["family"] == f][: cfg["n_cal"]] for f in shapes.FAMILIES}
     look = json.load(open(os.path.join(base, "pretrain_log.json")))["args"].get("look", True) \
         if os.path.exists(os.path.join(base, "pretrain_log.json")) else True
     look = {True: "full", False: "none"}.get(look, look)
