@@ -33,7 +33,7 @@ import torch
 
 from common import backbone as bb
 from common import data
-from common import shapes
+from common import shapes as world
 from common.cli import Interrupted, add_threads, fail, number, set_threads, sigterm_flag
 
 METHODS = ("mod", "rolemerge", "mole")
@@ -158,7 +158,7 @@ def main(argv=None):
     timings, stages, t0 = {}, {}, time.time()
 
     # 1. data
-    shapes.ensure_splits(a.data, {"train": 2000, "val": 500, "test": a.n_test})
+    world.ensure_splits(a.data, {"train": 2000, "val": 500, "test": a.n_test})
     timings["data"] = time.time() - t0
     test = data.read_llava_json(os.path.join(a.data, "test.json"))[: a.n_test]
     train = data.read_llava_json(os.path.join(a.data, "train.json"), check_images=False)

@@ -20,7 +20,7 @@ from PIL import Image
 from common import backbone as bb
 from common import checkpoint as ck
 from common import data
-from common import shapes
+from common import shapes as world
 from eval import evaluate as ev
 from eval.readers import read_any, read_jsonl
 from helpers import error_of
@@ -166,7 +166,7 @@ def test_empty_llava_file_is_an_error(tmp_path):
 
 def test_evaluate_refuses_bad_records_and_flags_before_loading(tmp_path, capsys):
     """--model points nowhere: each error below must come before the model is touched."""
-    shapes.generate_split(str(tmp_path), "val", 2)
+    world.generate_split(str(tmp_path), "val", 2)
     d = str(tmp_path / "val.json")
     before = open(d).read()
     for flag, val, msg in (("--limit", "-1", "--limit: must be >= 0, got -1"),  # 0 = all, as in every script
@@ -194,7 +194,7 @@ def test_evaluate_refuses_bad_records_and_flags_before_loading(tmp_path, capsys)
 def test_evaluate_notes_unknown_families(tmp_path, capsys):
     """A family outside the shapes answer types is scored as free text: said once, with the
     near miss, and the run goes on."""
-    shapes.generate_split(str(tmp_path), "val", 2)
+    world.generate_split(str(tmp_path), "val", 2)
     recs = json.loads((tmp_path / "val.json").read_text())
     recs[0]["family"], recs[1]["family"] = "Count", "ocr"
     (tmp_path / "fam.json").write_text(json.dumps(recs))
@@ -331,7 +331,7 @@ def test_data_cli_refuses_to_overwrite_a_dataset_and_checks_its_counts(tmp_path,
     data.main(["--out", str(d), "--n-train", "1", "--n-val", "1", "--n-test", "1", "--overwrite"])
     assert len(json.loads((d / "train.json").read_text())) == 1
     assert sorted(os.listdir(d / "images")) == ["test_000000.png", "train_000000.png", "val_000000.png"]
-    shapes.ensure_splits(str(user), {"test": 2})                 # ensure_splits still never overwrites
+    world.ensure_splits(str(user), {"test": 2})                 # ensure_splits still never overwrites
     assert (user / "test.json").read_text() == "my data"
 
 
@@ -371,7 +371,7 @@ def test_data_path_that_is_a_directory(tmp_path):
     with pytest.raises(data.DataError, match=rf"^{tmp_path} is a directory; pass the JSON/JSONL file "
                                              rf"\(e.g. {tmp_path / 'train.json'}\)$"):
         data.read_records(str(tmp_path))
-    shapes.generate_split(str(tmp_path), "val", 1)                # suggests a split file that is there
+    world.generate_split(str(tmp_path), "val", 1)                # suggests a split file that is there
     for read in (data.read_records, data.read_llava_json, read_any, read_jsonl):
         with pytest.raises(data.DataError, match=rf"^{tmp_path} is a directory; pass the JSON/JSONL file "
                                                  rf"\(e.g. {tmp_path / 'val.json'}\)$"):
@@ -381,7 +381,7 @@ def test_data_path_that_is_a_directory(tmp_path):
 def test_evaluate_checks_out_before_loading_and_leaves_no_temp_file(tmp_path, capsys):
     """--out a directory (or under a file): refused at once (--model nowhere is never reached);
     atomic_write_text removes its temp file when the rename fails."""
-    shapes.generate_split(str(tmp_path), "val", 1)
+    world.generate_split(str(tmp_path), "val", 1)
     d = str(tmp_path / "val.json")
     (tmp_path / "res").mkdir()
     err = error_of(ev.main, ["--model", "nowhere", "--data", d, "--out", str(tmp_path / "res")], capsys)

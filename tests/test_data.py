@@ -5,13 +5,13 @@ import pytest
 
 from common import data
 from common import answers
-from common import shapes
+from common import shapes as world
 
 
 def test_splits_are_seeded_and_distinct(tmp_path):
-    a = shapes.generate_split(tmp_path / "a", "val", 20)
-    b = shapes.generate_split(tmp_path / "b", "val", 20)
-    c = shapes.generate_split(tmp_path / "c", "test", 20)
+    a = world.generate_split(tmp_path / "a", "val", 20)
+    b = world.generate_split(tmp_path / "b", "val", 20)
+    c = world.generate_split(tmp_path / "c", "test", 20)
     strip = lambda rs: [(r["conversations"], r["family"]) for r in rs]
     assert strip(a) == strip(b)
     assert strip(a) != strip(c)
@@ -20,12 +20,12 @@ def test_splits_are_seeded_and_distinct(tmp_path):
 
 
 def test_describe_and_answers_are_consistent():
-    scene = [shapes.Obj(0, "red", "circle", 10), shapes.Obj(4, "blue", "square", 13), shapes.Obj(8, "red", "square", 10)]
-    assert shapes.describe(scene) == ("tl red circle tc empty tr empty ml empty mc blue square mr empty "
+    scene = [world.Obj(0, "red", "circle", 10), world.Obj(4, "blue", "square", 13), world.Obj(8, "red", "square", 10)]
+    assert world.describe(scene) == ("tl red circle tc empty tr empty ml empty mc blue square mr empty "
                                     "bl empty bc empty br red square")
     rng = random.Random(0)
     for _ in range(50):
-        q, a = shapes.make_question(rng, scene, "count")
+        q, a = world.make_question(rng, scene, "count")
         if "squares" in q:
             assert a == "2"
         elif "circles" in q:
@@ -33,9 +33,9 @@ def test_describe_and_answers_are_consistent():
         elif "triangles" in q:
             assert a == "0"
     for _ in range(20):
-        q, a = shapes.make_question(rng, scene, "colour")  # circle is the only unique shape
+        q, a = world.make_question(rng, scene, "colour")  # circle is the only unique shape
         assert (q, a) == ("What colour is the circle?", "red")
-        q, a = shapes.make_question(rng, scene, "spatial") or ("", "")
+        q, a = world.make_question(rng, scene, "spatial") or ("", "")
         if q == "Is the red circle to the left of the blue square?":
             assert a == "yes"
         if q == "Is the red square above the red circle?":
@@ -46,8 +46,8 @@ def test_existence_has_adversarial_negatives_and_is_balanced():
     rng = random.Random(1)
     answers, adversarial = [], 0
     for _ in range(2000):
-        scene = shapes.sample_scene(rng)
-        q, a = shapes.make_question(rng, scene, "existence")
+        scene = world.sample_scene(rng)
+        q, a = world.make_question(rng, scene, "existence")
         answers.append(a)
         asked = q[len("Is there a "):-1]
         if a == "no":
@@ -61,8 +61,8 @@ def test_existence_has_adversarial_negatives_and_is_balanced():
 def test_mc_has_four_lettered_options_one_correct():
     rng = random.Random(2)
     for _ in range(100):
-        scene = shapes.sample_scene(rng)
-        q, a = shapes.make_question(rng, scene, "mc")
+        scene = world.sample_scene(rng)
+        q, a = world.make_question(rng, scene, "mc")
         assert all(f"{L}. " in q for L in "ABCD") and a in "ABCD"
         chosen = q.split(f"{a}. ")[1].split(" ")[:2]
         assert " ".join(chosen) in {o.name for o in scene}
@@ -78,7 +78,7 @@ def test_reader_errors_name_the_record(tmp_path):
     (tmp_path / "images").mkdir()
     good = {"id": "r1", "image": "images/x.png", "conversations": [
         {"from": "human", "value": "<image>\nQ?"}, {"from": "gpt", "value": "A"}]}
-    shapes.render([]).save(tmp_path / "images" / "x.png")
+    world.render([]).save(tmp_path / "images" / "x.png")
     p = tmp_path / "d.json"
     p.write_text(json.dumps([good]))
     r = data.read_llava_json(str(p))[0]
@@ -99,8 +99,8 @@ def test_reader_errors_name_the_record(tmp_path):
 
 
 def test_marks_flag_the_cells_the_question_is_about():
-    scene = [shapes.Obj(0, "red", "circle", 10), shapes.Obj(4, "blue", "square", 13), shapes.Obj(8, "red", "square", 10)]
-    m = lambda q: " ".join(shapes.marks(scene, q))
+    scene = [world.Obj(0, "red", "circle", 10), world.Obj(4, "blue", "square", 13), world.Obj(8, "red", "square", 10)]
+    m = lambda q: " ".join(world.marks(scene, q))
     assert m("Is there a red circle?") == "+ - - - - - - - -"
     assert m("Is there a green circle?") == "- - - - - - - - -"
     assert m("How many squares are there?") == "- - - - + - - - +"
@@ -109,7 +109,7 @@ def test_marks_flag_the_cells_the_question_is_about():
     assert m("Is the red square above the red circle?") == "2tl - - - - - - - 1br"
     assert m("Which object is at the middle center? A. red circle B. blue square C. x D. y Answer with the letter."
              ) == "- - - - B - - - -"
-    assert shapes.target_text(scene, "yes", "Is there a red circle?") == (
+    assert world.target_text(scene, "yes", "Is there a red circle?") == (
         "tl red circle + tc empty - tr empty - ml empty - mc blue square - mr empty - bl empty - bc empty - "
         "br red square -. Answer: yes")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common import data
-from common import shapes
+from common import shapes as world
 from eval import lmms as L
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ def test_classes_need_lmms_eval_and_say_so(monkeypatch):
 
 def write_records(tmp_path):
     """A canonical JSONL with a yes/no, an options-as-text, a text-only and a multi-answer record."""
-    img = shapes.render(shapes.sample_scene(random.Random(0)))
+    img = world.render(world.sample_scene(random.Random(0)))
     img.save(tmp_path / "a.png")
     recs = [{"id": "y", "image": "a.png", "question": "Is there a red circle?", "answer": "yes", "family": "existence"},
             {"id": "m", "image": "a.png", "question": "Which animal barks?", "answer": "dog",
@@ -146,11 +146,11 @@ def shapes_records(tmp_path, n, family=None, seed=0):
     rng = random.Random(seed)
     recs = []
     while len(recs) < n:
-        scene, fam, q, a = shapes.sample_example(rng)
+        scene, fam, q, a = world.sample_example(rng)
         if family and fam != family:
             continue
         p = tmp_path / f"{len(recs)}.png"
-        shapes.render(scene).save(p)
+        world.render(scene).save(p)
         recs.append({"id": str(len(recs)), "image": str(p), "images": [str(p)], "question": q, "answer": a,
                      "family": fam, "history": []})
     return recs

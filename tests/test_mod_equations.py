@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common import data
-from common import shapes
+from common import shapes as world
 from common.backbone import build_tiny, save_backbone
 from mod.model import AdapterConfig, MoDLinear, RoutingContext
 
@@ -115,7 +115,7 @@ def test_router_logits_are_fp32_under_autocast(method):
 
 def _text_only_and_image_records(d):
     """LLaVA JSON with image records and text-only ones (no "image" key / "image": null)."""
-    recs = shapes.generate_split(d, "train", 4)
+    recs = world.generate_split(d, "train", 4)
     text = [{"id": f"t{i}", "family": "mmlu", "answer": "B", "image": None,
              "conversations": [{"from": "human", "value": f"Which letter is second? A B C D ({i})"},
                                {"from": "gpt", "value": '{"Reasoning": "order", "Answer": "B"}'}]} for i in range(3)]
@@ -146,7 +146,7 @@ def test_llava_next_image_tokens_match_the_model():
     """The processor's image-token count is what the model's vision features fill (a mismatch
     raises in the forward), for a batch mixing an image row with a text-only row."""
     model, proc = build_tiny("llava_next", hidden=64, layers=2)
-    ims = [shapes.render(shapes.sample_scene(__import__("random").Random(0))), None]
+    ims = [world.render(world.sample_scene(__import__("random").Random(0))), None]
     batch = proc.encode(ims, ["What colour?", "No image here."], answers=["red", "ok"])
     assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "image_sizes", "labels"}
     assert (batch["input_ids"][1] == proc.image_token_id).sum() == 0
@@ -159,7 +159,7 @@ def test_text_only_rows_have_no_vision_markers():
     also next to an image row in the same batch."""
     _, proc = build_tiny("qwen3_vl", hidden=64, layers=2)
     vs_id = proc.tokenizer.convert_tokens_to_ids("<|vision_start|>")
-    img = shapes.render(shapes.sample_scene(__import__("random").Random(0)))
+    img = world.render(world.sample_scene(__import__("random").Random(0)))
     batch = proc.encode([img, None], ["What colour?", "No image here."])
     ids = batch["input_ids"]
     assert (ids[1] == vs_id).sum() == 0 and (ids[1] == proc.image_token_id).sum() == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common import data
-from common import shapes
+from common import shapes as world
 from common.checkpoint import load_train_state
 from mod import data as mdata
 from mod import infer as minfer
@@ -23,8 +23,8 @@ from helpers import error_of, snapshot
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     d = tmp_path_factory.mktemp("shapes")
-    shapes.generate_split(str(d), "train", 6)
-    shapes.generate_split(str(d), "val", 4)
+    world.generate_split(str(d), "train", 6)
+    world.generate_split(str(d), "val", 4)
     return d
 
 

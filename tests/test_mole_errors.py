@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from common import data
-from common import shapes
+from common import shapes as world
 from common.checkpoint import load_train_state
 from mole import diagnostics as mdiag
 from mole import infer as minfer
@@ -24,8 +24,8 @@ from helpers import error_of, snapshot
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     d = tmp_path_factory.mktemp("shapes")
-    shapes.generate_split(str(d), "train", 8)
-    shapes.generate_split(str(d), "test", 3)
+    world.generate_split(str(d), "train", 8)
+    world.generate_split(str(d), "test", 3)
     return d
 
 

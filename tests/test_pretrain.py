@@ -40,12 +40,12 @@ def test_chat_examples_have_the_inference_prompt_shapes():
 
     from common import data
     from common import answers
-    from common import shapes
+    from common import shapes as world
     from mod import data as vs
     rng = random.Random(0)
-    ex = shapes.sample_example(rng)
+    ex = world.sample_example(rng)
     scene, family, q, a = ex
-    gold = shapes.target_text(scene, a, q)
+    gold = world.target_text(scene, a, q)
     prompt, target, tail = pretrain.chat_example(rng, ex, "plain")
     assert (prompt, target, tail) == (q, gold, " " + a)
     prompt, target, tail = pretrain.chat_example(rng, ex, "json")
@@ -62,11 +62,11 @@ def test_wrong_priors_rate_is_obeyed():
 
     from common import data
     from common import answers
-    from common import shapes
+    from common import shapes as world
     for rate, wrong in ((0.0, False), (1.0, True)):
         rng = random.Random(1)
         for _ in range(30):
-            ex = shapes.sample_example(rng)
+            ex = world.sample_example(rng)
             prompt, _, _ = pretrain.chat_example(rng, ex, "review", wrong_priors=rate)
             prior = prompt.split("Your previous answer: ")[1].split("\n")[0]
             assert (answers.final_answer(prior) != ex[3]) == wrong
@@ -114,15 +114,15 @@ def test_truncated_checkpoint_is_named_and_kept(tmp_path, monkeypatch, capsys):
 def test_look_steps_full_objects_none_hand_case():
     from common import data
     from common import answers
-    from common import shapes
+    from common import shapes as world
     rng = __import__("random").Random(3)
-    scene, _, q, a = shapes.sample_example(rng)
+    scene, _, q, a = world.sample_example(rng)
     full = pretrain.look_target("full", scene, a, q)
-    assert full == shapes.target_text(scene, a, q) and pretrain.look_target(True, scene, a, q) == full
+    assert full == world.target_text(scene, a, q) and pretrain.look_target(True, scene, a, q) == full
     assert pretrain.look_target("none", scene, a, q) == pretrain.look_target(False, scene, a, q) == f"Answer: {a}"
     short = pretrain.look_target("objects", scene, a, q)
     # the short look keeps exactly the occupied cells of the full one, in raster order, with their marks
-    assert short == shapes.short_look(full.rsplit(" Answer:", 1)[0]) + f" Answer: {a}"
+    assert short == world.short_look(full.rsplit(" Answer:", 1)[0]) + f" Answer: {a}"
     assert short.count(" ") < full.count(" ") and "empty" not in short
     with pytest.raises(ValueError, match="unknown look 'short'"):
         pretrain.look_target("short", scene, a, q)
@@ -131,15 +131,15 @@ def test_look_steps_full_objects_none_hand_case():
 def test_short_look_hand_case_and_errors():
     from common import data
     from common import answers
-    from common import shapes
+    from common import shapes as world
     full = "tl red circle + tc empty - tr empty - ml empty - mc empty - mr empty - bl empty - bc empty - br blue square -."
-    assert shapes.short_look(full) == "tl red circle + br blue square -."
+    assert world.short_look(full) == "tl red circle + br blue square -."
     two = "tl blue square 1tl tc empty - tr empty - ml empty - mc empty - mr red circle - bl empty - bc blue circle 2bc br empty -."
-    assert shapes.short_look(two) == "tl blue square 1tl mr red circle - bc blue circle 2bc."
+    assert world.short_look(two) == "tl blue square 1tl mr red circle - bc blue circle 2bc."
     with pytest.raises(ValueError, match="not a nine-cell look step"):
-        shapes.short_look("tl red circle + br blue square -.")
+        world.short_look("tl red circle + br blue square -.")
     with pytest.raises(ValueError, match="extra words"):
-        shapes.short_look(full[:-1] + " x.")
+        world.short_look(full[:-1] + " x.")
 
 
 def test_short_look_matches_short_target_text_on_random_scenes():
@@ -147,12 +147,12 @@ def test_short_look_matches_short_target_text_on_random_scenes():
 
     from common import data
     from common import answers
-    from common import shapes
+    from common import shapes as world
     rng = random.Random(0)
     for _ in range(200):
-        scene, _, q, a = shapes.sample_example(rng)
-        look = shapes.target_text(scene, a, q).rsplit(" Answer:", 1)[0]
-        assert shapes.short_look(look) + f" Answer: {a}" == shapes.short_target_text(scene, a, q)
+        scene, _, q, a = world.sample_example(rng)
+        look = world.target_text(scene, a, q).rsplit(" Answer:", 1)[0]
+        assert world.short_look(look) + f" Answer: {a}" == world.short_target_text(scene, a, q)
 
 
 def test_objects_look_base_recipe_shapes():
@@ -171,12 +171,12 @@ def test_objects_look_base_recipe_shapes():
 
     from common import data
     from common import answers
-    from common import shapes
+    from common import shapes as world
     rng = random.Random(0 * 1_000_003 + 0)
-    ex = [shapes.sample_example(rng) for _ in range(3)]
+    ex = [world.sample_example(rng) for _ in range(3)]
     for row, (s, _, q, a) in enumerate(ex):
         lab = batch["labels"][row][batch["labels"][row] != -100].tolist()
-        assert lab[:len(tok(shapes.short_target_text(s, a, q)))] == tok(shapes.short_target_text(s, a, q))
+        assert lab[:len(tok(world.short_target_text(s, a, q)))] == tok(world.short_target_text(s, a, q))
     assert bb.tiny_config("qwen3_vl_moe", bb.build_tokenizer(), hidden=32).text_config.moe_intermediate_size == 32
 
 

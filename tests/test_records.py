@@ -12,7 +12,7 @@ from PIL import Image
 
 from common import backbone as bb
 from common import data
-from common import shapes
+from common import shapes as world
 from helpers import error_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +128,7 @@ def test_text_only_records_run_in_eval_and_rolemerge(tmp_path, tiny):
 def test_calibrate_takes_text_only_records_on_a_vlm(tmp_path):
     from rolemerge import calibrate as cal
     moe, mproc = bb.load_backbone("tiny-moe")
-    shapes.generate_split(str(tmp_path), "val", 2)
+    world.generate_split(str(tmp_path), "val", 2)
     recs = data.read_records(str(tmp_path / "val.json")) + data.read_records(_text_only(tmp_path))
     stats = cal.calibrate(moe, mproc, {"v": recs}, max_new_tokens=3, progress=False)
     assert stats["sources"]["v"]["examples"] == 3 and all(stats["sources"]["v"]["tokens"] > 0)
@@ -153,7 +153,7 @@ def test_multi_turn_record_keeps_every_pair(tmp_path):
 
 def test_multi_turn_training_labels_every_gpt_turn(tiny):
     model, proc = tiny
-    im = shapes.render(shapes.sample_scene(__import__("random").Random(0)))
+    im = world.render(world.sample_scene(__import__("random").Random(0)))
     b = proc.encode([im], ["How many circles are there?"], ["2"], history=[[["Is there a red circle?", "yes"]]])
     labelled = b["labels"][0][b["labels"][0] != -100].tolist()
     assert labelled == proc.text_ids("yes") + [proc.eos_token_id] + proc.text_ids("2") + [proc.eos_token_id]
@@ -231,7 +231,7 @@ def test_special_token_strings_in_questions_are_escaped(tmp_path, tiny):
     from rolemerge.calibrate import text_inputs
     model, proc = tiny
     q = "What does <|image_pad|> mean? <|im_end|> A. x B. y"
-    b = proc.encode([shapes.render([])], [q], ["<|vision_start|>"])
+    b = proc.encode([world.render([])], [q], ["<|vision_start|>"])
     assert int((b["input_ids"] == proc.image_token_id).sum()) == 9  # the 84x84 image's tokens only
     assert int((b["labels"] == proc.tokenizer.convert_tokens_to_ids("<|vision_start|>")).sum()) == 0
     _img(tmp_path / "a.png")
@@ -291,7 +291,7 @@ def test_one_image_path_same_visual_tokens_everywhere(tmp_path, tiny):
         loader = Loader(file, len(file), 0)
         _, ims = loader.batch(0)  # one list of images per record (a MoLE record may hold several)
         assert sorted(g.tolist() for g in proc.images([im for per in ims for im in per])[1])[-1] == [1, 6, 8]
-    eighty = [shapes.render(shapes.sample_scene(__import__("random").Random(i))) for i in range(3)]
+    eighty = [world.render(world.sample_scene(__import__("random").Random(i))) for i in range(3)]
     fast, slow = proc.images(eighty), proc.image_processor(images=eighty, return_tensors="pt")
     assert torch.equal(fast[1], slow["image_grid_thw"])
     assert torch.allclose(fast[0], slow["pixel_values"], atol=1e-5)
@@ -309,7 +309,7 @@ def test_adapters_are_fp32_on_a_bf16_base(tmp_path, small):
         attach(model, AdapterConfig(method=method))
         trainable = [p for p in model.parameters() if p.requires_grad]
         assert trainable and all(p.dtype == torch.float32 for p in trainable)
-        b = proc.encode([shapes.render([])], ["Q?"], ["yes"])
+        b = proc.encode([world.render([])], ["Q?"], ["yes"])
         out = model(**b)
         assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
     save_adapters(model, str(tmp_path / "ad"))
@@ -329,7 +329,7 @@ def test_adapters_are_fp32_on_a_bf16_base(tmp_path, small):
         p.requires_grad_(True)
     opt = torch.optim.AdamW([lora.lora_A.weight, lora.lora_B.weight], lr=2e-4)
     before = lora.lora_A.weight.detach().clone()
-    model(**proc.encode([shapes.render([])], ["Q?"], ["yes"])).loss.backward()
+    model(**proc.encode([world.render([])], ["Q?"], ["yes"])).loss.backward()
     opt.step()
     changed = (lora.lora_A.weight != before).float().mean().item()
     assert changed == 1.0  # bf16 weights left ~29% of the entries unchanged at this lr
@@ -338,7 +338,7 @@ def test_adapters_are_fp32_on_a_bf16_base(tmp_path, small):
 def _four_batches(proc, answers):
     import random
     rng = random.Random(0)
-    ims = [shapes.render(shapes.sample_scene(rng)) for _ in answers]
+    ims = [world.render(world.sample_scene(rng)) for _ in answers]
     qs = [f"Question {i}?" for i in range(len(answers))]
     return lambda rows: proc.encode([ims[i] for i in rows], [qs[i] for i in rows], [answers[i] for i in rows])
 
@@ -430,9 +430,9 @@ def test_shapes_splits_are_disjoint_by_construction(tmp_path, monkeypatch):
     pairs = {}
     for split, n in (("train", 2000), ("test", 500), ("val", 100)):
         start = len(seen)
-        recs = shapes.generate_split(str(tmp_path), split, n)
+        recs = world.generate_split(str(tmp_path), split, n)
         pairs[split] = {(tuple(s), r["conversations"][0]["value"]) for s, r in zip(seen[start:], recs)}
-        assert all(shapes.split_of(list(s), q.split("\n", 1)[1]) == split for s, q in pairs[split])
+        assert all(world.split_of(list(s), q.split("\n", 1)[1]) == split for s, q in pairs[split])
     assert not pairs["train"] & pairs["test"] and not pairs["train"] & pairs["val"] and not pairs["val"] & pairs["test"]
 
 

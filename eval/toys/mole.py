@@ -30,7 +30,7 @@ import torch
 
 from common import backbone as bb
 from common import data
-from common import shapes
+from common import shapes as world
 from common.cli import Deprecated, add_threads, set_threads
 from eval.metrics import accuracy
 
@@ -64,7 +64,7 @@ def _acc(items):
 
 
 def _ensure_data(data_dir, n_train, n_test):
-    shapes.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
+    world.ensure_splits(data_dir, {"train": n_train, "test": n_test})  # never overwrites existing files
 
 
 def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, mole_evaluate, plain_evaluate,
@@ -403,7 +403,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
         torch.set_num_threads(threads)
     cfg = FULL
     _ensure_data(data_dir, cfg["n_train"], cfg["n_test"])
-    shapes.ensure_splits(data_dir, {"val": N_VAL})
+    world.ensure_splits(data_dir, {"val": N_VAL})
     train = data.read_llava_json(os.path.join(data_dir, "train.json"))[: cfg["n_train"]]
     val = data.read_llava_json(os.path.join(data_dir, "val.json"))[:N_VAL]
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
@@ -597,7 +597,7 @@ BOTTLENECK_ARMS = {  # name -> mole.train flags; all at 8 latent tokens, stage 1
 BOTTLENECK = dict(n_train=4800, n_val=150, n_test=500, batch_size=32, steps=100, sweep_steps=50,
                   sweep_lrs=(2e-3, 6e-3), seeds=(0, 1, 2), long_steps=300)
 SWEPT = ("plain_latent", "mole")  # the ablations are MoLE minus one part: they take MoLE's lr
-CELL_RE = re.compile(r"\b(" + "|".join(shapes.CELL_TAGS) + r") (empty|" + "|".join(shapes.OBJECT_NAMES) + r")\b")
+CELL_RE = re.compile(r"\b(" + "|".join(world.CELL_TAGS) + r") (empty|" + "|".join(world.OBJECT_NAMES) + r")\b")
 
 
 def cells_of(text):
@@ -628,7 +628,7 @@ def cell_ce(net, recs, stage=1, batch_size=50):
     import torch.nn.functional as F
     tok = net.proc.tokenizer
     empty = tok(" empty", add_special_tokens=False)["input_ids"]
-    objs = {tok(" " + n, add_special_tokens=False)["input_ids"][0] for n in shapes.OBJECT_NAMES}
+    objs = {tok(" " + n, add_special_tokens=False)["input_ids"][0] for n in world.OBJECT_NAMES}
     assert len(empty) == 1, "cell contents must be single tokens"
     empty = empty[0]
     all_ce, obj_ce = [], []
@@ -707,7 +707,7 @@ def run_bottleneck(data_dir, out_dir, base="tiny-dense", threads=None, seeds=Non
     cfg = BOTTLENECK
     seeds = list(seeds if seeds is not None else cfg["seeds"])
     arms = list(arms or BOTTLENECK_ARMS)
-    shapes.ensure_splits(data_dir, {"train": cfg["n_train"], "val": cfg["n_val"], "test": cfg["n_test"]})
+    world.ensure_splits(data_dir, {"train": cfg["n_train"], "val": cfg["n_val"], "test": cfg["n_test"]})
     val = data.read_llava_json(os.path.join(data_dir, "val.json"))[: cfg["n_val"]]
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     os.makedirs(out_dir, exist_ok=True)
@@ -950,7 +950,7 @@ def position_shift(data_dir, n=64, base="tiny-dense", stage=2, n_lat=8):
     from mole.model import MoLE, MoLEConfig
     model, proc = bb.load_backbone(base)
     model.eval()
-    shapes.ensure_splits(data_dir, {"val": n})
+    world.ensure_splits(data_dir, {"val": n})
     recs = data.read_llava_json(os.path.join(data_dir, "val.json"))[:n]
     imgs = [data.load_image(r["image"], r["id"]) for r in recs]
     qs, ts = [r["question"] for r in recs], [r["target"] for r in recs]

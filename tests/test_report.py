@@ -1,0 +1,52 @@
+"""README tables equal what `python -m eval.report` renders from `eval/results/`, and the
+renderer itself is pinned by hand cases (a table that cannot drift from its result files)."""
+import json
+
+import pytest
+
+from eval import report
+
+
+def test_readme_tables_equal_the_results():
+    stale = [str(p) for p, (old, new) in report.build_readmes().items() if old != new]
+    assert not stale, f"README tables differ from eval/results/: {stale}; run python -m eval.report"
+
+
+def test_every_result_file_says_where_its_numbers_come_from():
+    for p in report.RESULTS.rglob("*.json"):
+        if p.name == "tables.json":
+            continue
+        d = json.loads(p.read_text())
+        assert d.get("source") and isinstance(d.get("rows"), list) and d["rows"], p
+
+
+def test_columns_and_pivot_by_hand(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    rows = [{"arm": "MoD", "metric": "single", "value": 0.5, "ci_low": 0.25, "ci_high": 0.75},
+            {"arm": "MoD", "metric": "misled", "value": 0.125, "ci_low": None, "ci_high": None},
+            {"arm": "LoRA", "metric": "single", "value": 0.5, "ci_low": 0.375, "ci_high": 0.625}]
+    (tmp_path / "r.json").write_text(json.dumps({"source": "hand", "rows": rows}))
+    cols = {"name": "t", "file": "r.json", "where": {"metric": "single"},
+            "columns": [["arm", "{arm}"], ["acc", "{value:.3f} [{ci_low:.2f}, {ci_high:.2f}]"]]}
+    assert report.render_table(cols) == "| arm | acc |\n|---|---|\n| MoD | 0.500 [0.25, 0.75] |\n| LoRA | 0.500 [0.38, 0.62] |\n"
+    piv = {"name": "p", "file": "r.json", "pivot": {"row": "arm", "col": "metric", "cell": "{value:.2f} [{ci_low:.2f}]",
+                                                      "corner": "arm", "cols": {"single": "one round"}}}
+    assert report.render_table(piv) == ("| arm | one round | misled |\n|---|---|---|\n"
+                                        "| MoD | 0.50 [0.25] | - |\n| LoRA | 0.50 [0.38] | - |\n")
+    with pytest.raises(report.ReportError, match="no record"):
+        report.render_table({**cols, "where": {"metric": "none"}})
+
+
+def test_marker_rewrite_and_missing_marker(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "res")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "r.json").write_text(json.dumps({"source": "hand", "rows": [{"a": 1}]}))
+    spec = {"readme": "R.md", "tables": [{"name": "x/t", "file": "r.json", "columns": [["a", "{a}"]]}]}
+    (tmp_path / "res" / "tables.json").write_text(json.dumps(spec))
+    (tmp_path / "R.md").write_text("intro\n<!-- table x/t -->\nold\n<!-- /table -->\nend\n")
+    (old, new), = report.build_readmes().values()
+    assert new == "intro\n<!-- table x/t -->\n| a |\n|---|\n| 1 |\n<!-- /table -->\nend\n" and old != new
+    (tmp_path / "R.md").write_text("no markers\n")
+    with pytest.raises(report.ReportError, match="no marker"):
+        report.build_readmes()
