@@ -16,7 +16,8 @@ README) lists `{"readme": path, "tables": [...], "figures": [...]}`. A table is
 
 one row per selected record, or with `"pivot": {"row": field, "col": field, "cell": template,
 "corner": header, "cols": {value: header}}` a row per distinct `row` value and a column per
-distinct `col` value (first-appearance order). `file` is relative to `eval/results/`; `where`
+distinct `col` value (first-appearance order). `file` (or a list of files, rows concatenated)
+is relative to `eval/results/`; `where`
 keeps records whose field equals the value (or is in the list). A cell whose template names a
 missing or null field prints `-`. In the README the table sits between `<!-- table NAME -->` and
 `<!-- /table -->`, which this script rewrites and nothing else.
@@ -41,14 +42,17 @@ class ReportError(Exception):
 
 
 def _rows(spec, cache):
-    path = RESULTS / spec["file"]
-    if path not in cache:
-        try:
-            cache[path] = json.loads(path.read_text())["rows"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ReportError(f"{spec.get('name', spec.get('path'))}: cannot read rows of {path}: {e}")
+    rows = []
+    for f in spec["file"] if isinstance(spec["file"], list) else [spec["file"]]:
+        path = RESULTS / f
+        if path not in cache:
+            try:
+                cache[path] = json.loads(path.read_text())["rows"]
+            except (OSError, ValueError, KeyError) as e:
+                raise ReportError(f"{spec.get('name', spec.get('path'))}: cannot read rows of {path}: {e}")
+        rows += cache[path]
     keep = []
-    for r in cache[path]:
+    for r in rows:
         ok = True
         for k, v in spec.get("where", {}).items():
             ok &= (r.get(k) in v) if isinstance(v, list) else (r.get(k) == v)

@@ -426,7 +426,7 @@ def test_grad_accum_normalises_by_step_tokens_pretrain(small):
 
 def test_shapes_splits_are_disjoint_by_construction(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(data, "render", lambda scene: seen.append(scene) or Image.new("RGB", (1, 1)))
+    monkeypatch.setattr(world, "render", lambda scene: seen.append(scene) or Image.new("RGB", (1, 1)))
     pairs = {}
     for split, n in (("train", 2000), ("test", 500), ("val", 100)):
         start = len(seen)
