@@ -340,7 +340,7 @@ def test_toy_retrain_base_runs_the_readme_recipe(monkeypatch, tmp_path):
 
     from eval.toys import rolemerge as toy
     readme = open(os.path.join(os.path.dirname(__file__), "..", "rolemerge", "README.md")).read()
-    cmds = re.findall(r"python -m common\.pretrain (--arch qwen3_vl_moe --experts 32 [^`]*--look objects[^`]*)`",
+    cmds = re.findall(r"python -m eval\.tools\.pretrain (--arch qwen3_vl_moe --experts 32 [^`]*--look objects[^`]*)`",
                       readme.replace("\n", " "))
     pairs = lambda words: dict(zip(words[::2], words[1::2]))
     readme_flags = [{k: v for k, v in pairs(c.split()).items() if k not in ("--seed", "--threads", "--out")}
