@@ -313,22 +313,22 @@ def test_data_cli_refuses_to_overwrite_a_dataset_and_checks_its_counts(tmp_path,
     small = ["--n-train", "3", "--n-val", "1", "--n-test", "1"]
     for flag in ("--n-train", "--n-val", "--n-test"):          # nothing written, --out never created
         for bad in ("-5", "0"):
-            err = error_of(data.main, ["--out", str(d), flag, bad], capsys)
+            err = error_of(world.main, ["--out", str(d), flag, bad], capsys)
             assert f"argument {flag}: must be >= 1, got {bad}" in err
     assert not d.exists()
-    data.main(["--out", str(d)] + small)
+    world.main(["--out", str(d)] + small)
     before = _tree(d)
-    err = error_of(data.main, ["--out", str(d), "--n-train", "2", "--n-val", "2", "--n-test", "2"], capsys)
+    err = error_of(world.main, ["--out", str(d), "--n-train", "2", "--n-val", "2", "--n-test", "2"], capsys)
     assert err == (f"error: {d / 'train.json'} already exists and 7 more file(s) of a dataset; pass --overwrite to "
                    f"replace them, or choose another --out\n")
     assert _tree(d) == before
     user = tmp_path / "user"                                    # the user's own test.json only: refused too
     user.mkdir()
     (user / "test.json").write_text("my data")
-    err = error_of(data.main, ["--out", str(user)] + small, capsys)
+    err = error_of(world.main, ["--out", str(user)] + small, capsys)
     assert f"error: {user / 'test.json'} already exists; pass --overwrite" in err
     assert _tree(user) == {"test.json": b"my data"}
-    data.main(["--out", str(d), "--n-train", "1", "--n-val", "1", "--n-test", "1", "--overwrite"])
+    world.main(["--out", str(d), "--n-train", "1", "--n-val", "1", "--n-test", "1", "--overwrite"])
     assert len(json.loads((d / "train.json").read_text())) == 1
     assert sorted(os.listdir(d / "images")) == ["test_000000.png", "train_000000.png", "val_000000.png"]
     world.ensure_splits(str(user), {"test": 2})                 # ensure_splits still never overwrites

@@ -35,7 +35,7 @@ def test_toys_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatc
 
     monkeypatch.setattr(mt, "main", fake_main)
     monkeypatch.setattr(tm, "set_threads", lambda threads, model: seen.append(("threads", threads, model)) or 1)
-    monkeypatch.setattr(tm.data, "ensure_splits", lambda *a, **k: None)
+    monkeypatch.setattr(tm.world, "ensure_splits", lambda *a, **k: None)
     monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
     for flag in ("--model", "--base"):
         seen.clear()
@@ -150,7 +150,7 @@ def test_phase_data_prepares_data_and_base_and_trains_nothing(monkeypatch, tmp_p
     import eval.toys.mole as tm
     from mole import train as mt
     calls = []
-    monkeypatch.setattr(tm.data, "ensure_splits", lambda d, sizes: calls.append(("splits", dict(sizes))))
+    monkeypatch.setattr(tm.world, "ensure_splits", lambda d, sizes: calls.append(("splits", dict(sizes))))
     monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
     monkeypatch.setattr(tm, "_base_row", lambda tab_dir, *a: calls.append(("base", tab_dir)))
     monkeypatch.setattr(mt, "main", lambda argv: calls.append(("train", argv)))
