@@ -34,16 +34,23 @@ continues a KV-cached sequence. Each routed layer keeps the routing inputs (rout
 of the last W-1 non-pad tokens, so routing during `generate` equals routing in a full
 forward (tested). Beam search
 reorders the batch and is not supported by that cache (greedy and sampling are).
+
+Copy unit: this file plus common/routing.py (imported as `common.routing`) are all it needs
+besides the standard library, torch and safetensors; copied into another project they give
+MoD / LoRA / MoE-LoRA adapters, save/load included, on any transformers causal LM or VLM text
+stack (tests/test_mod_copy.py).
 """
+import hashlib
 import json
 import math
 import os
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file, save_file
 
-from common.backbone import base_identity, identity_mismatch
 from common.routing import load_balance_loss, region_mean, topk_gates, window_mean
 
 METHODS = ("mod", "lora", "moelora")
@@ -279,6 +286,88 @@ class MoDLinear(nn.Module):
             ctx.trace.append((self.name, ia.detach(), ib.detach(), ctx.mask))
 
 
+# ----------------------------------------------------------------------------- decoder stack
+
+def text_model(model):
+    """The decoder stack of a transformers VLM or causal LM: `model.model.language_model`
+    (Qwen-VL, LLaVA, Gemma3 VLM), `model.language_model`, `model.model` (Llama, Gemma3,
+    Qwen causal LMs), else the first submodule holding a `layers` nn.ModuleList. Raises
+    ValueError when none is found."""
+    inner = getattr(model, "model", None)
+    for m in (getattr(inner, "language_model", None), getattr(model, "language_model", None), inner):
+        if isinstance(m, nn.Module):
+            return m
+    for m in model.modules():
+        if isinstance(getattr(m, "layers", None), nn.ModuleList):
+            return m
+    raise ValueError(f"{type(model).__name__}: no decoder stack found (no .model, .language_model or "
+                     f"submodule with a `layers` ModuleList)")
+
+
+# ----------------------------------------------------------------------------- base identity / atomic files
+
+def base_identity(model):
+    """What trained adapters depend on in their base: architecture, text width, depth,
+    vocabulary and a fingerprint of the weights (`weights_fingerprint`), plus the path it was
+    loaded from (for messages only: a moved checkpoint is the same base). Same dict as
+    `common.backbone.base_identity` (tested), kept here so this file copies on its own."""
+    t = model.config.get_text_config()
+    return {"model_type": model.config.model_type, "hidden_size": t.hidden_size,
+            "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
+            "weights": weights_fingerprint(model),
+            "name_or_path": getattr(model.config, "_name_or_path", "") or ""}
+
+
+@torch.no_grad()
+def weights_fingerprint(model, n=4096):
+    """'sha256 X' over n evenly strided values of the input embedding matrix, rounded to
+    bf16 and hashed as fp32 bytes (same value as `common.backbone.weights_fingerprint`)."""
+    w = model.get_input_embeddings().weight.detach().reshape(-1)
+    sample = w[::max(1, w.numel() // n)][:n].to(torch.bfloat16).float().cpu().contiguous()
+    return "sha256 " + hashlib.sha256(bytes(sample.view(torch.uint8).tolist())).hexdigest()[:16]
+
+
+def identity_mismatch(saved, now):
+    """Why a base of identity `now` cannot stand in for the `saved` one, [] if it can:
+    ['key saved vs now'] for each differing key (name_or_path ignored); the weights only when
+    all else matches. Keys that `saved` lacks (recorded before they existed) are not compared."""
+    diff = [f"{k} {saved[k]!r} vs {now.get(k)!r}" for k in saved
+            if k not in ("name_or_path", "weights") and saved[k] != now.get(k)]
+    if not diff and saved.get("weights", now.get("weights")) != now.get("weights"):
+        diff = [f"same architecture and size, but the weights differ: embedding {saved['weights']} vs "
+                f"{now.get('weights')}"]
+    return diff
+
+
+def _atomic_write(path, write):
+    """write(tmp) to a temp file next to `path`, give it the mode a plain open() would (the
+    umask; safetensors writes 0600), then rename it onto `path`; the temp file is removed when
+    the write or the rename fails, so `path` is either untouched or complete."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _save_tensors(tensors, path):
+    _atomic_write(path, lambda tmp: save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp))
+
+
+def _write_text(path, text):
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    _atomic_write(path, write)
+
+
 # ----------------------------------------------------------------------------- attach / utilities
 
 def _matches(name, suffixes):
@@ -289,9 +378,8 @@ def attach(model, cfg):
     """Wrap every nn.Linear of the language model whose name ends with one of
     `cfg.target_modules` and freeze everything else. Returns the list of wrapped names.
 
-    Only the decoder from `common.backbone.text_model(model)` is searched (never the vision
-    tower or lm_head). Raises ValueError if nothing matches or adapters are already attached."""
-    from common.backbone import text_model
+    Only the decoder stack (`text_model(model)`) is searched (never the vision tower or
+    lm_head). Raises ValueError if nothing matches or adapters are already attached."""
     if getattr(model, "_adapter", None) is not None:
         raise ValueError("adapters already attached to this model")
     lm = text_model(model)
@@ -330,10 +418,9 @@ def compile_adapters(model, backend="inductor", **kw):
     Layers of one kind (in / out features, bias) share their compiled graphs; each kind also
     compiles per input requires_grad, train / eval and static / dynamic length, so dynamo's
     recompile limit (default 8, after which it silently runs eager) is raised to 8 per kind."""
-    import torch._dynamo
     layers = adapter_layers(model)
     kinds = {(m.base_layer.in_features, m.base_layer.out_features, m.base_layer.bias is not None) for _, m in layers}
-    cfg = torch._dynamo.config
+    cfg = torch._dynamo.config  # torch imports torch._dynamo lazily on first attribute access
     field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     setattr(cfg, field, max(getattr(cfg, field), 8 * len(kinds)))
     for _, m in layers:
@@ -365,16 +452,14 @@ def routing_context(model):
 
 def save_adapters(model, path):
     """Write path/adapter_config.json (the AdapterConfig + `base_model`: the base's identity,
-    see `common.backbone.base_identity`) + path/adapter_model.safetensors (adapter tensors only, fp32
+    see `base_identity`) + path/adapter_model.safetensors (adapter tensors only, fp32
     whatever the base dtype); each file atomically (temp file + rename), weights first."""
-    from common.checkpoint import atomic_save_file
-    from common.data import atomic_write_text
     os.makedirs(path, exist_ok=True)
     cfg = model._adapter["config"]
-    atomic_save_file({k: v.detach().float().cpu() for k, v in adapter_state_dict(model).items()},
-                     os.path.join(path, WEIGHTS_NAME))
+    _save_tensors({k: v.detach().float().cpu() for k, v in adapter_state_dict(model).items()},
+                  os.path.join(path, WEIGHTS_NAME))
     meta = {**asdict(cfg), "base_model": base_identity(model)}
-    atomic_write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))  # no temp file left on failure
+    _write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))  # no temp file left on failure
 
 
 def load_config(path):
@@ -405,10 +490,9 @@ def _copy_checked(own, state, path):
 def load_adapters(model, path):
     """Attach the adapters saved in `path` to a fresh base model and load their weights.
     Raises ValueError when the base differs from the one the adapters were trained on
-    (architecture, width, depth, vocabulary, embedding weights: `common.backbone.identity_mismatch`;
+    (architecture, width, depth, vocabulary, embedding weights: `identity_mismatch`;
     the message names both bases), on missing/unexpected
     tensors or shapes, and on an unreadable (e.g. truncated) weights file. Returns the config."""
-    from safetensors.torch import load_file
     if is_peft(path):                                     # peft's LoRA format: renamed tensors, same maths
         return load_peft(model, path)
     cfg, saved = load_config(path)
@@ -448,8 +532,6 @@ def save_peft(model, path):
     `<module>.lora_A` / `.lora_B`, same tensors). `PeftModel.from_pretrained(base, path)` loads it
     (peft is not needed here). Raises ValueError for MoD / MoE-LoRA adapters (peft has no format
     for them). Atomic per file, weights first."""
-    from common.checkpoint import atomic_save_file
-    from common.data import atomic_write_text
     cfg = model._adapter["config"]
     if cfg.method != "lora":
         raise ValueError(f"peft's format holds plain LoRA only; these adapters are {cfg.method!r} "
@@ -457,12 +539,12 @@ def save_peft(model, path):
     state = {f"{PEFT_PREFIX}{k}.weight": v.detach().cpu().contiguous() for k, v in adapter_state_dict(model).items()}
     mods = sorted({k[:-len(".lora_A")] for k in adapter_state_dict(model) if k.endswith(".lora_A")})
     os.makedirs(path, exist_ok=True)
-    atomic_save_file(state, os.path.join(path, WEIGHTS_NAME))
+    _save_tensors(state, os.path.join(path, WEIGHTS_NAME))
     meta = {"peft_type": "LORA", "task_type": None, "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0,
             "target_modules": mods, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
             "base_model_name_or_path": base_identity(model).get("name_or_path")}
-    atomic_write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))
+    _write_text(os.path.join(path, CONFIG_NAME), json.dumps(meta, indent=2))
 
 
 def is_peft(path):
@@ -480,7 +562,6 @@ def load_peft(model, path):
     Raises ValueError naming the problem: not LORA, options we do not implement (rslora, DoRA,
     bias, fan_in_fan_out, per-module ranks / alphas, modules_to_save), target modules outside
     the language model's nn.Linear layers, or tensors that do not fit. Returns the AdapterConfig."""
-    from safetensors.torch import load_file
     with open(os.path.join(path, CONFIG_NAME)) as f:
         pc = json.load(f)
     if pc.get("peft_type") != "LORA":
@@ -499,7 +580,6 @@ def load_peft(model, path):
         ours[k[len(PEFT_PREFIX):-len(".weight")]] = v
     full = dict(model.named_modules())
     mods = sorted({k[:-len(".lora_A")] for k in ours if k.endswith(".lora_A")})
-    from common.backbone import text_model
     lm = text_model(model)
     prefix = next(n for n, m in model.named_modules() if m is lm)
     cut = len(prefix) + 1 if prefix else 0
