@@ -11,7 +11,7 @@ import random
 import pytest
 
 from common import data as D
-from common import shapes as world
+from common import shapes as sw
 from eval import convert, evaluate, scores
 
 
@@ -28,9 +28,9 @@ def shapes_sources(folder, n=3, seed=0):
     rows = {b: [] for b in ("scienceqa", "pope", "mme", "textvqa", "chartqa", "infovqa", "mmmu", "ocrbench",
                             "blink", "vstar", "realworldqa", "mmlu")}
     for i in range(n):
-        scene = world.sample_scene(rng)
-        img = _cell(world.render(scene))
-        (q1, a1), (q2, a2) = world.make_question(rng, scene, "existence") or ("Is there a red circle?", "no"), \
+        scene = sw.sample_scene(rng)
+        img = _cell(sw.render(scene))
+        (q1, a1), (q2, a2) = sw.make_question(rng, scene, "existence") or ("Is there a red circle?", "no"), \
             (f"Is there a {scene[0].name}?", "yes")
         rows["scienceqa"].append({"image": img if i % 2 == 0 else None, "question": q1, "choices": ["yes", "no"],
                                   "answer": ["yes", "no"].index(a1), "hint": "", "subject": "natural science"})
@@ -50,7 +50,7 @@ def shapes_sources(folder, n=3, seed=0):
                                  "dataset": "docVQA", "image": img})
         rows["blink"].append({"idx": f"val_Counting_{i}", "sub_task": "Counting", "choices": ["first", "second"],
                               "answer": "(A)", "prompt": f"{q1}\n(A) first\n(B) second", "image_1": img,
-                              "image_2": _cell(world.render(world.sample_scene(rng)))})
+                              "image_2": _cell(sw.render(sw.sample_scene(rng)))})
         rows["mmlu"].append({"question": "What is 2 + 2?", "subject": "elementary_mathematics",
                              "choices": ["3", "4", "5", "6"], "answer": 1})
         rows["vstar"].append({"question_id": i, "text": f"{q1} (A) yes (B) no", "label": "AB"[["yes", "no"].index(a1)],
@@ -131,7 +131,7 @@ def test_mole_section(world):
     from mole import infer, train
     r = world / "mole"
     r.mkdir()
-    world.generate_split(str(r / "covt"), "train", 16)   # README: the CoVT subset as LLaVA JSON
+    sw.generate_split(str(r / "covt"), "train", 16)   # README: the CoVT subset as LLaVA JSON
     common = ["--model", "tiny-dense", "--data", str(r / "covt"), "--batch-size", "8", "--quiet", "--device", "cpu",
               "--threads", "1"]
     train.main(common + ["--out", str(r / "mole"), "--stage1-epochs", "1", "--stage2-epochs", "1", "--n-vis", "2",
