@@ -50,3 +50,11 @@ def test_marker_rewrite_and_missing_marker(tmp_path, monkeypatch):
     (tmp_path / "R.md").write_text("no markers\n")
     with pytest.raises(report.ReportError, match="no marker"):
         report.build_readmes()
+
+
+@pytest.mark.parametrize("readme, limit", [("README.md", 3000), ("mod/README.md", 4000),
+                                           ("rolemerge/README.md", 4000), ("mole/README.md", 4000)])
+def test_readmes_stay_tutorials(readme, limit):
+    """Word budgets (`wc -w`): plans, amendments and per-run tables live in eval/logs/."""
+    words = len((report.ROOT / readme).read_text().split())
+    assert words <= limit, f"{readme}: {words} words > {limit}; move run details to eval/logs/"
