@@ -25,6 +25,7 @@ missing or null field prints `-`. In the README the table sits between `<!-- tab
 A figure is `{"path": "mod/x.png", "kind": "bar", "file", "where", "label": template,
 "title", "ylabel"}` (bars of `value` with `ci_low`/`ci_high`) or `"kind": "line"` with
 `"series": template, "x": field` (points of `value`); paths are relative to `eval/results/`.
+Figures without a spec (routing heatmaps, grouping maps) are the toys' own PNGs, committed as drawn.
 """
 import json
 import re
@@ -133,7 +134,8 @@ def draw_figures():
             path = RESULTS / f["path"]
             if f["kind"] == "bar":
                 bars = [(cell(f["label"], r), r["value"], r.get("ci_low"), r.get("ci_high")) for r in rows]
-                bar_ci_png(bars, path, title=f.get("title", ""), ylabel=f.get("ylabel", ""))
+                bar_ci_png(bars, path, title=f.get("title", ""), ylabel=f.get("ylabel", ""),
+                           width=max(640, 110 * len(bars)))  # room for each arm's label
             else:
                 series = {}
                 for r in rows:
