@@ -1,8 +1,14 @@
-"""MoLE ("MoLE: Mixture of Latent Experts for Complementary Visual Reasoning", section 3), on a `transformers` Qwen-VL.
+"""MoLE ("MoLE: Mixture of Latent Experts for Complementary Visual Reasoning", section 3), on a `transformers` VLM.
 
-The decoder input becomes (paper: [V; Q; Z_vis; Z_sum; Y])
+The decoder input becomes (paper: [V; Q; Z_vis; Z_sum; Y]; Qwen chat shown)
 
     <|im_start|>user\\n<|vision_start|> V <|vision_end|> Q | Z_vis (E) | Z_sum (S) | <|im_end|>\\n<|im_start|>assistant\\n Y
+
+The model family enters only through a `VLMAdapter`: prompt ids and vision tensors, the tail
+(assistant header) the latents are inserted before, the image token id, the position ids.
+`mole.qwen.QwenVLAdapter` (the repo's `VLProcessor`: Qwen-VL with M-RoPE, LLaVA-NeXT) and
+`ChatVLMAdapter` (any transformers processor with a chat template, plain 1-D positions:
+Gemma3, LLaVA) are picked by `adapter_for` from what is passed as `proc`.
 
 Z_vis are E latent *visual experts*, Z_sum S latent *summary experts*: new special tokens
 whose embeddings are trainable parameters here (ids past the embedding table, so the LM
@@ -29,9 +35,13 @@ How it plugs into transformers (the traps it avoids are named below):
     to every decoder layer and attention call.
   * Routing runs in a forward pre-hook on each decoder layer (it needs the hidden state
     *entering* the layer, which the attention function never sees).
-  * With a 4D mask, M-RoPE position ids must be passed explicitly (`get_rope_index`).
+  * With a 4D mask, position ids must be passed explicitly (the adapter's `positions`: M-RoPE
+    via `get_rope_index` for Qwen, the cumulative attention mask otherwise). The same 4D mask
+    goes to every layer: a sliding-window layer (Gemma3) then attends over the whole sequence.
+  * The latents bypass the embedding module, so they start at the scale of its output
+    (`init_latents`: Gemma's module multiplies rows by sqrt(d)).
 
-    mole = MoLE(model, proc, MoLEConfig())
+    mole = MoLE(model, proc, MoLEConfig())                  # proc: VLProcessor, HF processor or VLMAdapter
     batch = mole.encode(images, questions, answers)        # right padding, labels on answers
     out = mole(batch, stage=1)                              # dict: logits, loss, ce, balance, z, div
 """
