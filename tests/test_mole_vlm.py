@@ -207,3 +207,28 @@ def test_latent_init_on_scaled_embedding_matches_output_norm():
     ref = w.mean(0) + w.std() * torch.randn(16, d, generator=torch.Generator().manual_seed(0))
     assert torch.equal(init_latents(plain, 16, torch.Generator().manual_seed(0)), ref)
     assert torch.allclose(lat, ref * math.sqrt(d), rtol=1e-5)
+
+
+@torch.no_grad()
+def test_llava_next_through_the_repo_processor_bottleneck_and_cache():
+    # the repo's VLProcessor protocol with a family that has no M-RoPE (LLaVA-NeXT: CLIP tiles,
+    # Llama decoder): QwenVLAdapter falls back to 1-D positions, no mm_token_type_ids
+    from common.backbone import build_tiny
+    from mole.qwen import QwenVLAdapter
+    model, proc = build_tiny("llava_next", layers=1)
+    mole = MoLE(model.eval(), proc, MoLEConfig())
+    assert isinstance(mole.adapter, QwenVLAdapter)
+    imgs, qs, ans = examples(2, seed=4)
+    b = mole.encode(imgs, qs, ans)
+    assert "mm_token_type_ids" not in b and "image_sizes" in b
+    assert torch.equal(mole.positions(b), cumulative_positions(b["attention_mask"]))
+    b2 = dict(b, pixel_values=b["pixel_values"] + torch.randn_like(b["pixel_values"]))
+    rows = answer_rows(mole, b)
+    for stage, same in ((1, True), (2, False)):
+        assert torch.allclose(mole(b, stage)["logits"][rows], mole(b2, stage)["logits"][rows], atol=1e-5) == same
+    _, _, steps, full = generate(mole, imgs, qs, stage=1, max_new_tokens=3, stop_at_eos=False, return_logits=True)
+    prompt = mole.encode(imgs, qs)
+    L, n = prompt["input_ids"].shape[1], steps.shape[1]
+    am = torch.cat([prompt["attention_mask"], torch.ones(2, n - 1, dtype=torch.long)], 1)
+    logits = mole(dict(prompt, input_ids=full[:, :L + n - 1], attention_mask=am), 1)["logits"][:, L - 1:].float()
+    assert torch.allclose(logits, steps, atol=1e-4), (logits - steps).abs().max()
