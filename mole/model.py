@@ -201,7 +201,10 @@ class ChatVLMAdapter(VLMAdapter):
         cfg = model.config
         self.image_token_id = getattr(cfg, "image_token_id", None)
         if self.image_token_id is None:
-            self.image_token_id = getattr(cfg, "image_token_index")
+            self.image_token_id = getattr(cfg, "image_token_index", None)
+        if self.image_token_id is None:
+            raise ValueError(f"{type(model).__name__}: its config names no image_token_id / image_token_index; "
+                             f"pass a VLMAdapter that sets image_token_id")
         user = [{"role": "user", "content": [{"type": "text", "text": self._Q}]}]
         head = processor.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
         self._tail = tok(head.split(self._Q, 1)[1], add_special_tokens=False)["input_ids"]
@@ -516,10 +519,6 @@ class MoLE(nn.Module):
         if answers is not None:
             batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
         return batch
-
-    def _prompt_ids(self, question, n_tokens):
-        """The Qwen adapter's prompt ids (`mole.qwen.QwenVLAdapter._prompt_ids`)."""
-        return self.adapter._prompt_ids(question, n_tokens)
 
     def token_types(self, input_ids, attention_mask):
         """[B,L] PAD/TEXT/VIS/ZVIS/ZSUM from ids (latent id vocab+j: Z_vis for j < E)."""
