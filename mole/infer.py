@@ -69,7 +69,8 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
     cache = DynamicCache(config=mole.model.config.get_text_config())
 
     # 1. prefill head + latents through the MoLE path
-    head = dict(batch, input_ids=ids[:, :cut], attention_mask=am[:, :cut], mm_token_type_ids=batch["mm_token_type_ids"][:, :cut])
+    head = dict(batch, input_ids=ids[:, :cut], attention_mask=am[:, :cut],
+                **{k: batch[k][:, :cut] for k in ("mm_token_type_ids", "token_type_ids") if k in batch})
     mole(head, stage, cache=cache)
     if intervention in ("random", "shuffle"):
         cols = latent[0].nonzero().flatten().tolist()  # same columns in every row (left padding)
@@ -82,9 +83,9 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
     mask = topology_mask(types, stage, mole.cfg)[:, :, cut:]  # [B,1,T,L]
     if intervention == "mask":
         mask = mask & ~latent[:, None, None]
-    out = mole.model(input_ids=ids[:, cut:], attention_mask=mask, position_ids=pos[:, :, cut:], cache=cache,
+    out = mole.model(input_ids=ids[:, cut:], attention_mask=mask, position_ids=pos[..., cut:], cache=cache,
                      use_cache=True)
-    last = pos[:, :, -1:]  # [3,B,1]
+    last = pos[..., -1:]  # [3,B,1] (M-RoPE) or [B,1]
     steps, tokens = [], []
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     for t in range(max_new_tokens):
@@ -92,7 +93,7 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
         steps.append(logit)
         nxt = logit.argmax(-1)
         tokens.append(nxt)
-        done |= nxt == mole.proc.eos_token_id
+        done |= nxt == mole.adapter.eos_token_id
         if (stop_at_eos and bool(done.all())) or t == max_new_tokens - 1:
             break
         keep = torch.cat([keep, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
@@ -102,8 +103,9 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
     new = torch.stack(tokens, 1)
     texts, lens = [], []
     for row in new.tolist():
-        n = row.index(mole.proc.eos_token_id) + 1 if mole.proc.eos_token_id in row else len(row)
-        texts.append(mole.proc.decode(row[:n]))
+        eos = mole.adapter.eos_token_id
+        n = row.index(eos) + 1 if eos in row else len(row)
+        texts.append(mole.adapter.decode(row[:n]))
         lens.append(n)
     if return_logits:
         return texts, lens, torch.stack(steps, 1), torch.cat([ids, new], 1)

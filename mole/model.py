@@ -1,8 +1,14 @@
-"""MoLE ("MoLE: Mixture of Latent Experts for Complementary Visual Reasoning", section 3), on a `transformers` Qwen-VL.
+"""MoLE ("MoLE: Mixture of Latent Experts for Complementary Visual Reasoning", section 3), on a `transformers` VLM.
 
-The decoder input becomes (paper: [V; Q; Z_vis; Z_sum; Y])
+The decoder input becomes (paper: [V; Q; Z_vis; Z_sum; Y]; Qwen chat shown)
 
     <|im_start|>user\\n<|vision_start|> V <|vision_end|> Q | Z_vis (E) | Z_sum (S) | <|im_end|>\\n<|im_start|>assistant\\n Y
+
+The model family enters only through a `VLMAdapter`: prompt ids and vision tensors, the tail
+(assistant header) the latents are inserted before, the image token id, the position ids.
+`mole.qwen.QwenVLAdapter` (the repo's `VLProcessor`: Qwen-VL with M-RoPE, LLaVA-NeXT) and
+`ChatVLMAdapter` (any transformers processor with a chat template, plain 1-D positions:
+Gemma3, LLaVA) are picked by `adapter_for` from what is passed as `proc`.
 
 Z_vis are E latent *visual experts*, Z_sum S latent *summary experts*: new special tokens
 whose embeddings are trainable parameters here (ids past the embedding table, so the LM
@@ -29,9 +35,13 @@ How it plugs into transformers (the traps it avoids are named below):
     to every decoder layer and attention call.
   * Routing runs in a forward pre-hook on each decoder layer (it needs the hidden state
     *entering* the layer, which the attention function never sees).
-  * With a 4D mask, M-RoPE position ids must be passed explicitly (`get_rope_index`).
+  * With a 4D mask, position ids must be passed explicitly (the adapter's `positions`: M-RoPE
+    via `get_rope_index` for Qwen, the cumulative attention mask otherwise). The same 4D mask
+    goes to every layer: a sliding-window layer (Gemma3) then attends over the whole sequence.
+  * The latents bypass the embedding module, so they start at the scale of its output
+    (`init_latents`: Gemma's module multiplies rows by sqrt(d)).
 
-    mole = MoLE(model, proc, MoLEConfig())
+    mole = MoLE(model, proc, MoLEConfig())                  # proc: VLProcessor, HF processor or VLMAdapter
     batch = mole.encode(images, questions, answers)        # right padding, labels on answers
     out = mole(batch, stage=1)                              # dict: logits, loss, ce, balance, z, div
 """
@@ -45,7 +55,6 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from common.backbone import text_model
 from common.routing import load_balance_loss, topk_gates, z_loss
 
 # token types
@@ -109,6 +118,190 @@ def load_record_images(rec):
     """The record's images as a list of PIL images (`common.data.load_image`)."""
     from common import data
     return [data.load_image(p, rec["id"]) for p in record_images(rec)]
+
+
+# ----------------------------------------------------------------------------- model-family adapters
+
+TEXT_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+
+
+def cumulative_positions(attention_mask):
+    """Plain 1-D position ids [B,L] of a padded batch: cumulative attention mask - 1 (0 on
+    left pads), so every row counts from 0 at its first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class VLMAdapter:
+    """The model-family-specific part of MoLE: how prompts are built around the images, where
+    the latents go, which id marks a visual token, and the decoder's position ids. `MoLE`
+    touches the processor / model family only through this interface.
+
+    Attributes: proc (the processor, kept as `MoLE.proc`), image_token_id (the id of every
+    visual token in input_ids), pad_token_id, eos_token_id (ends an answer; labels include it).
+    Methods:
+      tail_ids() -> list[int]: the ids every prompt ends with (the assistant header); the
+        latents are inserted right before them;
+      prompts(images, questions, pixels=None, n_images=None) -> (rows, vision): per question
+        its prompt ids (image tokens expanded, ending with tail_ids()) and the vision tensors
+        of the batch as a dict (what the model takes besides ids, e.g. pixel_values);
+      text_ids(text) -> ids of user text (answers); decode(ids) -> str;
+      batch_extras(input_ids, attention_mask) -> dict of extra [B,L] batch tensors (default {});
+      model_inputs(batch) -> the batch entries the VLM's forward gets next to inputs_embeds,
+        the 4D mask and positions (default: every entry that is not ids / masks / labels /
+        token types, i.e. the vision tensors);
+      positions(input_ids, attention_mask, batch) -> position ids ([B,L], or [3,B,L] for
+        M-RoPE); the default is `cumulative_positions` (Gemma3, LLaVA: plain 1-D RoPE).
+    Subclasses: `mole.qwen.QwenVLAdapter` (the repo's VLProcessor, Qwen M-RoPE) and
+    `ChatVLMAdapter` (a transformers multimodal processor with a chat template)."""
+
+    proc = None
+    image_token_id = pad_token_id = eos_token_id = None
+
+    def tail_ids(self):
+        raise NotImplementedError
+
+    def prompts(self, images, questions, pixels=None, n_images=None):
+        raise NotImplementedError
+
+    def text_ids(self, text):
+        raise NotImplementedError
+
+    def decode(self, ids):
+        raise NotImplementedError
+
+    def batch_extras(self, input_ids, attention_mask):
+        return {}
+
+    def model_inputs(self, batch):
+        return {k: v for k, v in batch.items() if k not in TEXT_KEYS}
+
+    def positions(self, input_ids, attention_mask, batch):
+        return cumulative_positions(attention_mask)
+
+
+class ChatVLMAdapter(VLMAdapter):
+    """Generic `VLMAdapter` for a transformers multimodal processor (`ProcessorMixin`: a
+    tokenizer with a chat template + an image processor; Gemma3Processor, LlavaProcessor, ...)
+    and a VLM with plain 1-D positions (`cumulative_positions`).
+
+    model: the VLM (its config's image_token_id / image_token_index marks visual tokens);
+    processor: its processor. Prompts are the chat template's user turn (one {"type": "image"}
+    entry per image, at the question's "<image>" placeholders if it has one per image, else
+    first) + generation prompt; the processor expands the image tokens. The tail (assistant
+    header) is what the template puts after the user text; the answer terminator
+    (eos_token_id) is the first token the template puts after an assistant answer (e.g.
+    Gemma's <end_of_turn>), else the tokenizer's eos. Unlike `QwenVLAdapter`, user text is not
+    escaped (special-token strings in a question stay special); pixels= is not supported."""
+
+    _Q, _A = "\x00MoLE-question\x00", "\x00MoLE-answer\x00"
+
+    def __init__(self, model, processor):
+        self.model, self.proc = model, processor
+        tok = self.tok = getattr(processor, "tokenizer", processor)
+        cfg = model.config
+        self.image_token_id = getattr(cfg, "image_token_id", None)
+        if self.image_token_id is None:
+            self.image_token_id = getattr(cfg, "image_token_index", None)
+        if self.image_token_id is None:
+            raise ValueError(f"{type(model).__name__}: its config names no image_token_id / image_token_index; "
+                             f"pass a VLMAdapter that sets image_token_id")
+        user = [{"role": "user", "content": [{"type": "text", "text": self._Q}]}]
+        head = processor.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        self._tail = tok(head.split(self._Q, 1)[1], add_special_tokens=False)["input_ids"]
+        if not self._tail:
+            raise ValueError("the chat template puts nothing after the user text: no place for the latents")
+        eos = None
+        try:
+            chat = processor.apply_chat_template(
+                user + [{"role": "assistant", "content": [{"type": "text", "text": self._A}]}], tokenize=False)
+            after = tok(chat.split(self._A, 1)[1], add_special_tokens=False)["input_ids"] if self._A in chat else []
+            eos = after[0] if after else None
+        except Exception:  # a template without an assistant turn: fall back to the tokenizer's eos
+            pass
+        self.eos_token_id = eos if eos is not None else tok.eos_token_id
+        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_id
+
+    def tail_ids(self):
+        return list(self._tail)
+
+    def text_ids(self, text):
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def _content(self, question, k):
+        n_ph = question.count("<image>")
+        if n_ph not in (0, k):
+            raise ValueError(f"a question with {k} images has {n_ph} '<image>' placeholders; put one "
+                             f"per image, in order (or none: the images then come first)")
+        segs = question.replace("<image>\n", "<image>").split("<image>") if n_ph else [""] * k + [question]
+        content = [{"type": "text", "text": segs[0]}] if segs[0] else []
+        for seg in segs[1:]:
+            content.append({"type": "image"})
+            if seg:
+                content.append({"type": "text", "text": seg})
+        return content
+
+    def prompts(self, images, questions, pixels=None, n_images=None):
+        """Per question the processor's prompt ids and the batch's vision tensors (every output
+        of the processor but ids, mask and token types). Raises ValueError with pixels= or a
+        question without an image."""
+        if pixels is not None:
+            raise ValueError("ChatVLMAdapter takes PIL images (images=...), not pre-made pixels")
+        per_q = [list(im) if isinstance(im, (list, tuple)) else [im] for im in images]
+        if len(per_q) != len(questions) or any(not x or any(im is None for im in x) for x in per_q):
+            raise ValueError(f"{len(questions)} questions need one or more images each")
+        texts = [self.proc.apply_chat_template([{"role": "user", "content": self._content(q, len(x))}],
+                                               add_generation_prompt=True, tokenize=False)
+                 for q, x in zip(questions, per_q)]
+        out = self.proc(text=texts, images=per_q, return_tensors="pt", padding=True, add_special_tokens=False)
+        am = out["attention_mask"].bool()
+        rows = [out["input_ids"][i][am[i]].tolist() for i in range(len(texts))]
+        return rows, {k: v for k, v in out.items() if k not in TEXT_KEYS}
+
+
+def adapter_for(model, proc):
+    """The `VLMAdapter` of (model, proc): proc itself if it is one; `mole.qwen.QwenVLAdapter`
+    for the repo's `VLProcessor` (anything with `prompt_and_labels`); else `ChatVLMAdapter`
+    (a transformers processor with a chat template)."""
+    if isinstance(proc, VLMAdapter):
+        return proc
+    if hasattr(proc, "prompt_and_labels"):
+        from mole.qwen import QwenVLAdapter
+        return QwenVLAdapter(model, proc)
+    return ChatVLMAdapter(model, proc)
+
+
+def text_model(model):
+    """The decoder of a VLM (`model.model.language_model`) or of a causal LM (`model.model`)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+@torch.no_grad()
+def embedding_output_scale(table, chunk=8192):
+    """Mean row norm of the embedding module's OUTPUT over every id of its table divided by
+    the mean row norm of its weight: the factor by which the module scales rows (Gemma's
+    sqrt(d); exactly 1.0 for a plain nn.Embedding, whose output rows are its weight rows)."""
+    w = table.weight
+    out_sum = w_sum = 0.0
+    for s in range(0, w.shape[0], chunk):
+        ids = torch.arange(s, min(s + chunk, w.shape[0]), device=w.device)
+        out_sum += float(table(ids).float().norm(dim=-1).double().sum())
+        w_sum += float(w[ids].float().norm(dim=-1).double().sum())
+    return out_sum / w_sum if w_sum > 0 else 1.0
+
+
+def init_latents(table, n, generator=None):
+    """Initial latent rows [n, d] fp32 at the scale of the embedding module's output:
+    mean row + std * N(0, 1) of the weight, times `embedding_output_scale` (no-op, bit for
+    bit, for an unscaled embedding; Gemma's module multiplies its rows by sqrt(d), and the
+    latents bypass it, so they get the factor here)."""
+    emb = table.weight.detach().float()
+    lat = emb.mean(0) + emb.std() * torch.randn(n, emb.shape[1], generator=generator).to(emb.device)
+    scale = embedding_output_scale(table)
+    return lat if scale == 1.0 else lat * scale
 
 
 # ----------------------------------------------------------------------------- masks
@@ -252,21 +445,28 @@ class MoLE(nn.Module):
     """A VLM with MoLE latent experts. Owns the new parameters (latent embeddings, routers,
     ESVAs); the wrapped `model` is used as is (its own parameters are frozen or LoRA'd by
     the trainer). Registers "mole" attention on the text model and one routing pre-hook per
-    decoder layer."""
+    decoder layer.
+
+    model: a transformers VLM; proc: a `VLMAdapter` (the model-family interface), or a
+    processor from which `adapter_for` picks one (the repo's `VLProcessor` -> the Qwen adapter
+    of `mole.qwen`, a transformers processor with a chat template -> `ChatVLMAdapter`).
+    `self.adapter` is the adapter, `self.proc` its processor. The latent rows start at the
+    scale of the embedding module's output (`init_latents`)."""
 
     def __init__(self, model, proc, cfg=None):
         super().__init__()
         self.cfg = cfg = cfg or MoLEConfig()
-        self.model, self.proc = model, proc
+        self.adapter = adapter = adapter_for(model, proc)
+        self.model, self.proc = model, adapter.proc
         tcfg = model.config.get_text_config()
         layers = text_model(model).layers
         d, E, n_lat = tcfg.hidden_size, cfg.n_vis, cfg.n_vis + cfg.n_sum
         head_dim = getattr(tcfg, "head_dim", None) or d // tcfg.num_attention_heads
         d_v = tcfg.num_key_value_heads * head_dim
-        emb = model.get_input_embeddings().weight.detach().float()
-        self.vocab = emb.shape[0]  # latent ids start here: past the table, never generated
+        table = model.get_input_embeddings()
+        self.vocab = table.weight.shape[0]  # latent ids start here: past the table, never generated
         g = torch.Generator().manual_seed(0)
-        self.latent = nn.Parameter((emb.mean(0) + emb.std() * torch.randn(n_lat, d, generator=g)).to(emb.dtype))
+        self.latent = nn.Parameter(init_latents(table, n_lat, generator=g))
         self.routers = nn.ModuleList(nn.Linear(d, E, bias=False) for _ in layers) if cfg.router else None
         if self.routers is not None:
             for r in self.routers:
@@ -277,95 +477,53 @@ class MoLE(nn.Module):
         model.set_attn_implementation({"text_config": "mole", "vision_config": vision_impl})
         self._hooks = [layer.register_forward_pre_hook(self._route_hook(i), with_kwargs=True)
                        for i, layer in enumerate(layers)] if cfg.router else []
-        tok = proc.tokenizer
-        self.tail_ids = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        self.tail_ids = adapter.tail_ids()
         self.latent_ids = list(range(self.vocab, self.vocab + n_lat))
 
     # ------------------------------------------------------------------ inputs
 
     def encode(self, images, questions, answers=None, padding_side=None, pixels=None, n_images=None):
-        """Like `VLProcessor.encode`, with the latent tokens inserted before the assistant
-        header: head (image(s) + question) | Z_vis | Z_sum | tail (assistant header) | answer.
+        """The adapter's prompts (`VLMAdapter.prompts`) with the latent tokens inserted before
+        the assistant header: head (image(s) + question) | Z_vis | Z_sum | tail | answer.
 
         images: one entry per question, a PIL image or a list of PIL images (several images
-        per question: `<|vision_start|> image <|vision_end|>` per image, in order, at the
-        question's "<image>" placeholders or, without any, before the question (`_prompt_ids`);
+        per question: for the Qwen adapter `<|vision_start|> image <|vision_end|>` per image, in
+        order, at the question's "<image>" placeholders or, without any, before the question;
         Z_vis are routed over the visual tokens of all of them). With
-        pixels=(pixel_values, image_grid_thw) instead, the grid rows are the images in order
-        and n_images (list, one count per question; default 1 each) says how many belong to
-        each question.
-        Returns input_ids [B,L] (latent ids >= self.vocab), attention_mask, mm_token_type_ids,
-        pixel_values, image_grid_thw, labels (answers given; -100 outside answer + <|im_end|>).
+        pixels=(pixel_values, image_grid_thw) instead (Qwen adapter), the grid rows are the
+        images in order and n_images (list, one count per question; default 1 each) says how
+        many belong to each question.
+        Returns input_ids [B,L] (latent ids >= self.vocab), attention_mask, the adapter's vision
+        tensors (Qwen: pixel_values, image_grid_thw) and batch extras (Qwen: mm_token_type_ids),
+        labels (answers given; -100 outside answer + its terminator).
         Right padding with answers, left padding without (generation).
-        Raises ValueError if the image counts do not add up to the grid rows."""
-        proc = self.proc
-        if pixels is None:
-            per_q = [im if isinstance(im, (list, tuple)) else [im] for im in images]
-            n_images = [len(x) for x in per_q]
-            pixel_values, grid = proc.images([im for x in per_q for im in x])
-        else:
-            pixel_values, grid = pixels
-            n_images = list(n_images) if n_images is not None else [1] * len(questions)
-        if len(n_images) != len(questions) or sum(n_images) != grid.shape[0] or min(n_images, default=1) < 1:
-            raise ValueError(f"{len(questions)} questions with image counts {n_images} do not fit "
-                             f"{grid.shape[0]} images (every question needs >= 1 image)")
-        n_tok = (grid.prod(-1) // proc.merge ** 2).tolist()
+        Raises ValueError if the image counts do not add up to the images."""
+        ad = self.adapter
+        prompts, vision = ad.prompts(images, questions, pixels=pixels, n_images=n_images)
         T = len(self.tail_ids)
         rows, labels = [], []
-        start = 0
-        for i, q in enumerate(questions):
-            k = n_images[i]
-            p = self._prompt_ids(q, n_tok[start:start + k])
-            start += k
+        for i, p in enumerate(prompts):
             assert p[-T:] == self.tail_ids, "prompt does not end with the assistant header"
             r = p[:-T] + self.latent_ids + self.tail_ids
             if answers is not None:
-                a = proc.text_ids(answers[i]) + [proc.eos_token_id]  # special-token strings escaped
+                a = ad.text_ids(answers[i]) + [ad.eos_token_id]
                 labels.append([-100] * len(r) + a)
                 r = r + a
             rows.append(r)
         side = padding_side or ("right" if answers is not None else "left")
         L = max(map(len, rows))
         pad = lambda r, v: (r + [v] * (L - len(r))) if side == "right" else ([v] * (L - len(r)) + r)
-        input_ids = torch.tensor([pad(r, proc.pad_token_id) for r in rows])
+        input_ids = torch.tensor([pad(r, ad.pad_token_id) for r in rows])
         mask = torch.tensor([pad([1] * len(r), 0) for r in rows])
-        batch = {"input_ids": input_ids, "attention_mask": mask,
-                 "mm_token_type_ids": (input_ids == proc.image_token_id).long() * mask,
-                 "pixel_values": pixel_values, "image_grid_thw": grid}
+        batch = {"input_ids": input_ids, "attention_mask": mask, **ad.batch_extras(input_ids, mask), **vision}
         if answers is not None:
             batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
         return batch
 
-    def _prompt_ids(self, question, n_tokens):
-        """Prompt ids with one vision block `<|vision_start|> pads <|vision_end|>` per image
-        (n_tokens: image tokens per image, in order).
-
-        One image: exactly `VLProcessor.prompt_ids`. Several images: a question that keeps one
-        "<image>" placeholder per image (what `common.data` readers give for a multi-image
-        record) gets each image's block at its placeholder (a newline right after a placeholder
-        is dropped, as for one image); a question without placeholders gets all blocks first,
-        then the question. So "<image>\n<image>\nQ" and "Q" give the same ids.
-        Raises ValueError for a placeholder count that is neither 0 nor the image count."""
-        proc = self.proc
-        if len(n_tokens) == 1:
-            return proc.prompt_ids(question, n_tokens[0])
-        n_ph = question.count("<image>")
-        if n_ph not in (0, len(n_tokens)):
-            raise ValueError(f"a question with {len(n_tokens)} images has {n_ph} '<image>' placeholders; put one "
-                             f"per image, in order (or none: the images then come first)")
-        segs = question.replace("<image>\n", "<image>").split("<image>") if n_ph else [""] * len(n_tokens) + [question]
-        tok = proc.tokenizer.convert_tokens_to_ids
-        vs, ve = tok("<|vision_start|>"), tok("<|vision_end|>")
-        empty = proc.prompt_ids("", 0)  # <|im_start|>user\n + the assistant header
-        ids = empty[:len(empty) - len(self.tail_ids)] + (proc.text_ids(segs[0]) if segs[0] else [])
-        for n, seg in zip(n_tokens, segs[1:]):
-            ids += [vs] + [proc.image_token_id] * n + [ve] + (proc.text_ids(seg) if seg else [])
-        return ids + self.tail_ids
-
     def token_types(self, input_ids, attention_mask):
         """[B,L] PAD/TEXT/VIS/ZVIS/ZSUM from ids (latent id vocab+j: Z_vis for j < E)."""
         t = torch.full_like(input_ids, TEXT)
-        t[input_ids == self.proc.image_token_id] = VIS
+        t[input_ids == self.adapter.image_token_id] = VIS
         j = input_ids - self.vocab
         t[(j >= 0) & (j < self.cfg.n_vis)] = ZVIS
         t[j >= self.cfg.n_vis] = ZSUM
@@ -386,18 +544,14 @@ class MoLE(nn.Module):
         """Token embeddings with the trainable latent rows: [B,L,d]."""
         table = self.model.get_input_embeddings()
         lat = input_ids >= self.vocab
-        x = table(torch.where(lat, torch.full_like(input_ids, self.proc.pad_token_id), input_ids))
+        x = table(torch.where(lat, torch.full_like(input_ids, self.adapter.pad_token_id), input_ids))
         j = (input_ids - self.vocab).clamp(min=0, max=self.latent.shape[0] - 1)
         return torch.where(lat[..., None], self.latent.to(x.dtype)[j], x)
 
     def positions(self, batch):
-        """Explicit M-RoPE position ids [3,B,L] (needed with a 4D mask: transformers would
-        index the 4D mask as 2D inside get_rope_index)."""
-        ids = batch["input_ids"].clamp(max=self.vocab - 1)  # latents count as text tokens
-        pos, _ = self.model.model.get_rope_index(ids, batch["mm_token_type_ids"],
-                                                 image_grid_thw=batch["image_grid_thw"],
-                                                 attention_mask=batch["attention_mask"])
-        return pos
+        """Explicit position ids (needed with a 4D mask), from the adapter: Qwen M-RoPE [3,B,L]
+        (`get_rope_index`, latents counted as text tokens) or plain 1-D [B,L]."""
+        return self.adapter.positions(batch["input_ids"], batch["attention_mask"], batch)
 
     # ------------------------------------------------------------------ routing
 
@@ -482,8 +636,7 @@ class MoLE(nn.Module):
         st = MoLEPass(self, types, self.zvis_positions(ids), record=record)
         pos = self.positions(batch)
         out = self.model(inputs_embeds=self.embed(ids), attention_mask=topology_mask(types, stage, self.cfg),
-                         position_ids=pos, pixel_values=batch["pixel_values"],
-                         image_grid_thw=batch["image_grid_thw"], cache=cache, use_cache=cache is not None,
+                         position_ids=pos, **self.adapter.model_inputs(batch), cache=cache, use_cache=cache is not None,
                          output_hidden_states=hidden, mole=st)
         res = {"logits": out.logits, "types": types, "positions": pos, "pass": st}
         if hidden:
