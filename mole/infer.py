@@ -172,8 +172,9 @@ def run(a):
             chunk = recs[i:i + a.batch_size]
             texts, lens = bb.generate(mole, proc, [r["image"] and load_record_images(r)[0] for r in chunk],
                                       [r["question"] for r in chunk], a.max_new_tokens)
-            res += [{"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"],
-                     "correct": score(r, t)["correct"], "n_tokens": n} for r, t, n in zip(chunk, texts, lens)]
+            res += [{"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"], **score(r, t),
+                     "n_tokens": n, **({"benchmark": r["benchmark"]} if r.get("benchmark") else {})}
+                    for r, t, n in zip(chunk, texts, lens)]  # the fields eval.evaluate writes
     acc = sum(r["correct"] for r in res) / max(len(res), 1)
     print(f"accuracy {acc:.3f} on {len(res)} ({time.time() - t:.1f} s, intervention={a.intervention})")
     for fam in sorted({r["family"] for r in res}):
