@@ -232,7 +232,12 @@ class DecodeMask:
 
     def _pre(self, module, args, kwargs):
         if self.first:
-            mask = kwargs["attention_mask"].bool()
+            mask = kwargs.get("attention_mask")
+            if mask is None:             # generate may drop an all-ones mask
+                x = kwargs.get("input_ids", args[0] if args else None)
+                x = kwargs["inputs_embeds"] if x is None else x
+                mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+            mask = mask.bool()
             self.alive = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
             self.first = False
         else:
