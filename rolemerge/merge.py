@@ -888,7 +888,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     if streaming and dtype is not None:
         raise MergeError("--dtype applies to the in-memory merge only (--in-memory); the streaming path keeps "
                          "every tensor's dtype from the checkpoint files")
-    needs_features = method in rm.FEATURE_METHODS or method in comparator_methods()
+    needs_features, fmeta = method in rm.FEATURE_METHODS or method in comparator_methods(), None
     out = out.rstrip("/") or out
     real_out, real_src = os.path.realpath(out), os.path.realpath(src)
     if real_out == real_src or os.path.commonpath([real_out, real_src]) == real_out:
@@ -911,9 +911,10 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     # readable, supported family, complete safetensors shards (streaming: from config.json alone, so the
     # merge never imports transformers, whose import costs seconds)
     cal.load_config(src) if not streaming else _streaming_config(src)
-    stats = cal.load_stats(stats_paths)
-    if needs_features and features is None:
+    if needs_features and features is None:             # before the stats: names the calibrate flag
         features, fmeta = load_method_features(stats_paths, method)
+    stats = cal.load_stats(stats_paths)
+    if needs_features and fmeta is not None:
         if fmeta.get("fingerprint") != stats["fingerprint"] or len(features) != len(stats["layer_names"]):
             raise MergeError("the features file was recorded on a different model than the stats; recalibrate "
                              "with python -m rolemerge.calibrate ... --features")
@@ -1022,10 +1023,10 @@ def main(argv=None):
     add_threads(p)
     a = p.parse_args(argv)
     if a.in_memory and a.streaming:
-        p.error("--in-memory and --streaming exclude each other (streaming is the default)")
+        fail("--in-memory and --streaming exclude each other (streaming is the default)")
     if a.dtype != "auto" and not a.in_memory:
-        p.error(f"--dtype {a.dtype} applies to --in-memory only; the streaming merge (default) keeps the "
-                f"checkpoint's dtypes")
+        fail(f"--dtype applies to the in-memory merge only: add --in-memory (the streaming merge, the default, keeps "
+             f"every tensor's dtype from the checkpoint files)")
     set_threads(a.threads, a.model)
     try:
         rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, not a.in_memory,
