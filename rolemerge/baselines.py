@@ -226,7 +226,11 @@ def expert_outputs(experts, x):
 class FeatureRecorder:
     """Forward hooks on every routed-expert block's `experts` module (inputs: hidden states
     [T, H], top_k_index [T, k], top_k_weights [T, k]) that accumulate the features of the
-    module docstring over the tokens where `self.mask` ([T] bool, set per batch) is True."""
+    module docstring over the tokens where `self.mask` ([T] bool, set per call) is True. The
+    all-experts pass runs over chunks of tokens (`chunk_bytes` of float32 activations), so its
+    memory does not grow with the batch; the sums are kept on the CPU in float64."""
+
+    chunk_bytes = 256 << 20     # every expert on every token is computed this many bytes of tokens at a time
 
     def __init__(self, model):
         from rolemerge import calibrate as cal
@@ -246,15 +250,19 @@ class FeatureRecorder:
             if self.mask is not None:
                 x, idx, w = x[self.mask], idx[self.mask], w[self.mask]
             f = self.feats[i]
-            z = (x.float() @ block.gate.weight.float().T).double()               # router logits [T, N]
-            y = expert_outputs(module, x)                                        # [T, N, H]
-            norms = y.norm(dim=-1)                                               # [T, N]
-            N = z.shape[1]
-            f["count"] += torch.bincount(idx.reshape(-1), minlength=N).double()
-            f["logit_gram"] += z.T @ z
-            f["out_sum"] += y.double().sum(0)
-            f["reap_sum"] += torch.zeros(N, dtype=torch.float64).index_add_(
-                0, idx.reshape(-1), (w.double() * norms.gather(1, idx).double()).reshape(-1))
+            N, H = block.gate.weight.shape
+            I2 = module.gate_up_proj.shape[1]
+            step = max(1, self.chunk_bytes // (4 * N * (H + I2)))            # tokens per chunk: bounded memory
+            for a in range(0, x.shape[0], step):
+                xs, ids, ws = x[a:a + step], idx[a:a + step], w[a:a + step]
+                z = (xs.float() @ block.gate.weight.float().T).double()       # router logits [t, N]
+                y = expert_outputs(module, xs)                                # [t, N, H]
+                norms = y.norm(dim=-1)                                        # [t, N]
+                f["count"] += torch.bincount(ids.reshape(-1).cpu(), minlength=N).double()
+                f["logit_gram"] += (z.T @ z).cpu()
+                f["out_sum"] += y.double().sum(0).cpu()
+                f["reap_sum"] += torch.zeros(N, dtype=torch.float64).index_add_(
+                    0, ids.reshape(-1).cpu(), (ws.double() * norms.gather(1, ids).double()).reshape(-1).cpu())
             f["tokens"] += x.shape[0]
         return fn
 

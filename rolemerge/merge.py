@@ -1,38 +1,39 @@
 """Merge the routed experts of an MoE checkpoint into a smaller one (paper §4.3-4.4, App. B.2).
 
-    python -m rolemerge.merge --model tiny-moe --stats out/rolemerge/stats.safetensors \\
+    python -m rolemerge.merge --model tiny-moe --stats out/rolemerge/stats.safetensors \
         --rho 0.5 --out out/rolemerge/tiny-moe-rho0.5
+    python -m rolemerge.merge ... --method hcsmoe      # a comparison method (needs calibrate --features)
     python -m rolemerge.merge ... --in-memory          # load the model instead of streaming the shards
 
 Input: routing statistics (rolemerge.calibrate), a checkpoint directory and the retention
 ratio rho (K = round(rho N) experts kept in every MoE layer) or K itself. Output: a
-`save_pretrained` directory whose config carries K experts, loadable with plain
-`from_pretrained`, the tokenizer / processor files copied, and `rolemerge_report.json`
-(groups, weights, kappa / lambda / tau, ACR and expert-phase MI retention per layer).
+`save_pretrained` directory loadable with plain `from_pretrained`, the tokenizer / processor
+files copied, and `rolemerge_report.json` (groups, weights, kappa / lambda / tau, ACR and
+expert-phase MI retention per layer, parameter counts).
 
-Every merged expert is  Theta_G = sum_{e in G} omega_e Theta_e  and its router row (and
-DeepSeek-V3's score-correction bias) r_G = sum_{e in G} omega_e r_e with the same weights
-(§4.4); attention, shared experts, dense layers and the vision tower are untouched.
+Every merged expert is  Theta_G = sum_{e in G} omega_e Theta_e. Two router operators:
+- "average" (RoleMerge §4.4, the default of every method but M-SMoE / HC-SMoE): K experts, router
+  row (and DeepSeek-V3's score-correction bias) r_G = sum_{e in G} omega_e r_e, config count K;
+- "bound" (the official M-SMoE / HC-SMoE codes): all N router rows kept and every member slot of
+  G holds Theta_G, so a token routes as in the original model and reaches its experts' merges;
+  the checkpoint keeps N slots (file size and parameter count do not shrink; the report gives the
+  unique parameters). This is the K-expert merge under `infer.oracle_routing` (tested).
+Methods with their own merge operator (rolemerge/comparators.py) get each layer's expert tensors
+in one canonical layout (`own_merge`); the result is written back in the checkpoint's layout and
+dtype. Attention, shared experts, dense layers and the vision tower are untouched.
 
 Two paths with identical output tensors (tested):
-- in memory: load the model, replace the fused expert / router parameters, save_pretrained;
-- streaming: read the safetensors headers, byte-copy untouched tensors, read only the expert
-  tensors of one layer at a time (pread, no mmap) and write merged shards. Works for the
-  per-expert on-disk layout (Qwen2/3-MoE, OLMoE, DeepSeek: experts.N.*_proj.weight; Mixtral:
-  block_sparse_moe.experts.N.w1/w2/w3) and the fused one (Qwen3-VL-MoE: experts.gate_up_proj).
-Memory of the streaming path: one layer's merged experts plus one I/O buffer.
+- streaming (default for a local checkpoint directory): read the safetensors headers, byte-copy
+  untouched tensors, read only the expert tensors of one layer at a time (pread, no mmap) and
+  write merged shards. Works for the per-expert on-disk layout (Qwen2/3-MoE, OLMoE, DeepSeek:
+  experts.N.*_proj.weight; Mixtral: block_sparse_moe.experts.N.w1/w2/w3) and the fused one
+  (Qwen3-VL-MoE: experts.gate_up_proj). Memory: one layer's merged experts plus one I/O buffer;
+- in memory (--in-memory; `merge_model` for a model already loaded): replace the fused expert /
+  router parameters, save_pretrained.
 
 The groupings are planned all at once from the stats (all layers share lambda's mean); every
 step is deterministic, so the same inputs give byte-identical tensors.
 """
-import json
-import math
-import os
-import re
-import shutil
-import time
-from concurrent.futures import ThreadPoolExecutor
-
 import argparse
 
 import torch

@@ -319,3 +319,17 @@ def test_command_errors(calibrated, tmp_path, capsys):
     assert "--method" in error_of(mg.main, base + ["--stats", sp, "--method", "nope"], capsys)
     assert error_of(cal.main, ["--model", src, "--data", data, "--out", sp, "--features", "--threads", "1"],
                     capsys).startswith("error:")
+
+
+def test_feature_recorder_chunks_tokens_with_the_same_sums(monkeypatch):
+    """The all-experts pass runs over token chunks (bounded memory); one token per chunk gives the
+    same features as one chunk for the whole batch."""
+    model = _qwen3_moe()
+    ids = torch.randint(0, 32, (2, 9))
+    batch = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    whole = bl.collect_features(model, batch)[0]
+    monkeypatch.setattr(bl.FeatureRecorder, "chunk_bytes", 1)
+    tiny = bl.collect_features(model, batch)[0]
+    assert torch.equal(whole["count"], tiny["count"]) and whole["tokens"] == tiny["tokens"] == 18
+    for k in ("logit_gram", "out_sum", "reap_sum"):
+        assert torch.allclose(whole[k], tiny[k], rtol=1e-5, atol=1e-5), k      # float32 matmuls per chunk
