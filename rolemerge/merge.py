@@ -35,6 +35,13 @@ The groupings are planned all at once from the stats (all layers share lambda's 
 step is deterministic, so the same inputs give byte-identical tensors.
 """
 import argparse
+import json
+import math
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
