@@ -333,3 +333,28 @@ def test_feature_recorder_chunks_tokens_with_the_same_sums(monkeypatch):
     assert torch.equal(whole["count"], tiny["count"]) and whole["tokens"] == tiny["tokens"] == 18
     for k in ("logit_gram", "out_sum", "reap_sum"):
         assert torch.allclose(whole[k], tiny[k], rtol=1e-5, atol=1e-5), k      # float32 matmuls per chunk
+
+
+def test_decode_mask_counts_prefill_and_the_fed_back_tokens_before_eos():
+    """Hand case, eos = 9, two rows, row 0 left-padded. Prefill: the attention mask. Decode call s
+    feeds token s: row 0 generates 5, 9 (EOS), pad -> fed 5 (counted), 9 (not), pad (not); row 1
+    generates 6, 7, 8 -> all fed tokens counted. record_batch counts the same: j < n_i - 1."""
+    from types import SimpleNamespace
+
+    class M(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None):
+            return masks.append(rec.mask.clone())
+
+    masks, rec = [], SimpleNamespace(mask=None)
+    m = M()
+    dm = cal.DecodeMask(m, [rec], eos_id=9)
+    dm.start()
+    m(input_ids=torch.tensor([[0, 1, 2], [3, 4, 5]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    for tok_ in ([5, 6], [9, 7], [0, 8]):
+        m(input_ids=torch.tensor(tok_)[:, None])
+    assert [x.tolist() for x in masks] == [[False, True, True, True, True, True], [True, True], [False, True],
+                                           [False, True]]
+    dm.start()                                            # the next batch starts with a prefill again
+    m(input_ids=torch.tensor([[1, 2]]))                   # generate may drop an all-ones attention mask
+    assert masks[-1].tolist() == [True, True]
+    dm.remove()

@@ -104,6 +104,10 @@ def test_msmoe_layer_adaptive_counts_hand_case():
     counts = [torch.tensor([6.0, 2, 1, 1]), torch.tensor([3.0, 3, 2, 2])]
     assert bl.msmoe_layer_counts(counts, 2) == [1, 2]
     assert bl.msmoe_layer_counts(counts, 3) == [2, 4]
+    # every layer keeps >= 1 group: flat (.25 x 4) and peaked (.7, .1, .1, .1) layers, K = 1: the values
+    # 1, 1, .25, .25, .25, .1, .1, .1 put the threshold (index 2) at .25 -> [1, 1]; without setting each
+    # layer's top expert to 1 the flat layer would get #{.25 > .25} = 0 groups
+    assert bl.msmoe_layer_counts([torch.ones(4), torch.tensor([7.0, 1, 1, 1])], 1) == [1, 1]
     feats = [{"count": c, "logit_gram": torch.eye(4) + 0.1, "out_sum": torch.zeros(4, 2), "reap_sum": c, "tokens": 1}
              for c in counts]
     groups = bl.plan_groups("msmoe", feats, 2, adaptive=True)
