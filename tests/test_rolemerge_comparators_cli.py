@@ -358,3 +358,13 @@ def test_decode_mask_counts_prefill_and_the_fed_back_tokens_before_eos():
     m(input_ids=torch.tensor([[1, 2]]))                   # generate may drop an all-ones attention mask
     assert masks[-1].tolist() == [True, True]
     dm.remove()
+
+
+def test_bound_streaming_equals_in_memory_on_deepseek_vl2(calibrated, tmp_path):
+    src, sp, _ = calibrated["vl2"]
+    for mode in ([], ["--in-memory"]):
+        mg.main(["--model", src, "--stats", sp, "--k", "4", "--method", "hcsmoe", "--out", str(tmp_path / f"o{len(mode)}"),
+                 "--threads", "1"] + mode)
+    a, b = on_disk(tmp_path / "o0"), on_disk(tmp_path / "o1")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(tmp_path / "o1" / "config.json"))["language_config"]["n_routed_experts"] == 8
