@@ -368,3 +368,32 @@ def test_bound_streaming_equals_in_memory_on_deepseek_vl2(calibrated, tmp_path):
     a, b = on_disk(tmp_path / "o0"), on_disk(tmp_path / "o1")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.load(open(tmp_path / "o1" / "config.json"))["language_config"]["n_routed_experts"] == 8
+
+
+def test_own_tensor_hook_on_the_transposed_fused_layout(tok, tmp_path, monkeypatch):
+    """Hub Qwen3-VL-MoE files store experts.gate_up_proj [N, H, 2I] / down_proj [N, I, H] (transposed
+    against transformers 5's in-memory layout). The hook reads them as gate / up [N, I, H], down
+    [N, H, I] and writes the merge back transposed: the same bytes as the row-wise weighted sum."""
+    from safetensors.torch import save_file
+    from common.checkpoint import safetensors_files
+    fake = _wavg_module()
+    monkeypatch.setitem(sys.modules, "rolemerge.comparators", fake)
+    src, sp, stats, feats = _calibrated("qwen3_vl_moe", tok, tmp_path)
+    for f in safetensors_files(src):
+        t = load_file(f)
+        save_file({k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                       else v) for k, v in t.items()}, f, metadata={"format": "pt"})
+    mass = cal.total_counts(stats).double().sum(1)
+    groups = [[[2 * i, 2 * i + 1] for i in range(4)] for _ in stats["layers"]]
+    plan = {"groups": groups, "weights": [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)], "K": 4,
+            "routing": {}, "router": "average"}
+    mg.merge_streaming(src, str(tmp_path / "ref"), plan)
+    seen = []
+    real = mg.own_merge
+    monkeypatch.setattr(mg, "own_merge", lambda p, li, W, K: seen.append(W) or real(p, li, W, K))
+    mg.run_merge(src, sp, str(tmp_path / "own"), k=4, method="wavg")
+    ref, got = on_disk(tmp_path / "ref"), on_disk(tmp_path / "own")
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    I, H = seen[0]["gate"].shape[1:]
+    key = next(k for k in ref if k.endswith("experts.gate_up_proj"))
+    assert list(ref[key].shape) == [4, H, 2 * I] and seen[0]["down"].shape[1:] == (H, I)
