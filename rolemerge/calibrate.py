@@ -215,7 +215,69 @@ def _chat_ids(tokenizer, question, history=()):
     return ids + tok(rendered, False)
 
 
-def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, model_id="model", progress=True):
+class DecodeMask:
+    """Sets `.mask` of feature recorders (rolemerge.baselines.FeatureRecorder, the comparators'
+    ComparatorRecorder) during greedy decoding to exactly the positions the routing statistics
+    count, through a forward pre-hook on the model: the first call of a batch (prefill) counts
+    its non-padding positions (attention_mask), every later call (one fed-back token per row)
+    counts row i while none of the tokens fed so far is EOS (token j is routed and counted iff
+    j < n_i - 1, see record_batch). Call `start()` before each batch's generate."""
+
+    def __init__(self, model, recorders, eos_id):
+        self.recorders, self.eos, self.first, self.alive = recorders, eos_id, True, None
+        self.handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    def start(self):
+        self.first = True
+
+    def _pre(self, module, args, kwargs):
+        if self.first:
+            mask = kwargs.get("attention_mask")
+            if mask is None:             # generate may drop an all-ones mask
+                x = kwargs.get("input_ids", args[0] if args else None)
+                x = kwargs["inputs_embeds"] if x is None else x
+                mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+            mask = mask.bool()
+            self.alive = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+            self.first = False
+        else:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.alive = self.alive & (ids[:, -1] != self.eos)
+            mask = self.alive
+        for r in self.recorders:
+            r.mask = mask.reshape(-1)
+
+    def remove(self):
+        self.handle.remove()
+
+
+def feature_recorders(model):
+    """The feature recorders of the comparison methods: rolemerge.baselines.FeatureRecorder and,
+    when rolemerge/comparators.py provides one, its ComparatorRecorder."""
+    from rolemerge import baselines as bl
+    recs = [bl.FeatureRecorder(model)]
+    try:
+        from rolemerge import comparators
+    except ImportError:
+        comparators = None
+    if comparators is not None and hasattr(comparators, "ComparatorRecorder"):
+        recs.append(comparators.ComparatorRecorder(model))
+    return recs
+
+
+def merged_features(recorders):
+    """Per MoE layer, one dict of every recorder's features (earlier recorders win a name clash)."""
+    out = []
+    for per in zip(*[r.feats for r in recorders]):
+        d = {}
+        for f in per:
+            d.update({k: v for k, v in f.items() if k not in d})
+        out.append(d)
+    return out
+
+
+def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, model_id="model", progress=True,
+              features=False):
     """Phase-separated routing statistics of `model` over calibration sources.
 
     model: a supported MoE model (eval mode); proc_or_tok: `common.backbone.VLProcessor` for a
@@ -223,7 +285,11 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
     sources: {name: list of records {question[, image]}} (records from common.data.read_llava_json).
     Returns a stats dict: model info + buckets + sources {name: {counts [L,B,N], tokens [B], examples}}.
     A VLM calibrates text-only records (image None) too: they add to the question and answer
-    buckets only. Raises CalibrationError for an unsupported model or an empty bucket."""
+    buckets only. features: also collect the features of the comparison methods
+    (`rolemerge.baselines.FeatureRecorder`, and `rolemerge.comparators.ComparatorRecorder` when
+    that module exists) in the same decoding pass, over exactly the tokens the statistics count (`DecodeMask`); they are returned as
+    stats["features"] (list over MoE layers of dicts; per-layer sums, no per-token storage).
+    Raises CalibrationError for an unsupported model or an empty bucket."""
     from tqdm import tqdm
     info = model_info(model, model_id)
     vlm = model.config.model_type in VLM_TYPES
@@ -235,6 +301,8 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
         eos = proc_or_tok.eos_token_id
         pad = proc_or_tok.pad_token_id if proc_or_tok.pad_token_id is not None else eos
     rec = RouterRecorder(model)
+    frec = feature_recorders(model) if features else []
+    dmask = DecodeMask(model, frec, eos) if features else None
     out = {}
     try:
         for name, records in sources.items():
@@ -250,14 +318,20 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
                 else:
                     inputs, image_mask = text_inputs(proc_or_tok, qs), None
                 inputs = {k: v.to(model.device) for k, v in inputs.items()}
+                if dmask is not None:
+                    dmask.start()
                 c, t, _ = record_batch(model, rec, inputs, image_mask, eos, pad, max_new_tokens, len(buckets))
                 counts += c
                 tokens += t
             out[name] = {"counts": counts, "tokens": tokens, "examples": len(records)}
     finally:
         rec.remove()
+        for r in frec + ([dmask] if dmask else []):
+            r.remove()
     stats = dict(info, buckets=buckets, sources=out)
     check_nonempty(stats)
+    if features:
+        stats["features"] = merged_features(frec)
     return stats
 
 
@@ -280,7 +354,7 @@ def save_stats(stats, path):
     readable `path` with .json suffix next to it."""
     from common.checkpoint import atomic_save_file
     from common.data import atomic_write_text
-    meta = {k: v for k, v in stats.items() if k != "sources"}
+    meta = {k: v for k, v in stats.items() if k not in ("sources", "features")}
     meta["examples"] = {n: s["examples"] for n, s in stats["sources"].items()}
     tensors = {}
     for n, s in stats["sources"].items():
@@ -455,6 +529,10 @@ def main(argv=None):
     p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
     p.add_argument("--force", action="store_true", help="overwrite an existing stats file at --out")
+    p.add_argument("--features", action="store_true",
+                   help="also collect the comparison methods' features (M-SMoE, HC-SMoE, REAP, rolemerge/comparators.py) "
+                        "over the same decoded tokens, written to <out minus .safetensors>.features.safetensors; "
+                        "rolemerge.merge --method msmoe|hcsmoe|reap|... reads them next to --stats")
     a = p.parse_args(argv)
     for flag, low in (("batch_size", 1), ("max_new_tokens", 2)):
         if getattr(a, flag) < low:   # max_new_tokens 1: the one generated token is never fed back (no answer bucket)
@@ -469,6 +547,10 @@ def main(argv=None):
              f"(e.g. {os.path.join(a.out, 'stats.safetensors')})")
     if os.path.exists(a.out) and not a.force:  # before the data and the model are read
         fail(f"--out {a.out} exists; pass --force to overwrite it (or choose another --out)")
+    from rolemerge import baselines as bl
+    fpath = bl.features_path(a.out)
+    if a.features and os.path.exists(fpath) and not a.force:
+        fail(f"{fpath} exists; pass --force to overwrite it (or choose another --out)")
     seen = {}
     for path in a.data:
         if os.path.realpath(path) in seen:  # also ./val.json after val.json, or a link to it
@@ -488,10 +570,15 @@ def main(argv=None):
             data.check_support(sources[name], "rolemerge.calibrate", text_only=True)
         set_threads(a.threads, a.model)
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
-        stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
+        stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model,
+                          features=a.features)
     except (CalibrationError, data.DataError) as e:
         fail(e)
+    feats = stats.pop("features", None)
     save_stats(stats, a.out)
+    if feats is not None:
+        bl.save_features(feats, fpath, {k: stats[k] for k in ("model_id", "model_type", "fingerprint", "layer_names")})
+        print(f"wrote {fpath}: features of {len(feats)} MoE layers over the same decoded tokens")
     tot = sum(s["tokens"] for s in stats["sources"].values())
     print(f"wrote {a.out}: {len(stats['layer_names'])} MoE layers x {stats['num_experts']} experts, tokens "
           + ", ".join(f"{b}={n}" for b, n in zip(stats["buckets"], tot.tolist())))

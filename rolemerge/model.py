@@ -343,7 +343,7 @@ def mi_retention(record_counts, groups):
 
 METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune",
            "msmoe", "hcsmoe", "reap", "empirical_prior")
-FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need rolemerge.baselines.collect_features
+FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need features: rolemerge.calibrate --features (or baselines.collect_features)
 
 
 def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, features=None,
