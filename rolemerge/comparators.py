@@ -122,6 +122,7 @@ REAM (Jha et al., "REAM: Merging Improves Pruning of Experts in LLMs", arXiv 260
 """
 import math
 
+import numpy as np
 import torch
 
 from rolemerge import baselines as bl
@@ -267,44 +268,44 @@ def expert_hidden(gate, up, x, act):
 
 def linear_assignment(cost):
     """Exact minimum-cost perfect matching of a square cost matrix [n, n] (Hungarian method with
-    potentials, O(n^3), each step vectorised). Returns col [n] (row i -> column col[i]); ties
-    between optimal matchings may be broken differently from scipy's."""
-    C = torch.as_tensor(cost, dtype=torch.float64)
+    potentials, O(n^3), each step vectorised with numpy: about 3 s for n = 896 on one core).
+    Returns col [n] long (row i -> column col[i]); ties between optimal matchings may be broken
+    differently from scipy's. Raises ValueError for a non-square matrix."""
+    C = np.asarray(torch.as_tensor(cost, dtype=torch.float64).cpu().numpy())
     n = C.shape[0]
     if C.shape != (n, n):
-        raise ValueError(f"cost matrix must be square, got {tuple(C.shape)}")
-    INF = math.inf
-    u, v = torch.zeros(n + 1, dtype=torch.float64), torch.zeros(n + 1, dtype=torch.float64)
-    p = torch.zeros(n + 1, dtype=torch.long)            # p[j]: row matched to column j (1-based, 0 = none)
-    way = torch.zeros(n + 1, dtype=torch.long)
+        raise ValueError(f"cost matrix must be square, got {C.shape}")
+    u, v = np.zeros(n + 1), np.zeros(n + 1)                 # row / column potentials
+    p = np.zeros(n + 1, dtype=np.int64)                     # p[j]: row matched to column j (1-based, 0 = none)
+    way = np.zeros(n + 1, dtype=np.int64)
     for i in range(1, n + 1):
         p[0], j0 = i, 0
-        minv = torch.full((n + 1,), INF, dtype=torch.float64)
-        used = torch.zeros(n + 1, dtype=torch.bool)
-        while True:
+        minv = np.full(n + 1, np.inf)
+        used = np.zeros(n + 1, dtype=bool)
+        while True:                                         # grow the alternating tree until a free column
             used[j0] = True
-            i0 = int(p[j0])
-            cur = C[i0 - 1] - u[i0] - v[1:]
+            i0 = p[j0]
             free = ~used[1:]
+            cur = C[i0 - 1] - u[i0] - v[1:]
             better = free & (cur < minv[1:])
-            minv[1:] = torch.where(better, cur, minv[1:])
-            way[1:] = torch.where(better, torch.tensor(j0), way[1:])
-            cand = torch.where(free, minv[1:], torch.full_like(cur, INF))
+            minv[1:][better] = cur[better]
+            way[1:][better] = j0
+            cand = np.where(free, minv[1:], np.inf)
             j1 = int(cand.argmin()) + 1
-            delta = float(cand[j1 - 1])
+            delta = cand[j1 - 1]
             u[p[used]] += delta
             v[used] -= delta
-            minv[1:] = torch.where(free, minv[1:] - delta, minv[1:])
+            minv[1:][free] -= delta
             j0 = j1
-            if int(p[j0]) == 0:
+            if p[j0] == 0:
                 break
-        while j0:
-            j1 = int(way[j0])
+        while j0:                                           # augment along the path
+            j1 = way[j0]
             p[j0] = p[j1]
             j0 = j1
-    col = torch.empty(n, dtype=torch.long)
-    col[p[1:] - 1] = torch.arange(n)
-    return col
+    col = np.empty(n, dtype=np.int64)
+    col[p[1:] - 1] = np.arange(n)
+    return torch.from_numpy(col)
 
 
 def _assign(cost):

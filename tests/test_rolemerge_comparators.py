@@ -139,6 +139,15 @@ def test_linear_assignment_is_the_exact_optimum():
                                 abs_tol=1e-12)
 
 
+def test_linear_assignment_agrees_with_scipy_where_installed():
+    optimize = pytest.importorskip("scipy.optimize")
+    g = torch.Generator().manual_seed(1)
+    C = torch.rand(40, 40, generator=g, dtype=torch.float64)
+    ref = optimize.linear_sum_assignment(C.numpy())[1]
+    assert cp.linear_assignment(C).tolist() == ref.tolist()
+    assert cp._assign(C).tolist() == ref.tolist()
+
+
 # ----------------------------------------------------------------------------- Sub-MoE
 
 def test_submoe_subspace_merge_by_hand():
