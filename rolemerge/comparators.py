@@ -169,8 +169,8 @@ class ComparatorRecorder:
     `rolemerge.calibrate.moe_blocks`) of dicts name -> float64 sum tensor, int `tokens`, or the
     token sample (`x_sample` float32 [m, H], `x_sample_topk` int64 [m, k], `x_sample_key` [m]).
     Memory per layer <= 2 N^2 + 2 N H + m (H + k + 1) numbers, m = sample_tokens; no
-    per-token storage beyond the fixed-size sample. `.remove()` removes the hooks.
-    Raises ValueError for an unknown method."""
+    per-token storage beyond the fixed-size sample (seeded by `seed`: the same batches give the
+    same sample). `.remove()` removes the hooks. Raises ValueError for an unknown method."""
 
     def __init__(self, model, methods=COMPARATORS, sample_tokens=SAMPLE_TOKENS, seed=0):
         from rolemerge import calibrate as cal
@@ -474,11 +474,12 @@ def _namex(W, feats, K, groups, opts):
     if groups is None:
         groups = bl.msmoe_groups(feats["count"], feats["logit_gram"], K)
     N, I, H = W["gate"].shape
-    flat = torch.cat([W["gate"].reshape(N, -1), W["up"].reshape(N, -1), W["down"].reshape(N, -1)], 1)
     out, weights, bases = [], [], []
-    for g in groups:
+    for g in groups:                                   # one group's flattened experts at a time
+        flat = torch.cat([W["gate"][g].reshape(len(g), -1), W["up"][g].reshape(len(g), -1),
+                          W["down"][g].reshape(len(g), -1)], 1)
         base = max(g, key=lambda e: (float(feats["count"][e]), -e))
-        m, c = namex_merge(flat[g], g.index(base), frequency_weights(feats["count"], g), opts.get("ridge", 1e-9))
+        m, c = namex_merge(flat, g.index(base), frequency_weights(feats["count"], g), opts.get("ridge", 1e-9))
         out.append(m)
         weights.append(c.tolist())
         bases.append(base)
@@ -643,9 +644,9 @@ def _ream(W, feats, K, groups, opts, act):
     gate, up, down = W["gate"].double(), W["up"].double(), W["down"].double()
     act_feat = wfeat = None
     if "logits" in merging:
-        X = feats["x_sample"].double()
-        act_feat = _unit_rows(expert_hidden(gate, up, X, act).transpose(1, 2)) if X.shape[0] > 1 else \
-            expert_hidden(gate, up, X, act).transpose(1, 2)                  # [N, I, m]
+        act_feat = expert_hidden(gate, up, feats["x_sample"].double(), act).transpose(1, 2)   # [N, I, m]
+        if act_feat.shape[-1] > 1:                                            # as `_merge`: one sample stays raw
+            act_feat = _unit_rows(act_feat)
     if "weights" in merging:
         wfeat = _unit_rows(ream_weight_features(gate, up, down, opts.get("pca_dim", 64)))
     out = {k: [] for k in ("gate", "up", "down")}
