@@ -45,7 +45,8 @@ Merging", arXiv 2506.23266, AAAI 2026)
   random_state=42) on the rows of 1 - Sim; `svd_subspace_alignment` / `get_cluster_relative_
   frequencies` in src/qwen/compress/merge_experts.py: concat along dim 1, column blocks of V^T,
   frequency weights, uniform when a group has no routed token; router rows averaged with the
-  same weights). REAP's port (CerebrasResearch/reap, `submoe` in src/reap/merge.py, k-means on
+  same weights, its default branch: the optional SVD router merge and ln f_k logit bias are
+  not applied). The authors' code (lliai/MoERazor) is not public. REAP's port (CerebrasResearch/reap, `submoe` in src/reap/merge.py, k-means on
   distance rows in src/reap/cluster.py) was read too: its `V.reshape(n, r, -1)` does not cut
   V^T into the experts' column blocks, so we follow zhy617's block split, which matches eq. 6.
   Adapted: our own k-means++ / Lloyd (scikit-learn is not a dependency; same n_init=10, seed
