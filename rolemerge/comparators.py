@@ -253,7 +253,7 @@ def collect(model, batches, methods=COMPARATORS, sample_tokens=SAMPLE_TOKENS, se
     return rec.feats
 
 
-# ----------------------------------------------------------------------------- shared helpers
+# ----------------------------------------------------------------------------- shared pieces
 
 def frequency_weights(count, group):
     """Within-group activation frequencies count_e / sum (uniform when no member was routed)."""
