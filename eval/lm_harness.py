@@ -14,8 +14,8 @@ beside it but is not the paper's number). Text3 = the mean of the three `acc`, x
     python -m eval.lm_harness --model tiny-moe --tasks arc_easy --limit 20 --out /tmp/t.json
 
 lm-eval is not one of our requirements: run this from a venv that has it, e.g. the one
-`python -m eval.tools.lm_harness_check` builds (requirements.txt + lm-eval==0.4.13 with our
-pins held; `/work/venv-lmeval/bin/python -m eval.lm_harness ...`). The harness downloads the
+`python -m eval.tools.lm_harness_check` builds (requirements.txt + lm-eval[hf]==0.4.13 with
+our pins held; `/work/venv-lmeval/bin/python -m eval.lm_harness ...`). The harness downloads the
 three datasets from the hub on first use (`allenai/ai2_arc`, `baber/piqa`,
 `allenai/winogrande`); offline, fill the HF datasets cache elsewhere first.
 
@@ -29,9 +29,10 @@ has no mapping for them). We load it ourselves (safetensors only, no checkpoint 
 so the requests, the tokenization and the metrics are the harness's own. DeepSeek-VL2 (remote
 code only) is not covered.
 
-The result file (`--out`, written atomically after each task, so an interrupted run resumes at
-the next unfinished task; the same `--out` with other settings is refused without
-`--overwrite`): {"experiment": "text3", "source", "settings", "rows": [{"model", "task",
+The result file (`--out`, written atomically after each task; an interrupted run resumes at
+the first unfinished task, whose answered requests come back from the harness's request cache
+`<out>.cache_rank0.db`; the same `--out` with other settings is refused without `--overwrite`,
+which also empties the cache): {"experiment": "text3", "source", "settings", "rows": [{"model", "task",
 "metric", "value" (fraction), "score" (x 100), "stderr", "n", "paper": true for the metric the
 paper reports}], "samples": {task: [{"doc", "lls", "pred", "gold"}]}}, plus a "text3" row (mean
 `acc` of the three) once all three are done: the format `eval.report` renders tables from.
@@ -52,9 +53,9 @@ TEXT3 = ("arc_easy", "piqa", "winogrande")
 METRICS = {"arc_easy": ("acc", "acc_norm"), "piqa": ("acc", "acc_norm"), "winogrande": ("acc",)}
 PAPER_METRIC = "acc"          # Table 5: "Accuracy x 100" for all three
 DEFAULT_LIMIT = 1000          # Table 5: n = 1,000 per task
-VENV_HINT = ("python -m eval.tools.lm_harness_check (builds /work/venv-lmeval with lm-eval==0.4.13 beside our pins; "
-             "then run /work/venv-lmeval/bin/python -m eval.lm_harness ...), or pip install lm-eval==0.4.13 in a venv "
-             "of its own")
+VENV_HINT = ("python -m eval.tools.lm_harness_check (builds /work/venv-lmeval with lm-eval[hf]==0.4.13 beside our "
+             "pins; then run /work/venv-lmeval/bin/python -m eval.lm_harness ...), or pip install 'lm-eval[hf]==0.4.13' "
+             "in a venv of its own")
 
 
 class HarnessError(ValueError):
@@ -99,18 +100,30 @@ def requests(task, doc):
     raise HarnessError(f"unknown task {task!r}; Text3 is {', '.join(TEXT3)}")
 
 
-def encode_pair(tok, context, continuation, prefix_token_id=None):
-    """(context ids, continuation ids) as the harness's HFLM tokenizes a loglikelihood request
-    (`_encode_pair`): trailing spaces of the context move to the continuation; the continuation
-    ids are those of tokenize(context + continuation) after the first len(tokenize(context))
-    ids (so a token that merges across the boundary is scored with the continuation); no
-    special tokens are added (a causal LM's default there). An empty context becomes
-    [prefix_token_id] (the BOS token, else EOS). Returns two lists of ints."""
-    enc = lambda s: tok.encode(s, add_special_tokens=False)
+def encode_pair(tok, context, continuation):
+    """(context ids, continuation ids) as lm-eval 0.4.13's HFLM tokenizes a loglikelihood
+    request (`_encode_pair`, `tok_encode`, `loglikelihood`):
+      - trailing spaces of the context move to the continuation;
+      - continuation ids = tokenize(context + continuation)[len(tokenize(context)):], so a
+        token that merges across the boundary is scored with the continuation;
+      - tokenize = the tokenizer's own `encode` with its default special tokens (a Llama-style
+        BOS is added, Qwen's tokenizers add none), except for a string that already starts
+        with the prefix token's text;
+      - an empty context becomes [prefix token] (BOS, else EOS) before the continuation
+        encoded without special tokens (if the continuation already starts with that token,
+        its first token is the context).
+    Returns two lists of ints."""
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    bos_text = tok.decode(prefix) if prefix is not None else None
+
+    def enc(s, **kw):
+        if not kw and bos_text and s.startswith(bos_text):
+            kw = {"add_special_tokens": False}
+        return tok.encode(s, **kw)
+
     if context == "":
-        pre = prefix_token_id if prefix_token_id is not None else (
-            tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id)
-        return [pre], enc(continuation)
+        cont = enc(continuation, add_special_tokens=False)
+        return ([prefix], cont) if not cont or prefix != cont[0] else (cont[:1], cont[1:])
     n = len(context) - len(context.rstrip())
     if n:
         continuation, context = context[-n:] + continuation, context[:-n]
@@ -287,16 +300,18 @@ def harness_lm(model, tok, batch_size=16, device="cpu"):
     return HFLM(pretrained=model, tokenizer=tok, backend="causal", batch_size=batch_size, device=device)
 
 
-def run_harness(lm, tasks, limit=None, include_path=None, log_samples=True):
+def run_harness(lm, tasks, limit=None, include_path=None, log_samples=True, cache=None):
     """lm_eval.simple_evaluate on `tasks` (names; `include_path` a folder of extra task YAMLs),
-    zero-shot as the tasks define, the first `limit` documents of each. Returns
+    zero-shot as the tasks define, the first `limit` documents of each; `cache` (a path
+    prefix) keeps every answered request in the harness's sqlite cache (`use_cache`), so an
+    interrupted task redoes only the requests it had not answered. Returns
     ({task: {metric: value, metric_stderr: value, "n": documents}}, {task: samples}), the
     samples as the harness logs them (doc_id, doc, resps, acc, ...)."""
     lm_eval = import_lm_eval()
     from lm_eval.tasks import TaskManager
     tm = TaskManager(include_path=include_path) if include_path else TaskManager()
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=tm,
-                                  log_samples=log_samples, bootstrap_iters=1000)
+                                  log_samples=log_samples, bootstrap_iters=1000, use_cache=cache)
     metrics = {}
     for task, m in out["results"].items():
         vals = {k.split(",")[0]: v for k, v in m.items() if "," in k and isinstance(v, (int, float))}
@@ -306,8 +321,14 @@ def run_harness(lm, tasks, limit=None, include_path=None, log_samples=True):
 
 
 def harness_lls(samples):
-    """{doc_id: [ll per choice]} of one task's logged samples (`resps`: one [ll, greedy] per request)."""
+    """{doc_id: [ll per choice]} of one task's logged samples (`resps`: per request a list
+    holding one (ll, greedy) pair)."""
     return {int(s["doc_id"]): [float(r[0][0]) for r in s["resps"]] for s in samples}
+
+
+def harness_args(sample):
+    """The (context, continuation) pairs of one logged sample, in choice order."""
+    return [tuple(a) for a in sample["arguments"]]
 
 
 def compare(ours_rows, ours_metrics, theirs_lls, theirs_metrics, tol=1e-4):
@@ -416,6 +437,11 @@ def main(argv=None):
     settings = {"model": a.model, "limit": a.limit or None, "dtype": a.dtype, "lm_eval": lm_eval.__version__,
                 "num_fewshot": 0, "tasks": tasks}
     rows, samples = load_result(out, settings, a.overwrite)
+    cache = out + ".cache"  # the harness's request cache (sqlite, <out>.cache_rank0.db): resumes inside a task
+    if a.overwrite:
+        for f in (cache + "_rank0.db",):
+            if os.path.exists(f):
+                os.remove(f)
     todo = [t for t in tasks if t not in {r["task"] for r in rows}]
     if not todo:
         print(f"{out} already holds {', '.join(tasks)}; nothing to do (--overwrite starts over)")
@@ -426,7 +452,7 @@ def main(argv=None):
     source = "python -m eval.lm_harness " + " ".join(sys.argv[1:] if argv is None else argv)
     for task in todo:
         t0 = time.time()
-        metrics, logged = run_harness(lm, [task], a.limit or None, a.include_path)
+        metrics, logged = run_harness(lm, [task], a.limit or None, a.include_path, cache=cache)
         m = metrics[task]
         rows += [dict(r, model=name) for r in result_rows(name, task, m)]
         samples[task] = [{"doc": int(s["doc_id"]), "lls": [float(x[0][0]) for x in s["resps"]],

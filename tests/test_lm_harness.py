@@ -54,12 +54,18 @@ def test_requests_errors_name_the_schema():
 # ----------------------------------------------------------------------------- tokenization of a pair
 
 class MergeTok:
-    """Character tokenizer with one merge: "ab" is one token (id 99); others ord(c)."""
-    bos_token_id, eos_token_id, pad_token_id = None, 3, 0
+    """Character tokenizer with one merge: "ab" is one token (id 99); others ord(c); with
+    `bos` a Llama-style BOS (id 1, text "<s>") is prepended unless add_special_tokens=False."""
+    eos_token_id, pad_token_id = 3, 0
 
-    def encode(self, s, add_special_tokens=False):
-        assert add_special_tokens is False
-        out, i = [], 0
+    def __init__(self, bos=False):
+        self.bos_token_id = 1 if bos else None
+
+    def decode(self, i):
+        return {1: "<s>", 3: "</s>"}[i]
+
+    def encode(self, s, add_special_tokens=True):
+        out, i = [1] if add_special_tokens and self.bos_token_id else [], 0
         while i < len(s):
             if s[i:i + 2] == "ab":
                 out.append(99)
@@ -77,34 +83,44 @@ def test_encode_pair_moves_trailing_space_and_scores_a_boundary_merge_with_the_c
     # token is skipped, as the harness does: whole[len(context ids):])
     assert lh.encode_pair(tok, "ca", "bd") == ([ord("c"), ord("a")], [ord("d")])
     assert lh.encode_pair(tok, "", "ab") == ([3], [99])  # empty context: EOS (no BOS) as prefix
+    bos = MergeTok(bos=True)                               # the tokenizer's own BOS goes on the context
+    assert lh.encode_pair(bos, "xy ", "z") == ([1, ord("x"), ord("y")], [ord(" "), ord("z")])
+    assert lh.encode_pair(bos, "", "z") == ([1], [ord("z")])
+    assert lh.encode_pair(bos, "<s>x", "y") == ([ord(c) for c in "<s>x"], [ord("y")])  # already starts with BOS text
 
 
 # ----------------------------------------------------------------------------- the scorer on a bigram model
 
 class Bigram(torch.nn.Module):
-    """logits[t] = table[ids[t]]: the log-probability of a sequence is known by hand."""
+    """logits[t] = table[ids[t]] + pos[t]: the log-probability of a sequence is known by hand
+    (and depends on where the input starts, so a missing left cut shows)."""
 
     def __init__(self, vocab=128, seed=0):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=g))
-        self.config = types.SimpleNamespace(max_position_embeddings=64)
+        self.pos = torch.nn.Parameter(torch.randn(256, vocab, generator=g))
+        self.config = types.SimpleNamespace(max_position_embeddings=256)
 
     def forward(self, input_ids, attention_mask=None):
-        return types.SimpleNamespace(logits=self.table[input_ids])
+        return types.SimpleNamespace(logits=self.table[input_ids] + self.pos[:input_ids.shape[1]])
 
 
 class CharTok:
     bos_token_id, eos_token_id, pad_token_id = None, 3, 0
 
-    def encode(self, s, add_special_tokens=False):
+    def decode(self, i):
+        return "</s>"
+
+    def encode(self, s, add_special_tokens=True):
         return [ord(c) for c in s]
 
 
 def by_hand(model, ctx, cont):
+    """sum over the continuation of log softmax(table[prev] + pos[position of prev])[next]."""
     ids = [ord(c) for c in ctx + cont]
-    lp = torch.log_softmax(model.table.detach(), -1)
-    return sum(float(lp[ids[t - 1], ids[t]]) for t in range(len(ctx), len(ids)))
+    t_, p_ = model.table.detach(), model.pos.detach()
+    return sum(float(torch.log_softmax(t_[ids[t - 1]] + p_[t - 1], -1)[ids[t]]) for t in range(len(ctx), len(ids)))
 
 
 def test_loglikelihoods_equal_the_hand_sum_and_do_not_depend_on_batching():
@@ -116,7 +132,7 @@ def test_loglikelihoods_equal_the_hand_sum_and_do_not_depend_on_batching():
     one = lh.loglikelihoods(model, tok, pairs, batch_size=1)
     assert [a for a, _ in one] == pytest.approx([a for a, _ in got], abs=1e-5)
     # greedy: every continuation token is the argmax after its predecessor
-    nxt = int(model.table[ord("a")].argmax())
+    nxt = int((model.table[ord("a")] + model.pos[0]).argmax())
     assert lh.loglikelihoods(model, tok, [("a", chr(nxt))])[0][1] is True
 
 
@@ -140,6 +156,8 @@ def test_pick_acc_and_acc_norm_differ_by_character_length():
     assert lh.pick([-4.0, -6.0], ["abcd", "abcdefghijkl"], gold=1) == {"acc": 0.0, "acc_norm": 1.0, "pred": 0,
                                                                      "pred_norm": 1}
     assert lh.pick([-1.0, -1.0], ["a", "b"], gold=0)["pred"] == 0   # ties: the first
+    # the length is the choice's, without the target delimiter: -1/1 < -2.2/3 (with " ": -1/2 > -2.2/4)
+    assert lh.pick([-1.0, -2.2], ["a", "abc"], gold=1)["pred_norm"] == 1
 
 
 def test_score_docs_on_synthetic_documents_of_every_task():
