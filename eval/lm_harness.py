@@ -361,9 +361,10 @@ def compare(ours_rows, ours_metrics, theirs_lls, theirs_metrics, tol=1e-4):
 def result_rows(model_name, task, metrics):
     """Report rows of one task: one per metric the task reports, {"model", "task", "metric",
     "value" (fraction), "score" (x 100, the paper's scale), "stderr", "n", "paper"}."""
+    names = METRICS.get(task) or [m for m in ("acc", "acc_norm") if m in metrics]  # a task of --include-path
     return [{"model": model_name, "task": task, "metric": m, "value": metrics[m], "score": 100 * metrics[m],
              "stderr": metrics.get(f"{m}_stderr"), "n": metrics.get("n"), "paper": m == PAPER_METRIC}
-            for m in METRICS[task] if m in metrics]
+            for m in names if m in metrics]
 
 
 def text3_row(rows):
@@ -454,11 +455,11 @@ def main(argv=None):
         t0 = time.time()
         metrics, logged = run_harness(lm, [task], a.limit or None, a.include_path, cache=cache)
         m = metrics[task]
-        rows += [dict(r, model=name) for r in result_rows(name, task, m)]
+        rows += result_rows(name, task, m)
         samples[task] = [{"doc": int(s["doc_id"]), "lls": [float(x[0][0]) for x in s["resps"]],
                           "acc": s.get("acc")} for s in logged.get(task, [])]
         write_result(out, settings, rows, samples, source)
-        print(f"{task}: " + ", ".join(f"{k} {m[k]:.4f}" for k in METRICS.get(task, ("acc",)) if k in m)
+        print(f"{task}: " + ", ".join(f"{k} {m[k]:.4f}" for k in ("acc", "acc_norm") if k in m)
               + f" (n={m['n']}, {time.time() - t0:.0f} s) -> {out}")
     t3 = text3_row(rows)
     if t3:
