@@ -93,3 +93,21 @@ def test_converted_file_scores_through_benchmark_scores(tmp_path):
     recs = read_any(out)
     s = benchmark_scores(recs, ["A", "A", "<think>B?</think>A"])["cvbench"]
     assert (s["accuracy_2d"], s["accuracy_3d"], s["overall"]) == (0.5, 1.0, 0.75)
+
+
+def test_readme_path_convert_evaluate_score_on_tiny_dense(tmp_path):
+    """mole/README.md, "Reproducing the paper's table", the CV-Bench lines on the tiny dense base:
+    eval.convert -> eval.evaluate (its "benchmarks" field) -> eval.scores on the saved predictions."""
+    from eval import convert as C
+    from eval import evaluate, scores
+    rows = [row(0, "2D", "ADE20K", "Count", "A"), row(1, "2D", "COCO", "Relation", "B", n_choices=2),
+            row(2, "3D", "Omni3D", "Depth", "A", n_choices=2)]
+    src = tmp_path / "test.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = str(tmp_path / "bench" / "cvbench.jsonl")
+    C.main(["--benchmark", "cvbench", "--src", str(src), "--out", data])
+    out = str(tmp_path / "scores" / "cvbench.json")
+    evaluate.main(["--model", "tiny-dense", "--data", data, "--max-new-tokens", "4", "--out", out, "--threads", "1"])
+    got = json.loads(open(out).read())["benchmarks"]["cvbench"]
+    assert set(got) >= {"accuracy_2d", "accuracy_3d", "overall", "sources"} and got["n"] == 3
+    assert got == scores.main(["--data", data, "--preds", out])["model"]["cvbench"]
