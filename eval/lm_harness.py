@@ -34,7 +34,7 @@ the first unfinished task, whose answered requests come back from the harness's 
 `<out>.cache_rank0.db`; the same `--out` with other settings is refused without `--overwrite`,
 which also empties the cache): {"experiment": "text3", "source", "settings", "rows": [{"model", "task",
 "metric", "value" (fraction), "score" (x 100), "stderr", "n", "paper": true for the metric the
-paper reports}], "samples": {task: [{"doc", "lls", "pred", "gold"}]}}, plus a "text3" row (mean
+paper reports}], "samples": {task: [{"doc" (index), "lls" (per choice), "acc"}]}}, plus a "text3" row (mean
 `acc` of the three) once all three are done: the format `eval.report` renders tables from.
 
 Our side (no lm-eval needed): `requests(task, doc)` mirrors each task's doc_to_text /

@@ -23,7 +23,9 @@ Needs only the standard library to start: it
    `eval.lm_harness.requests` (exact), every choice's log-likelihood (|diff| <= --tol nats),
    each document's predicted choice, and acc / acc_norm. The VLM checkpoints go to the
    harness as loaded modules (`eval.lm_harness.harness_lm`, what `python -m eval.lm_harness`
-   does); the Qwen3-MoE also through the harness's stock `hf` class from its directory.
+   does); the Qwen3-MoE also through the harness's stock `hf` class from its directory;
+5. runs the entry point `python -m eval.lm_harness` on tiny-moe's local tasks and checks that its
+   result file holds the harness's acc / acc_norm of step 4.
 Exits 1 if any comparison differs, 2 for a setup error. Every step's output stays in --out; a
 rerun redoes only what is missing (--fresh redoes all). About 5 minutes on a busy 2-core CPU
 after the venv (installing lm-eval and its dependencies takes longer).
@@ -232,13 +234,34 @@ def main(argv=None):
                 continue
         with open(f) as fh:
             rows += json.load(fh)
+    # the entry point itself (python -m eval.lm_harness: result file, request cache) on tiny-moe's local tasks
+    entry = os.path.join(out, "entry_point.json")
+    if not os.path.exists(entry) or a.fresh:
+        run([py, "-m", "eval.lm_harness", "--model", "tiny-moe", "--tasks", ",".join(f"{t}_local" for t in HARNESS_FILES),
+             "--include-path", tasks, "--limit", "0", "--batch-size", str(a.batch_size), "--out", entry,
+             "--overwrite"] + T, env, "python -m eval.lm_harness on tiny-moe (the local tasks)", check=False)
+    if os.path.exists(entry):
+        with open(entry) as fh:
+            got = {(r["task"][:-len("_local")], r["metric"]): r["value"] for r in json.load(fh)["rows"]}
+        for r in [r for r in rows if r["model"] == "tiny-moe"]:
+            same = all(got.get((r["task"], m)) == r[f"{m}_harness"] for m in ("acc", "acc_norm") if f"{m}_harness" in r)
+            rows.append({"model": "tiny-moe", "harness_model": "python -m eval.lm_harness (its result file)",
+                         "task": r["task"], "n": r["n"], "acc_ours": r["acc_ours"], "acc_harness": got.get((r["task"], "acc")),
+                         "acc_norm_harness": got.get((r["task"], "acc_norm")), "max_abs_ll_diff": None,
+                         "preds_differ": None, "requests_equal": None, "equal": same})
+    else:
+        failed.append(("tiny-moe", "python -m eval.lm_harness", "no result file"))
     print(f"\nLM Evaluation Harness vs eval.lm_harness.score_docs ({a.n} synthetic documents per task, tol {a.tol:g})")
     print(f"{'model':28s} {'harness model':10s} {'task':11s} {'acc ours/harness':>17s} {'max |dll|':>10s} "
           f"{'preds differ':>12s} {'requests':>9s} equal")
     for r in rows:
-        print(f"{r['model']:28s} {'stock hf' if r['harness_model'].startswith('hf') else 'module':10s} {r['task']:11s} "
-              f"{r['acc_ours']:8.4f}/{r['acc_harness']:<8.4f} {r['max_abs_ll_diff']:10.2e} {r['preds_differ']:12d} "
-              f"{'same' if r['requests_equal'] else 'DIFFER':>9s} {'yes' if r['equal'] else 'NO'}")
+        how = r["harness_model"]
+        how = "stock hf" if how.startswith("hf") else "entry" if how.startswith("python") else "module"
+        dll = "-" if r["max_abs_ll_diff"] is None else f"{r['max_abs_ll_diff']:.2e}"
+        req = "-" if r["requests_equal"] is None else "same" if r["requests_equal"] else "DIFFER"
+        print(f"{r['model']:28s} {how:10s} {r['task']:11s} {r['acc_ours']:8.4f}/{r['acc_harness'] or float('nan'):<8.4f} "
+              f"{dll:>10s} {'-' if r['preds_differ'] is None else r['preds_differ']:>12} {req:>9s} "
+              f"{'yes' if r['equal'] else 'NO'}")
     for name, how, why in failed:
         print(f"{name} ({how}): failed: {why}")
     print(f"venv: {versions}")
