@@ -273,3 +273,28 @@ def test_cli_without_lm_eval_names_the_venv_command(tmp_path, capsys):
     assert not (tmp_path / "t.json").exists()
     err = error_of(lambda argv: run_cli(lh.main, argv), ["--model", "tiny-moe", "--tasks", "hellaswag"], capsys)
     assert "not a Text3 task" in err
+
+
+def test_tiny_moe_vlm_scores_text_alone_padding_does_not_leak():
+    """load_lm on the committed Qwen3-VL-MoE (image-text-to-text class, called on text): a
+    right-padded batch gives each pair's unpadded single-sequence log-likelihood."""
+    model, tok = lh.load_lm("tiny-moe")
+    assert type(model).__name__ == "Qwen3VLMoeForConditionalGeneration"
+    pairs = [("Question: Which shape is red?\nAnswer:", " the circle"), ("The cat sat on the", " mat."),
+             ("A much longer context that will force padding of the two shorter rows in this batch,", " yes")]
+    batched = [ll for ll, _ in lh.loglikelihoods(model, tok, pairs, batch_size=3)]
+    for (ctx, cont), ll in zip(pairs, batched):
+        c, o = lh.encode_pair(tok, ctx, cont)
+        ids = torch.tensor([c + o])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits.float()[0], -1)
+        want = sum(float(lp[len(c) + k - 1, t]) for k, t in enumerate(o))
+        assert ll == pytest.approx(want, abs=1e-4)
+
+
+def test_load_lm_errors(tmp_path):
+    with pytest.raises(lh.HarnessError, match="no such checkpoint"):
+        lh.load_lm(str(tmp_path / "nope"))
+    (tmp_path / "c").mkdir()
+    with pytest.raises(lh.HarnessError, match="no config.json"):
+        lh.load_lm(str(tmp_path / "c"))
