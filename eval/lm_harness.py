@@ -432,6 +432,9 @@ def main(argv=None):
     out = a.out or os.path.join("out", "lm_harness", f"{name}_text3.json")
     check_out_file(out)
     lm_eval = import_lm_eval()  # before the model loads
+    if lm_eval.__version__ != LM_EVAL_VERSION:
+        print(f"note: lm-eval {lm_eval.__version__} is installed; the task definitions this was checked against are "
+              f"{LM_EVAL_VERSION}'s (the result file records the version used)", file=sys.stderr)
     import torch
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     set_threads(a.threads, a.model)
