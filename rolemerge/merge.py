@@ -68,6 +68,34 @@ class MergeError(ValueError):
     """The merge cannot run as asked; the message says why."""
 
 
+def check_streamable(src, plan):
+    """The streaming path's `cal.check_mergeable`: raise before anything is written unless
+    config.json is a supported family with its expert-count field, every MoE layer found in the
+    tensor names has one router weight [N, H] and all N experts (per-expert keys 0..N-1 or fused
+    [N, ...] tensors), N equals the config's count and the plan has one layer per MoE layer
+    (groups checked like check_mergeable). Raises CalibrationError / MergeError."""
+    config = _streaming_config(src)
+    sub = _expert_config(config)
+    N = sub[next(f for f in cal.EXPERT_FIELDS if f in sub)]
+    headers, where, layers = scan_checkpoint(src)
+    rows = lambda k: headers[where[k]][0][k]["shape"][:1]                   # noqa: E731
+    fam = f"{cal.SUPPORTED[config['model_type']]} [{config['model_type']}]"
+    if len(layers) != len(plan["groups"]):
+        raise MergeError(f"{fam}: the plan has {len(plan['groups'])} layers, the checkpoint {len(layers)} MoE layers")
+    for lidx, lay in sorted(layers.items()):
+        routers = [k for k in lay["router"] if k.endswith(".weight")]
+        idx = {e for e, _ in lay["experts"].values() if e is not None}
+        fused = [k for k, (e, _) in lay["experts"].items() if e is None] + list(lay["router"])
+        if len(routers) != 1 or (idx and idx != set(range(N))) or any(rows(k) != [N] for k in fused):
+            raise MergeError(f"{fam}: layer {lidx} has routers {routers} and experts {sorted(idx)}; the merge needs "
+                             f"one `gate.weight` and experts 0..{N - 1} (config: {N})")
+    for g in plan["groups"]:
+        flat = [e for grp in g for e in grp]
+        if len(g) != len(plan["groups"][0]) or not all(g) or len(set(flat)) != len(flat) or not all(
+                0 <= e < N for e in flat):
+            raise MergeError(f"{fam}: the plan's groups must be non-empty, disjoint, in [0, {N}) and as many per layer")
+
+
 # ----------------------------------------------------------------------------- planning
 
 def target_k(n_experts, top_k, rho=None, k=None):
@@ -227,7 +255,10 @@ def merge_block(block, groups, weights, routing=None):
 @torch.no_grad()
 def merge_model(model, plan):
     """In-memory merge: `merge_block` on every MoE block with the plan's groups and weights;
-    update the expert counts in the config. model is changed in place and returned."""
+    update the expert counts in the config. model is changed in place and returned. Raises
+    CalibrationError (`cal.check_mergeable`) before any change when a block, router, expert-count
+    field or the plan is not one the merge understands."""
+    cal.check_mergeable(model, plan)
     K = len(plan["groups"][0])
     for (name, block), groups, weights in zip(cal.moe_blocks(model), plan["groups"], plan["weights"]):
         merge_block(block, groups, weights, plan.get("routing"))
@@ -422,6 +453,7 @@ def merge_streaming(src, dst, plan):
     reused buffer while the previous layer merges (two buffers, one prefetch thread, one
     hand-off per layer); merging reuses one float32 accumulator (no fresh allocation per
     tensor). Raises MergeError for quantised or non-float expert tensors."""
+    check_streamable(src, plan)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     headers, where, layers = scan_checkpoint(src)
