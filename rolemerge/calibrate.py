@@ -365,10 +365,13 @@ def check_nonempty(stats):
     tot = sum(s["tokens"] for s in stats["sources"].values())
     for b, n in zip(stats["buckets"], tot.tolist()):
         if n == 0:
-            hint = {"image": "the records have no images", "answer": "no generated token was fed back: "
-                    "raise --max-new-tokens (>= 2) or check that the model does not stop at once"}.get(
-                b, "the prompts are empty")
-            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources ({hint}); "
+            why, fix = {
+                "image": ("the records have no images", ": add records with images (an `image` field) to a --data "
+                          "file; one source with images beside text-only sources is enough"),
+                "answer": ("no generated token was fed back: raise --max-new-tokens (>= 2) or check that the model "
+                           "does not stop at once", ""),
+            }.get(b, ("the prompts are empty", ": add records with a non-empty `question`"))
+            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources ({why}){fix}; "
                                    f"RoleMerge needs routing counts of every phase")
 
 

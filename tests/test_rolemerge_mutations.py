@@ -131,3 +131,39 @@ def test_hcsmoe_uses_average_linkage_whatever_the_distance():
     counts = torch.ones(1, 2, 8, dtype=torch.float64)
     groups, _ = rm.plan(counts, 2, method="hcsmoe", features=[feats])
     assert groups == [AVERAGE]
+
+
+# ----------------------------------------------------------------------------- MI retention, empty phase bucket
+
+def test_mi_retention_of_a_record_ignores_an_empty_phase_bucket():
+    """A text-only source beside image sources has an empty image bucket. Question [3, 1, 0, 0],
+    answer [0, 0, 1, 3]: every expert is phase-pure, I(S;B) = ln 2; groups {0,2}, {1,3} each
+    hold P(G, q), P(G, a) = .375, .125 (or reversed) with P(G) = P(b) = 1/2, so
+    I(C;B) = .75 ln 1.5 - .25 ln 2 and the retention is (.75 ln 1.5 - .25 ln 2) / ln 2 = 0.18872.
+    With the empty bucket in front the joint used to sum to 2/3 and the retention moved."""
+    two = torch.tensor([[3., 1, 0, 0], [0, 0, 1, 3]])
+    three = torch.cat([torch.zeros(1, 4), two])
+    groups = [[0, 2], [1, 3]]
+    want = (0.75 * math.log(1.5) - 0.25 * math.log(2)) / math.log(2)
+    assert rm.mi_retention([two], groups) == pytest.approx(want, abs=1e-12)
+    assert rm.mi_retention([three], groups) == pytest.approx(want, abs=1e-12)
+    P_e, q = rm.role_profiles(rm.phase_distributions(three))
+    assert float(P_e.sum()) == pytest.approx(1.0) and rm.mutual_information(P_e, q) == pytest.approx(math.log(2))
+    # the plan's per-layer and summary retention use the same per-record profiles
+    stats = {"num_experts": 4, "layer_names": ["model.layers.0.mlp"], "buckets": ["image", "question", "answer"],
+             "sources": {"text": {"counts": three[None].long(), "tokens": torch.tensor([0, 2, 2]), "examples": 1},
+                         "vl": {"counts": torch.tensor([[[4, 0, 0, 0], [3, 1, 0, 0], [0, 0, 1, 3]]]),
+                                "tokens": torch.tensor([2, 2, 2]), "examples": 1}}}
+    plan = mg.make_plan(stats, 2)
+    rec = {n: rm.mi_retention([s["counts"][0]], plan["groups"][0]) for n, s in stats["sources"].items()}
+    rec_two = rm.mi_retention([two], plan["groups"][0])
+    assert rec["text"] == pytest.approx(rec_two, abs=1e-12)
+
+
+def test_an_empty_image_bucket_says_what_to_add():
+    """rolemerge.calibrate on text-only records of a VLM: the error names the empty bucket and the fix."""
+    stats = {"buckets": ["image", "question", "answer"],
+             "sources": {"text": {"tokens": torch.tensor([0, 5, 3])}}}
+    with pytest.raises(cal.CalibrationError, match=r"phase bucket 'image' is empty over all calibration sources "
+                                                   r"\(the records have no images\): add records with images"):
+        cal.check_nonempty(stats)
