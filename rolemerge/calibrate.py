@@ -117,7 +117,7 @@ def check_mergeable(model, plan=None):
         no(f"its config has none of the expert-count fields {EXPERT_FIELDS}")
     N = _int_field(tc, field)
     top_k = _int_field(tc, "num_experts_per_tok")
-    if N is None or top_k is None or not 1 <= top_k <= N:
+    if not isinstance(N, int) or not isinstance(top_k, int) or not 1 <= top_k <= N:
         no(f"config {field}={N!r}, num_experts_per_tok={top_k!r} (need ints, 1 <= top_k <= N)")
     for cfg in {id(c): c for c in (model.config, tc)}.values():
         for f in EXPERT_FIELDS:
