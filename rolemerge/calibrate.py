@@ -22,6 +22,7 @@ router fingerprint; a readable .json summary is written next to it.
 """
 import hashlib
 import json
+import math
 import os
 import re
 
@@ -64,6 +65,108 @@ def moe_blocks(model):
                 and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)):
             out.append((name, mod))
     return out
+
+
+ROUTER_TENSORS = ("weight", "e_score_correction_bias")     # what merge_block rewrites in a router
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")              # ... and in the fused experts
+
+
+def _int_field(obj, f):
+    """obj.f when it is an int (config attribute maps included), else None."""
+    try:
+        v = getattr(obj, f, None)
+    except Exception:   # a config that refuses global access to a per-layer field: not a layout we know
+        return "per-layer"
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def check_mergeable(model, plan=None):
+    """Raise CalibrationError unless the merge understands every routed-expert block, router and
+    expert-count field of `model` (and `plan` fits it); reads only, so a refusal leaves every
+    parameter and config field as it was. Called before any tensor or config field changes.
+
+    Checks: the family is one of SUPPORTED (its routing semantics are known: a family outside
+    it may route by groups or by a router RoleMerge does not rewrite); at least one block from
+    `moe_blocks`; every module named `*.experts` belongs to one; each router holds only
+    ROUTER_TENSORS (weight [N, H], bias [N]) and each experts module only EXPERT_TENSORS with N
+    rows; no tensor sits on the block itself; every int expert-count attribute of block, router,
+    experts and the config equals N; top_k <= N. plan (make_plan's dict, optional): one entry
+    of groups and weights per block, the same K >= top_k in every layer (bound router operator:
+    any 1 <= K <= N per layer), each group a non-empty
+    list of distinct experts in [0, N) (no expert in two groups), weights finite and aligned
+    with the groups, routing fields among n_group / topk_group."""
+    mt = getattr(model.config, "model_type", None)
+    check_supported(model.config)
+    fam = f"{SUPPORTED[mt]} [{mt}]"
+
+    def no(why):
+        raise CalibrationError(f"{fam}: {why}; nothing was changed. RoleMerge merges blocks with a router `gate` "
+                               f"({', '.join(ROUTER_TENSORS)}) and fused `experts` ({', '.join(EXPERT_TENSORS)}) "
+                               f"in the families {', '.join(SUPPORTED.values())}")
+
+    blocks = moe_blocks(model)
+    if not blocks:
+        no("no routed-expert block (`gate` router + fused `experts`) found")
+    names = {n for n, _ in blocks}
+    for n, _ in model.named_modules():
+        if n.rsplit(".", 1)[-1] == "experts" and n.rsplit(".", 1)[0] not in names:
+            no(f"{n} is an experts module outside the blocks the merge rewrites")
+    tc = text_config(model.config)
+    try:
+        field = expert_count_field(model.config)
+    except CalibrationError:
+        no(f"its config has none of the expert-count fields {EXPERT_FIELDS}")
+    N = _int_field(tc, field)
+    top_k = _int_field(tc, "num_experts_per_tok")
+    if not isinstance(N, int) or not isinstance(top_k, int) or not 1 <= top_k <= N:
+        no(f"config {field}={N!r}, num_experts_per_tok={top_k!r} (need ints, 1 <= top_k <= N)")
+    for cfg in {id(c): c for c in (model.config, tc)}.values():
+        for f in EXPERT_FIELDS:
+            v = _int_field(cfg, f)
+            if v is not None and v != N:
+                no(f"config field {f}={v} disagrees with {field}={N}")
+    for name, b in blocks:
+        w = b.gate.weight
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] != N:
+            no(f"{name}.gate.weight has shape {list(getattr(w, 'shape', []))}, not [{N}, hidden]")
+        for k, t in list(b.gate.named_parameters()) + list(b.gate.named_buffers()):
+            if k not in ROUTER_TENSORS or t.shape[0] != N:
+                no(f"{name}.gate.{k} {list(t.shape)} is a router tensor the merge does not rewrite")
+        for k, t in list(b.experts.named_parameters()) + list(b.experts.named_buffers()):
+            if k not in EXPERT_TENSORS or t.dim() < 2 or t.shape[0] != N:
+                no(f"{name}.experts.{k} {list(t.shape)} is an expert tensor the merge does not rewrite")
+        if not all(isinstance(getattr(b.experts, k, None), torch.Tensor) for k in EXPERT_TENSORS):
+            no(f"{name}.experts lacks one of {EXPERT_TENSORS}")
+        for k, t in list(b.named_parameters(recurse=False)) + list(b.named_buffers(recurse=False)):
+            no(f"{name}.{k} {list(t.shape)} is a block tensor the merge does not rewrite")
+        for mod in (b, b.gate, b.experts):
+            for f in EXPERT_FIELDS:
+                v = _int_field(mod, f)
+                if v is not None and v != N:
+                    no(f"{name}: module field {f}={v} disagrees with the {N} router rows")
+    if plan is None:
+        return
+    groups, weights = plan.get("groups"), plan.get("weights")
+    if not isinstance(groups, list) or not isinstance(weights, list) or not len(groups) == len(weights) == len(blocks):
+        no(f"the plan has {len(groups or [])} layers of groups and {len(weights or [])} of weights for "
+           f"{len(blocks)} MoE blocks")
+    K, bound = len(groups[0]), plan.get("router") == "bound"
+    for (name, _), g, w in zip(blocks, groups, weights):
+        if bound:      # N slots stay (members bound to their group's merge): any 1 <= K_l <= N per layer
+            if not 1 <= len(g) <= N:
+                no(f"{name}: {len(g)} merged experts (the bound operator needs 1 <= K <= N={N})")
+        elif len(g) != K or not top_k <= K <= N:
+            no(f"{name}: {len(g)} merged experts (need the same K in every layer, top_k={top_k} <= K <= N={N})")
+        flat = [e for grp in g for e in grp]
+        if (any(not grp for grp in g) or len(set(flat)) != len(flat)
+                or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < N for e in flat)):
+            no(f"{name}: groups must be non-empty lists of distinct expert indices in [0, {N})")
+        if len(w) != K or any(len(a) != len(b) for a, b in zip(g, w)) or not all(
+                isinstance(x, (int, float)) and math.isfinite(x) for a in w for x in a):
+            no(f"{name}: merge weights must be finite numbers aligned with the groups")
+    extra = set(plan.get("routing") or {}) - {"n_group", "topk_group"}
+    if extra:
+        no(f"the plan rewrites routing fields {sorted(extra)} (only n_group / topk_group exist)")
 
 
 def layer_index(name):
@@ -340,10 +443,13 @@ def check_nonempty(stats):
     tot = sum(s["tokens"] for s in stats["sources"].values())
     for b, n in zip(stats["buckets"], tot.tolist()):
         if n == 0:
-            hint = {"image": "the records have no images", "answer": "no generated token was fed back: "
-                    "raise --max-new-tokens (>= 2) or check that the model does not stop at once"}.get(
-                b, "the prompts are empty")
-            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources ({hint}); "
+            why, fix = {
+                "image": ("the records have no images", ": add records with images (an `image` field) to a --data "
+                          "file; one source with images beside text-only sources is enough"),
+                "answer": ("no generated token was fed back: raise --max-new-tokens (>= 2) or check that the model "
+                           "does not stop at once", ""),
+            }.get(b, ("the prompts are empty", ": add records with a non-empty `question`"))
+            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources ({why}){fix}; "
                                    f"RoleMerge needs routing counts of every phase")
 
 

@@ -78,6 +78,35 @@ class MergeError(ValueError):
     """The merge cannot run as asked; the message says why."""
 
 
+def check_streamable(src, plan):
+    """The streaming path's `cal.check_mergeable`: raise before anything is written unless
+    config.json is a supported family with its expert-count field, every MoE layer found in the
+    tensor names has one router weight [N, H] and all N experts (per-expert keys 0..N-1 or fused
+    [N, ...] tensors), N equals the config's count and the plan has one layer per MoE layer
+    (groups checked like check_mergeable). Raises CalibrationError / MergeError."""
+    config = _streaming_config(src)
+    sub = _expert_config(config)
+    N = sub[next(f for f in cal.EXPERT_FIELDS if f in sub)]
+    headers, where, layers = scan_checkpoint(src)
+    rows = lambda k: headers[where[k]][0][k]["shape"][:1]                   # noqa: E731
+    fam = f"{cal.SUPPORTED[config['model_type']]} [{config['model_type']}]"
+    if len(layers) != len(plan["groups"]):
+        raise MergeError(f"{fam}: the plan has {len(plan['groups'])} layers, the checkpoint {len(layers)} MoE layers")
+    for lidx, lay in sorted(layers.items()):
+        routers = [k for k in lay["router"] if k.endswith(".weight")]
+        idx = {e for e, _ in lay["experts"].values() if e is not None}
+        fused = [k for k, (e, _) in lay["experts"].items() if e is None] + list(lay["router"])
+        if len(routers) != 1 or (idx and idx != set(range(N))) or any(rows(k) != [N] for k in fused):
+            raise MergeError(f"{fam}: layer {lidx} has routers {routers} and experts {sorted(idx)}; the merge needs "
+                             f"one `gate.weight` and experts 0..{N - 1} (config: {N})")
+    for g in plan["groups"]:
+        flat = [e for grp in g for e in grp]
+        same_k = plan.get("router") == "bound" or len(g) == len(plan["groups"][0])   # bound: per-layer K may differ
+        if not same_k or not all(g) or len(set(flat)) != len(flat) or not all(
+                0 <= e < N for e in flat):
+            raise MergeError(f"{fam}: the plan's groups must be non-empty, disjoint, in [0, {N}) and as many per layer")
+
+
 # ----------------------------------------------------------------------------- planning
 
 def target_k(n_experts, top_k, rho=None, k=None):
@@ -382,7 +411,10 @@ def canonical_block(block):
 def merge_model(model, plan):
     """In-memory merge: `merge_block` on every MoE block with the plan's groups and weights (a
     comparator's own tensors through `own_merge`) and router operator; update the expert counts
-    in the config (unchanged with the bound operator: N slots). model is changed in place and returned."""
+    in the config (unchanged with the bound operator: N slots). model is changed in place and
+    returned. Raises CalibrationError (`cal.check_mergeable`) before any change when a block,
+    router, expert-count field or the plan is not one the merge understands."""
+    cal.check_mergeable(model, plan)
     K, op = plan.get("K") or len(plan["groups"][0]), plan.get("router", "average")
     for li, (name, block) in enumerate(cal.moe_blocks(model)):
         own = own_merge(plan, li, canonical_block(block), K) if plan.get("own") else None
@@ -630,7 +662,9 @@ def merge_streaming(src, dst, plan):
     tensor). The "bound" router operator writes N expert slots (slot e = the merge of e's
     group) and copies the router untouched. A method with its own tensors (plan "own") gets each
     layer's tensors in the canonical layout through `own_merge`; they are written back in the
-    file's layout and dtype. Raises MergeError for quantised or non-float expert tensors."""
+    file's layout and dtype. Raises MergeError for quantised or non-float expert tensors, and
+    (`check_streamable`) before anything is written for a layout or plan it does not understand."""
+    check_streamable(src, plan)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     headers, where, layers = scan_checkpoint(src)
