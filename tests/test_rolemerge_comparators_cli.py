@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rolemerge
+
 from common import backbone as bb
 from helpers import error_of
 from rolemerge import baselines as bl
@@ -210,6 +212,7 @@ def test_own_tensor_hook_equals_the_weighted_sum_path_bit_for_bit(family, dtype,
     bytes of the weighted-sum path with the same groups, in memory and streaming."""
     fake = _wavg_module()
     monkeypatch.setitem(sys.modules, "rolemerge.comparators", fake)
+    monkeypatch.setattr(rolemerge, "comparators", fake, raising=False)   # `from rolemerge import comparators` reads the attribute first
     src, sp, stats, feats = _calibrated(family, tok, tmp_path, dtype)
     mass = cal.total_counts(stats).double().sum(1)
     groups = [[[2 * i, 2 * i + 1] for i in range(4)] for _ in stats["layers"]]
@@ -378,6 +381,7 @@ def test_own_tensor_hook_on_the_transposed_fused_layout(tok, tmp_path, monkeypat
     from common.checkpoint import safetensors_files
     fake = _wavg_module()
     monkeypatch.setitem(sys.modules, "rolemerge.comparators", fake)
+    monkeypatch.setattr(rolemerge, "comparators", fake, raising=False)   # `from rolemerge import comparators` reads the attribute first
     src, sp, stats, feats = _calibrated("qwen3_vl_moe", tok, tmp_path)
     for f in safetensors_files(src):
         t = load_file(f)
