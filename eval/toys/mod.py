@@ -228,6 +228,8 @@ def main(argv=None):
                    "(default 300; other steps train into their own folders, OUT/debate/lr/<arm>_lr<LR>_steps<N>_s<seed>)")
     p.add_argument("--debate-picks", default="", help="debate-lr part: fixed lr per arm, no sweep, e.g. "
                    "MoD=1e-2,MoE-LoRA=5e-3 (folder names as in --debate-arms)")
+    p.add_argument("--debate-metrics", default="", help="debate-lr part: test metrics scored at the picks, comma "
+                   "separated from single, misled_own, misled_ood (default: all three)")
     p.add_argument("--debate-no-train", action="store_true", help="debate-lr part: report what is on disk, "
                    "train and score nothing ((arm, seed) without scores are listed as not run)")
     p.add_argument("--mad-rounds", default="1,2,3", help="mad-rounds part: MAD debate rounds, comma separated")
@@ -276,8 +278,12 @@ def main(argv=None):
     if a.debate_steps < 0 or any(v <= 0 for v in picks.values()):
         p.error("--debate-steps must be >= 1 (0 = the default 300) and --debate-picks lrs > 0")
     lr_arms = tuple(picks) or lr_arms
+    metrics = tuple(x.strip() for x in a.debate_metrics.split(",") if x.strip()) or toy_mod_debate.METRICS
+    if [m for m in metrics if m not in toy_mod_debate.METRICS]:
+        p.error(f"--debate-metrics: choose from {','.join(toy_mod_debate.METRICS)}")
     lr_part = dict(toy_mod_debate.LR_SETTINGS, lrs=lrs, n_val=a.debate_val, lr_arms=lr_arms,
-                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None, rounds=tuple(rounds))
+                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None, rounds=tuple(rounds),
+                   metrics=metrics)
     try:
         mad_rounds = tuple(int(x) for x in a.mad_rounds.split(",") if x.strip())
     except ValueError:
