@@ -15,6 +15,7 @@ present (resumable).
 """
 import json
 import os
+import sys
 import time
 
 import torch
@@ -94,3 +95,100 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=20
             m["wall_vs_mod_multi1"] = m["wall_per_q"] / ref["wall_per_q"]
     atomic_write_text(path, json.dumps(out))
     return out
+
+
+# ---- result files for eval/results/mod/ (the report format of eval/report.py) ----
+
+NAMES = {"single": "MoD-Single", "multi1": "MoD-Multi (paper: 1 debate round)", "multi2": "MoD-Multi 2 debate rounds",
+         "multi3": "MoD-Multi 3 debate rounds"}
+MAIN_STEP0 = {0: 0.0548412, 1: 0.0604036, 2: 0.0168251}   # the main setting's step-0 losses (eval/logs/mod.md)
+
+
+def result_rows(out_dir="out/mod", tag="_paper_rounds"):
+    """Rows of eval/results/mod/paper_rounds.json from OUT/debate/lr/results<tag>.json and the per-seed
+    score files: accuracy per method (pooled over the seeds scored, and per seed), generated tokens
+    per question, the paired comparisons with MoD-Single (`rounds` of the lr report, with their
+    verdicts), the step-0 losses against the main setting's. Raises FileNotFoundError."""
+    import numpy as np
+    lroot = os.path.join(out_dir, "debate", "lr")
+    with open(os.path.join(lroot, f"results{tag}.json")) as fh:
+        rep = json.load(fh)
+    mod = rep["test"]["MoD"]
+    rows = []
+    base = rep["test"].get("base", {}).get("single")
+    if base:
+        rows.append({"kind": "arm", "arm": "frozen base (JSON prompt)", "metric": "single", "seed": "pooled",
+                     "value": round(base["accuracy"], 3), "ci_low": round(base["ci_low"], 3),
+                     "ci_high": round(base["ci_high"], 3), "n": base["n"], "seeds": 1})
+    for m in [x for x in ("single", "multi1", "multi2", "multi3") if x in mod]:
+        t = mod[m]
+        toks = []
+        for s in t["seeds"]:
+            with open(os.path.join(lroot, f"MoD_lr0.01_steps500_s{s}", "scores_test600.json")) as fh:
+                toks.append(float(np.mean([r["n_tokens"] for r in json.load(fh)["results"][m]])))
+        rows.append({"kind": "arm", "arm": NAMES[m], "metric": m, "seed": "pooled", "value": round(t["accuracy"], 3),
+                     "ci_low": round(t["ci_low"], 3), "ci_high": round(t["ci_high"], 3), "n": t["n"],
+                     "seeds": len(t["seeds"]), "tokens_per_q": round(float(np.mean(toks)), 1)})
+        rows += [{"kind": "arm", "arm": NAMES[m], "metric": m, "seed": s, "value": round(v, 3), "n": t["n"],
+                  "tokens_per_q": round(tk, 1)} for s, v, tk in zip(t["seeds"], t["per_seed"], toks)]
+    for m, pb in rep["rounds"].items():
+        hyp = ("H8 MoD-Multi (paper: 1 debate round) > MoD-Single" if m == "multi1" else
+               f"H7 check: {NAMES[m]} > MoD-Single")
+        rows.append({"kind": "compare", "hypothesis": hyp, "metric": "single", "value": round(pb["diff"], 3),
+                     "ci_low": round(pb["ci_low"], 3), "ci_high": round(pb["ci_high"], 3), "n": pb["n"],
+                     "seeds": len(pb["seeds"]), "per_seed": [round(x, 3) for x in pb["per_seed"]],
+                     "verdict": pb["verdict"]})
+    for s, v in zip(mod["seeds"], mod.get("step0_loss", [])):
+        rows.append({"kind": "step0_loss", "seed": s, "value": round(v, 7), "main_setting": MAIN_STEP0.get(s),
+                     "same_data": round(v, 7) == MAIN_STEP0.get(s)})
+    return rows
+
+
+def mad_rows(out_dir="out/mod"):
+    """Rows of eval/results/mod/mad_rounds.json from OUT/mad_rounds.json (`run`)."""
+    with open(os.path.join(out_dir, "mad_rounds.json")) as fh:
+        d = json.load(fh)
+    label = lambda m: (f"MAD, {m[3:]} debate round{'s' if m[3:] != '1' else ''} (2 debaters + judge)"
+                       if m.startswith("mad") else NAMES["single" if m == "mod_single" else m[4:]])
+    return [{"kind": "mad_rounds", "method": label(m), "key": m, "n": v["n"], "value": round(v["accuracy"], 3),
+             "ci_low": round(v["ci_low"], 3), "ci_high": round(v["ci_high"], 3),
+             "generations_per_q": v["generations_per_q"], "tokens_per_q": round(v["tokens_per_q"], 1),
+             "wall_per_q_s": round(v["wall_per_q"], 3), "tokens_vs_mod_multi1": round(v.get("tokens_vs_mod_multi1", 0), 2) or None,
+             "wall_vs_mod_multi1": round(v.get("wall_vs_mod_multi1", 0), 2) or None}
+            for m, v in d["methods"].items()], d["settings"]
+
+
+def main(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m eval.toys.mod_mad",
+                                description="Write eval/results/mod/paper_rounds.json (and mad_rounds.json when "
+                                            "OUT/mad_rounds.json exists) from the runs of eval/toys/mod_paper_rounds.sh.")
+    p.add_argument("--out", default="out/mod", help="the toy's output directory")
+    p.add_argument("--results", default="eval/results/mod", help="where the result files go (rewritten)")
+    a = p.parse_args(argv)
+    src = ("bash eval/toys/mod_paper_rounds.sh (eval/logs/mod.md, 'MoD-Multi as the paper defines it'): MoD at lr 1e-2, "
+           "500 steps, the main setting's data (step-0 losses below), the first 600 shapes test questions, one thread; "
+           "pooled = the seed-averaged item correctness with its 95% bootstrap CI; compare = paired bootstrap of the "
+           "seed-averaged difference, verdict by eval.toys.mod_debate.verdict_over; then python -m eval.toys.mod_mad")
+    try:
+        rows = result_rows(a.out)
+    except FileNotFoundError as e:
+        print(f"error: {e}; run bash eval/toys/mod_paper_rounds.sh first", file=sys.stderr)
+        raise SystemExit(2)
+    atomic_write_text(os.path.join(a.results, "paper_rounds.json"),
+                      json.dumps({"experiment": "mod_paper_rounds", "source": src, "rows": rows}, indent=1) + "\n")
+    if os.path.exists(os.path.join(a.out, "mad_rounds.json")):
+        rows, st = mad_rows(a.out)
+        atomic_write_text(os.path.join(a.results, "mad_rounds.json"), json.dumps(
+            {"experiment": "mod_mad_rounds", "source": f"python -m eval.toys.mod --part mad-rounds --mad-rounds "
+             f"{','.join(map(str, st['rounds']))} --debate-test {st['n_test']} --threads 1 (eval/toys/mod_mad.py): the "
+             f"frozen base (MAD) and the MoD adapter {st['adapter']} (MoD-Single / MoD-Multi) on the same first "
+             f"{st['n_test']} shapes test questions, batch {st['batch_size']}, one thread, one process, methods "
+             "interleaved; wall time per question is load-dependent, tokens per question are not", "rows": rows},
+            indent=1) + "\n")
+    print(f"wrote {a.results}/paper_rounds.json" + (" and mad_rounds.json" if os.path.exists(
+        os.path.join(a.out, "mad_rounds.json")) else ""))
+
+
+if __name__ == "__main__":
+    main()
