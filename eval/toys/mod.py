@@ -234,7 +234,7 @@ def main(argv=None):
                    "train and score nothing ((arm, seed) without scores are listed as not run)")
     p.add_argument("--mad-rounds", default="1,2,3", help="mad-rounds part: MAD debate rounds, comma separated")
     p.add_argument("--mad-adapter", default="", help="mad-rounds part: the MoD adapter folder of the MoD-Single / "
-                   "MoD-Multi rows (default OUT/debate/lr/MoD_lr0.01_steps500_s0, the main setting's seed 0)")
+                   "MoD-Multi rows (default OUT/debate/lr/MoD_lr0.01_steps500_s0, the main setting's seed 0; none: MAD rows only)")
     p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e", "mad-rounds"],
                    help="mechanism: frozen single-layer experiments (eval/toys/mod_mechanism.py, -> OUT/mechanism/); "
                    "debate: end to end with headroom (eval/toys/mod_debate.py, -> OUT/debate/); "

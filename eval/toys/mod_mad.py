@@ -29,7 +29,10 @@ DEFAULT_ADAPTER = os.path.join("debate", "lr", "MoD_lr0.01_steps500_s0")   # the
 
 
 def order(rounds, mod_rounds=(1, 2)):
-    """The interleaved method order: MoD-Single, then MAD k and MoD-Multi k alternating."""
+    """The interleaved method order: MoD-Single, then MAD k and MoD-Multi k alternating
+    (mod_rounds None: MAD only)."""
+    if mod_rounds is None:
+        return [f"mad{k}" for k in rounds]
     out = ["mod_single"]
     for i in range(max(len(rounds), len(mod_rounds))):
         out += [f"mad{rounds[i]}"] if i < len(rounds) else []
@@ -42,13 +45,13 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=20
     """Score every method of `order(rounds)` missing from OUT/mad_rounds.json on the first `n_test`
     shapes test questions -> that file: per method accuracy [95% bootstrap CI], tokens and wall
     seconds per question, generations per question, and ratios to MoD-Multi 1 round. `adapter`:
-    a MoD adapter folder (default OUT/debate/lr/MoD_lr0.01_steps500_s0). Raises FileNotFoundError
-    naming the folder when it holds no adapter."""
+    a MoD adapter folder (default OUT/debate/lr/MoD_lr0.01_steps500_s0), "none": MAD rows only.
+    Raises FileNotFoundError naming the folder when it holds no adapter."""
     import copy
     import numpy as np
     from eval.toys.mod_debate import load_data, SETTINGS
     adapter = adapter or os.path.join(out_dir, DEFAULT_ADAPTER)
-    if not os.path.exists(os.path.join(adapter, "adapter_model.safetensors")):
+    if adapter != "none" and not os.path.exists(os.path.join(adapter, "adapter_model.safetensors")):
         raise FileNotFoundError(f"{adapter} holds no MoD adapter: train it first (bash eval/toys/mod_paper_rounds.sh) "
                                 "or pass --mad-adapter DIR")
     _, test, base, proc = load_data(data_dir, base_name, dict(SETTINGS, n_test=n_test))
@@ -62,7 +65,7 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=20
             raise ValueError(f"{path} was made for {out['settings']['n_test']} questions / {out['settings']['adapter']}: "
                              "move it away to start over")
     tuned = None
-    for name in order(tuple(rounds)):
+    for name in order(tuple(rounds), None if adapter == "none" else (1, 2)):
         if name in out["methods"]:
             continue
         if name.startswith("mod") and tuned is None:
