@@ -65,3 +65,56 @@ def best_moelora(shapes, target, max_experts=32, max_rank=32, r=4):
             if best is None or abs(n - target) < abs(best[2] - target):
                 best = (E, k, n, n / target - 1)
     return best
+
+
+# the bases of the paper's Table 1 and its 12M statement, by config numbers (transformers' config classes)
+BASES = {"Qwen2.5-VL-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                               num_key_value_heads=2, vocab_size=151936),
+         "Qwen2.5-VL-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                               num_key_value_heads=4, vocab_size=152064),
+         "LLaVA-1.6-13B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                               num_key_value_heads=40, vocab_size=32064)}
+
+
+def base_config(name):
+    """The transformers config of one of BASES (no weights, no hub access)."""
+    if name.startswith("LLaVA"):
+        from transformers import LlamaConfig, LlavaNextConfig
+        return LlavaNextConfig(text_config=LlamaConfig(**BASES[name]))
+    from transformers import Qwen2_5_VLConfig
+    return Qwen2_5_VLConfig(text_config=dict(BASES[name]))
+
+
+def main(argv=None):
+    """python -m mod.params [--out FILE]: MoD / MoE-LoRA / LoRA counts at BASES and tiny-chat."""
+    import argparse
+    import json
+    import os
+    p = argparse.ArgumentParser(prog="python -m mod.params", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="", help="also write the rows as a result file (eval/report.py format)")
+    a = p.parse_args(argv)
+    from transformers import AutoConfig
+    configs = {**{n: base_config(n) for n in BASES},
+               "tiny-chat": AutoConfig.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "common", "tiny", "chat"))}
+    arms = {"MoD (E = 8, top-4)": AdapterConfig(),
+            "MoE-LoRA default (11 rank-1 experts, top-4)": AdapterConfig(method="moelora", **MOELORA_MATCHED),
+            "MoE-LoRA, 8 rank-1 experts (the earlier default)": AdapterConfig(method="moelora"),
+            "MoE-LoRA, 4 experts of rank 4 (the toy's)": AdapterConfig(method="moelora", num_experts=4, expert_rank=4, r=2)}
+    rows = []
+    for base, config in configs.items():
+        shapes = attention_shapes(config)
+        ref = adapter_params(arms["MoD (E = 8, top-4)"], shapes)
+        for arm, cfg in arms.items():
+            n = adapter_params(cfg, shapes)
+            rows.append({"kind": "count", "backbone": base, "arm": arm, "trainable": n, "vs_mod": round(n / ref - 1, 4)})
+            print(f"{base:14s} {arm:50s} {n:>12,} {n / ref - 1:+.2%}")
+    if a.out:
+        from common.data import atomic_write_text
+        atomic_write_text(a.out, json.dumps({"experiment": "mod_param_counts", "source": "python -m mod.params --out "
+                                             f"{a.out}: trainable parameters on q/k/v/o from the bases' config numbers "
+                                             "(mod.params.adapter_params; equal to attach on the meta device, "
+                                             "tests/test_mod_params.py)", "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
