@@ -127,3 +127,20 @@ def test_loss_reduction_flag():
     with pytest.raises(SystemExit) as e:
         main(["--data", "x.json", "--out", "o", "--loss-reduction", "max"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv, want", [([], 1), (["--rounds", "2"], 2), (["--rounds", "1", "--mad-rounds", "3"], 3)])
+def test_mad_rounds_flag_reaches_mad(tmp_path, monkeypatch, argv, want):
+    """mod.infer --mad-rounds sets MAD's debate rounds apart from MoD-Multi's --rounds (default: --rounds)."""
+    import json
+    from common import backbone, data
+    from mod import infer
+    seen = []
+    monkeypatch.setattr(backbone, "load_backbone", lambda *a, **k: (None, None))
+    monkeypatch.setattr(infer, "multi_agent_debate", lambda m, p, recs, rounds, **kw: (seen.append(rounds) or [], 0.0))
+    path = tmp_path / "q.json"
+    data.atomic_write_text(str(path), json.dumps([{"id": "t0", "family": "mmlu", "answer": "B", "image": None,
+                                                   "conversations": [{"from": "human", "value": "Second letter? A B C"},
+                                                                     {"from": "gpt", "value": "B"}]}]))
+    infer.main(["--data", str(path), "--methods", "mad", *argv])
+    assert seen == [want]
