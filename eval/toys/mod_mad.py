@@ -190,8 +190,10 @@ def main(argv=None):
         rows, st = mad_rows(a.out)
         atomic_write_text(os.path.join(a.results, "mad_rounds.json"), json.dumps(
             {"experiment": "mod_mad_rounds", "source": f"python -m eval.toys.mod --part mad-rounds --mad-rounds "
-             f"{','.join(map(str, st['rounds']))} --debate-test {st['n_test']} --threads 1 (eval/toys/mod_mad.py): the "
-             f"frozen base (MAD) and the MoD adapter {st['adapter']} (MoD-Single / MoD-Multi) on the same first "
+             f"{','.join(map(str, st['rounds']))} --debate-test {st['n_test']}"
+             + (" --mad-adapter none" if st["adapter"] == "none" else "") + " --threads 1 (eval/toys/mod_mad.py): the "
+             + ("frozen base (MAD only, no MoD rows)" if st["adapter"] == "none" else
+                f"frozen base (MAD) and the MoD adapter {st['adapter']} (MoD-Single / MoD-Multi)") + " on the same first "
              f"{st['n_test']} shapes test questions, batch {st['batch_size']}, one thread, one process, methods "
              "interleaved; wall time per question is load-dependent, tokens per question are not", "rows": rows},
             indent=1) + "\n")
