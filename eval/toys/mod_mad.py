@@ -154,13 +154,16 @@ def mad_rows(out_dir="out/mod"):
     """Rows of eval/results/mod/mad_rounds.json from OUT/mad_rounds.json (`run`)."""
     with open(os.path.join(out_dir, "mad_rounds.json")) as fh:
         d = json.load(fh)
+    mad1 = d["methods"].get("mad1")
     label = lambda m: (f"MAD, {m[3:]} debate round{'s' if m[3:] != '1' else ''} (2 debaters + judge)"
                        if m.startswith("mad") else NAMES["single" if m == "mod_single" else m[4:]])
     return [{"kind": "mad_rounds", "method": label(m), "key": m, "n": v["n"], "value": round(v["accuracy"], 3),
              "ci_low": round(v["ci_low"], 3), "ci_high": round(v["ci_high"], 3),
              "generations_per_q": v["generations_per_q"], "tokens_per_q": round(v["tokens_per_q"], 1),
              "wall_per_q_s": round(v["wall_per_q"], 3), "tokens_vs_mod_multi1": round(v.get("tokens_vs_mod_multi1", 0), 2) or None,
-             "wall_vs_mod_multi1": round(v.get("wall_vs_mod_multi1", 0), 2) or None}
+             "wall_vs_mod_multi1": round(v.get("wall_vs_mod_multi1", 0), 2) or None,
+             **({"tokens_vs_mad1": round(v["tokens_per_q"] / mad1["tokens_per_q"], 2),
+                 "wall_vs_mad1": round(v["wall_per_q"] / mad1["wall_per_q"], 2)} if mad1 else {})}
             for m, v in d["methods"].items()], d["settings"]
 
 
