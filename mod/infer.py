@@ -7,7 +7,8 @@
     MoD-Multi    K debate rounds: round k sees the question, the debate prompt and the
                  model's own responses of rounds 0..k-1 (Alg. 2), final answer = last round
     MAD          multi-agent debate on the base model: 2 debaters (sampled) answer, then
-                 see each other's latest response for `rounds` rounds; a judge (greedy)
+                 see each other's latest response for `rounds` rounds (--mad-rounds, default
+                 --rounds); a judge (greedy)
                  reads both and decides (Liang et al. 2024 style, B.4)
     SC           self-correction on the base model: answer, then review the own answer
 
@@ -226,7 +227,10 @@ def main(argv=None):
                    "base-misled (the frozen base model). base = the plain question; base-json = the adapters' "
                    "JSON prompt (the fair baseline of single, as eval.toys.mod's base-json row); misled = one "
                    "debate round whose only prior response is wrong")
-    p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
+    p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi (paper: 1; and of MAD "
+                   "unless --mad-rounds)")
+    p.add_argument("--mad-rounds", type=number(min=0), default=None, help="debate rounds of MAD (2 debaters + judge; "
+                   "default: --rounds; the paper's MAD debates 'over multiple rounds', the count is not given)")
     add_limit(p, what="questions")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=96, help="cap per generated response")
@@ -261,6 +265,7 @@ def run(args, methods):
         from mod.data import wrong_response
         for r in records:
             wrong_response(random.Random(0), r["question"], r["answer"], r["family"])  # DataError: not shapes
+    mad_rounds = args.rounds if getattr(args, "mad_rounds", None) is None else args.mad_rounds
     base, proc = load_backbone(args.model, device=args.device)
     tuned = None
     if args.adapter:
@@ -271,7 +276,7 @@ def run(args, methods):
            "base-json": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens, json_prompt=True),
            "single": lambda: mod_debate(tuned, proc, records, 0, args.batch_size, args.max_new_tokens),
            "multi": lambda: mod_debate(tuned, proc, records, args.rounds, args.batch_size, args.max_new_tokens),
-           "mad": lambda: multi_agent_debate(base, proc, records, args.rounds, batch_size=args.batch_size,
+           "mad": lambda: multi_agent_debate(base, proc, records, mad_rounds, batch_size=args.batch_size,
                                              max_new_tokens=args.max_new_tokens),
            "sc": lambda: self_correction(base, proc, records, args.batch_size, args.max_new_tokens),
            "base-misled": lambda: misled(base, proc, records, args.batch_size, args.max_new_tokens),
