@@ -53,8 +53,9 @@ Merging", arXiv 2506.23266, AAAI 2026)
   42, empty clusters refilled with the farthest point); similarity averaged over all tokens at
   once (zhy617 averages per example, then over examples). `rank` (default: full) truncates the
   joint SVD; note that at full rank U S V_G = sum_i f_i W_i exactly (W_i = U S V_i), so the
-  untruncated merge equals frequency averaging and Sub-MoE differs from it by its grouping.
-  Cost: one N^2 H product per token at calibration; one SVD of [I, nH] / [H, nI] per group.
+  untruncated merge equals frequency averaging (computed directly) and Sub-MoE differs from it
+  by its grouping. Cost: one N^2 H product per token at calibration; with `rank`, one SVD of
+  [I, nH] / [H, nI] per group and matrix.
 
 NAMEx (Nguyen et al., "Expert Merging in Sparse Mixture of Experts with Nash Bargaining",
 arXiv 2510.16138, ICLR 2026)
@@ -380,10 +381,14 @@ def svd_merge(mats, weights, rank=None):
     """Sub-MoE subspace merge (arXiv 2506.23266 eqs. 5-7) of n matrices mats [n, r, c]:
     [W_1 ... W_n] = U S [V_1 ... V_n] (joint SVD of the column concatenation [r, n c]), merged
     U S sum_i w_i V_i (w normalised to sum 1), in float64. rank: keep the top `rank` singular
-    triplets (None: all). Returns [r, c] in mats' dtype."""
+    triplets (None: all). The thin SVD is exact (W_i = U S V_i), so with all triplets the merge
+    is sum_i w_i W_i, computed as such (the SVD of [I, nH] would cost minutes per layer).
+    Returns [r, c] in mats' dtype."""
     n, r, c = mats.shape
     w = torch.as_tensor(weights, dtype=torch.float64)
     w = w / w.sum()
+    if rank is None or rank >= min(r, n * c):
+        return torch.einsum("n,nrc->rc", w, mats.double()).to(mats.dtype)
     cat = mats.double().permute(1, 0, 2).reshape(r, n * c)                 # [W_1 ... W_n]
     U, S, Vt = torch.linalg.svd(cat, full_matrices=False)
     if rank is not None:
