@@ -144,7 +144,7 @@ def check_mergeable(model, plan=None):
                 v = _int_field(mod, f)
                 if v is not None and v != N:
                     no(f"{name}: module field {f}={v} disagrees with the {N} router rows")
-    if plan is None:
+    if plan is None or (plan.get("own") and plan.get("groups") is None):   # comparators group while merging
         return
     groups, weights = plan.get("groups"), plan.get("weights")
     if not isinstance(groups, list) or not isinstance(weights, list) or not len(groups) == len(weights) == len(blocks):
@@ -161,7 +161,7 @@ def check_mergeable(model, plan=None):
         if (any(not grp for grp in g) or len(set(flat)) != len(flat)
                 or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < N for e in flat)):
             no(f"{name}: groups must be non-empty lists of distinct expert indices in [0, {N})")
-        if len(w) != K or any(len(a) != len(b) for a, b in zip(g, w)) or not all(
+        if len(w) != len(g) or any(len(a) != len(b) for a, b in zip(g, w)) or not all(
                 isinstance(x, (int, float)) and math.isfinite(x) for a in w for x in a):
             no(f"{name}: merge weights must be finite numbers aligned with the groups")
     extra = set(plan.get("routing") or {}) - {"n_group", "topk_group"}
