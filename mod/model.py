@@ -114,10 +114,12 @@ class RoutingContext:
     mask: [B, T] bool of the current tokens (None = no padding); continuing: True when the
     call extends a KV-cached sequence (use the per-layer token caches); aux: per-layer
     load-balance losses of this forward (training only); record: if True, layers append
-    (name, idx_A [B,T,r], idx_B [B,T,r], mask) to `trace` for diagnostics."""
+    (name, idx_A [B,T,r], idx_B [B,T,r], mask) to `trace` for diagnostics; reduce: None, or
+    `common.routing.rank_mean` while a data-parallel run trains (the aux loss of the global batch)."""
 
     def __init__(self):
         self.mask, self.continuing, self.aux, self.record, self.trace = None, False, [], False, []
+        self.reduce = None
 
 
 def _model_pre_hook(ctx):
@@ -281,7 +283,8 @@ class MoDLinear(nn.Module):
     def _bookkeeping(self, pa, ia, pb, ib):   # recompile per layer (compile_adapters compiles the rest)
         ctx = self.ctx
         if self.training:  # eq. 9 per layer: E/2 sum_i (f_A P_A + f_B P_B), probabilities for P
-            ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask) + load_balance_loss(pb, ib, ctx.mask)))
+            ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask, ctx.reduce) +
+                                  load_balance_loss(pb, ib, ctx.mask, ctx.reduce)))
         if ctx.record:
             ctx.trace.append((self.name, ia.detach(), ib.detach(), ctx.mask))
 
