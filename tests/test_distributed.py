@@ -136,3 +136,32 @@ def test_global_batch_sampling_and_aux_reduction_by_hand():
         assert torch.allclose((got[0] + got[1]) / 2, want, atol=1e-6), fn.__name__
         naive = (fn(*args(halves[0])) + fn(*args(halves[1]))) / 2    # per-rank means: not the global loss
         assert not torch.allclose(naive, want, atol=1e-4), fn.__name__
+
+
+def test_end_distributed_frees_the_wrapper_then_waits_then_destroys(monkeypatch):
+    """The teardown order, in one gloo process: a DDP wrapper the caller dropped but that sits in
+    a reference cycle is gone before the barrier, and the group is destroyed after it."""
+    import gc
+    import socket
+    import weakref
+    import torch.distributed as dist
+    from common.cli import end_distributed
+    end_distributed()                                                   # no group: nothing happens
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    ddp.cycle = [ddp]                                                   # freed only by the garbage collector
+    alive, events = weakref.ref(ddp), []
+    ddp = None
+    barrier, destroy = dist.barrier, dist.destroy_process_group
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: (events.append(("barrier", alive() is None)), barrier())[1])
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: (events.append(("destroy", alive() is None)),
+                                                                         destroy())[1])
+    gc.disable()                                                        # only end_distributed may collect it
+    try:
+        end_distributed()
+    finally:
+        gc.enable()
+    assert events == [("barrier", True), ("destroy", True)] and not dist.is_initialized()
