@@ -326,7 +326,8 @@ def step_means(values, world=1):
     import torch
     import torch.distributed as dist
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"  # NCCL: GPU tensors only
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return {k: float(v) / world for k, v in zip(keys, t.tolist())}
 
