@@ -14,7 +14,7 @@ from contextlib import contextmanager, suppress
 
 from PIL import Image, ImageOps
 
-from common.answers import ANSWER_TYPES, final_answer, parse_options  # noqa: F401  (common.data.parse_options)
+from common.answers import ANSWER_TYPES, UNLABELLED, final_answer, parse_options  # noqa: F401  (common.data.parse_options)
 
 def follow_umask(path):
     """Give `path` (a file, or every file and folder under a directory) the mode a plain
@@ -107,7 +107,7 @@ def load_records(path):
 #   answer    the gold answer of the last turn (the record's "answer" field, else
 #             `final_answer(target)`); a list of acceptable answers stays a list
 #   history   earlier (question, target) pairs of a multi-turn conversation, [] otherwise
-#   family    the record's "family", default "all"
+#   family    the record's "family", default "unlabelled" (`_family`; "all" names the aggregate row)
 #   conversations  the human / gpt turns as read
 #   options   [(letter, text), ...] for canonical multiple-choice records only
 # Relative image paths resolve against `image_root` when given (--image-root), else the data
@@ -181,9 +181,19 @@ def read_llava_json(path, image_root=None, check_images=True):
         q, target = pairs[-1]
         out.append({"id": str(rid), "images": images, "image": images[0] if images else None, "question": q,
                     "target": target, "answer": r.get("answer", final_answer(target)),
-                    "history": [list(p) for p in pairs[:-1]], "family": r.get("family", "all"),
+                    "history": [list(p) for p in pairs[:-1]], "family": _family(r, path, rid),
                     "conversations": conv})
     return out
+
+
+def _family(r, path, rid):
+    """A record's family: its "family" field, "unlabelled" (`UNLABELLED`) when it has none.
+    Raises DataError for the family "all", the name of every report's aggregate row."""
+    fam = r.get("family") or UNLABELLED
+    if fam == "all":
+        raise DataError(f"{path}: record {rid}: family 'all' is the name of the aggregate row of every report; "
+                        f"give the family another name (records without a family are {UNLABELLED!r})")
+    return fam
 
 
 REQUIRED = ("id", "question", "answer")  # "image" is optional: a record without one is text-only
@@ -223,7 +233,7 @@ def _benchmark_fields(path, rid, r):
 def read_jsonl(path, image_root=None, check_images=True):
     """Read a canonical benchmark JSONL -> record dicts (the keys above):
         {"id": "q1", "image": "images/q1.png", "question": "Is there a dog?", "answer": "yes",
-         "family": "existence",                      # optional, default "all"
+         "family": "existence",                      # optional, default "unlabelled"
          "options": ["cat", "dog", "cow", "pig"]}    # optional, multiple choice
     "image" may be one path, a list of paths, or absent (a text-only record, ScienceQA / MMLU
     style). Multiple choice: options are lettered A, B, C, ...; if the question does not
@@ -256,7 +266,7 @@ def read_jsonl(path, image_root=None, check_images=True):
         q, golds = _strip_image(str(r["question"]), len(images)), _golds(path, rid, r["answer"])
         keep = (lambda g: g) if isinstance(r["answer"], list) else (lambda g: g[0])  # a list stays a list
         rec = {"id": rid, "images": images, "image": images[0] if images else None, "question": q,
-               "target": golds[0], "answer": keep(golds), "history": [], "family": r.get("family") or "all"}
+               "target": golds[0], "answer": keep(golds), "history": [], "family": _family(r, path, rid)}
         rec.update(_benchmark_fields(path, rid, r))
         if r.get("options") is not None:
             opts = r["options"]
@@ -322,22 +332,32 @@ def check_support(records, entry, text_only=False, multi_image=False, multi_turn
     """Refuse, before any model loads, the records `entry` (e.g. "mole.infer") cannot handle,
     with one message per kind shared by every entry point (README, "Records"):
     a text-only record unless `text_only`, several images unless `multi_image`, several
-    question / answer turns unless `multi_turn`. Raises DataError naming up to three records."""
+    question / answer turns unless `multi_turn`. Every kind found is named in the one
+    DataError (up to three records each), so one fix of the data file is enough; a record
+    of two kinds is named under both.
+        mod.infer: 1 record(s) with several images, e.g. ['r1']: ...
+          and 1 record(s) with several question/answer turns, e.g. ['r1']: ... (README, 'Records')"""
     kinds = []
     if not text_only:
         kinds.append((lambda r: not r["images"], "no image (a text-only record)",
                       "it needs one image per record; evaluate text-only records with eval.evaluate"))
     if not multi_image:
         kinds.append((lambda r: len(r["images"]) > 1, "several images",
-                      "it takes one image per record; split such records into one record per image"))
+                      "it takes one image per record; split such records into one record per image when each "
+                      "question is about one of the images; a question about several images together cannot be "
+                      "split: train and answer it with mole.train / mole.infer, which read every image of a record"))
     if not multi_turn:
         kinds.append((lambda r: bool(r.get("history")), "several question/answer turns",
-                      "it takes single-turn records; split each conversation into one record per turn"))
+                      "it takes single-turn records; split each conversation into one record per turn (write an "
+                      "earlier turn a later question refers to into that question); eval.evaluate and "
+                      "rolemerge.infer take the turns as they are"))
+    found = []
     for bad_if, what, fix in kinds:
         bad = [r["id"] for r in records if bad_if(r)]
         if bad:
-            raise DataError(f"{entry}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}: {fix} "
-                            f"(README, 'Records')")
+            found.append(f"{len(bad)} record(s) with {what}, e.g. {bad[:3]}: {fix}")
+    if found:
+        raise DataError(f"{entry}: " + "\n  and ".join(found) + " (README, 'Records')")
 
 
 def check_training_records(records, path):

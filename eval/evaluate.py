@@ -38,7 +38,7 @@ from tqdm import tqdm
 from common.backbone import generate, load_backbone
 from common.cli import Deprecated, RunError, add_limit, add_threads, check_out_file, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns, load_image, read_any
-from common.answers import ANSWER_TYPE, options_of, score  # noqa: F401  (eval.evaluate.options_of)
+from common.answers import ANSWER_TYPE, UNLABELLED, is_multiple_choice, options_of, score  # noqa: F401  (eval.evaluate.options_of)
 from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
                           option_letters, pope_prf, record_answer_type, short_answer)
 from eval.scores import SCORERS, benchmark_scores, format_scores
@@ -295,7 +295,8 @@ def main(argv=None):
     bad = sorted({r["benchmark"] for r in records if r.get("benchmark")} - set(SCORERS))
     if bad:  # before the model loads, not after the whole evaluation
         raise DataError(f"{a.data}: unknown benchmark(s) {bad}; eval.scores scores {', '.join(SCORERS)}")
-    unknown = sorted({r["family"] for r in records if not r.get("answer_type")} - set(ANSWER_TYPE) - {"all"})
+    unknown = sorted({r["family"] for r in records if record_answer_type(r) == "text" and not r.get("answer_type")}
+                     - set(ANSWER_TYPE) - {UNLABELLED})  # records with options are multiple choice (record_answer_type)
     for fam in unknown:  # a typo ("Count", "colours") silently switches scoring to exact text match
         near = difflib.get_close_matches(fam.lower(), list(ANSWER_TYPE), n=1, cutoff=0.6)
         print(f"note: family {fam!r} is not one of {', '.join(ANSWER_TYPE)}: its answers are scored as free "
@@ -312,7 +313,7 @@ def main(argv=None):
         print("note: no reference split (train.json next to --data, or --reference): the best-constant row is left out")
     loglik = []
     if a.loglik:
-        mc = [(r, res) for r, res in zip(records, results) if options_of(r)]
+        mc = [(r, res) for r, res in zip(records, results) if is_multiple_choice(r)]  # as generation scores them
         if mc:
             loglik = score_options(model, proc, [r for r, _ in mc], [loglik_prefix(res["pred"]) for _, res in mc],
                                    batch_size=a.batch_size)

@@ -478,16 +478,18 @@ def score_realworldqa(items):
 def anls_lmms(pred, golds, threshold=0.5):
     """InfoVQA / DocVQA ANLS as lmms-eval computes it (its `anls` metric, from Qwen-VL's
     infographicsvqa_eval): for each gold g, NL = levenshtein(norm(g), norm(pred)) /
-    max(len(g), len(pred)) with norm = strip, lower-case, collapse spaces, and the lengths
-    of the *unnormalised* strings; s = 1 - min NL; s = 0 if s < threshold. Differs from
-    `eval.metrics.anls_score` only at NL = 0.5 exactly (kept here, 0 there) and in the
-    lengths used."""
+    max(len(g.upper()), len(pred.upper())) with norm = strip, lower-case, collapse spaces:
+    the lengths are those of the *unnormalised, upper-cased* strings, as lmms-eval writes
+    them, so a character that upper-cases to two ("ß" -> "SS") counts twice ("Großstrasse"
+    vs "Großstraße": distance 2 / 12 -> 0.8333); s = 1 - min NL; s = 0 if s < threshold.
+    Differs from `eval.metrics.anls_score` only at NL = 0.5 exactly (kept here, 0 there)
+    and in the lengths used."""
     golds = golds if isinstance(golds, list) else [golds]
     nls = []
     for g in golds:
         g = str(g)
         a, b = " ".join(g.strip().lower().split()), " ".join(pred.strip().lower().split())
-        n = max(len(g), len(pred))
+        n = max(len(g.upper()), len(pred.upper()))  # lmms-eval's lengths (upper case, unnormalised)
         nls.append(0.0 if n == 0 else levenshtein(a, b) / n)
     s = 1 - min(nls)
     return 0.0 if s < threshold else s

@@ -45,9 +45,10 @@ from tqdm import tqdm
 from common.backbone import base_identity
 from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP, Batcher  # noqa: F401  (mod.train.Batcher: the trainer's batches)
-from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
-                        read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
-                        token_ce, add_threads)
+from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
+                        number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
+                        step_tokens, token_ce, add_threads)
+from common.routing import rank_mean
 from mod.data import load_records
 from mod.params import MOELORA_MATCHED
 from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, compile_adapters,
@@ -101,10 +102,12 @@ def adapter_config(args):
 
 # ----------------------------------------------------------------------------- data
 
-def batch_indices(n, batch_size, seed, step, micro, rank):
-    """Record indices of one micro-batch: a generator seeded by (seed, step, micro, rank)."""
-    rng = random.Random(((seed * 1_000_003 + step) * 101 + micro) * 1009 + rank)
-    return [rng.randrange(n) for _ in range(batch_size)]
+def batch_indices(n, batch_size, seed, step, micro, rank=0, world=1):
+    """Record indices of one micro-batch of process `rank`: slice `rank` of the world * batch_size
+    indices drawn by a generator seeded by (seed, step, micro), so W processes of batch B train
+    on the batches one process of batch W * B draws (world 1: the draws of every earlier run)."""
+    rng = random.Random(((seed * 1_000_003 + step) * 101 + micro) * 1009)
+    return [rng.randrange(n) for _ in range(world * batch_size)][rank * batch_size:(rank + 1) * batch_size]
 
 
 def default_warmup(steps):
@@ -278,6 +281,7 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
         run = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None)
+        raw._adapter["ctx"].reduce = rank_mean  # the aux loss of the global batch, as one process computes it
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     batcher = batcher or Batcher(proc, records)
     batcher.proc = proc
@@ -287,38 +291,48 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     if rank == 0:  # a fresh log, or the resumed run's (lines after its checkpoint are dropped)
         _write_log(log_path, [r for r in log if logged(r["step"])])
     bar = tqdm(range(start, steps), desc=desc, disable=quiet or rank != 0, leave=False, initial=start, total=steps)
-    with sigterm_flag() as flag:
-        for step in bar:
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, steps, lr, warmup)
-            batches = []
-            for micro in range(grad_accum):
-                recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank)]
-                batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
-                check_labels(batch["labels"], step, recs)
-                batches.append(batch)
-            task_sum, aux_sum = accumulate(run, raw, batches, aux_coef, amp, world, loss_reduction)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
-            if not all(map(math.isfinite, (task_sum, aux_sum, gnorm))):
-                raise diverged(step, f"loss {task_sum}, aux {aux_sum}, gradient norm {gnorm}", ckpt, saved_at,
-                               save_every)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            rec = {"step": step, "loss": task_sum, "aux": aux_sum, "lr": opt.param_groups[0]["lr"],
-                   "s": round(time.time() - t0, 2)}
-            log.append(rec)
-            if rank == 0 and logged(step):
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
-            if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
-                save_ckpt(ckpt, raw, opt, step + 1, settings, log)
-                saved_at = step + 1
-            if flag["stop"] and step + 1 < steps:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
-                if rank == 0 and saved_at != step + 1:
+    try:
+        with sigterm_flag() as flag:
+            for step in bar:
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, steps, lr, warmup)
+                batches = []
+                for micro in range(grad_accum):
+                    recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank, world)]
+                    batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
+                    check_labels(batch["labels"], step, recs)
+                    batches.append(batch)
+                task_sum, aux_sum = accumulate(run, raw, batches, aux_coef, amp, world, loss_reduction)
+                if world > 1:  # the global batch's losses (what one process logs), and one stop decision for all
+                    mine = flag["stop"]  # read once: a signal arriving after the all-reduce counts next step
+                    m = step_means({"task": task_sum, "aux": aux_sum, "stop": 1.0 if mine else 0.0}, world)
+                    task_sum, aux_sum = m["task"], m["aux"]
+                    agreed = (mine or "a signal to another process") if m["stop"] else False
+                gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+                if not all(map(math.isfinite, (task_sum, aux_sum, gnorm))):
+                    raise diverged(step, f"loss {task_sum}, aux {aux_sum}, gradient norm {gnorm}", ckpt, saved_at,
+                                   save_every)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rec = {"step": step, "loss": task_sum, "aux": aux_sum, "lr": opt.param_groups[0]["lr"],
+                       "s": round(time.time() - t0, 2)}
+                log.append(rec)
+                if rank == 0 and logged(step):
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
+                if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
                     save_ckpt(ckpt, raw, opt, step + 1, settings, log)
-                raise Interrupted(f"interrupted at step {step + 1} of {steps} ({flag['stop']}); checkpoint {ckpt} written; "
-                                  f"continue with --resume", flag["signum"])
+                    saved_at = step + 1
+                stop = agreed if world > 1 else flag["stop"]
+                if stop and step + 1 < steps:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
+                    if rank == 0 and saved_at != step + 1:
+                        save_ckpt(ckpt, raw, opt, step + 1, settings, log)
+                    raise Interrupted(f"interrupted at step {step + 1} of {steps} ({stop}); checkpoint {ckpt} written; "
+                                      f"continue with --resume", flag["signum"])
+    finally:
+        run = None  # the DDP wrapper goes before the process group (common.cli.end_distributed)
+        raw._adapter["ctx"].reduce = None
     if rank == 0:
         save_ckpt(ckpt, raw, opt, steps, settings, log)
     raw.eval()
@@ -385,14 +399,18 @@ def train(args):
         shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.remove(f)
     if rank == 0:
         print(f"{cfg.method}: wrapped {len(names)} layers, {num_trainable(model):,} trainable parameters")
-    res = fit(model, proc, records, args.out, args.steps, args.batch_size, args.grad_accum, args.lr, args.warmup,
-              args.weight_decay, args.clip, args.seed, cfg.aux_coef, args.save_every, args.resume, args.compile,
-              rank=rank, world=world, batcher=batcher, loss_reduction=args.loss_reduction)
+    try:
+        res = fit(model, proc, records, args.out, args.steps, args.batch_size, args.grad_accum, args.lr, args.warmup,
+                  args.weight_decay, args.clip, args.seed, cfg.aux_coef, args.save_every, args.resume, args.compile,
+                  rank=rank, world=world, batcher=batcher, loss_reduction=args.loss_reduction)
+    except Interrupted:  # every rank stops after the same step (fit agrees on it), so all reach the barrier
+        end_distributed()
+        raise
     if rank == 0:
         save_adapters(model, args.out)
         print(f"done: loss {res['loss']:.4f} aux {res['aux']:.4f} ({res['wall_s']:.0f} s); adapters in {args.out}")
     if world > 1:
-        torch.distributed.destroy_process_group()
+        end_distributed()  # after fit dropped its DDP wrapper and rank 0 wrote the adapters
     return res
 
 
