@@ -149,15 +149,18 @@ def test_every_entry_point_names_both_bad_images_before_the_model(entry, argv, b
 
 
 def test_rolemerge_infer_on_a_truncated_image_is_an_error_not_a_traceback(bad_data, tmp_path):
-    """The reported case, end to end with the real tiny MoE: exit 2 and `error:`, before the
-    model loads (nothing at --out, no .partial)."""
+    """The reported case, end to end with the real tiny MoE and only the truncated JPEG bad
+    (it used to end in a traceback, exit 1, after the model had loaded): exit 2 and `error:`,
+    before the model loads (nothing at --out, no .partial)."""
     import subprocess
     import sys
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    recs = [r for r in json.loads((bad_data / "bad.json").read_text()) if r["id"] != "zero"]
+    (bad_data / "trunc.json").write_text(json.dumps(recs))
     out = tmp_path / "r.json"
     r = subprocess.run([sys.executable, "-m", "rolemerge.infer", "--model", "tiny-moe", "--data",
-                        str(bad_data / "bad.json"), "--out", str(out), "--threads", "1"], cwd=repo,
+                        str(bad_data / "trunc.json"), "--out", str(out), "--threads", "1"], cwd=repo,
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
-    assert "record trunc" in r.stderr and "record zero" in r.stderr
+    assert "1 of 7 record(s)" in r.stderr and "record trunc: cannot read image" in r.stderr
     assert not out.exists() and not os.path.exists(f"{out}.partial")

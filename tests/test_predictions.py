@@ -208,3 +208,36 @@ def test_mole_infer_resumes_to_the_uninterrupted_predictions(shapes, tmp_path):
     got, kept = _interrupt_and_resume("mole.infer", argv, str(tmp_path / "r.json"), main, tmp_path)
     assert 1 <= kept < 6
     assert got == ref                                            # no clock in mole.infer's output: every byte
+
+
+def test_sampled_rounds_resume_the_random_stream(shapes, tmp_path, monkeypatch):
+    """mod.infer.run_rounds with two sampled calls at temperature 5 (draws far from greedy):
+    a run stopped after 3 batches and resumed gives the uninterrupted run's texts. Without
+    restoring the random state kept with the last finished batch the resumed draws differ."""
+    import torch
+    from common import backbone as bb
+    from common.data import read_records
+    from mod import infer
+    model, proc = bb.load_backbone("tiny-chat")
+    recs = read_records(str(shapes / "test.json"))[:4]
+    fns = [lambda r, h: r["question"], lambda r, h: r["question"] + " " + h[0]]
+    kw = [{"do_sample": True, "temperature": 5.0}] * 2
+
+    def rounds(out, resume=False):
+        torch.manual_seed(0)
+        with PredictionLog(str(out), fingerprint(recs), resume) as log:
+            return infer.run_rounds(model, proc, recs, fns, batch_size=2, max_new_tokens=4, sample_kw=kw, log=log)
+    ref = rounds(tmp_path / "a.json")
+    real, n = infer._generate, [0]
+
+    def failing(*a, **k):
+        n[0] += 1
+        if n[0] == 4:
+            raise RuntimeError("stopped")
+        return real(*a, **k)
+    monkeypatch.setattr(infer, "_generate", failing)
+    with pytest.raises(RuntimeError):
+        rounds(tmp_path / "b.json")
+    monkeypatch.setattr(infer, "_generate", real)
+    assert open(tmp_path / "b.json.partial").read().count("\n") == 4       # header + 3 batches
+    assert rounds(tmp_path / "b.json", resume=True) == ref
