@@ -84,18 +84,19 @@ def test_the_check_decodes_each_file_once_with_bounded_memory(tmp_path, monkeypa
     (tmp_path / "d.json").write_text(json.dumps([{"id": f"r{i}", "image": f"{i % 3}.png", "conversations": CONV}
                                                  for i in range(30)]))
     calls, alive = [], []
-    real = data.load_image
+    real = data._open_image
 
     def spy(path, rid="?"):
         im = real(path, rid)
         calls.append(path)
         alive.append(im)
         return im
-    monkeypatch.setattr(data, "load_image", spy)
+    monkeypatch.setattr(data, "_open_image", spy)
     recs = data.read_records(str(tmp_path / "d.json"))
     assert len(recs) == 30 and sorted(calls) == sorted(str(tmp_path / f"{k}.png") for k in range(3))
-    with pytest.raises(ValueError):                        # closed: Pillow refuses to read a closed image
-        alive[0].getpixel((0, 0))
+    for im in alive:                                       # closed: Pillow refuses to read a closed image
+        with pytest.raises(ValueError):
+            im.getpixel((0, 0))
 
 
 # (entry point, argv): the model never exists, so an error about it would mean the data check came after
