@@ -113,16 +113,22 @@ class PredictionLog:
                            f"it (the same flags), or delete that file to start over")
         if exists:
             self._read(check=True)
-            self._file = open(self.path, "a", encoding="utf-8")
-        else:  # the header appears whole or not at all
-            atomic_write_text(self.path, json.dumps({"format": FORMAT, "fingerprint": fp}, ensure_ascii=False) + "\n")
-            self._file = open(self.path, "a", encoding="utf-8")
+        # a fresh run creates the file with its first finished batch: a run that fails before
+        # (a wrong --model, a bad flag) leaves nothing that a rerun would have to --resume
 
     # ------------------------------------------------------------------ the file
     def _write(self, obj):
         self._file.write(json.dumps(obj, ensure_ascii=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+
+    def _open(self):
+        """The file, opened for appending; created (its header written atomically) if new."""
+        if self._file is None:
+            if not os.path.exists(self.path):
+                atomic_write_text(self.path, json.dumps({"format": FORMAT, "fingerprint": self.fp},
+                                                        ensure_ascii=False) + "\n")
+            self._file = open(self.path, "a", encoding="utf-8")
 
     def _read(self, check):
         """Load the finished batches; check: compare the fingerprint, drop a torn last line.
@@ -210,7 +216,8 @@ class PredictionLog:
                 row = {"phase": phase, "batch": i, "seconds": time.perf_counter() - t, "results": res}
                 if state is not None:
                     row["state"] = state()
-                if self._file is not None:
+                if self.path is not None:
+                    self._open()
                     self._write(row)
                 got.append(row)
                 bar.update(1)

@@ -60,6 +60,10 @@ def test_refusals_before_anything_runs(tmp_path):
     fp = fingerprint(RECS, batch_size=2, max_new_tokens=8)
     with pytest.raises(RunError, match="--resume needs --out"):
         PredictionLog(None, fp, resume=True)
+    with pytest.raises(RuntimeError):                 # a run that fails before its first batch (a wrong --model)
+        with PredictionLog(out, fp):
+            raise RuntimeError
+    assert not os.path.exists(out + ".partial")       # leaves nothing a rerun would have to --resume
     with pytest.raises(RunError, match=r"no interrupted run to continue .*r.json.partial does not exist; no run"):
         PredictionLog(out, fp, resume=True)
     with PredictionLog(out, fp) as log:
