@@ -26,7 +26,7 @@ import signal
 import time
 from contextlib import nullcontext
 
-from common.cli import Interrupted, RunError, settings_diff, sigterm_flag
+from common.cli import Interrupted, RunError, sigterm_flag
 from common.data import atomic_write_text
 
 FORMAT = "predictions-partial/1"
@@ -152,7 +152,7 @@ class PredictionLog:
                            f"another --out")
         batches = rows[1:]
         if check:
-            diff = settings_diff(rows[0]["fingerprint"], self.fp)
+            diff = _strict_diff(rows[0]["fingerprint"], self.fp)
             gone = sorted(set(rows[0]["fingerprint"]) ^ set(self.fp))
             if diff or gone:
                 what = "; ".join(diff + [f"{k}: only in one of them" for k in gone])
@@ -242,6 +242,22 @@ class PredictionLog:
             self._file = None
         if self.path and os.path.exists(self.path):
             os.remove(self.path)
+
+
+def _strict_diff(saved, now):
+    """['key: saved X, now Y'] for the keys both define whose values differ; for a dict value
+    (a `model_digest`) only its differing entries are named (a file added or removed counts)."""
+    out = []
+    for k in sorted(saved.keys() & now.keys()):
+        a, b = saved[k], now[k]
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            files = sorted(f for f in a.keys() | b.keys() if a.get(f) != b.get(f))
+            out.append(f"{k}: {', '.join(files)} differ")
+        else:
+            out.append(f"{k}: saved {a!r}, now {b!r}")
+    return out
 
 
 class _Scope:

@@ -98,6 +98,18 @@ def test_a_signal_stops_after_the_batch_it_arrives_in(tmp_path):
         assert log.run("generate", 5, fn) == [0, 1, 2, 3, 4] and calls == [0, 1, 2, 3, 4]
 
 
+def test_resume_on_other_weights_is_refused(tmp_path):
+    """The same checkpoint path with a retrained shard, or with a file added, is another model."""
+    out = str(tmp_path / "r.json")
+    m = {"model.safetensors": "aaa", "config.json": "ccc"}
+    with PredictionLog(out, fingerprint(RECS, model=m)) as log:
+        log.run("generate", 1, _batches([]))
+    for other, what in (({**m, "model.safetensors": "bbb"}, "model: model.safetensors differ"),
+                        ({**m, "model-2.safetensors": "ddd"}, "model: model-2.safetensors differ")):
+        with pytest.raises(RunError, match=rf"other settings \({what}\)"):
+            PredictionLog(out, fingerprint(RECS, model=other), resume=True)
+
+
 def test_model_digest_tells_retrained_weights_apart(tmp_path):
     src = os.path.join(REPO, "common", "tiny", "dense")
     a = tmp_path / "a"

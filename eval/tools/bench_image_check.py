@@ -11,7 +11,6 @@ the old check), (b) full decoding on one thread, (c) full decoding on the defaul
 (median over rounds) and the wall ratios to (a); on a machine shared with other jobs the CPU
 time is the better estimate of what an idle machine takes.
 """
-import argparse
 import json
 import os
 import statistics
