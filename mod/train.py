@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from common.backbone import base_identity
 from common.checkpoint import save_train_state
-from common.data import IMAGE_ROOT_HELP, Batcher  # noqa: F401  (mod.train.Batcher: the trainer's batches)
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher  # noqa: F401  (mod.train.Batcher: the trainer's batches)
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
                         step_tokens, token_ce, add_threads)
@@ -348,6 +348,7 @@ def main(argv=None):
     p.add_argument("--data", required=True,
                    help="training records: LLaVA JSON/JSONL (e.g. from mod.data) or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
+    p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     p.add_argument("--out", required=True, help="output dir: adapter files, ckpt/, log.jsonl")
     add_adapter_args(p)
     p.add_argument("--steps", type=number(min=1), default=300, help="optimizer steps")
@@ -382,7 +383,7 @@ def train(args):
     set_threads(args.threads, args.model)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     stale = prepare_out(args.out, args.resume, args.overwrite) if rank == 0 else []
-    records = load_records(args.data, args.image_root)  # before the model loads: bad data fails in seconds
+    records = load_records(args.data, args.image_root, skip_bad=args.skip_bad)  # before the model loads: bad data fails in seconds
     batcher = Batcher(None, records)  # decodes every image now: a truncated one fails here too
     device = torch.device(args.device)
     if world > 1:

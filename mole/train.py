@@ -50,7 +50,7 @@ from mole.checkpoint import (PlaceholderProcessor, build, copy_tensors, load_mol
 from mole.model import MoLE, MoLEConfig, record_images
 
 # flags that do not change what a run computes: everything else must match on --resume
-NOT_SETTINGS = ("model", "base", "data", "image_root", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
+NOT_SETTINGS = ("model", "base", "data", "image_root", "skip_bad", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
                 "save_every", "max_steps", "threads")
 
 
@@ -66,6 +66,7 @@ def get_parser():
                    help="directory with <split>.json / <split>.jsonl (LLaVA format) + images, or one such file "
                         "(canonical JSONL too)")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
+    p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
     p.add_argument("--split", default="train", help="which <split>.json(l) of a --data directory to train on")
     p.add_argument("--n-train", type=number(min=0), default=0, help="use only the first n training records (0 = all)")
     p.add_argument("--out", default="out/mole/mole", help="checkpoint directory (written atomically)")
@@ -351,7 +352,7 @@ def train(a):
                        "mole.train ... --fsdp` (N = 1 works too)")
     doomed = prepare_out(a.out, a.resume, a.overwrite) if rank == 0 else []
     path = data_file(a)
-    recs = data.read_records(path, a.image_root)
+    recs = data.read_records(path, a.image_root, a.skip_bad)
     recs = recs[: a.n_train] if a.n_train else recs
     if a.method == "sft" and any(len(record_images(r)) > 1 for r in recs):
         raise RunError(f"{path}: --method sft takes one image per record; records with several images "

@@ -624,6 +624,7 @@ def main(argv=None):
     p.add_argument("--data", nargs="+", required=True,
                    help="calibration files (LLaVA JSON/JSONL or canonical JSONL); each file is one source (task)")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
+    p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
     p.add_argument("--out", required=True, help="stats file to write (.safetensors; a .json summary goes next to it)")
     add_limit(p, default=128, what="examples of each source file", dest="n", old_n=True)
     add_threads(p)
@@ -672,7 +673,7 @@ def main(argv=None):
                 name = os.path.splitext(os.path.normpath(path))[0].replace(os.sep, "/")
             if name in sources:  # val.json and val.jsonl side by side
                 raise CalibrationError(f"{path}: another --data file has the same source name {name!r}; rename one")
-            sources[name] = data.read_records(path, a.image_root)[:a.n or None]  # DataError for a file without records
+            sources[name] = data.read_records(path, a.image_root, a.skip_bad)[:a.n or None]  # DataError for a file without records
             data.check_support(sources[name], "rolemerge.calibrate", text_only=True)
         set_threads(a.threads, a.model)
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
