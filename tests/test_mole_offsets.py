@@ -89,7 +89,7 @@ def test_balance_loss_counts_visual_tokens_only():
         mole.routers[0].weight[0, 0] = mole.routers[0].weight[1, 1] = 1.0
     h = torch.zeros(1, 3, d)
     h[0, 0, 0], h[0, 1, 1], h[0, 2, 0] = math.log(3), math.log(3), math.log(9)
-    st = types.SimpleNamespace(is_vis=torch.tensor([[True, True, False]]), route={}, balance=[], z=[])
+    st = types.SimpleNamespace(is_vis=torch.tensor([[True, True, False]]), route={}, balance=[], z=[], reduce=None)
     mole.route(0, h, st)
     assert st.balance[0].item() == pytest.approx(1.0, abs=1e-6)
     assert st.balance[0].item() != pytest.approx(98 / 90, abs=1e-3)   # the value without the mask
