@@ -112,9 +112,10 @@ def test_rolemerge_section(world):
     tcs = [conv(r, "textvqa", "--limit", "2"), conv(r, "chartqa", "--limit", "2"),
            conv(r, "scienceqa", "--require-image", "--limit", "2")]
     calibrate.main(["--model", "tiny-moe", "--data", *tcs, "--limit", "2", "--max-new-tokens", "4",
-                    "--out", str(r / "stats.safetensors"), "--dtype", "float32", "--threads", "1"])
-    merge.main(["--model", "tiny-moe", "--stats", str(r / "stats.safetensors"), "--rho", "0.5",
-                "--out", str(r / "merged"), "--streaming", "--threads", "1"])
+                    "--out", str(r / "stats.safetensors"), "--dtype", "float32", "--threads", "1", "--features"])
+    for m in ("rolemerge", "hcsmoe", "submoe"):   # step 3's loop, one ratio, three of its methods
+        merge.main(["--model", "tiny-moe", "--stats", str(r / "stats.safetensors"), "--rho", "0.5", "--method", m,
+                    "--router", "average", "--out", str(r / ("merged" if m == "rolemerge" else m)), "--threads", "1"])
     benches = {"infovqa": conv(r, "infovqa", "--limit", "2"), "mmmu": conv(r, "mmmu", "--multi-image", "concat"),
                "ocrbench": conv(r, "ocrbench")}
     for m in ("tiny-moe", str(r / "merged")):
