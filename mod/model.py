@@ -114,10 +114,27 @@ class RoutingContext:
     mask: [B, T] bool of the current tokens (None = no padding); continuing: True when the
     call extends a KV-cached sequence (use the per-layer token caches); aux: per-layer
     load-balance losses of this forward (training only); record: if True, layers append
-    (name, idx_A [B,T,r], idx_B [B,T,r], mask) to `trace` for diagnostics."""
+    (name, idx_A [B,T,r], idx_B [B,T,r], mask) to `trace` for diagnostics.
+
+    The decoding bookkeeping that depends only on the mask and the number of real tokens seen
+    (window weights, ring shift, counts) is the same for every layer, so it is computed once
+    per forward by the first layer that needs it (`shared`) and reused by the others."""
 
     def __init__(self):
         self.mask, self.continuing, self.aux, self.record, self.trace = None, False, [], False, []
+        self._memo = {}
+
+    @torch.compiler.disable
+    def shared(self, kind, tensors, extra, make):
+        """make() once for the same `tensors` (by identity, kept alive here) and `extra`: one
+        entry per `kind`. Layers that advance in lock step hold the same count tensors, so the
+        first layer of a forward computes and the others hit."""
+        hit = self._memo.get(kind)
+        if hit is not None and hit[1] == extra and all(a is b for a, b in zip(hit[0], tensors)):
+            return hit[2]
+        val = make()
+        self._memo[kind] = (tensors, extra, val)
+        return val
 
 
 def _model_pre_hook(ctx):
@@ -137,50 +154,107 @@ def _model_pre_hook(ctx):
     return hook
 
 
+def _decode_plan(n_seen, mask, W, granularity, C):
+    """What one cached decoding step (one new token per row) does to a ring of the last W real
+    tokens' logits, the same for every layer: (wv [B, 1, W+1] fp32 averaging weights over
+    cat(ring, new), gidx [B, W, C] long: the next ring as a gather from cat(ring, new), n_after [B]).
+    A real token enters the ring (the oldest leaves) and is averaged with the last n-1 real ones
+    (window: n = min(n_seen + 1, W); region: its position inside its block of W, + 1); a pad
+    token leaves the ring unchanged and gets the mean the full forward gives a pad (the window /
+    block of the previous real token, zero weights before the first one)."""
+    B, dev = n_seen.shape[0], n_seen.device
+    m = torch.ones(B, dtype=torch.bool, device=dev) if mask is None else mask[:, -1].to(dev).bool()
+    if granularity == "region":
+        n_real = n_seen % W + 1
+        n_pad = torch.where(n_seen > 0, (n_seen - 1) % W + 1, torch.zeros_like(n_seen))
+    else:
+        n_real, n_pad = (n_seen + 1).clamp(max=W), n_seen.clamp(max=W)
+    n = torch.where(m, n_real, n_pad)
+    hi = torch.where(m, W + 1, W)                            # exclusive end: the new token counts if real
+    pos = torch.arange(W + 1, device=dev)
+    inside = (pos >= (hi - n)[:, None]) & (pos < hi[:, None])
+    wv = (inside.float() / n.clamp(min=1)[:, None].float())[:, None, :]
+    gidx = (torch.arange(W, device=dev)[None] + m.long()[:, None])[..., None].expand(B, W, C)
+    return wv, gidx, n_seen + m.long()
+
+
 class RoutingWindow(nn.Module):
-    """Momentum switching (eq. 1) applied to per-token router logits, with the W-1 token
-    cache for cached decoding. By linearity window_mean(x) @ W_g.T == window_mean(x @ W_g.T).
-    Holds no parameters."""
+    """Momentum switching (eq. 1) applied to per-token router logits, with the routing cache
+    for cached decoding. By linearity window_mean(x) @ W_g.T == window_mean(x @ W_g.T).
+    Holds no parameters.
+
+    Cache: (ring [B, W, C] fp32: logits of each row's last W real tokens, oldest first, zeros
+    where a row has seen fewer; n_seen [B] long: real tokens so far). A one-token decoding
+    step (`step`) costs O(W C) whatever the context: one concat, one [1, W+1] x [W+1, C]
+    weighted sum, one gather for the next ring; the sum is recomputed from the ring each
+    step (no running sum, so no drift). Shapes are static across steps."""
 
     def __init__(self, cfg, ctx):
         super().__init__()
         self.W, self.granularity, self.ctx = cfg.route_window, cfg.granularity, ctx
-        self.cache = None  # (buf [B, W-1, C], buf_mask [B, W-1], n_seen [B] real tokens so far) or None
+        self.cache = None
+
+    def ready(self):
+        """True when the next call may use `step` (a continuing call with a filled cache)."""
+        return self.ctx.continuing and self.cache is not None
 
     def forward(self, x):
         """x: [B, T, C] per-token values (router logits) -> their window / region mean [B, T, C]."""
         if self.W == 1:
             return x
         B, T, _ = x.shape
-        mask = self.ctx.mask if self.ctx.mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
-        if self.ctx.continuing and self.cache is not None:
-            buf, buf_mask, n_seen = self.cache
-            if buf.shape[0] != B:
-                raise RuntimeError(f"routing cache holds {buf.shape[0]} rows but the batch has {B} "
+        ctx = self.ctx
+        mask = ctx.mask if ctx.mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        if ctx.continuing and self.cache is not None:
+            ring, n_seen = self.cache
+            if ring.shape[0] != B:
+                raise RuntimeError(f"routing cache holds {ring.shape[0]} rows but the batch has {B} "
                                    f"(beam search / batch reordering is not supported)")
-            xc, mc = torch.cat([buf.to(x.dtype), x], 1), torch.cat([buf_mask, mask], 1)
-            offset = n_seen - buf_mask.sum(1)
+            if T == 1:
+                return self.step(x)
+            n_valid = n_seen.clamp(max=self.W)                    # the ring's last n_valid entries are real
+            valid = torch.arange(self.W, device=x.device)[None] >= (self.W - n_valid)[:, None]
+            xc, mc = torch.cat([ring.to(x.dtype), x], 1), torch.cat([valid, mask], 1)
+            offset = n_seen - n_valid
         else:
             xc, mc = x, mask
-            n_seen = torch.zeros(B, dtype=torch.long, device=x.device)
-            offset = n_seen
+            n_seen = None
+            offset = torch.zeros(B, dtype=torch.long, device=x.device)
         if self.granularity == "region":
             xr = region_mean(xc, self.W, mc, offset=offset)[:, -T:]
         else:
             xr = window_mean(xc, self.W, mc)[:, -T:]
-        self._update_cache(xc.detach(), mc, n_seen + mask.sum(1))
+        m = ctx.mask
+        n_after = ctx.shared("count", (n_seen, m), (B, T, str(x.device)),
+                             lambda: (0 if n_seen is None else n_seen) + mask.sum(1))
+        self._update_cache(xc.detach(), mc, n_after)
         return xr
 
+    def step(self, x):
+        """One cached decoding step: x [B, 1, C] logits of the new token -> window / region mean
+        [B, 1, C] (equal to the full forward's, tested); updates the ring."""
+        ring, n_seen = self.cache
+        C = x.shape[-1]
+        wv, gidx, n_after = self.ctx.shared("plan", (n_seen, self.ctx.mask), (self.W, self.granularity, C),
+                                            lambda: _decode_plan(n_seen, self.ctx.mask, self.W, self.granularity, C))
+        xc = torch.cat([ring, x.float()], 1)                                  # [B, W+1, C]
+        out = torch.bmm(wv, xc)                                               # [B, 1, C]
+        nxt = xc.gather(1, gidx)
+        self.cache = (nxt.detach() if nxt.requires_grad else nxt, n_after)
+        return out.to(x.dtype)
+
     def _update_cache(self, xc, mc, n_seen):
-        # keep the last W-1 real positions (pads sort first, order preserved): no host sync
-        L = xc.shape[1]
+        # keep the last W real positions (pads sort first, order preserved): no host sync
+        B, L, C = xc.shape
+        if L < self.W:                                   # fixed ring size: zeros in front
+            xc = torch.cat([xc.new_zeros(B, self.W - L, C), xc], 1)
+            mc = torch.cat([mc.new_zeros(B, self.W - L), mc], 1)
+            L = self.W
         key = torch.where(mc, torch.arange(L, device=xc.device).expand_as(mc), torch.full_like(mc, -1, dtype=torch.long))
-        keep = min(self.W - 1, L)
-        pos = key.sort(dim=1).values[:, -keep:]  # real positions are distinct, pads (-1) first
+        pos = key.sort(dim=1).values[:, -self.W:]  # real positions are distinct, pads (-1) first
         valid = pos >= 0
-        pos = pos.clamp(min=0)
-        buf = xc.gather(1, pos[..., None].expand(-1, -1, xc.shape[-1]))
-        self.cache = (buf, valid, n_seen)
+        ring = xc.gather(1, pos.clamp(min=0)[..., None].expand(-1, -1, C)) * valid[..., None]
+        self.cache = (ring.float(), n_seen)
 
 
 class MoDLinear(nn.Module):
@@ -255,6 +329,8 @@ class MoDLinear(nn.Module):
         cfg = self.cfg
         if cfg.method == "lora":
             return self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
+        if x.shape[1] == 1 and not self.training and (self.window.W == 1 or self.window.ready()):
+            return self._decode(x)
         logits = self.router_logits(x)
         if cfg.method == "moelora":
             probs, idx, gates = self._route(logits)
@@ -276,6 +352,64 @@ class MoDLinear(nn.Module):
         w = torch.zeros_like(z).scatter_add(-1, ib, coef)  # [B,T,E] weight of each B expert
         self._bookkeeping(pa, ia, pb, ib)
         return self.scaling * (w @ self.B)  # eq. 6
+
+    @torch.compiler.disable   # reads parameter version counters
+    def _decode_weights(self):
+        """(F, Bs) for `_decode`: F [P*E + E*k, in] = the router weight(s) stacked on the expert
+        down-projections (A for mod, lora_A for moelora), Bs = scaling * B ([E, out] mod) or
+        scaling * lora_B ([out, E*k] moelora), fp32. Cached while no parameter changed (their
+        version counters and storage) and autograd is off; rebuilt per call otherwise."""
+        if self.cfg.method == "mod":
+            ps = (self.router_A,) + (() if self.router_B is None else (self.router_B,)) + (self.A, self.B)
+        else:
+            ps = (self.router, self.lora_A, self.lora_B)
+        key = tuple((p._version, p.data_ptr(), p.device) for p in ps) + (self.scaling,)
+        hit = getattr(self, "_fused", None)
+        if hit is not None and hit[0] == key and not torch.is_grad_enabled():
+            return hit[1], hit[2]
+        F = torch.cat([p.float() for p in ps[:-1]])
+        Bs = self.scaling * ps[-1].float()
+        if not torch.is_grad_enabled():
+            self._fused = (key, F, Bs)
+        return F, Bs
+
+    def _decode(self, x):
+        """One cached decoding step (x [B, 1, in] fp32, eval mode): the same eq. 1-6 as the full
+        path with fewer, fixed-shape operations: one matmul gives the router logits of both pools
+        and the expert projections z; the routing window is updated from its ring (O(W) per
+        token); top-r of both pools in one topk; eq. 4's renormalised gates as the softmax of the
+        top-r logits (probs[I] / sum probs[I] = softmax over the kept logits); the r selected B
+        rows mixed by one batched matmul. Returns [B, 1, out] fp32 (tested equal to the full
+        forward during `generate`, ring wrap-around and left padding included)."""
+        cfg, ctx = self.cfg, self.ctx
+        E = cfg.num_experts
+        F, Bs = self._decode_weights()
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                y = torch.nn.functional.linear(x, F)
+        else:
+            y = torch.nn.functional.linear(x, F)                       # [B, 1, P*E + E*k]
+        P = 1 if cfg.method == "moelora" or self.router_B is None else 2
+        logits = self.window(y[..., :P * E])
+        z = y[..., P * E:]
+        vals, idx = logits.unflatten(-1, (P, E)).topk(cfg.r, dim=-1)  # [B, 1, P, r], ranked
+        g = vals.softmax(-1)                                            # eq. 4
+        ia, ib = idx[..., 0, :], idx[..., P - 1, :]
+        if ctx.record:
+            self._bookkeeping(None, ia, None, ib)
+        if cfg.method == "moelora":
+            w = torch.zeros_like(logits).scatter_(-1, ia, g[..., 0, :])  # [B, 1, E]
+            zz = z.unflatten(-1, (E, cfg.expert_rank)) * w[..., None]
+            return zz.flatten(-2) @ Bs.T
+        ga, gb = g[..., 0, :], g[..., P - 1, :]
+        if cfg.combine == "sqrt_product":
+            gg = (ga * gb).clamp_min(1e-30).sqrt()                      # eq. 5
+        elif cfg.combine == "product":
+            gg = ga * gb
+        else:
+            gg = 0.5 * (ga + gb)
+        coef = z.gather(-1, ia) * gg                                    # [B, 1, r]
+        return torch.matmul(coef.unsqueeze(-2), torch.nn.functional.embedding(ib, Bs)).squeeze(-2)  # eq. 6
 
     @torch.compiler.disable   # appends to the shared ctx lists: compiled, it would guard on their lengths and
     def _bookkeeping(self, pa, ia, pb, ib):   # recompile per layer (compile_adapters compiles the rest)
