@@ -155,13 +155,15 @@ def _model_pre_hook(ctx):
 
 
 def _decode_plan(n_seen, mask, W, granularity, C):
-    """What one cached decoding step (one new token per row) does to a ring of the last W real
-    tokens' logits, the same for every layer: (wv [B, 1, W+1] fp32 averaging weights over
-    cat(ring, new), gidx [B, W, C] long: the next ring as a gather from cat(ring, new), n_after [B]).
-    A real token enters the ring (the oldest leaves) and is averaged with the last n-1 real ones
-    (window: n = min(n_seen + 1, W); region: its position inside its block of W, + 1); a pad
-    token leaves the ring unchanged and gets the mean the full forward gives a pad (the window /
-    block of the previous real token, zero weights before the first one)."""
+    """What one cached decoding step (one new token per row) does to the ring, the same for
+    every layer: (sidx [B, 1, C] long: the ring slot the new logits are written to, wv [B, 1, W+1]
+    fp32: averaging weights over the ring's slots after the write, n_after [B]).
+
+    Ring slot j % W holds the logits of real token number j (0-based, padding not counted); slot
+    W is a dump slot that pads write to (never averaged). A real token is averaged with the
+    previous n-1 real ones (window: n = min(n_seen + 1, W); region: its position in its block of
+    W, + 1); a pad gets the mean the full forward gives a pad (the window / block of the previous
+    real token; zero weights before the first one)."""
     B, dev = n_seen.shape[0], n_seen.device
     m = torch.ones(B, dtype=torch.bool, device=dev) if mask is None else mask[:, -1].to(dev).bool()
     if granularity == "region":
@@ -170,12 +172,12 @@ def _decode_plan(n_seen, mask, W, granularity, C):
     else:
         n_real, n_pad = (n_seen + 1).clamp(max=W), n_seen.clamp(max=W)
     n = torch.where(m, n_real, n_pad)
-    hi = torch.where(m, W + 1, W)                            # exclusive end: the new token counts if real
-    pos = torch.arange(W + 1, device=dev)
-    inside = (pos >= (hi - n)[:, None]) & (pos < hi[:, None])
-    wv = (inside.float() / n.clamp(min=1)[:, None].float())[:, None, :]
-    gidx = (torch.arange(W, device=dev)[None] + m.long()[:, None])[..., None].expand(B, W, C)
-    return wv, gidx, n_seen + m.long()
+    last = torch.where(m, n_seen, n_seen - 1)                    # number of the newest averaged token
+    age = (last[:, None] - torch.arange(W, device=dev)[None]) % W   # slot s holds token last - age[s]
+    wv = torch.zeros(B, W + 1, device=dev)
+    wv[:, :W] = (age < n[:, None]).float() / n.clamp(min=1)[:, None].float()
+    slot = torch.where(m, n_seen % W, torch.full_like(n_seen, W))
+    return slot[:, None, None].expand(B, 1, C), wv[:, None, :], n_seen + m.long()
 
 
 class RoutingWindow(nn.Module):
@@ -183,11 +185,12 @@ class RoutingWindow(nn.Module):
     for cached decoding. By linearity window_mean(x) @ W_g.T == window_mean(x @ W_g.T).
     Holds no parameters.
 
-    Cache: (ring [B, W, C] fp32: logits of each row's last W real tokens, oldest first, zeros
-    where a row has seen fewer; n_seen [B] long: real tokens so far). A one-token decoding
-    step (`step`) costs O(W C) whatever the context: one concat, one [1, W+1] x [W+1, C]
-    weighted sum, one gather for the next ring; the sum is recomputed from the ring each
-    step (no running sum, so no drift). Shapes are static across steps."""
+    Cache: (ring [B, W+1, C] fp32, n_seen [B] long: real tokens so far). Slot j % W holds the
+    logits of real token number j for each row's last W real tokens (zeros where a row has seen
+    fewer); slot W is where a pad's logits go. A one-token decoding step (`step`) costs O(W C)
+    whatever the context: one in-place scatter into the ring and one [1, W+1] x [W+1, C]
+    weighted sum, recomputed from the ring each step (no running sum: no drift); the ring keeps
+    its shape and storage across steps."""
 
     def __init__(self, cfg, ctx):
         super().__init__()
@@ -212,9 +215,12 @@ class RoutingWindow(nn.Module):
                                    f"(beam search / batch reordering is not supported)")
             if T == 1:
                 return self.step(x)
-            n_valid = n_seen.clamp(max=self.W)                    # the ring's last n_valid entries are real
-            valid = torch.arange(self.W, device=x.device)[None] >= (self.W - n_valid)[:, None]
-            xc, mc = torch.cat([ring.to(x.dtype), x], 1), torch.cat([valid, mask], 1)
+            W = self.W
+            i = torch.arange(W, device=x.device)[None]
+            n_valid = n_seen.clamp(max=W)                               # oldest first: tokens n_seen - W + i
+            buf = ring.gather(1, ((n_seen[:, None] - W + i) % W)[..., None].expand(B, W, ring.shape[-1]))
+            valid = i >= (W - n_valid)[:, None]
+            xc, mc = torch.cat([buf.to(x.dtype), x], 1), torch.cat([valid, mask], 1)
             offset = n_seen - n_valid
         else:
             xc, mc = x, mask
@@ -224,37 +230,43 @@ class RoutingWindow(nn.Module):
             xr = region_mean(xc, self.W, mc, offset=offset)[:, -T:]
         else:
             xr = window_mean(xc, self.W, mc)[:, -T:]
-        m = ctx.mask
-        n_after = ctx.shared("count", (n_seen, m), (B, T, str(x.device)),
+        n_after = ctx.shared("count", (n_seen, ctx.mask), (B, T, str(x.device)),
                              lambda: (0 if n_seen is None else n_seen) + mask.sum(1))
         self._update_cache(xc.detach(), mc, n_after)
         return xr
 
     def step(self, x):
-        """One cached decoding step: x [B, 1, C] logits of the new token -> window / region mean
-        [B, 1, C] (equal to the full forward's, tested); updates the ring."""
+        """One cached decoding step: x [B, 1, C] fp32 logits of the new token -> window / region
+        mean [B, 1, C] (equal to the full forward's, tested); writes x into the ring in place."""
         ring, n_seen = self.cache
         C = x.shape[-1]
-        wv, gidx, n_after = self.ctx.shared("plan", (n_seen, self.ctx.mask), (self.W, self.granularity, C),
+        sidx, wv, n_after = self.ctx.shared("plan", (n_seen, self.ctx.mask), (self.W, self.granularity, C),
                                             lambda: _decode_plan(n_seen, self.ctx.mask, self.W, self.granularity, C))
-        xc = torch.cat([ring, x.float()], 1)                                  # [B, W+1, C]
-        out = torch.bmm(wv, xc)                                               # [B, 1, C]
-        nxt = xc.gather(1, gidx)
-        self.cache = (nxt.detach() if nxt.requires_grad else nxt, n_after)
-        return out.to(x.dtype)
+        if x.requires_grad:                                 # autograd on: out of place, the ring stays detached
+            ring = ring.scatter(1, sidx, x)
+            self.cache = (ring.detach(), n_after)
+        else:
+            ring.scatter_(1, sidx, x)
+            self.cache = (ring, n_after)
+        return torch.bmm(wv, ring)
 
     def _update_cache(self, xc, mc, n_seen):
-        # keep the last W real positions (pads sort first, order preserved): no host sync
+        # the last W real positions, oldest first (pads sort first, order preserved): no host sync
         B, L, C = xc.shape
-        if L < self.W:                                   # fixed ring size: zeros in front
-            xc = torch.cat([xc.new_zeros(B, self.W - L, C), xc], 1)
-            mc = torch.cat([mc.new_zeros(B, self.W - L), mc], 1)
-            L = self.W
+        W = self.W
+        if L < W:                                        # fixed ring size: zeros in front
+            xc = torch.cat([xc.new_zeros(B, W - L, C), xc], 1)
+            mc = torch.cat([mc.new_zeros(B, W - L), mc], 1)
+            L = W
         key = torch.where(mc, torch.arange(L, device=xc.device).expand_as(mc), torch.full_like(mc, -1, dtype=torch.long))
-        pos = key.sort(dim=1).values[:, -self.W:]  # real positions are distinct, pads (-1) first
+        pos = key.sort(dim=1).values[:, -W:]  # real positions are distinct, pads (-1) first
         valid = pos >= 0
-        ring = xc.gather(1, pos.clamp(min=0)[..., None].expand(-1, -1, C)) * valid[..., None]
-        self.cache = (ring.float(), n_seen)
+        buf = xc.float().gather(1, pos.clamp(min=0)[..., None].expand(-1, -1, C)) * valid[..., None]
+        # entry i is real token number n_seen - W + i, which lives in slot (n_seen - W + i) % W
+        entry = (torch.arange(W, device=xc.device)[None] - n_seen[:, None]) % W      # slot s <- entry (s - n_seen) % W
+        ring = xc.new_zeros(B, W + 1, C, dtype=torch.float32)
+        ring[:, :W] = buf.gather(1, entry[..., None].expand(B, W, C))
+        self.cache = (ring, n_seen)
 
 
 class MoDLinear(nn.Module):
@@ -322,7 +334,8 @@ class MoDLinear(nn.Module):
 
     def forward(self, x):
         out = self.base_layer(x)
-        return out + self._adapter(x.to(torch.float32)).to(out.dtype)
+        h = self._adapter(x if x.dtype == torch.float32 else x.float())
+        return out + (h if h.dtype == out.dtype else h.to(out.dtype))
 
     def _adapter(self, x):
         """The adapter term (alpha/r) * h for fp32 input x [B,T,in] -> [B,T,out] fp32."""
@@ -331,6 +344,11 @@ class MoDLinear(nn.Module):
             return self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
         if x.shape[1] == 1 and not self.training and (self.window.W == 1 or self.window.ready()):
             return self._decode(x)
+        return self._adapter_full(x)
+
+    def _adapter_full(self, x):
+        """Training / prefill path of `_adapter` (mod, moelora): any T, aux losses recorded."""
+        cfg = self.cfg
         logits = self.router_logits(x)
         if cfg.method == "moelora":
             probs, idx, gates = self._route(logits)
@@ -382,7 +400,7 @@ class MoDLinear(nn.Module):
         rows mixed by one batched matmul. Returns [B, 1, out] fp32 (tested equal to the full
         forward during `generate`, ring wrap-around and left padding included)."""
         cfg, ctx = self.cfg, self.ctx
-        E = cfg.num_experts
+        E, B = cfg.num_experts, x.shape[0]
         F, Bs = self._decode_weights()
         if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
@@ -390,26 +408,29 @@ class MoDLinear(nn.Module):
         else:
             y = torch.nn.functional.linear(x, F)                       # [B, 1, P*E + E*k]
         P = 1 if cfg.method == "moelora" or self.router_B is None else 2
-        logits = self.window(y[..., :P * E])
-        z = y[..., P * E:]
-        vals, idx = logits.unflatten(-1, (P, E)).topk(cfg.r, dim=-1)  # [B, 1, P, r], ranked
+        logits, z = y.split([P * E, y.shape[-1] - P * E], -1)
+        logits = self.window(logits)
+        vals, idx = logits.view(B, P, E).topk(cfg.r, dim=-1)           # [B, P, r], ranked
         g = vals.softmax(-1)                                            # eq. 4
-        ia, ib = idx[..., 0, :], idx[..., P - 1, :]
+        ia, ib = (idx[:, 0], idx[:, 0]) if P == 1 else idx.unbind(1)
         if ctx.record:
-            self._bookkeeping(None, ia, None, ib)
+            self._bookkeeping(None, ia[:, None], None, ib[:, None])
         if cfg.method == "moelora":
-            w = torch.zeros_like(logits).scatter_(-1, ia, g[..., 0, :])  # [B, 1, E]
-            zz = z.unflatten(-1, (E, cfg.expert_rank)) * w[..., None]
-            return zz.flatten(-2) @ Bs.T
-        ga, gb = g[..., 0, :], g[..., P - 1, :]
-        if cfg.combine == "sqrt_product":
-            gg = (ga * gb).clamp_min(1e-30).sqrt()                      # eq. 5
+            w = torch.zeros(B, E, device=x.device).scatter_(-1, ia, g[:, 0])   # [B, E]
+            zz = z.view(B, E, cfg.expert_rank) * w[..., None]
+            return (zz.view(B, 1, -1) @ Bs.T)
+        if P == 1:                                                      # shared router: g_A = g_B
+            gg = {"sqrt_product": g[:, 0], "product": g[:, 0].square(), "mean": g[:, 0]}[cfg.combine]
+        elif cfg.combine == "sqrt_product":
+            gg = g.prod(1)                                              # eq. 5
+            gg = (gg.clamp_min(1e-30) if torch.is_grad_enabled() else gg).sqrt()
         elif cfg.combine == "product":
-            gg = ga * gb
+            gg = g.prod(1)
         else:
-            gg = 0.5 * (ga + gb)
-        coef = z.gather(-1, ia) * gg                                    # [B, 1, r]
-        return torch.matmul(coef.unsqueeze(-2), torch.nn.functional.embedding(ib, Bs)).squeeze(-2)  # eq. 6
+            gg = g.mean(1)
+        coef = z.view(B, -1).gather(-1, ia) * gg                        # [B, r]: g_j * (A[I_A_j] . x)
+        h = torch.nn.functional.embedding_bag(ib, Bs, per_sample_weights=coef, mode="sum")  # eq. 6: sum_j coef_j B[I_B_j]
+        return h.view(B, 1, -1)
 
     @torch.compiler.disable   # appends to the shared ctx lists: compiled, it would guard on their lengths and
     def _bookkeeping(self, pa, ia, pb, ib):   # recompile per layer (compile_adapters compiles the rest)
@@ -542,23 +563,32 @@ def adapter_layers(model):
 
 
 def compile_adapters(model, backend="inductor", **kw):
-    """torch.compile the hot path only: every adapter layer's forward (routing window, top-r
-    gates, expert mix: two graphs around the eager aux-loss bookkeeping, compiled once and
-    shared by all layers of a shape, no per-layer recompiles) while the transformers model around
-    it stays eager (its Qwen-VL code graph-breaks and a whole-model compile costs minutes).
-    Compiles in place (nn.Module.compile): parameter names, state_dict and saving unchanged.
-    kw go to torch.compile (dynamic, mode, ...). Returns the number of layers compiled.
+    """torch.compile the hot path only, per adapter layer and in place: the training / prefill
+    adapter term (`_adapter_full`: routing window, top-r gates, expert mix; graph breaks around
+    the eager aux-loss bookkeeping) and the one-token decoding step (`_decode`; LoRA: `_adapter`),
+    each its own compiled function shared by all layers of a shape, while `MoDLinear.forward`
+    (base layer + dispatch) and the transformers model around it stay eager (Qwen-VL code
+    graph-breaks and a whole-model compile costs minutes). Parameter names, state_dict and
+    saving are unchanged. kw go to torch.compile (dynamic, mode="reduce-overhead", ...).
+    Returns the number of layers compiled.
 
-    Layers of one kind (in / out features, bias) share their compiled graphs; each kind also
-    compiles per input requires_grad, train / eval and static / dynamic length, so dynamo's
-    recompile limit (default 8, after which it silently runs eager) is raised to 8 per kind."""
+    Recompiles: dynamo keeps one cache of compiled variants per function (code object), shared
+    by all layers; a variant per layer kind (in / out features, bias) x train / eval (grad
+    mode, input requires_grad) x batch 1 / batch > 1 (size 1 is specialised) x static / dynamic
+    lengths. `recompile_limit` (dynamo's default 8, after which it silently runs eager) is
+    raised to 16 per kind, which covers training, evaluation and cached generation at several
+    batch sizes in one process (tested with `fail_on_recompile_limit_hit`). A process that
+    compiles other models too can call `torch._dynamo.reset()` between them to start fresh."""
     layers = adapter_layers(model)
     kinds = {(m.base_layer.in_features, m.base_layer.out_features, m.base_layer.bias is not None) for _, m in layers}
     cfg = torch._dynamo.config  # torch imports torch._dynamo lazily on first attribute access
     field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, field, max(getattr(cfg, field), 8 * len(kinds)))
+    setattr(cfg, field, max(getattr(cfg, field), 16 * len(kinds)))
     for _, m in layers:
-        m.compile(backend=backend, **kw)
+        names = ("_adapter",) if m.cfg.method == "lora" else ("_adapter_full", "_decode")
+        for name in names:
+            fn = getattr(type(m), name)
+            setattr(m, name, torch.compile(fn.__get__(m), backend=backend, **kw))
     return len(layers)
 
 

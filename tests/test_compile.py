@@ -109,4 +109,45 @@ def test_compile_adapters_raises_the_recompile_limit_per_layer_kind():
     attach(model, AdapterConfig())
     with torch._dynamo.config.patch(recompile_limit=8):
         assert compile_adapters(model, backend="eager") == 8
-        assert torch._dynamo.config.recompile_limit == 24        # q/o (bias / none) and k/v widths: 3 kinds
+        assert torch._dynamo.config.recompile_limit == 48        # q/o (bias / none) and k/v widths: 3 kinds, 16 each
+
+
+def test_compile_adapters_stays_within_the_recompile_limit_through_train_eval_and_generation():
+    """One process: training steps, evaluation and cached greedy generation at batch 1 and 4 after
+    `compile_adapters`. Dynamo must never hit its recompile limit (it would silently run eager:
+    here `fail_on_recompile_limit_hit` turns that into an error), the compiled functions must run
+    (frames compiled), and a second pass over the same regimes must not compile anything new."""
+    import random
+    from torch._dynamo.utils import counters
+    from common import shapes
+    from common.backbone import build_tiny
+    from mod.model import attach, aux_loss
+    torch._dynamo.reset()
+    counters.clear()
+    model, proc = build_tiny("qwen3_vl", hidden=32, layers=1)
+    attach(model, AdapterConfig(window=4))
+    with torch._dynamo.config.patch(recompile_limit=8):                # dynamo's default, raised per kind
+        compile_adapters(model, backend="eager")
+        rng = random.Random(0)
+        ex = [shapes.sample_example(rng) for _ in range(4)]
+        imgs, qs = [shapes.render(e[0]) for e in ex], [e[2] for e in ex]
+
+        def regimes():
+            model.train()
+            for b in (1, 4):
+                batch = proc.encode(imgs[:b], qs[:b])
+                out = model(**batch, labels=batch["input_ids"])
+                (out.loss + 0.01 * aux_loss(model)).backward()
+            model.eval()
+            with torch.no_grad():
+                for b in (1, 4):
+                    model(**proc.encode(imgs[:b], qs[:b]))
+                    model.generate(**proc.encode(imgs[:b], qs[:b]), max_new_tokens=3, min_new_tokens=3,
+                                   do_sample=False, pad_token_id=proc.pad_token_id)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            regimes()
+            graphs = counters["stats"]["unique_graphs"]
+            assert counters["frames"]["ok"] > 0 and graphs > 0
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                regimes()
+            assert counters["stats"]["unique_graphs"] == graphs

@@ -88,7 +88,7 @@ def test_decode_step_window_by_hand(granularity, want):
         ctx.mask, ctx.continuing = torch.tensor([[r]]), i > 0
         got.append(win(torch.tensor([[[v]]])).item())
         if i > 0:
-            assert win.cache[0].shape == (1, 2, 1)                   # static ring shape
+            assert win.cache[0].shape == (1, 3, 1)                   # static ring shape: W slots + a dump slot
     assert got == pytest.approx(want)
 
 
