@@ -207,14 +207,14 @@ class RoutingWindow(nn.Module):
             return x
         B, T, _ = x.shape
         ctx = self.ctx
+        if ctx.continuing and self.cache is not None and T == 1:
+            return self.step(x)
         mask = ctx.mask if ctx.mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
         if ctx.continuing and self.cache is not None:
             ring, n_seen = self.cache
             if ring.shape[0] != B:
                 raise RuntimeError(f"routing cache holds {ring.shape[0]} rows but the batch has {B} "
                                    f"(beam search / batch reordering is not supported)")
-            if T == 1:
-                return self.step(x)
             W = self.W
             i = torch.arange(W, device=x.device)[None]
             n_valid = n_seen.clamp(max=W)                               # oldest first: tokens n_seen - W + i
@@ -239,7 +239,10 @@ class RoutingWindow(nn.Module):
         """One cached decoding step: x [B, 1, C] fp32 logits of the new token -> window / region
         mean [B, 1, C] (equal to the full forward's, tested); writes x into the ring in place."""
         ring, n_seen = self.cache
-        C = x.shape[-1]
+        B, _, C = x.shape
+        if ring.shape[0] != B:
+            raise RuntimeError(f"routing cache holds {ring.shape[0]} rows but the batch has {B} "
+                               f"(beam search / batch reordering is not supported)")
         sidx, wv, n_after = self.ctx.shared("plan", (n_seen, self.ctx.mask), (self.W, self.granularity, C),
                                             lambda: _decode_plan(n_seen, self.ctx.mask, self.W, self.granularity, C))
         if x.requires_grad:                                 # autograd on: out of place, the ring stays detached
@@ -381,7 +384,7 @@ class MoDLinear(nn.Module):
             ps = (self.router_A,) + (() if self.router_B is None else (self.router_B,)) + (self.A, self.B)
         else:
             ps = (self.router, self.lora_A, self.lora_B)
-        key = tuple((p._version, p.data_ptr(), p.device) for p in ps) + (self.scaling,)
+        key = tuple((p._version, p.data_ptr()) for p in ps)
         hit = getattr(self, "_fused", None)
         if hit is not None and hit[0] == key and not torch.is_grad_enabled():
             return hit[1], hit[2]
@@ -409,7 +412,8 @@ class MoDLinear(nn.Module):
             y = torch.nn.functional.linear(x, F)                       # [B, 1, P*E + E*k]
         P = 1 if cfg.method == "moelora" or self.router_B is None else 2
         logits, z = y.split([P * E, y.shape[-1] - P * E], -1)
-        logits = self.window(logits)
+        if self.window.W > 1:
+            logits = self.window.step(logits)                           # the routing window, from its ring
         vals, idx = logits.view(B, P, E).topk(cfg.r, dim=-1)           # [B, P, r], ranked
         g = vals.softmax(-1)                                            # eq. 4
         ia, ib = (idx[:, 0], idx[:, 0]) if P == 1 else idx.unbind(1)

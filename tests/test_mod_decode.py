@@ -87,8 +87,10 @@ def test_decode_step_window_by_hand(granularity, want):
     for i, (v, r) in enumerate(zip(vals, real)):
         ctx.mask, ctx.continuing = torch.tensor([[r]]), i > 0
         got.append(win(torch.tensor([[[v]]])).item())
-        if i > 0:
-            assert win.cache[0].shape == (1, 3, 1)                   # static ring shape: W slots + a dump slot
+        if i == 1:
+            ptr = win.cache[0].data_ptr()
+        if i > 0:                                                    # static ring: W slots + a dump slot, same storage
+            assert win.cache[0].shape == (1, 3, 1) and win.cache[0].data_ptr() == ptr
     assert got == pytest.approx(want)
 
 
