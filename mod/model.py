@@ -20,7 +20,7 @@ scale by g, scatter-add them into an [.., E] weight at the B indices, multiply b
 x_route itself is never materialised: the routers are linear, so W_g x_route equals the
 window mean of the per-token logits W_g x (same cumulative-sum window, padding excluded).
 Averaging E (or 2E) logits instead of `in_features` inputs makes momentum switching almost
-free and shrinks the decoding cache to the last W-1 tokens' router logits per layer.
+free and shrinks the decoding cache to the last W tokens' router logits per layer.
 
 Usage:
     model, proc = load_backbone("tiny-dense")
@@ -30,9 +30,13 @@ Usage:
 
 Cached decoding: a routing context, shared by all adapter layers of one model, is filled by a
 forward pre-hook on the model with the current tokens' padding mask and whether this call
-continues a KV-cached sequence. Each routed layer keeps the routing inputs (router logits)
-of the last W-1 non-pad tokens, so routing during `generate` equals routing in a full
-forward (tested). Beam search
+continues a KV-cached sequence. Each routed layer keeps the router logits of its last W non-pad
+tokens in a fixed-size ring, so routing during `generate` equals routing in a full forward
+(tested, also long after the ring wrapped and with left padding). A one-token step
+(`MoDLinear._decode`) is a fixed, context-independent set of small operations: one matmul for
+both routers and the A experts, an in-place ring write and a weighted sum for the window, one
+top-r over both pools, one gather-weighted sum of B rows; the per-step bookkeeping that only
+depends on the mask and the token count is computed once per forward for all layers. Beam search
 reorders the batch and is not supported by that cache (greedy and sampling are).
 
 Copy unit: this file plus common/routing.py (imported as `common.routing`) are all it needs

@@ -113,37 +113,44 @@ def test_compile_adapters_raises_the_recompile_limit_per_layer_kind():
 
 
 def test_compile_adapters_stays_within_the_recompile_limit_through_train_eval_and_generation():
-    """One process: training steps, evaluation and cached greedy generation at batch 1 and 4 after
-    `compile_adapters`. Dynamo must never hit its recompile limit (it would silently run eager:
-    here `fail_on_recompile_limit_hit` turns that into an error), the compiled functions must run
-    (frames compiled), and a second pass over the same regimes must not compile anything new."""
-    import random
+    """Layers of three kinds (as q/k/v/o of a real model: widths, bias), one shared context, as one
+    process uses them: training at batch 1 and 4 and two lengths (inputs without and with grad),
+    evaluation, then cached decoding at batch 1 and 4. Dynamo must never hit its recompile limit
+    (it would silently run eager; `fail_on_recompile_limit_hit` turns that into an error), the
+    compiled functions must run, and a second pass over the same regimes compiles nothing new.
+    Compiling the whole layer forward (before) needed more variants than 8 per kind."""
     from torch._dynamo.utils import counters
-    from common import shapes
-    from common.backbone import build_tiny
-    from mod.model import attach, aux_loss
     torch._dynamo.reset()
     counters.clear()
-    model, proc = build_tiny("qwen3_vl", hidden=32, layers=1)
-    attach(model, AdapterConfig(window=4))
-    with torch._dynamo.config.patch(recompile_limit=8):                # dynamo's default, raised per kind
-        compile_adapters(model, backend="eager")
-        rng = random.Random(0)
-        ex = [shapes.sample_example(rng) for _ in range(4)]
-        imgs, qs = [shapes.render(e[0]) for e in ex], [e[2] for e in ex]
+    torch.manual_seed(0)
+    ctx = RoutingContext()
+    cfg = AdapterConfig(num_experts=4, r=2, window=3)
+    layers = nn.ModuleList([MoDLinear(nn.Linear(8, o, bias=b), cfg, ctx) for o, b in ((8, False), (4, False), (8, True))])
+    for i, m in enumerate(layers):
+        m.name = str(i)
 
-        def regimes():
-            model.train()
-            for b in (1, 4):
-                batch = proc.encode(imgs[:b], qs[:b])
-                out = model(**batch, labels=batch["input_ids"])
-                (out.loss + 0.01 * aux_loss(model)).backward()
-            model.eval()
-            with torch.no_grad():
-                for b in (1, 4):
-                    model(**proc.encode(imgs[:b], qs[:b]))
-                    model.generate(**proc.encode(imgs[:b], qs[:b]), max_new_tokens=3, min_new_tokens=3,
-                                   do_sample=False, pad_token_id=proc.pad_token_id)
+    def run(x):
+        outs = []
+        for j, m in enumerate(layers):
+            outs.append(m(x if j == 0 else x.detach().requires_grad_(layers.training)))
+        return outs
+
+    def regimes():
+        layers.train()
+        for B in (1, 4):
+            for T in (5, 9):
+                ctx.mask, ctx.continuing, ctx.aux = torch.ones(B, T, dtype=torch.bool), False, []
+                sum(o.square().sum() for o in run(torch.randn(B, T, 8))).backward()
+        layers.eval()
+        with torch.no_grad():
+            for B in (1, 4):
+                ctx.mask, ctx.continuing = torch.ones(B, 6, dtype=torch.bool), False
+                run(torch.randn(B, 6, 8))
+                for _ in range(3):
+                    ctx.mask, ctx.continuing = torch.ones(B, 1, dtype=torch.bool), True
+                    run(torch.randn(B, 1, 8))
+    with torch._dynamo.config.patch(recompile_limit=8):            # dynamo's default, raised per kind
+        compile_adapters(nn.ModuleDict({"l": layers}), backend="eager")
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             regimes()
             graphs = counters["stats"]["unique_graphs"]
