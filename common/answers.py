@@ -8,7 +8,7 @@ these for the evaluation library, so a prediction is read the same way everywher
     extract("tl red circle, ... Answer: (B)", "letter")   -> "B"
     extract("<think>maybe A</think>\\n\\n**E.** blue", "letter", "ABCDE") -> "E"
     is_correct("... Answer: three", "3", "count")          -> True
-    is_correct("1986", ["1986", "1986."], "all")           -> True   (any acceptable gold)
+    is_correct("1986", ["1986", "1986."], "unlabelled")    -> True   (any acceptable gold)
 
 Answer types (`ANSWER_TYPE` maps each shapes family to one):
     letter  option letter (A.. the record's last option)  "B", "(B)", "E. cat", "**Answer:** B"
@@ -27,6 +27,7 @@ import string
 
 ANSWER_TYPE = {"existence": "yesno", "count": "number", "colour": "word", "spatial": "yesno", "mc": "letter"}
 ANSWER_TYPES = ("letter", "yesno", "number", "word", "text")
+UNLABELLED = "unlabelled"  # the family of a record that names none ("all" is the aggregate row of every table)
 
 
 def final_answer(text):
@@ -290,9 +291,25 @@ def answer_type_of(family):
 
 
 def record_answer_type(record):
-    """Answer type of a record: its own "answer_type" (benchmark records from `eval.convert`),
-    else its family's (`answer_type_of`)."""
-    return record.get("answer_type") or answer_type_of(record["family"])
+    """Answer type of a record, the one rule every scorer follows (generation, option
+    log-likelihood, benchmark scores; README "Records" in eval/), first match wins:
+    1. its own "answer_type" (benchmark records from `eval.convert`);
+    2. its family's type when the family is a known one (`ANSWER_TYPE`);
+    3. "letter" (multiple choice) when it has "options" (canonical JSONL);
+    4. "text" (an unknown or unlabelled family without options).
+    So {"options": [...]} without a family is multiple choice both when generated and when
+    scored by log-likelihood (`is_multiple_choice`)."""
+    if record.get("answer_type"):
+        return record["answer_type"]
+    if record.get("family") in ANSWER_TYPE:
+        return ANSWER_TYPE[record["family"]]
+    return "letter" if record.get("options") else "text"
+
+
+def is_multiple_choice(record):
+    """True if `record` is scored as multiple choice (`record_answer_type` is "letter") and
+    has options to score (`options_of`): the records `eval.evaluate --loglik` scores."""
+    return record_answer_type(record) == "letter" and bool(options_of(record))
 
 
 def is_correct(pred_text, gold, family, options=None, answer_type=None):

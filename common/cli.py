@@ -310,3 +310,42 @@ def diverged(step, values, ckpt, saved_at, save_every):
             f"no checkpoint of this run had been written yet (--save-every {save_every})")
     return RunError(f"non-finite training loss at step {step} ({values}): stopped before the update; {kept}. "
                     f"Lower --lr or check the data; --resume continues from the checkpoint")
+
+
+# ----------------------------------------------------------------------------- data-parallel runs
+
+def step_means(values, world=1):
+    """{name: float} of one optimizer step -> the same averaged over the data-parallel ranks
+    (one all-reduce). Each rank's CE is its label-token sum over (global tokens / world)
+    (`step_tokens`) and its aux terms are scaled the same way (`common.routing.rank_mean`), so
+    the rank mean is the value of the global batch: what a single process logs for it. Every
+    rank then also sees the same loss, so a non-finite one stops them all (never one alone,
+    which would leave the others waiting in a collective)."""
+    if world <= 1:
+        return values
+    import torch
+    import torch.distributed as dist
+    keys = sorted(values)
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"  # NCCL: GPU tensors only
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return {k: float(v) / world for k, v in zip(keys, t.tolist())}
+
+
+def end_distributed():
+    """Tear down torch.distributed at the end of a data-parallel run so every process exits.
+    The caller first drops its DistributedDataParallel wrapper (`fwd = None`). Then here:
+    gc.collect() frees a wrapper held in a reference cycle, so its reducer and its reference
+    to the process group go while the group still works; a barrier, so no rank destroys the
+    group while another still writes the checkpoint or talks to it; then
+    destroy_process_group(). Measured (mole.train, 2 gloo processes): with the group destroyed
+    while the wrapper was alive, the process hung in the wrapper's teardown after `train()`
+    returned (faulthandler: the last Python frame was the return from `train()`), and torchrun
+    waited for it. No-op when no process group is initialised."""
+    import gc
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()

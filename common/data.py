@@ -3,7 +3,9 @@
 Records come as LLaVA-style conversation JSON / JSONL (`{"id","image","conversations":[...]}`,
 the format real instruction data and the shapes world use) or canonical benchmark JSONL
 (`{"id","image"?,"question","answer","family"?,"options"?}`); `read_any` reads either and
-returns one record shape. Images are checked at read time and decoded to RGB by `load_image`.
+returns one record shape. Every image is decoded once at read time (`check_record_images`:
+a truncated file fails before any model loads, every bad record named at once) and again,
+to RGB, by `load_image` when a batch needs it.
 Errors are `DataError` with the record id and what to change. `atomic_target` /
 `atomic_write_text` write files so that a reader sees the old file or the complete new one.
 """
@@ -14,7 +16,7 @@ from contextlib import contextmanager, suppress
 
 from PIL import Image, ImageOps
 
-from common.answers import ANSWER_TYPES, final_answer, parse_options  # noqa: F401  (common.data.parse_options)
+from common.answers import ANSWER_TYPES, UNLABELLED, final_answer, parse_options  # noqa: F401  (common.data.parse_options)
 
 def follow_umask(path):
     """Give `path` (a file, or every file and folder under a directory) the mode a plain
@@ -107,7 +109,7 @@ def load_records(path):
 #   answer    the gold answer of the last turn (the record's "answer" field, else
 #             `final_answer(target)`); a list of acceptable answers stays a list
 #   history   earlier (question, target) pairs of a multi-turn conversation, [] otherwise
-#   family    the record's "family", default "all"
+#   family    the record's "family", default "unlabelled" (`_family`; "all" names the aggregate row)
 #   conversations  the human / gpt turns as read
 #   options   [(letter, text), ...] for canonical multiple-choice records only
 # Relative image paths resolve against `image_root` when given (--image-root), else the data
@@ -117,24 +119,17 @@ IMAGE_ROOT_HELP = ("folder that relative image paths in --data are resolved agai
                    "folder); absolute paths are used as they are")
 
 
-def _image_paths(value, root, path, rid, check_images):
+def _image_paths(value, root, path, rid):
     """The absolute image paths of a record's "image" field: None / "" -> [], a path -> [it],
-    a list of paths -> them in order. Raises DataError naming the record for other types and
-    (check_images) missing or unreadable files (`check_image`, header only)."""
+    a list of paths -> them in order. Raises DataError naming the record for other types; the
+    files themselves are checked by `check_record_images`, every record at once."""
     if value in (None, "", []):
         return []
     items = value if isinstance(value, list) else [value]
     if not all(isinstance(v, str) and v for v in items):
         raise DataError(f"{path}: record {rid}: 'image' must be a file path or a list of file paths (text), got "
                         f"{type(value).__name__} {value!r:.40}")
-    out = [v if os.path.isabs(v) else os.path.join(root, v) for v in items]
-    if check_images:
-        for im in out:
-            if not os.path.exists(im):
-                raise DataError(f"{path}: record {rid}: image {im} not found (relative paths resolve against "
-                                f"--image-root, default the data file's folder)")
-            check_image(im, rid)  # header only: fails here, not hours into a run
-    return out
+    return [v if os.path.isabs(v) else os.path.join(root, v) for v in items]
 
 
 def _strip_image(text, n_images):
@@ -142,7 +137,7 @@ def _strip_image(text, n_images):
     return text.strip() if n_images > 1 else text.replace("<image>\n", "").replace("<image>", "").strip()
 
 
-def read_llava_json(path, image_root=None, check_images=True):
+def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
     """Read LLaVA-style conversation JSON (a list) or JSONL into record dicts (the keys above).
 
     `image` may be one path, a list of paths (one "<image>" placeholder per image in the human
@@ -150,7 +145,8 @@ def read_llava_json(path, image_root=None, check_images=True):
     pair is kept (`history` holds all but the last).
     Raises DataError for a file without records and, naming the record, for malformed turns,
     a conversation that does not alternate human / gpt, a placeholder count that differs from
-    the image count, and missing image files."""
+    the image count, and (check_images) every record whose image is missing or unusable, all
+    in one message (`check_record_images`; skip_bad: those records are left out, with a note)."""
     records = load_records(path)
     if not records:
         raise DataError(f"{path}: no records (an empty file or list)")
@@ -172,7 +168,7 @@ def read_llava_json(path, image_root=None, check_images=True):
         if roles != ["human", "gpt"] * (len(roles) // 2):
             raise DataError(f"{path}: record {rid}: turns go {roles}; a conversation alternates human, gpt, "
                             f"human, gpt, ... and ends with a gpt (answer) turn")
-        images = _image_paths(r.get("image"), root, path, rid, check_images)
+        images = _image_paths(r.get("image"), root, path, rid)
         n_ph = sum(t["value"].count("<image>") for t in turns if t["from"] == "human")
         if len(images) > 1 and n_ph != len(images):
             raise DataError(f"{path}: record {rid} has {len(images)} images but {n_ph} '<image>' placeholders in "
@@ -181,9 +177,19 @@ def read_llava_json(path, image_root=None, check_images=True):
         q, target = pairs[-1]
         out.append({"id": str(rid), "images": images, "image": images[0] if images else None, "question": q,
                     "target": target, "answer": r.get("answer", final_answer(target)),
-                    "history": [list(p) for p in pairs[:-1]], "family": r.get("family", "all"),
+                    "history": [list(p) for p in pairs[:-1]], "family": _family(r, path, rid),
                     "conversations": conv})
-    return out
+    return check_record_images(out, path, skip_bad) if check_images else out
+
+
+def _family(r, path, rid):
+    """A record's family: its "family" field, "unlabelled" (`UNLABELLED`) when it has none.
+    Raises DataError for the family "all", the name of every report's aggregate row."""
+    fam = r.get("family") or UNLABELLED
+    if fam == "all":
+        raise DataError(f"{path}: record {rid}: family 'all' is the name of the aggregate row of every report; "
+                        f"give the family another name (records without a family are {UNLABELLED!r})")
+    return fam
 
 
 REQUIRED = ("id", "question", "answer")  # "image" is optional: a record without one is text-only
@@ -220,10 +226,10 @@ def _benchmark_fields(path, rid, r):
     return out
 
 
-def read_jsonl(path, image_root=None, check_images=True):
+def read_jsonl(path, image_root=None, check_images=True, skip_bad=False):
     """Read a canonical benchmark JSONL -> record dicts (the keys above):
         {"id": "q1", "image": "images/q1.png", "question": "Is there a dog?", "answer": "yes",
-         "family": "existence",                      # optional, default "all"
+         "family": "existence",                      # optional, default "unlabelled"
          "options": ["cat", "dog", "cow", "pig"]}    # optional, multiple choice
     "image" may be one path, a list of paths, or absent (a text-only record, ScienceQA / MMLU
     style). Multiple choice: options are lettered A, B, C, ...; if the question does not
@@ -237,7 +243,8 @@ def read_jsonl(path, image_root=None, check_images=True):
     a record with "benchmark" keeps its question verbatim, options included),
     an 'image' that is not a path or list of paths, duplicate ids,
     fewer than 2 options, an answer that is neither a letter nor an option's text, and
-    (check_images) missing, empty, unreadable or oversized image files (`check_image`)."""
+    (check_images) every record whose image file is missing, empty, unreadable, truncated or
+    oversized, all in one message (`check_record_images`; skip_bad: left out, with a note)."""
     root = image_root or os.path.dirname(os.path.abspath(path))
     out, seen = [], set()
     for i, r in enumerate(load_records(path)):
@@ -252,11 +259,11 @@ def read_jsonl(path, image_root=None, check_images=True):
         if rid in seen:
             raise DataError(f"{path}: record {rid}: duplicate id")
         seen.add(rid)
-        images = _image_paths(r.get("image"), root, path, rid, check_images)
+        images = _image_paths(r.get("image"), root, path, rid)
         q, golds = _strip_image(str(r["question"]), len(images)), _golds(path, rid, r["answer"])
         keep = (lambda g: g) if isinstance(r["answer"], list) else (lambda g: g[0])  # a list stays a list
         rec = {"id": rid, "images": images, "image": images[0] if images else None, "question": q,
-               "target": golds[0], "answer": keep(golds), "history": [], "family": r.get("family") or "all"}
+               "target": golds[0], "answer": keep(golds), "history": [], "family": _family(r, path, rid)}
         rec.update(_benchmark_fields(path, rid, r))
         if r.get("options") is not None:
             opts = r["options"]
@@ -277,28 +284,36 @@ def read_jsonl(path, image_root=None, check_images=True):
         rec["conversations"] = [{"from": "human", "value": head + rec["question"]},
                                 {"from": "gpt", "value": rec["target"]}]
         out.append(rec)
-    return out
+    return check_record_images(out, path, skip_bad) if check_images else out
 
 
-def read_any(path, image_root=None, check_images=True):
+def read_any(path, image_root=None, check_images=True, skip_bad=False):
     """Read a data file of either format, decided by content: records with "conversations"
-    -> `read_llava_json`, records with "question" -> `read_jsonl`.
+    -> `read_llava_json`, records with "question" -> `read_jsonl`. check_images: decode every
+    image now (`check_record_images`), before any model loads; skip_bad: leave out the
+    records whose image is unusable (a note on stderr says how many) instead of stopping.
     Raises DataError for an empty file or records of neither kind."""
     records = load_records(path)
     if not records:
         raise DataError(f"{path}: no records")
     first = records[0]
+    kw = dict(image_root=image_root, check_images=check_images, skip_bad=skip_bad)
     if isinstance(first, dict) and "conversations" in first:
-        return read_llava_json(path, image_root=image_root, check_images=check_images)
+        return read_llava_json(path, **kw)
     if isinstance(first, dict) and "question" in first:
-        return read_jsonl(path, image_root=image_root, check_images=check_images)
+        return read_jsonl(path, **kw)
     raise DataError(f"{path}: first record has neither 'conversations' (LLaVA JSON) nor 'question' "
                     f"(canonical JSONL); keys: {sorted(first) if isinstance(first, dict) else type(first).__name__}")
 
 
-def read_records(path, image_root=None):
-    """Records of a LLaVA JSON/JSONL or canonical JSONL file (`read_any`). Raises DataError."""
-    return read_any(path, image_root=image_root)
+def read_records(path, image_root=None, skip_bad=False):
+    """Records of a LLaVA JSON/JSONL or canonical JSONL file (`read_any`, every image decoded
+    now; skip_bad: records with an unusable image left out, with a note). Raises DataError."""
+    return read_any(path, image_root=image_root, skip_bad=skip_bad)
+
+
+SKIP_BAD_HELP = ("leave out the records whose image is missing or unusable (empty, truncated, corrupt, too large) "
+                 "and say how many, instead of stopping with the list of them")
 
 
 def expand_turns(records):
@@ -322,22 +337,32 @@ def check_support(records, entry, text_only=False, multi_image=False, multi_turn
     """Refuse, before any model loads, the records `entry` (e.g. "mole.infer") cannot handle,
     with one message per kind shared by every entry point (README, "Records"):
     a text-only record unless `text_only`, several images unless `multi_image`, several
-    question / answer turns unless `multi_turn`. Raises DataError naming up to three records."""
+    question / answer turns unless `multi_turn`. Every kind found is named in the one
+    DataError (up to three records each), so one fix of the data file is enough; a record
+    of two kinds is named under both.
+        mod.infer: 1 record(s) with several images, e.g. ['r1']: ...
+          and 1 record(s) with several question/answer turns, e.g. ['r1']: ... (README, 'Records')"""
     kinds = []
     if not text_only:
         kinds.append((lambda r: not r["images"], "no image (a text-only record)",
                       "it needs one image per record; evaluate text-only records with eval.evaluate"))
     if not multi_image:
         kinds.append((lambda r: len(r["images"]) > 1, "several images",
-                      "it takes one image per record; split such records into one record per image"))
+                      "it takes one image per record; split such records into one record per image when each "
+                      "question is about one of the images; a question about several images together cannot be "
+                      "split: train and answer it with mole.train / mole.infer, which read every image of a record"))
     if not multi_turn:
         kinds.append((lambda r: bool(r.get("history")), "several question/answer turns",
-                      "it takes single-turn records; split each conversation into one record per turn"))
+                      "it takes single-turn records; split each conversation into one record per turn (write an "
+                      "earlier turn a later question refers to into that question); eval.evaluate and "
+                      "rolemerge.infer take the turns as they are"))
+    found = []
     for bad_if, what, fix in kinds:
         bad = [r["id"] for r in records if bad_if(r)]
         if bad:
-            raise DataError(f"{entry}: {len(bad)} record(s) with {what}, e.g. {bad[:3]}: {fix} "
-                            f"(README, 'Records')")
+            found.append(f"{len(bad)} record(s) with {what}, e.g. {bad[:3]}: {fix}")
+    if found:
+        raise DataError(f"{entry}: " + "\n  and ".join(found) + " (README, 'Records')")
 
 
 def check_training_records(records, path):
@@ -388,16 +413,91 @@ def _open_image(path, rid):
 
 
 def check_image(path, rid="?"):
-    """Cheap validity check (file header only): raises DataError for empty or non-image
-    files, images above MAX_PIXELS and aspect ratios above MAX_ASPECT."""
+    """Full check of one image file, pixels included: raises DataError naming the record for a
+    missing, empty or non-image file, one cut short (truncated: its header is intact, the
+    pixels are not) or otherwise undecodable, above MAX_PIXELS (before decoding) and above
+    MAX_ASPECT. Every pixel is decoded (`Image.load`, what `load_image` then converts) and the
+    EXIF block read (the orientation `load_image` applies), without `load_image`'s copies (a
+    third of its cost); the image is closed at once, so checking a whole data file holds one
+    decoded image per worker in memory."""
+    if not os.path.exists(path):
+        raise DataError(f"record {rid}: image {path} not found")
     if os.path.getsize(path) == 0:
         raise DataError(f"record {rid}: image {path} is an empty (0-byte) file; re-export or drop the record")
     try:
-        _open_image(path, rid).close()
+        im = _open_image(path, rid)
+        try:
+            im.load()
+            im.getexif()
+        finally:
+            im.close()  # the pixels too, not only the file
     except DataError:
         raise
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SyntaxError) as e:  # Pillow raises SyntaxError for some broken headers
         raise DataError(f"record {rid}: cannot read image {path} ({e.__class__.__name__}: {e})") from None
+
+
+_NO_ID = "\0"
+
+
+def _image_problem(path):
+    """None for a usable image file, else what is wrong with it (`check_image`'s message
+    without the record)."""
+    if not os.path.exists(path):
+        return (f"image {path} not found (relative paths resolve against --image-root, default the data "
+                f"file's folder)")
+    try:
+        check_image(path, _NO_ID)
+    except DataError as e:
+        return str(e).removeprefix(f"record {_NO_ID}: ")
+    return None
+
+
+def check_record_images(records, path="data", skip_bad=False, workers=None, progress=True):
+    """Decode every image of `records` now (`check_image`: pixels, not only the header), so a
+    bad image stops a run before any model loads, never hours into it. Each distinct file is
+    decoded once, `workers` at a time (default: the usable cores, at most 16; Pillow decodes
+    without the Python lock), each image dropped as soon as it is checked; a progress bar from
+    500 files on (progress=False: none).
+
+    Returns `records`, or with skip_bad the records whose images are all usable (a note on
+    stderr gives the count and lists each left-out record). Raises DataError listing EVERY
+    record with a missing or unusable image (id, file, what is wrong) when skip_bad is off, and
+    when skip_bad leaves no record. Cost: README "What happens when" (measured per image)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+    files = list(dict.fromkeys(p for r in records for p in r["images"]))
+    if not files:
+        return records
+    workers = workers or min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    from tqdm import tqdm
+    with tqdm(total=len(files), desc="check images", unit="img", leave=False,
+              disable=not progress or len(files) < 500) as bar:
+        def one(p):
+            out = _image_problem(p)
+            bar.update(1)
+            return out
+        if workers > 1 and len(files) > 8:
+            with ThreadPoolExecutor(workers) as ex:
+                problems = dict(zip(files, ex.map(one, files)))
+        else:
+            problems = {p: one(p) for p in files}
+    lines = [f"record {r['id']}: {problems[p]}" for r in records for p in r["images"] if problems[p]]
+    if not lines:
+        return records
+    bad = [i for i, r in enumerate(records) if any(problems[p] for p in r["images"])]
+    listing = "\n  ".join(lines)
+    if not skip_bad:
+        raise DataError(f"{path}: {len(bad)} of {len(records)} record(s) with a missing or unusable image; fix or "
+                        f"remove them, or pass --skip-bad to leave them out:\n  {listing}")
+    drop = set(bad)
+    kept = [r for i, r in enumerate(records) if i not in drop]
+    if not kept:
+        raise DataError(f"{path}: every record ({len(records)}) has a missing or unusable image, nothing is left "
+                        f"with --skip-bad:\n  {listing}")
+    print(f"note: --skip-bad: left out {len(bad)} of {len(records)} record(s) of {path} with a missing or "
+          f"unusable image:\n  {listing}", file=sys.stderr)
+    return kept
 
 
 def load_image(path, rid="?"):

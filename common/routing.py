@@ -4,6 +4,7 @@ Everything here is a small pure function on tensors:
 
     probs, idx, gates = topk_gates(logits, k)            # fp32 softmax, top-k, renormalised gates
     aux = load_balance_loss(probs, idx, mask)            # Mixtral/top-k convention: = k at uniform routing
+    aux = load_balance_loss(probs, idx, mask, rank_mean)  # the same over a data-parallel run's global batch
     zl = z_loss(logits, mask)                            # mean logsumexp^2
     x_route = window_mean(x, W, mask)                    # causal mean of the last W non-pad tokens
     x_route = region_mean(x, W, mask)                    # causal mean inside blocks of W non-pad tokens
@@ -44,7 +45,24 @@ def _flat_mask(mask, n, device):
     return mask.reshape(-1).to(device=device).bool()
 
 
-def load_balance_loss(probs, idx, mask=None):
+def rank_mean(t):
+    """Mean of a tensor over the data-parallel processes (all-reduce sum / world size), without
+    gradient: the `reduce` of the aux losses below in a DDP / FSDP run (the trainers pass it
+    when WORLD_SIZE > 1). The process group must be initialised."""
+    import torch.distributed as dist
+    t = t.detach().float().clone()
+    dist.all_reduce(t)
+    return t / dist.get_world_size()
+
+
+def _count(n, reduce):
+    """A token count as the denominator of a mean: the global batch's (mean over ranks) when
+    `reduce` is given, and 1 where the count is 0 (the sum over it is 0 too)."""
+    n = n.float() if reduce is None else reduce(n.float())
+    return torch.where(n > 0, n, torch.ones_like(n))
+
+
+def load_balance_loss(probs, idx, mask=None, reduce=None):
     """Top-k load-balancing loss, Mixtral convention: E * sum_i f_i * P_i.
 
     f_i = fraction of (non-pad) tokens that have expert i among their top-k (so sum_i f_i = k),
@@ -53,24 +71,30 @@ def load_balance_loss(probs, idx, mask=None):
     Transformer convention (divide by k) would give 1. f carries no gradient (argmax),
     the gradient flows through P.
     probs: [N, E] (or [..., E], flattened); idx: [N, k] long; mask: [N] bool or None.
+    reduce: None, or `rank_mean` in a data-parallel run: f and the token count are then those
+    of the global batch, and P_i = (this rank's probability sum) / (global tokens / world), so
+    the mean over ranks of the value (and the gradient DDP averages) is the loss of the
+    global batch, what one process computes on it.
     Returns a scalar fp32 tensor (0 if every token is padding)."""
     E = probs.shape[-1]
     probs, idx = probs.reshape(-1, E).float(), idx.reshape(-1, idx.shape[-1])
     m = _flat_mask(mask, probs.shape[0], probs.device)
-    n = m.sum().clamp(min=1)
+    n = _count(m.sum(), reduce)
     chosen = torch.zeros_like(probs).scatter_(1, idx, 1.0)  # [N, E] one-hot of the top-k
-    f = (chosen * m[:, None]).sum(0) / n  # [E]
+    hits = (chosen * m[:, None]).sum(0)  # [E]
+    f = (hits if reduce is None else reduce(hits)) / n  # [E], no gradient either way
     P = (probs * m[:, None]).sum(0) / n  # [E]
     return E * (f * P).sum()
 
 
-def z_loss(logits, mask=None):
+def z_loss(logits, mask=None, reduce=None):
     """Router z-loss (ST-MoE): mean over (non-pad) tokens of logsumexp(logits)^2, in fp32.
 
-    logits: [..., E]; mask: [...] bool or None. Returns a scalar (0 if all padding)."""
+    logits: [..., E]; mask: [...] bool or None; reduce: as in `load_balance_loss` (the mean
+    over the global batch's tokens). Returns a scalar (0 if all padding)."""
     lse = torch.logsumexp(logits.float(), dim=-1).reshape(-1)
     m = _flat_mask(mask, lse.shape[0], lse.device)
-    return (lse.square() * m).sum() / m.sum().clamp(min=1)
+    return (lse.square() * m).sum() / _count(m.sum(), reduce)
 
 
 def _rank_sums(x, mask):

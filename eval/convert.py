@@ -34,6 +34,7 @@ per-family accuracy. Image bytes are written unchanged (the same image twice: on
 | blink | BLINK-Benchmark/BLINK, one config per subtask (val) | idx, prompt, choices, answer "(A)", sub_task, image_1..image_4 | letter | subtask |
 | vstar | craigwu/vstar_bench, lmms-lab/vstar-bench (test) | question_id, text (options "(A) .."), label, category, image | letter | category |
 | realworldqa | xai-org/RealworldQA, lmms-lab/RealWorldQA (test) | question (options inside), answer, image | letter or text | - |
+| cvbench | nyu-visionx/CV-Bench test / test_2d / test_3d (parquet, or the .jsonl + img/ folder) | idx, type (2D/3D), task, source, prompt (options inside), choices, answer "(C)", image or filename | letter | task |
 
 Splits whose answers are withheld (MMMU / BLINK test, TextVQA test) are refused: those are
 scored by the benchmark's server. Several images per item (BLINK, some of MMMU) are kept as a
@@ -334,10 +335,32 @@ def conv_realworldqa(row, i):
             "answer_type": "letter" if letter else "text"}
 
 
+def conv_cvbench(row, i):
+    """CV-Bench (Tong et al., "Cambrian-1: A Fully Open, Vision-Centric Exploration of Multimodal
+    LLMs", arXiv 2406.16860): the prompt as lmms-eval's cv_bench task builds it (its pre-prompt
+    "Note: You only need to respond with A, B, ... without providing any additional
+    information.", a newline, then the row's own "prompt", which already lists the choices as
+    "(A) ..."). The image is the parquet "image" cell or, in test.jsonl, the "filename" path
+    (img/2D/...) under --image-dir. The id is "<type>_<idx>", so test_2d and test_3d converted
+    together cannot collide; meta keeps source (ADE20K / COCO / Omni3D) and type, which
+    `eval.scores.score_cvbench` composes the 2D and 3D accuracies from."""
+    rid = f"{row.get('type', '')}_{row.get('idx', i)}".lstrip("_")
+    _need(row, rid, "prompt", "choices", "answer", "source")
+    choices = [str(c) for c in _list(row["choices"])]
+    kind = str(row.get("type") or ("3D" if row["source"] == "Omni3D" else "2D"))
+    pre = f"Note: You only need to respond with {', '.join(LETTERS[:len(choices)])} without providing any " \
+          f"additional information.\n"
+    image = row.get("image")
+    return {"id": rid, "images": [image if image not in (None, "") else row.get("filename")],
+            "question": f"{pre}\n{row['prompt']}", "answer": _index_answer(row["answer"], len(choices), rid),
+            "options": choices, "category": row.get("task"), "answer_type": "letter",
+            "meta": {"source": str(row["source"]), "type": kind, "idx": row.get("idx", i)}}
+
+
 CONVERTERS = {"scienceqa": conv_scienceqa, "mmmu": conv_mmmu, "mmstar": conv_mmstar, "pope": conv_pope,
               "mme": conv_mme, "mmlu": conv_mmlu, "infovqa": conv_infovqa, "ocrbench": conv_ocrbench,
               "chartqa": conv_chartqa, "textvqa": conv_textvqa, "blink": conv_blink, "vstar": conv_vstar,
-              "realworldqa": conv_realworldqa}
+              "realworldqa": conv_realworldqa, "cvbench": conv_cvbench}
 
 
 # ----------------------------------------------------------------------------- images and output

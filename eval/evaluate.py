@@ -33,12 +33,13 @@ import time
 from collections import Counter
 
 import torch
-from tqdm import tqdm
 
 from common.backbone import generate, load_backbone
 from common.cli import Deprecated, RunError, add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from common.data import IMAGE_ROOT_HELP, DataError, atomic_write_text, check_support, expand_turns, load_image, read_any
-from common.answers import ANSWER_TYPE, options_of, score  # noqa: F401  (eval.evaluate.options_of)
+from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_support, expand_turns,
+                         load_image, read_any)
+from common.predictions import PredictionLog, fingerprint, model_digest
+from common.answers import ANSWER_TYPE, UNLABELLED, is_multiple_choice, options_of, score  # noqa: F401  (eval.evaluate.options_of)
 from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
                           option_letters, pope_prf, record_answer_type, short_answer)
 from eval.scores import SCORERS, benchmark_scores, format_scores
@@ -52,7 +53,7 @@ def _images(batch):
 
 
 @torch.no_grad()
-def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"):
+def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval", log=None):
     """Greedy generation on every record, scored with `is_correct` by family.
 
     records: dicts from `common.data.read_any` (after `expand_turns` for multi-turn records:
@@ -61,22 +62,25 @@ def evaluate(model, proc, records, batch_size=64, max_new_tokens=48, desc="eval"
     text), extracted (the answer read from it), answer (gold: a string or the list of
     acceptable answers), correct (bool), n_tokens (generated, incl. the end token)}.
     Multiple-choice records are read with their own option letters (`options_of`: A..E for
-    five options). Raises DataError for an unreadable image or a record with several images."""
+    five options). log: a `common.predictions.PredictionLog` that keeps each finished batch
+    (phase "generate") and holds those of a resumed run. Raises DataError for an unreadable
+    image or a record with several images."""
     was_training = model.training
     model.eval()
-    results = []
-    bar = tqdm(total=len(records), desc=desc, unit="ex", leave=False)
-    for i in range(0, len(records), batch_size):
-        batch = records[i:i + batch_size]
+
+    def one(b):
+        batch = records[b * batch_size:(b + 1) * batch_size]
         texts, lens = generate(model, proc, _images(batch), [r["question"] for r in batch], max_new_tokens,
                                history=[r.get("history", []) for r in batch])
+        out = []
         for r, t, n in zip(batch, texts, lens):
             s = score(r, t)
-            results.append({"id": r["id"], "family": r["family"], "pred": t, "answer_type": s["answer_type"],
-                            "extracted": s["extracted"], "answer": r["answer"], "correct": s["correct"],
-                            "n_tokens": n, **({"benchmark": r["benchmark"]} if r.get("benchmark") else {})})
-        bar.update(len(batch))
-    bar.close()
+            out.append({"id": r["id"], "family": r["family"], "pred": t, "answer_type": s["answer_type"],
+                        "extracted": s["extracted"], "answer": r["answer"], "correct": s["correct"],
+                        "n_tokens": n, **({"benchmark": r["benchmark"]} if r.get("benchmark") else {})})
+        return out
+
+    results = (log or PredictionLog(None, None)).run("generate", -(-len(records) // batch_size), one, desc)
     model.train(was_training)
     return results
 
@@ -91,7 +95,7 @@ def loglik_prefix(generated):
 
 
 @torch.no_grad()
-def score_options(model, proc, records, prefixes=None, batch_size=32, desc="options"):
+def score_options(model, proc, records, prefixes=None, batch_size=32, desc="options", log=None):
     """Multiple choice by option log-likelihood.
 
     For record i with options [(L, text)] and assistant prefix p_i (prefixes[i], default ""),
@@ -101,7 +105,8 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
         score(L) = sum_t log softmax(logits[t-1])[ids[t]]   over the continuation positions t
     pred = argmax_L score(L) over every option the record has (A..E for five; `pick_option`).
     Returns per record {id, family, scores (list, option order), pred (letter), answer (gold
-    letter, or the list of acceptable letters), correct}. Raises DataError for a record
+    letter, or the list of acceptable letters), correct}. log: a `PredictionLog` keeping
+    each finished batch of option scores (phase "loglik"). Raises DataError for a record
     without options."""
     was_training = model.training
     model.eval()
@@ -116,10 +121,10 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
         sep = "" if not prefixes[i] or prefixes[i][-1].isspace() else " "
         for L, _ in opts:
             rows.append((i, tok(prefixes[i]), tok(sep + L)))
-    scores = [[] for _ in records]
-    bar = tqdm(total=len(rows), desc=desc, unit="opt", leave=False)
-    for s in range(0, len(rows), batch_size):
-        chunk = rows[s:s + batch_size]
+    dev = model.device
+
+    def one(b):
+        chunk = rows[b * batch_size:(b + 1) * batch_size]
         uniq = [i for i in dict.fromkeys(i for i, _, _ in chunk) if records[i]["image"]]  # text-only: no pixels
         where = {i: k for k, i in enumerate(uniq)}
         ks = [where[i] for i, _, _ in chunk if i in where]
@@ -136,18 +141,22 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
         T = max(map(len, ids))
         input_ids = torch.tensor([x + [proc.pad_token_id] * (T - len(x)) for x in ids])
         mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in ids])
-        dev = model.device
         out = model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
                     mm_token_type_ids=((input_ids == proc.image_token_id).long() * mask).to(dev),
                     **{k: v.to(dev) for k, v in pixels.items()})
         logp = torch.log_softmax(out.logits.float(), dim=-1)  # [R, T, V]
+        got = []
         for row, (i, _, o) in enumerate(chunk):
             end = len(ids[row])
             pos = torch.arange(end - len(o), end, device=logp.device)  # continuation positions t
             tgt = input_ids[row, end - len(o):end].to(logp.device)
-            scores[i].append(float(logp[row, pos - 1, tgt].sum()))  # token t predicted at t-1
-        bar.update(len(chunk))
-    bar.close()
+            got.append(float(logp[row, pos - 1, tgt].sum()))  # token t predicted at t-1
+        return got
+
+    flat = (log or PredictionLog(None, None)).run("loglik", -(-len(rows) // batch_size), one, desc)
+    scores = [[] for _ in records]
+    for (i, _, _), v in zip(rows, flat):
+        scores[i].append(v)
     model.train(was_training)
     results = []
     for r, sc in zip(records, scores):
@@ -270,6 +279,10 @@ def main(argv=None):
     p.add_argument("--reference", default=None,
                    help="split the best-constant baseline is fitted on (default: train.json / train.jsonl next to "
                         "--data, if there is one; else the baseline row is left out)")
+    p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
+    p.add_argument("--resume", action="store_true",
+                   help="continue a stopped run from its last finished batch (OUT.partial; the same flags, model "
+                        "and data)")
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--n", dest="limit", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
     add_threads(p)
@@ -290,20 +303,35 @@ def main(argv=None):
         p.error(str(e))
 
     t0 = time.time()
-    records = expand_turns(read_any(a.data, image_root=a.image_root))[:a.limit or None]  # rid#1, rid#2, ... per turn
+    records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad))[:a.limit or None]  # rid#k per turn
     check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
     bad = sorted({r["benchmark"] for r in records if r.get("benchmark")} - set(SCORERS))
     if bad:  # before the model loads, not after the whole evaluation
         raise DataError(f"{a.data}: unknown benchmark(s) {bad}; eval.scores scores {', '.join(SCORERS)}")
-    unknown = sorted({r["family"] for r in records if not r.get("answer_type")} - set(ANSWER_TYPE) - {"all"})
+    unknown = sorted({r["family"] for r in records if record_answer_type(r) == "text" and not r.get("answer_type")}
+                     - set(ANSWER_TYPE) - {UNLABELLED})  # records with options are multiple choice (record_answer_type)
     for fam in unknown:  # a typo ("Count", "colours") silently switches scoring to exact text match
         near = difflib.get_close_matches(fam.lower(), list(ANSWER_TYPE), n=1, cutoff=0.6)
         print(f"note: family {fam!r} is not one of {', '.join(ANSWER_TYPE)}: its answers are scored as free "
               f"text (normalised exact match)" + (f"; did you mean {near[0]!r}?" if near else ""))
     name = os.path.basename(os.path.normpath(a.model))
+    fp = fingerprint(records, model=model_digest(a.model), batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                     loglik=a.loglik, dtype=a.dtype, device=a.device)
+    with PredictionLog(out, fp, a.resume) as log:  # each finished batch kept in OUT.partial; refusals before loading
+        rows, loglik, results, extra = _run(a, records, name, log)
+        atomic_write_text(out, json.dumps({"model": a.model, "data": a.data, "rows": rows, **extra,
+                                           "wall_s": time.time() - t0, "results": results, "loglik": loglik}, indent=1))
+        log.finish()
+    print(f"wrote {out}")
+    return rows
+
+
+def _run(a, records, name, log):
+    """The model part of `main`: (report rows, loglik results, results, {pope, anls, benchmarks})."""
+    t0 = time.time()
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
-    results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}")
+    results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}", log=log)
     rows = family_rows(name, results)
     ref = a.reference or reference_split(a.data)
     if ref:
@@ -312,10 +340,10 @@ def main(argv=None):
         print("note: no reference split (train.json next to --data, or --reference): the best-constant row is left out")
     loglik = []
     if a.loglik:
-        mc = [(r, res) for r, res in zip(records, results) if options_of(r)]
+        mc = [(r, res) for r, res in zip(records, results) if is_multiple_choice(r)]  # as generation scores them
         if mc:
             loglik = score_options(model, proc, [r for r, _ in mc], [loglik_prefix(res["pred"]) for _, res in mc],
-                                   batch_size=a.batch_size)
+                                   batch_size=a.batch_size, log=log)
             rows += family_rows(name, loglik, metric="accuracy_loglik")
     pope, soft = extra_metrics(results)
     bench = benchmark_scores(records, [r["pred"] for r in results])
@@ -333,11 +361,7 @@ def main(argv=None):
         print(f"ANLS {fam}: {v:.3f}")
     if bench:
         print("\nbenchmark scores (each benchmark's own definition, eval.scores):\n" + format_scores(bench))
-    atomic_write_text(out, json.dumps({"model": a.model, "data": a.data, "rows": rows, "pope": pope, "anls": soft,
-                                       "benchmarks": bench, "wall_s": wall, "results": results, "loglik": loglik},
-                                      indent=1))
-    print(f"wrote {out}")
-    return rows
+    return rows, loglik, results, {"pope": pope, "anls": soft, "benchmarks": bench}
 
 
 if __name__ == "__main__":

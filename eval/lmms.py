@@ -445,7 +445,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["make-task"]:
         from common.cli import add_limit, entry_parser, run_cli
-        from common.data import IMAGE_ROOT_HELP, read_any
+        from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, read_any
         p = entry_parser("eval.lmms make-task", "Write an lmms-eval task folder (YAML + JSONL + utils.py) from a "
                                                 "benchmark file of ours (LLaVA JSON or canonical JSONL).")
         p.add_argument("--data", required=True, help="benchmark file (e.g. out/data/test.json)")
@@ -455,10 +455,11 @@ def main(argv=None):
         add_limit(p)
         p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="generation budget")
         p.add_argument("--overwrite", action="store_true", help="replace existing task files")
+        p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
         a = p.parse_args(argv[1:])
 
         def run():
-            made = build_task(read_any(a.data, a.image_root)[:a.limit or None], a.out, a.name, a.max_new_tokens, a.overwrite)
+            made = build_task(read_any(a.data, a.image_root, skip_bad=a.skip_bad)[:a.limit or None], a.out, a.name, a.max_new_tokens, a.overwrite)
             for task, ids in made.items():
                 print(f"{task}: {len(ids)} documents")
             print(f"wrote {a.out}: run with --tasks {','.join(made)} --include_path {a.out}")

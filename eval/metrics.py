@@ -29,8 +29,8 @@ def pope_prf(preds, golds):
     Raises ValueError on length mismatch."""
     if len(preds) != len(golds):
         raise ValueError(f"pope_prf: {len(preds)} predictions vs {len(golds)} gold answers")
-    p = np.array([x == "yes" for x in preds])
-    g = np.array([x == "yes" for x in golds])
+    p = np.array([x == "yes" for x in preds], dtype=bool)  # dtype: an empty list would be float64
+    g = np.array([x == "yes" for x in golds], dtype=bool)
     tp, fp, fn = int((p & g).sum()), int((p & ~g).sum()), int((~p & g).sum())
     prec = tp / (tp + fp) if tp + fp else 0.0
     rec = tp / (tp + fn) if tp + fn else 0.0

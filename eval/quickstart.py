@@ -18,13 +18,17 @@
 Every stage (data, each base's evaluation, each method) saves its rows to
 out/quickstart/stages/<stage>.json when it finishes. Ctrl-C stops at the end of the current
 training step and exits with 130 (Ctrl-C again stops at once); the interrupted stage reruns
-from its start, and a rerun skips the stages already done with the
-same settings and bases (`--fresh` redoes them all).
+from its start (a method stage first empties its OUT/<method> folder, so no earlier run's
+files mix in), and a rerun skips the stages already done with the same settings and bases.
+`--fresh` deletes the earlier run's stage records and report before the first stage starts,
+so an interrupted --fresh run is continued by a plain rerun and never reports an earlier
+run's rows.
 """
 import hashlib
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -119,6 +123,16 @@ def run_stage(name, settings, out, fresh, fn):
     return rows, secs, False
 
 
+def clear_stage_records(out):
+    """--fresh: delete OUT/stages (the stage records) and OUT/report.json / report.md of an
+    earlier run, before the first stage starts. Only these quickstart paths are touched; each
+    method's OUT/<method> folder is emptied when its stage runs (`main`)."""
+    shutil.rmtree(os.path.join(out, "stages"), ignore_errors=True)
+    for f in ("report.json", "report.md"):
+        if os.path.exists(os.path.join(out, f)):
+            os.remove(os.path.join(out, f))
+
+
 def retrain_bases():
     """The README's three pretraining commands (the first two side by side, one thread each)."""
     procs = [subprocess.Popen([sys.executable, "-m", "eval.tools.pretrain", "--arch", arch, "--out", bb.TINY[name],
@@ -144,8 +158,9 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of method toy reproductions to run in quick mode ('' for none)")
     p.add_argument("--batch-size", type=number(min=1), default=100, help="generation batch size")
-    p.add_argument("--fresh", action="store_true", help="redo every stage (default: reuse the stages an "
-                                                        "earlier, interrupted run finished)")
+    p.add_argument("--fresh", action="store_true", help="redo every stage: the earlier run's stage records are "
+                                                        "deleted first (default: reuse the stages an earlier, "
+                                                        "interrupted run finished)")
     add_threads(p)
     a = p.parse_args(argv)
     from eval import evaluate as ev
@@ -155,6 +170,8 @@ def main(argv=None):
         p.error(f"unknown method(s) {bad}; choose from {','.join(METHODS)}")
     threads = set_threads(a.threads)
     print(f"[quickstart] {threads} CPU thread(s) (--threads)")
+    if a.fresh:  # before any stage: a --fresh run stopped midway must not leave the earlier run's records
+        clear_stage_records(a.out)
     timings, stages, t0 = {}, {}, time.time()
 
     # 1. data
@@ -184,6 +201,7 @@ def main(argv=None):
 
     def method_rows(m):
         toy = importlib.import_module(f"eval.toys.{m}")
+        shutil.rmtree(os.path.join(a.out, m), ignore_errors=True)  # from its start: no earlier run's adapters or rows
         out = toy.run(quick=True, data_dir=a.data, out_dir=os.path.join(a.out, m))
         return toy.report_rows(out) if isinstance(out, dict) else out  # toy_mole returns its table summary
 

@@ -6,7 +6,7 @@ README ("Records"):
 
   canonical JSONL (one record per line, images in a folder next to it or under --image-root):
       {"id": "q1", "image": "images/q1.png", "question": "Is there a dog?", "answer": "yes",
-       "family": "existence",                      # optional, default "all"
+       "family": "existence",                      # optional, default "unlabelled"
        "options": ["cat", "dog", "cow", "pig"]}    # optional, multiple choice
   LLaVA conversation JSON/JSONL (`read_llava_json`), what `common.data` writes.
 

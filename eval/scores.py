@@ -29,6 +29,7 @@ nothing else is normalised unless the benchmark does it.
 | blink | leading letter (`blink_letter`) | accuracy, per subtask |
 | vstar | lmms-eval's V* letter patterns (`vstar_letter`) | accuracy, per category |
 | realworldqa | `extract_mcq_answer` for letter golds, else exact | exact match |
+| cvbench | leading letter (lmms-eval's cv_bench reader, = `blink_letter`) | accuracy per source; 2D = mean of the ADE20K and COCO accuracies, 3D = Omni3D's (the dataset card's script) |
 
 Accuracies are fractions in [0, 1]; MME scores are on its own scale (x100 per subtask, summed)
 and OCRBench's are points.
@@ -350,6 +351,54 @@ def vstar_letter(response):
     return s[0] if s and s[0] in "ABCD" else None
 
 
+CVBENCH_SOURCES = {"2D": ("ADE20K", "COCO"), "3D": ("Omni3D",)}
+
+
+def score_cvbench(items):
+    """CV-Bench (Tong et al., "Cambrian-1", arXiv 2406.16860) as its dataset card's evaluation
+    script composes it (nyu-visionx/CV-Bench; lmms-eval's cv_bench default aggregate is the
+    same formula). hit = `blink_letter(pred)` (lmms-eval's cv_bench reader: the leading letter)
+    equals the gold letter. Then
+        acc(source)  = mean hit over the records of that source (meta["source"])
+        accuracy_2d  = (acc(ADE20K) + acc(COCO)) / 2        (a mean of sources, not of records)
+        accuracy_3d  = acc(Omni3D)
+        overall      = (accuracy_2d + accuracy_3d) / 2       (the card's "CV-Bench Accuracy")
+    MoLE's table (Mixture of Latent Experts) reports accuracy_2d and accuracy_3d separately.
+    A type's sources are read from the records (meta["type"], "2D" / "3D"); a source missing
+    from a run (--limit) is left out of its type's mean and listed in "missing_sources"; a type
+    with no records is absent, and so is overall. Also: accuracy_2d_micro / accuracy_3d_micro
+    (plain accuracy over that type's records, lmms-eval's cv_bench_2d / cv_bench_3d tasks),
+    per-task accuracy ("categories": Count, Relation, Depth, Distance) and per-source "sources".
+    Raises ValueError for a record without meta["source"] (not written by eval.convert)."""
+    by_src, by_type, by_task, types = defaultdict(list), defaultdict(list), defaultdict(list), {}
+    for r, p in items:
+        meta = r.get("meta") or {}
+        if "source" not in meta:
+            raise ValueError(f"record {r['id']}: no meta.source; convert CV-Bench with eval.convert --benchmark cvbench")
+        hit = blink_letter(p) == str(_gold(r)).strip("()").upper()
+        kind = str(meta.get("type") or ("3D" if meta["source"] in CVBENCH_SOURCES["3D"] else "2D"))
+        by_src[meta["source"]].append(hit)
+        by_type[kind].append(hit)
+        by_task[r.get("category", "all")].append(hit)
+        types.setdefault(kind, set()).add(meta["source"])
+    src_acc = {s: _mean(v) for s, v in by_src.items()}
+    out = {"n": len(items), "sources": src_acc}
+    missing = []
+    for kind in ("2D", "3D"):
+        if kind not in types:
+            continue
+        expected = CVBENCH_SOURCES[kind]
+        present = [s for s in expected if s in src_acc] + sorted(types[kind] - set(expected))
+        missing += [s for s in expected if s not in src_acc]
+        out[f"accuracy_{kind.lower()}"] = _mean([src_acc[s] for s in present])
+        out[f"accuracy_{kind.lower()}_micro"] = _mean(by_type[kind])
+    if "accuracy_2d" in out and "accuracy_3d" in out:
+        out["overall"] = (out["accuracy_2d"] + out["accuracy_3d"]) / 2
+    out["missing_sources"] = missing
+    out["categories"] = {c: _mean(v) for c, v in by_task.items()}
+    return out
+
+
 def _accuracy_by_category(items, ok):
     cats = defaultdict(list)
     for (r, _), c in zip(items, ok):
@@ -429,16 +478,18 @@ def score_realworldqa(items):
 def anls_lmms(pred, golds, threshold=0.5):
     """InfoVQA / DocVQA ANLS as lmms-eval computes it (its `anls` metric, from Qwen-VL's
     infographicsvqa_eval): for each gold g, NL = levenshtein(norm(g), norm(pred)) /
-    max(len(g), len(pred)) with norm = strip, lower-case, collapse spaces, and the lengths
-    of the *unnormalised* strings; s = 1 - min NL; s = 0 if s < threshold. Differs from
-    `eval.metrics.anls_score` only at NL = 0.5 exactly (kept here, 0 there) and in the
-    lengths used."""
+    max(len(g.upper()), len(pred.upper())) with norm = strip, lower-case, collapse spaces:
+    the lengths are those of the *unnormalised, upper-cased* strings, as lmms-eval writes
+    them, so a character that upper-cases to two ("ß" -> "SS") counts twice ("Großstrasse"
+    vs "Großstraße": distance 2 / 12 -> 0.8333); s = 1 - min NL; s = 0 if s < threshold.
+    Differs from `eval.metrics.anls_score` only at NL = 0.5 exactly (kept here, 0 there)
+    and in the lengths used."""
     golds = golds if isinstance(golds, list) else [golds]
     nls = []
     for g in golds:
         g = str(g)
         a, b = " ".join(g.strip().lower().split()), " ".join(pred.strip().lower().split())
-        n = max(len(g), len(pred))
+        n = max(len(g.upper()), len(pred.upper()))  # lmms-eval's lengths (upper case, unnormalised)
         nls.append(0.0 if n == 0 else levenshtein(a, b) / n)
     s = 1 - min(nls)
     return 0.0 if s < threshold else s
@@ -576,12 +627,13 @@ def score_textvqa(items):
 SCORERS = {"mme": score_mme, "pope": score_pope, "mmmu": score_mmmu, "mmstar": score_mmstar,
            "scienceqa": score_scienceqa, "mmlu": score_mmlu, "infovqa": score_infovqa, "ocrbench": score_ocrbench,
            "chartqa": score_chartqa, "textvqa": score_textvqa, "blink": score_blink, "vstar": score_vstar,
-           "realworldqa": score_realworldqa}
+           "realworldqa": score_realworldqa, "cvbench": score_cvbench}
 # the headline number of each benchmark, in the order a paper table prints them
 HEADLINE = {"mme": ("perception", "cognition"), "pope": ("f1", "accuracy"), "mmmu": ("accuracy",),
             "mmstar": ("average",), "scienceqa": ("accuracy",), "mmlu": ("accuracy",), "infovqa": ("anls",),
             "ocrbench": ("points",), "chartqa": ("relaxed_overall",), "textvqa": ("vqa_accuracy",),
-            "blink": ("accuracy",), "vstar": ("accuracy",), "realworldqa": ("accuracy",)}
+            "blink": ("accuracy",), "vstar": ("accuracy",), "realworldqa": ("accuracy",),
+            "cvbench": ("accuracy_2d", "accuracy_3d", "overall")}
 
 
 def benchmark_scores(records, preds):

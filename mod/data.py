@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from common.cli import add_limit, add_threads, number, run_cli, set_threads
-from common.data import IMAGE_ROOT_HELP
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
 from common.data import DataError, atomic_write_text, check_support, check_training_records, load_image, read_records
 from common.answers import final_answer, is_correct  # noqa: F401  (mod.infer scores with it)
 # The prompt shapes live in common/ (the tiny chat base is pretrained on them too); mod.infer reads them here.
@@ -42,14 +42,15 @@ from mod.prompts import (ANSWER_SPACE, DEBATE_PROMPT, JSON_INSTRUCTION, debate_p
 CATEGORIES = ("pos", "rev", "rob")
 
 
-def load_records(path, image_root=None, entry="mod.train", multi_turn=True):
+def load_records(path, image_root=None, entry="mod.train", multi_turn=True, skip_bad=False):
     """Training records from LLaVA JSON/JSONL or canonical JSONL (`common.data.read_records`,
     relative image paths against `image_root`, default the file's folder), checked for what
     `entry` needs: at least one record, at most one image per record (`common.data.check_support`;
     text-only records, image None, are allowed, as in the paper's MMLU rows; multi-turn records
     only if `multi_turn`: mod.train trains on every gpt turn) and a non-empty answer
-    (`common.data.check_training_records`). Raises DataError."""
-    records = read_records(path, image_root)
+    (`common.data.check_training_records`); every image is decoded now (skip_bad: records with
+    an unusable image are left out, with a note). Raises DataError."""
+    records = read_records(path, image_root, skip_bad)
     check_support(records, entry, text_only=True, multi_turn=multi_turn)
     check_training_records(records, path)
     return records
@@ -158,6 +159,7 @@ def main(argv=None):
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     p.add_argument("--out", required=True, help="output LLaVA JSON (image paths stay absolute)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     p.add_argument("--k", type=number(min=1), default=4, help="samples per question from the base model (K)")
     p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="sampling temperature")
     p.add_argument("--ratios", type=ratios_arg, default=(1.0, 1.0, 1.0), help="relative weights of T_pos,T_rev,T_rob")
@@ -184,7 +186,8 @@ def run(args):
     """The body of `main` for parsed flags (writes args.out atomically)."""
     from common.backbone import load_backbone
     from common.data import DataError
-    records = load_records(args.data, args.image_root, "mod.data", multi_turn=False)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
+    records = load_records(args.data, args.image_root, "mod.data", multi_turn=False,
+                           skip_bad=args.skip_bad)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # fail before the sampling
     model, proc = load_backbone(args.model)
     samples = sample_responses(model, proc, records, args.k, args.temperature, args.batch_size,

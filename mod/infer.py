@@ -7,7 +7,8 @@
     MoD-Multi    K debate rounds: round k sees the question, the debate prompt and the
                  model's own responses of rounds 0..k-1 (Alg. 2), final answer = last round
     MAD          multi-agent debate on the base model: 2 debaters (sampled) answer, then
-                 see each other's latest response for `rounds` rounds; a judge (greedy)
+                 see each other's latest response for `rounds` rounds (--mad-rounds, default
+                 --rounds); a judge (greedy)
                  reads both and decides (Liang et al. 2024 style, B.4)
     SC           self-correction on the base model: answer, then review the own answer
 
@@ -26,7 +27,7 @@ import torch
 
 from common.backbone import generate
 from common.cli import add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from common.data import IMAGE_ROOT_HELP, Batcher
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
 
 
@@ -34,22 +35,42 @@ def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
     return generate(model, proc, batcher.image_list(recs), questions, max_new_tokens, **kw)
 
 
-def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=96, sample_kw=None):
+def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=96, sample_kw=None, log=None,
+               phase="rounds"):
     """Generic multi-call driver. prompt_fns: list of functions (record, history) -> prompt,
     one per call; each call's output is appended to that record's history.
-    sample_kw: per-call generation kwargs list (None = greedy). Returns (histories, tokens)."""
-    batcher = Batcher(proc, records)
+    sample_kw: per-call generation kwargs list (None = greedy). Returns (histories, tokens).
+    log: a `common.predictions.PredictionLog` (or its `scope`) keeping each finished batch of
+    each call as phase "{phase}/{call}"; with sampled calls the random state after each batch
+    is kept too, so a resumed run draws what the uninterrupted one draws."""
+    from common.predictions import PredictionLog, rng_state, set_rng_state
+    log = log or PredictionLog(None, None)
+    kws = sample_kw or [{}] * len(prompt_fns)
+    n_batches = -(-len(records) // batch_size)
+    sampled = any(kw.get("do_sample") for kw in kws)
+    if sampled:  # resume: the random stream continues after the last finished batch
+        last = None
+        for c in range(len(prompt_fns)):
+            got = log.stored(f"{phase}/{c}")
+            last = got[-1]["state"] if got else last
+            if len(got) < n_batches:
+                break
+        if last is not None:
+            set_rng_state(last)
     hist = [[] for _ in records]
     toks = [0] * len(records)
-    for c, fn in enumerate(prompt_fns):
-        kw = (sample_kw or [{}] * len(prompt_fns))[c]
-        for i in range(0, len(records), batch_size):
+    for c, (fn, kw) in enumerate(zip(prompt_fns, kws)):
+        def one(b, fn=fn, kw=kw):
+            i = b * batch_size
             recs = records[i:i + batch_size]
             qs = [fn(r, hist[i + j]) for j, r in enumerate(recs)]
-            texts, lens = _generate(model, proc, batcher, recs, qs, max_new_tokens, **kw)
-            for j, (t, n) in enumerate(zip(texts, lens)):
-                hist[i + j].append(t)
-                toks[i + j] += n
+            texts, lens = _generate(model, proc, Batcher(proc, recs), recs, qs, max_new_tokens, **kw)
+            return [[t, n] for t, n in zip(texts, lens)]
+        outs = log.run(f"{phase}/{c}", n_batches, one, desc=f"{phase} call {c + 1}/{len(prompt_fns)}",
+                       state=rng_state if sampled else None)
+        for j, (t, n) in enumerate(outs):
+            hist[j].append(t)
+            toks[j] += n
     return hist, toks
 
 
@@ -60,27 +81,28 @@ def _results(records, finals, toks):
 
 
 @torch.no_grad()
-def mod_debate(model, proc, records, rounds=0, batch_size=64, max_new_tokens=96):
-    """MoD-Single (rounds=0) or MoD-Multi (rounds=K >= 1), Alg. 2. Returns (results, wall_s)."""
+def mod_debate(model, proc, records, rounds=0, batch_size=64, max_new_tokens=96, log=None):
+    """MoD-Single (rounds=0) or MoD-Multi (rounds=K >= 1), Alg. 2. Returns (results, wall_s).
+    log: as in `run_rounds` (every method below takes it too)."""
     t0 = time.time()
     fns = [lambda r, h: single_prompt(r["question"])]
     fns += [lambda r, h: debate_prompt(r["question"], h)] * rounds
-    hist, toks = run_rounds(model, proc, records, fns, batch_size, max_new_tokens)
+    hist, toks = run_rounds(model, proc, records, fns, batch_size, max_new_tokens, log=log)
     return _results(records, [h[-1] for h in hist], toks), time.time() - t0
 
 
 @torch.no_grad()
-def plain(model, proc, records, batch_size=64, max_new_tokens=96, json_prompt=False):
+def plain(model, proc, records, batch_size=64, max_new_tokens=96, json_prompt=False, log=None):
     """One greedy round on the plain question (the base model's own format) or with the JSON
     instruction (adapters trained on debate data). Returns (results, wall_s)."""
     t0 = time.time()
     fn = (lambda r, h: single_prompt(r["question"])) if json_prompt else (lambda r, h: r["question"])
-    hist, toks = run_rounds(model, proc, records, [fn], batch_size, max_new_tokens)
+    hist, toks = run_rounds(model, proc, records, [fn], batch_size, max_new_tokens, log=log)
     return _results(records, [h[-1] for h in hist], toks), time.time() - t0
 
 
 @torch.no_grad()
-def misled(model, proc, records, batch_size=64, max_new_tokens=96, seed=0):
+def misled(model, proc, records, batch_size=64, max_new_tokens=96, seed=0, log=None):
     """Robustness to a misleading prior (what T_rev / T_rob train, §3.2): one greedy round on the
     debate prompt with a single *wrong* prior response (`mod.data.wrong_response`, seeded, in
     the debate JSON form). Returns (results, wall_s)."""
@@ -90,21 +112,23 @@ def misled(model, proc, records, batch_size=64, max_new_tokens=96, seed=0):
     wrong = {r["id"]: wrong_response(rng, r["question"], r["answer"], r["family"]) for r in records}
     t0 = time.time()
     fn = lambda r, h: debate_prompt(r["question"], [to_json_response(wrong[r["id"]])])
-    hist, toks = run_rounds(model, proc, records, [fn], batch_size, max_new_tokens)
+    hist, toks = run_rounds(model, proc, records, [fn], batch_size, max_new_tokens, log=log)
     return _results(records, [h[-1] for h in hist], toks), time.time() - t0
 
 
 @torch.no_grad()
-def self_correction(model, proc, records, batch_size=64, max_new_tokens=96):
+def self_correction(model, proc, records, batch_size=64, max_new_tokens=96, log=None):
     """Answer, then "review your previous answer" (one correction round). Returns (results, wall_s)."""
     t0 = time.time()
     review = lambda r, h: review_prompt(r["question"], h[0])
-    hist, toks = run_rounds(model, proc, records, [lambda r, h: r["question"], review], batch_size, max_new_tokens)
+    hist, toks = run_rounds(model, proc, records, [lambda r, h: r["question"], review], batch_size, max_new_tokens,
+                            log=log)
     return _results(records, [h[-1] for h in hist], toks), time.time() - t0
 
 
 @torch.no_grad()
-def multi_agent_debate(model, proc, records, rounds=1, temperature=0.7, batch_size=64, max_new_tokens=96, seed=0):
+def multi_agent_debate(model, proc, records, rounds=1, temperature=0.7, batch_size=64, max_new_tokens=96, seed=0,
+                       log=None):
     """MAD: debaters 1 and 2 (temperature sampling) answer; for `rounds` rounds each sees the
     other's latest response with the debate prompt; a greedy judge reads both final responses.
     History layout: [d1_0, d2_0, d1_1, d2_1, ..., judge]. Returns (results, wall_s)."""
@@ -117,7 +141,7 @@ def multi_agent_debate(model, proc, records, rounds=1, temperature=0.7, batch_si
     fns.append(lambda r, h: judge_prompt(r["question"], h[-2], h[-1]))
     sample = {"do_sample": True, "temperature": temperature}
     kw = [sample] * (len(fns) - 1) + [{}]
-    hist, toks = run_rounds(model, proc, records, fns, batch_size, max_new_tokens, kw)
+    hist, toks = run_rounds(model, proc, records, fns, batch_size, max_new_tokens, kw, log=log)
     return _results(records, [h[-1] for h in hist], toks), time.time() - t0
 
 
@@ -226,13 +250,19 @@ def main(argv=None):
                    "base-misled (the frozen base model). base = the plain question; base-json = the adapters' "
                    "JSON prompt (the fair baseline of single, as eval.toys.mod's base-json row); misled = one "
                    "debate round whose only prior response is wrong")
-    p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi and MAD (paper: 1)")
+    p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi (paper: 1; and of MAD "
+                   "unless --mad-rounds)")
+    p.add_argument("--mad-rounds", type=number(min=0), default=None, help="debate rounds of MAD (2 debaters + judge; "
+                   "default: --rounds; the paper's MAD debates 'over multiple rounds', the count is not given)")
     add_limit(p, what="questions")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=96, help="cap per generated response")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
     p.add_argument("--heatmap", default="", help="write a per-family router-A heatmap PNG here (needs --adapter)")
     p.add_argument("--out", default="", help="write summaries + per-question results as JSON here")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a stopped run from its last finished batch (OUT.partial; the same flags)")
+    p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     add_threads(p)
     args = p.parse_args(argv)
     set_threads(args.threads, args.model)
@@ -245,42 +275,60 @@ def main(argv=None):
     return run_cli(run, args, methods)  # DataError, BackboneError, adapter on the wrong base, files: error: ...
 
 
+def _mad_rounds(args):
+    """MAD's debate rounds: --mad-rounds, else --rounds."""
+    return args.rounds if getattr(args, "mad_rounds", None) is None else args.mad_rounds
+
+
 def run(args, methods):
     """The body of `main` for parsed flags. Returns the JSON-able summaries + results."""
-    from common.backbone import load_backbone
-    from common.data import atomic_write_text, check_support, read_records
-    from mod.model import load_adapters
+    from common.data import check_support, read_records
     for flag, path in (("--out", args.out), ("--heatmap", args.heatmap)):  # fail now, not after the whole run
         if path:
             check_out_file(path, flag)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    records = read_records(args.data, args.image_root)[:args.limit or None]  # DataError for an empty file
+    records = read_records(args.data, args.image_root, args.skip_bad)[:args.limit or None]  # every image decoded
     check_support(records, "mod.infer", text_only=True)  # at most one image, one turn per record: before any model loads
     if {"misled", "base-misled"} & set(methods):  # every method's data check before any method runs
         import random
         from mod.data import wrong_response
         for r in records:
             wrong_response(random.Random(0), r["question"], r["answer"], r["family"])  # DataError: not shapes
+    from common.predictions import PredictionLog, fingerprint, model_digest
+    fp = fingerprint(records, model=model_digest(args.model), adapter=model_digest(args.adapter), methods=methods,
+                     rounds=args.rounds, mad_rounds=_mad_rounds(args), batch_size=args.batch_size,
+                     max_new_tokens=args.max_new_tokens,
+                     device=args.device)
+    with PredictionLog(args.out or None, fp, args.resume) as log:  # refusals before any model loads
+        return _run_methods(args, methods, records, log)
+
+
+def _run_methods(args, methods, records, log):
+    """Load the models, run each method (every finished batch kept in `log`), write --out."""
+    from common.backbone import load_backbone
+    from common.data import atomic_write_text
+    from mod.model import load_adapters
     base, proc = load_backbone(args.model, device=args.device)
     tuned = None
     if args.adapter:
         tuned, _ = load_backbone(args.model, device=args.device)
         load_adapters(tuned, args.adapter)  # refuses adapters trained on another base
         tuned.eval()
-    drivers = {"base": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens),
-           "base-json": lambda: plain(base, proc, records, args.batch_size, args.max_new_tokens, json_prompt=True),
-           "single": lambda: mod_debate(tuned, proc, records, 0, args.batch_size, args.max_new_tokens),
-           "multi": lambda: mod_debate(tuned, proc, records, args.rounds, args.batch_size, args.max_new_tokens),
-           "mad": lambda: multi_agent_debate(base, proc, records, args.rounds, batch_size=args.batch_size,
-                                             max_new_tokens=args.max_new_tokens),
-           "sc": lambda: self_correction(base, proc, records, args.batch_size, args.max_new_tokens),
-           "base-misled": lambda: misled(base, proc, records, args.batch_size, args.max_new_tokens),
-           "misled": lambda: misled(tuned, proc, records, args.batch_size, args.max_new_tokens)}
+    bs, mnt = args.batch_size, args.max_new_tokens
+    drivers = {"base": lambda log: plain(base, proc, records, bs, mnt, log=log),
+               "base-json": lambda log: plain(base, proc, records, bs, mnt, json_prompt=True, log=log),
+               "single": lambda log: mod_debate(tuned, proc, records, 0, bs, mnt, log=log),
+               "multi": lambda log: mod_debate(tuned, proc, records, args.rounds, bs, mnt, log=log),
+               "mad": lambda log: multi_agent_debate(base, proc, records, _mad_rounds(args), batch_size=bs,
+                                                     max_new_tokens=mnt, log=log),
+               "sc": lambda log: self_correction(base, proc, records, bs, mnt, log=log),
+               "base-misled": lambda log: misled(base, proc, records, bs, mnt, log=log),
+               "misled": lambda log: misled(tuned, proc, records, bs, mnt, log=log)}
     out = {"summaries": [], "results": {}, "complete": False}
     print(f"{'method':11s} {'acc':>6s} {'tok/q':>7s} {'wall s':>7s}")
     for m in methods:
-        res, wall = drivers[m]()
-        s = summarize(m, res, wall)
+        res, _ = drivers[m](log.scope(m))
+        s = summarize(m, res, log.seconds(m))  # compute time of its batches, resumed ones included
         out["summaries"].append(s)
         out["results"][m] = res
         print(f"{m:11s} {s['accuracy']:6.3f} {s['tokens_per_q']:7.1f} {s['wall_s']:7.1f}")
@@ -293,6 +341,7 @@ def run(args, methods):
         print(f"switch rate {diag['switch_rate']:.3f}; heatmap {args.heatmap}")
     if args.out:
         atomic_write_text(args.out, json.dumps(out, indent=1))
+    log.finish()
     return out
 
 

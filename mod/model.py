@@ -118,14 +118,16 @@ class RoutingContext:
     mask: [B, T] bool of the current tokens (None = no padding); continuing: True when the
     call extends a KV-cached sequence (use the per-layer token caches); aux: per-layer
     load-balance losses of this forward (training only); record: if True, layers append
-    (name, idx_A [B,T,r], idx_B [B,T,r], mask) to `trace` for diagnostics.
+    (name, idx_A [B,T,r], idx_B [B,T,r], mask) to `trace` for diagnostics; reduce: None, or
+    `common.routing.rank_mean` while a data-parallel run trains (the aux loss of the global batch).
 
     The decoding bookkeeping that depends only on the mask and the number of real tokens seen
-    (window weights, ring shift, counts) is the same for every layer, so it is computed once
+    (window weights, ring slot, counts) is the same for every layer, so it is computed once
     per forward by the first layer that needs it (`shared`) and reused by the others."""
 
     def __init__(self):
         self.mask, self.continuing, self.aux, self.record, self.trace = None, False, [], False, []
+        self.reduce = None
         self._memo = {}
 
     @torch.compiler.disable
@@ -444,7 +446,8 @@ class MoDLinear(nn.Module):
     def _bookkeeping(self, pa, ia, pb, ib):   # recompile per layer (compile_adapters compiles the rest)
         ctx = self.ctx
         if self.training:  # eq. 9 per layer: E/2 sum_i (f_A P_A + f_B P_B), probabilities for P
-            ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask) + load_balance_loss(pb, ib, ctx.mask)))
+            ctx.aux.append(0.5 * (load_balance_loss(pa, ia, ctx.mask, ctx.reduce) +
+                                  load_balance_loss(pb, ib, ctx.mask, ctx.reduce)))
         if ctx.record:
             ctx.trace.append((self.name, ia.detach(), ib.detach(), ctx.mask))
 
@@ -732,7 +735,8 @@ def load_peft(model, path):
     """Attach a peft LoRA adapter (adapter_config.json + adapter_model.safetensors written by
     peft's save_pretrained, or save_peft) to a fresh base as our LoRA baseline and load it.
     Raises ValueError naming the problem: not LORA, options we do not implement (rslora, DoRA,
-    bias, fan_in_fan_out, per-module ranks / alphas, modules_to_save), target modules outside
+    bias, fan_in_fan_out, per-module ranks / alphas, modules_to_save, target_parameters: peft
+    >= 0.17's LoRA on parameters such as fused MoE expert tensors), target modules outside
     the language model's nn.Linear layers, or tensors that do not fit. Returns the AdapterConfig."""
     with open(os.path.join(path, CONFIG_NAME)) as f:
         pc = json.load(f)
@@ -740,8 +744,9 @@ def load_peft(model, path):
         raise ValueError(f"{path}: peft_type {pc.get('peft_type')!r}; only LORA maps to the LoRA baseline")
     unsupported = {k: pc.get(k) for k, ok in (("use_rslora", False), ("use_dora", False), ("bias", "none"),
                                                ("fan_in_fan_out", False), ("modules_to_save", None),
-                                               ("rank_pattern", {}), ("alpha_pattern", {}))
-                   if pc.get(k) not in (ok, None) and not (ok == {} and not pc.get(k))}
+                                               ("rank_pattern", {}), ("alpha_pattern", {}),
+                                               ("target_parameters", []))
+                   if pc.get(k) not in (ok, None) and not (ok in ({}, []) and not pc.get(k))}
     if unsupported:
         raise ValueError(f"{path}: peft options the LoRA baseline does not implement: {unsupported}")
     state = load_file(os.path.join(path, WEIGHTS_NAME))
@@ -759,6 +764,10 @@ def load_peft(model, path):
     if not mods or outside:
         raise ValueError(f"{path}: LoRA modules outside the language model (or missing in this base): "
                          f"{outside[:3] or 'none given'}")
+    not_linear = [m for m in mods if not isinstance(full[m], nn.Linear)]
+    if not_linear:  # e.g. LoRA on fused expert parameters (peft's target_parameters) without the config key
+        raise ValueError(f"{path}: LoRA tensors on modules that are not nn.Linear layers: {not_linear[:3]}; the LoRA "
+                         f"baseline wraps nn.Linear layers only (peft's target_parameters is not supported)")
     cfg = AdapterConfig(method="lora", r=int(pc["r"]), lora_alpha=float(pc["lora_alpha"]),
                         target_modules=[m[cut:] for m in mods])
     attach(model, cfg)

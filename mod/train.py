@@ -2,6 +2,12 @@
 
     loss = L_reg (cross-entropy on the target response, eq. 8) + lambda * L_aux (eq. 9)
 
+L_reg is the token mean of the step's cross-entropy by default; `--loss-reduction sum` takes
+eq. 8 literally, the sum over each target response's tokens (averaged over the step's records),
+which is the mean times |a'| for one record: lambda then weighs the aux loss |a'| times less.
+MoE-LoRA's default (`--method moelora`: 11 rank-1 experts, top-4) has MoD's trainable
+parameters within ~1-3 % (`mod.params`), the paper's "same learnable parameter scale".
+
 Only the adapters train; the base model stays frozen. Task loss and aux loss are logged
 separately (out/log.jsonl and the progress bar).
 
@@ -38,11 +44,13 @@ from tqdm import tqdm
 
 from common.backbone import base_identity
 from common.checkpoint import save_train_state
-from common.data import IMAGE_ROOT_HELP, Batcher  # noqa: F401  (mod.train.Batcher: the trainer's batches)
-from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
-                        read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
-                        token_ce, add_threads)
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher  # noqa: F401  (mod.train.Batcher: the trainer's batches)
+from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
+                        number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
+                        step_tokens, token_ce, add_threads)
+from common.routing import rank_mean
 from mod.data import load_records
+from mod.params import MOELORA_MATCHED
 from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, compile_adapters,
                        num_trainable, save_adapters)
 
@@ -61,8 +69,11 @@ def add_adapter_args(p):
     p.add_argument("--r", type=number(min=1), default=d.r,
                    help="top-r experts per token (mod/moelora) or LoRA rank (lora)")
     p.add_argument("--lora-alpha", type=number(float, above=0), default=d.lora_alpha, help="output scale alpha / r")
-    p.add_argument("--num-experts", type=number(min=1), default=d.num_experts, help="experts per pool (E)")
-    p.add_argument("--expert-rank", type=number(min=1), default=d.expert_rank, help="rank of each MoE-LoRA expert")
+    p.add_argument("--num-experts", type=number(min=1), default=None,
+                   help=f"experts per pool (E); default {d.num_experts} for mod, "
+                   f"{MOELORA_MATCHED['num_experts']} for moelora (MoD's trainable parameters within ~1-3 %%, mod.params)")
+    p.add_argument("--expert-rank", type=number(min=1), default=None,
+                   help=f"rank of each MoE-LoRA expert (default {MOELORA_MATCHED['expert_rank']})")
     p.add_argument("--window", type=number(min=1), default=d.window, help="routing window / region size W")
     p.add_argument("--granularity", default="", choices=["token", "region", "window"],
                    help="routing input: the token, its block of W, or the sliding mean of the last W "
@@ -77,19 +88,26 @@ def add_adapter_args(p):
 
 
 def adapter_config(args):
-    """The AdapterConfig of parsed `add_adapter_args` flags (ValueError for inconsistent ones)."""
+    """The AdapterConfig of parsed `add_adapter_args` flags (ValueError for inconsistent ones).
+    --num-experts / --expert-rank not given: AdapterConfig's (8, 1) for mod and lora,
+    `mod.params.MOELORA_MATCHED` for moelora (parameter-matched to MoD's default)."""
+    d = MOELORA_MATCHED if args.method == "moelora" else asdict(AdapterConfig())
+    E = d["num_experts"] if args.num_experts is None else args.num_experts
+    k = d["expert_rank"] if args.expert_rank is None else args.expert_rank
     return AdapterConfig(method=args.method, target_modules=args.target_modules, r=args.r,
-                         lora_alpha=args.lora_alpha, num_experts=args.num_experts, expert_rank=args.expert_rank,
+                         lora_alpha=args.lora_alpha, num_experts=E, expert_rank=k,
                          window=args.window, granularity=args.granularity, combine=args.combine,
                          shared_router=args.shared_router, noise_std=args.noise_std, aux_coef=args.aux_coef)
 
 
 # ----------------------------------------------------------------------------- data
 
-def batch_indices(n, batch_size, seed, step, micro, rank):
-    """Record indices of one micro-batch: a generator seeded by (seed, step, micro, rank)."""
-    rng = random.Random(((seed * 1_000_003 + step) * 101 + micro) * 1009 + rank)
-    return [rng.randrange(n) for _ in range(batch_size)]
+def batch_indices(n, batch_size, seed, step, micro, rank=0, world=1):
+    """Record indices of one micro-batch of process `rank`: slice `rank` of the world * batch_size
+    indices drawn by a generator seeded by (seed, step, micro), so W processes of batch B train
+    on the batches one process of batch W * B draws (world 1: the draws of every earlier run)."""
+    rng = random.Random(((seed * 1_000_003 + step) * 101 + micro) * 1009)
+    return [rng.randrange(n) for _ in range(world * batch_size)][rank * batch_size:(rank + 1) * batch_size]
 
 
 def default_warmup(steps):
@@ -201,14 +219,18 @@ def _write_log(path, rows):
     os.replace(tmp, path)
 
 
-def accumulate(run, raw, batches, aux_coef=0.0, amp=None, world=1):
+def accumulate(run, raw, batches, aux_coef=0.0, amp=None, world=1, reduction="mean"):
     """Forward + backward of one optimizer step over its micro-batches (gradients add up in
     .grad). The task loss is the cross-entropy summed over label tokens and divided by the
     label tokens of the whole step (`common.cli.token_ce`), so 1 x 4 records, 2 x 2 and 4 x 1
     give the same gradient; the aux loss (eq. 9), a per-micro-batch average over routed tokens,
     weighs 1 / len(batches) per micro-batch. Returns (task loss = the step's token-mean CE,
-    mean aux) as floats."""
+    mean aux) as floats. reduction "sum": eq. 8 literally, the CE summed over each record's target
+    tokens and averaged over the step's records (all processes), i.e. the token mean times the
+    step's label tokens per record."""
     n = step_tokens([b["labels"] for b in batches], world)
+    if reduction == "sum":
+        n = float(sum(b["labels"].shape[0] for b in batches))  # DDP averages over ranks: the mean of all records
     task_sum = aux_sum = 0.0
     for batch in batches:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -222,7 +244,7 @@ def accumulate(run, raw, batches, aux_coef=0.0, amp=None, world=1):
 
 def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, lr=2e-3, warmup=None,
         weight_decay=0.0, clip=1.0, seed=0, aux_coef=0.01, save_every=0, resume=False, compile=False,
-        log_every=10, rank=0, world=1, desc="train", quiet=False, batcher=None):
+        log_every=10, rank=0, world=1, desc="train", quiet=False, batcher=None, loss_reduction="mean"):
     """Train the attached adapters of `model` on (question, target) records.
 
     Writes out_dir/log.jsonl ({step, loss, aux, lr, s} every `log_every` steps) and the
@@ -235,7 +257,10 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     to train on, and on a non-finite loss or gradient (the update is skipped, the last
     checkpoint kept); Interrupted after SIGTERM (step finished, checkpoint written).
     warmup None: `default_warmup(steps)`, resolved here, so a checkpoint records (and --resume
-    compares) the number of steps actually used."""
+    compares) the number of steps actually used. loss_reduction: "mean" (token mean of L_reg)
+    or "sum" (eq. 8's sum over the target tokens, see `accumulate`); the logged loss is that L_reg."""
+    if loss_reduction not in ("mean", "sum"):
+        raise RunError(f"loss_reduction must be mean or sum, not {loss_reduction!r}")
     if not records:
         raise RunError("no training records")
     warmup = default_warmup(steps) if warmup is None else warmup
@@ -247,7 +272,7 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     ckpt = os.path.join(out_dir, CKPT)
     settings = run_settings(raw, records, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                             warmup=warmup, weight_decay=weight_decay, clip=clip, seed=seed, aux_coef=aux_coef,
-                            world_size=world)
+                            world_size=world, **({"loss_reduction": loss_reduction} if loss_reduction != "mean" else {}))
     start, log = load_ckpt(ckpt, raw, opt, settings) if resume else (0, [])
     saved_at = start if start else None  # step of the last checkpoint of this run on disk
     run = raw
@@ -256,6 +281,7 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
         run = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None)
+        raw._adapter["ctx"].reduce = rank_mean  # the aux loss of the global batch, as one process computes it
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     batcher = batcher or Batcher(proc, records)
     batcher.proc = proc
@@ -265,38 +291,48 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     if rank == 0:  # a fresh log, or the resumed run's (lines after its checkpoint are dropped)
         _write_log(log_path, [r for r in log if logged(r["step"])])
     bar = tqdm(range(start, steps), desc=desc, disable=quiet or rank != 0, leave=False, initial=start, total=steps)
-    with sigterm_flag() as flag:
-        for step in bar:
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, steps, lr, warmup)
-            batches = []
-            for micro in range(grad_accum):
-                recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank)]
-                batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
-                check_labels(batch["labels"], step, recs)
-                batches.append(batch)
-            task_sum, aux_sum = accumulate(run, raw, batches, aux_coef, amp, world)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
-            if not all(map(math.isfinite, (task_sum, aux_sum, gnorm))):
-                raise diverged(step, f"loss {task_sum}, aux {aux_sum}, gradient norm {gnorm}", ckpt, saved_at,
-                               save_every)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            rec = {"step": step, "loss": task_sum, "aux": aux_sum, "lr": opt.param_groups[0]["lr"],
-                   "s": round(time.time() - t0, 2)}
-            log.append(rec)
-            if rank == 0 and logged(step):
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
-            if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
-                save_ckpt(ckpt, raw, opt, step + 1, settings, log)
-                saved_at = step + 1
-            if flag["stop"] and step + 1 < steps:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
-                if rank == 0 and saved_at != step + 1:
+    try:
+        with sigterm_flag() as flag:
+            for step in bar:
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, steps, lr, warmup)
+                batches = []
+                for micro in range(grad_accum):
+                    recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank, world)]
+                    batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
+                    check_labels(batch["labels"], step, recs)
+                    batches.append(batch)
+                task_sum, aux_sum = accumulate(run, raw, batches, aux_coef, amp, world, loss_reduction)
+                if world > 1:  # the global batch's losses (what one process logs), and one stop decision for all
+                    mine = flag["stop"]  # read once: a signal arriving after the all-reduce counts next step
+                    m = step_means({"task": task_sum, "aux": aux_sum, "stop": 1.0 if mine else 0.0}, world)
+                    task_sum, aux_sum = m["task"], m["aux"]
+                    agreed = (mine or "a signal to another process") if m["stop"] else False
+                gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+                if not all(map(math.isfinite, (task_sum, aux_sum, gnorm))):
+                    raise diverged(step, f"loss {task_sum}, aux {aux_sum}, gradient norm {gnorm}", ckpt, saved_at,
+                                   save_every)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rec = {"step": step, "loss": task_sum, "aux": aux_sum, "lr": opt.param_groups[0]["lr"],
+                       "s": round(time.time() - t0, 2)}
+                log.append(rec)
+                if rank == 0 and logged(step):
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
+                if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
                     save_ckpt(ckpt, raw, opt, step + 1, settings, log)
-                raise Interrupted(f"interrupted at step {step + 1} of {steps} ({flag['stop']}); checkpoint {ckpt} written; "
-                                  f"continue with --resume", flag["signum"])
+                    saved_at = step + 1
+                stop = agreed if world > 1 else flag["stop"]
+                if stop and step + 1 < steps:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
+                    if rank == 0 and saved_at != step + 1:
+                        save_ckpt(ckpt, raw, opt, step + 1, settings, log)
+                    raise Interrupted(f"interrupted at step {step + 1} of {steps} ({stop}); checkpoint {ckpt} written; "
+                                      f"continue with --resume", flag["signum"])
+    finally:
+        run = None  # the DDP wrapper goes before the process group (common.cli.end_distributed)
+        raw._adapter["ctx"].reduce = None
     if rank == 0:
         save_ckpt(ckpt, raw, opt, steps, settings, log)
     raw.eval()
@@ -312,6 +348,7 @@ def main(argv=None):
     p.add_argument("--data", required=True,
                    help="training records: LLaVA JSON/JSONL (e.g. from mod.data) or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
+    p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     p.add_argument("--out", required=True, help="output dir: adapter files, ckpt/, log.jsonl")
     add_adapter_args(p)
     p.add_argument("--steps", type=number(min=1), default=300, help="optimizer steps")
@@ -323,6 +360,9 @@ def main(argv=None):
                    help="linear warmup steps (default: min(20, steps // 10), at least 1: 20 for --steps >= 200)")
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient-norm clip (0 = off)")
+    p.add_argument("--loss-reduction", default="mean", choices=["mean", "sum"],
+                   help="L_reg over the target tokens: mean (default) or sum (eq. 8 as written: lambda then weighs "
+                   "the aux loss |a'| times less)")
     p.add_argument("--seed", type=int, default=0, help="seed of adapter init and batch sampling")
     p.add_argument("--save-every", type=number(min=0), default=100,
                    help="checkpoint every N steps (0 = only at the end)")
@@ -343,7 +383,7 @@ def train(args):
     set_threads(args.threads, args.model)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     stale = prepare_out(args.out, args.resume, args.overwrite) if rank == 0 else []
-    records = load_records(args.data, args.image_root)  # before the model loads: bad data fails in seconds
+    records = load_records(args.data, args.image_root, skip_bad=args.skip_bad)  # before the model loads: bad data fails in seconds
     batcher = Batcher(None, records)  # decodes every image now: a truncated one fails here too
     device = torch.device(args.device)
     if world > 1:
@@ -360,14 +400,18 @@ def train(args):
         shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.remove(f)
     if rank == 0:
         print(f"{cfg.method}: wrapped {len(names)} layers, {num_trainable(model):,} trainable parameters")
-    res = fit(model, proc, records, args.out, args.steps, args.batch_size, args.grad_accum, args.lr, args.warmup,
-              args.weight_decay, args.clip, args.seed, cfg.aux_coef, args.save_every, args.resume, args.compile,
-              rank=rank, world=world, batcher=batcher)
+    try:
+        res = fit(model, proc, records, args.out, args.steps, args.batch_size, args.grad_accum, args.lr, args.warmup,
+                  args.weight_decay, args.clip, args.seed, cfg.aux_coef, args.save_every, args.resume, args.compile,
+                  rank=rank, world=world, batcher=batcher, loss_reduction=args.loss_reduction)
+    except Interrupted:  # every rank stops after the same step (fit agrees on it), so all reach the barrier
+        end_distributed()
+        raise
     if rank == 0:
         save_adapters(model, args.out)
         print(f"done: loss {res['loss']:.4f} aux {res['aux']:.4f} ({res['wall_s']:.0f} s); adapters in {args.out}")
     if world > 1:
-        torch.distributed.destroy_process_group()
+        end_distributed()  # after fit dropped its DDP wrapper and rank 0 wrote the adapters
     return res
 
 

@@ -83,6 +83,7 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")
     p.add_argument("--data", required=True, help="LLaVA JSON/JSONL or canonical JSONL with images")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
+    p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
     add_limit(p, default=100, dest="n", old_n=True)
     add_threads(p)
     p.add_argument("--stage", type=int, choices=(1, 2), default=None,
@@ -101,7 +102,7 @@ def run(a):
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:
         check_out_file(a.out)
-    recs = read_records(a.data, a.image_root)
+    recs = read_records(a.data, a.image_root, a.skip_bad)
     recs = recs[: a.n] if a.n else recs
     check_support(recs, "mole.diagnostics", multi_image=True)  # before the model loads
     net, _, stage = load_mole(a.ckpt, device=a.device, base=a.model)

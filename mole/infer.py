@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from common import backbone as bb
 from common.answers import is_correct, score
 from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from common.data import IMAGE_ROOT_HELP
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, load_record_images, topology_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
@@ -112,21 +112,42 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
     return texts, lens
 
 
-def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervention="none", desc="mole"):
+def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervention="none", desc="mole", log=None):
     """Greedy answers for LLaVA records (common.data.read_llava_json) -> list of dicts
     {id, family, pred, answer, correct, n_tokens}, scored with `common.answers.is_correct`
-    (the same scorer as `eval.evaluate`)."""
-    from tqdm import tqdm
-    res = []
-    for i in tqdm(range(0, len(records), batch_size), desc=desc, leave=False):
+    (the same scorer as `eval.evaluate`). The intervention of the batch starting at record i
+    is seeded with i. log: a `common.predictions.PredictionLog` keeping each finished batch
+    (phase "generate") and holding those of a resumed run."""
+    from common.predictions import PredictionLog
+
+    def one(b):
+        i = b * batch_size
         chunk = records[i:i + batch_size]
         imgs = [load_record_images(r) for r in chunk]  # one list per record (several images allowed)
         texts, lens = generate(mole, imgs, [r["question"] for r in chunk], stage=stage,
                                max_new_tokens=max_new_tokens, intervention=intervention, seed=i)
-        for r, t, n in zip(chunk, texts, lens):
-            res.append({"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"],
-                        "correct": is_correct(t, r["answer"], r["family"]), "n_tokens": n})
-    return res
+        return [{"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"],
+                 "correct": is_correct(t, r["answer"], r["family"]), "n_tokens": n}
+                for r, t, n in zip(chunk, texts, lens)]
+
+    return (log or PredictionLog(None, None)).run("generate", -(-len(records) // batch_size), one, desc)
+
+
+def evaluate_sft(model, proc, records, batch_size=64, max_new_tokens=48, log=None):
+    """An SFT checkpoint (the plain VLM): standard greedy generation, the fields
+    `eval.evaluate` writes ({id, family, pred, answer, answer_type, extracted, correct,
+    n_tokens[, benchmark]}). log: as in `evaluate`."""
+    from common.predictions import PredictionLog
+
+    def one(b):
+        chunk = records[b * batch_size:(b + 1) * batch_size]
+        texts, lens = bb.generate(model, proc, [r["image"] and load_record_images(r)[0] for r in chunk],
+                                  [r["question"] for r in chunk], max_new_tokens)
+        return [{"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"], **score(r, t),
+                 "n_tokens": n, **({"benchmark": r["benchmark"]} if r.get("benchmark") else {})}
+                for r, t, n in zip(chunk, texts, lens)]
+
+    return (log or PredictionLog(None, None)).run("generate", -(-len(records) // batch_size), one, "sft")
 
 
 def main(argv=None):
@@ -145,6 +166,9 @@ def main(argv=None):
     p.add_argument("--intervention", default="none", choices=INTERVENTIONS, help="latent intervention")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--out", default="", help="write per-example predictions to this JSON file")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a stopped run from its last finished batch (OUT.partial; the same flags)")
+    p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     a = p.parse_args(argv)
     return run_cli(run, a)  # DataError, BackboneError, bad checkpoint, files: error: ...
 
@@ -152,37 +176,40 @@ def main(argv=None):
 def run(a):
     """The body of `main` for parsed flags. Returns the per-example results."""
     from common.data import atomic_write_text, check_support, read_records
+    from common.predictions import PredictionLog, fingerprint, model_digest
     from mole.checkpoint import load_mole, recorded_base, recorded_method
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:  # fail now, not after the whole evaluation
         check_out_file(a.out)
-    recs = read_records(a.data, a.image_root)
+    recs = read_records(a.data, a.image_root, a.skip_bad)  # every image decoded now
     recs = recs[: a.n] if a.n else recs
     # one turn per record, before the model loads; a MoLE checkpoint takes several images per
     # record (Z_vis routed over all), the SFT control one
     check_support(recs, "mole.infer", multi_image=recorded_method(a.ckpt) != "sft")
-    mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.model)
-    t = time.time()
-    if isinstance(mole, MoLE):
-        res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
-                       intervention=a.intervention)
-    else:  # an SFT checkpoint: the plain VLM, standard generation
-        res = []
-        for i in range(0, len(recs), a.batch_size):
-            chunk = recs[i:i + a.batch_size]
-            texts, lens = bb.generate(mole, proc, [r["image"] and load_record_images(r)[0] for r in chunk],
-                                      [r["question"] for r in chunk], a.max_new_tokens)
-            res += [{"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"], **score(r, t),
-                     "n_tokens": n, **({"benchmark": r["benchmark"]} if r.get("benchmark") else {})}
-                    for r, t, n in zip(chunk, texts, lens)]  # the fields eval.evaluate writes
+    fp = fingerprint(recs, ckpt=model_digest(a.ckpt), model=model_digest(a.model), intervention=a.intervention,
+                     batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device)
+    with PredictionLog(a.out or None, fp, a.resume) as log:  # refusals before the model loads
+        mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.model)
+        t = time.time()
+        if isinstance(mole, MoLE):
+            res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                           intervention=a.intervention, log=log)
+        else:  # an SFT checkpoint: the plain VLM, standard generation
+            res = evaluate_sft(mole, proc, recs, a.batch_size, a.max_new_tokens, log=log)
+        _report(res, t, a)
+        if a.out:
+            atomic_write_text(a.out, json.dumps(res, indent=1))
+        log.finish()
+    return res
+
+
+def _report(res, t, a):
+    """Print accuracy overall and per family."""
     acc = sum(r["correct"] for r in res) / max(len(res), 1)
     print(f"accuracy {acc:.3f} on {len(res)} ({time.time() - t:.1f} s, intervention={a.intervention})")
     for fam in sorted({r["family"] for r in res}):
         sub = [r["correct"] for r in res if r["family"] == fam]
         print(f"  {fam:10s} {sum(sub) / len(sub):.3f} (n={len(sub)})")
-    if a.out:
-        atomic_write_text(a.out, json.dumps(res, indent=1))
-    return res
 
 
 if __name__ == "__main__":

@@ -344,10 +344,12 @@ class MoLEPass:
 
     types [B,L], zpos [B,E] (position of each Z_vis token), is_vis [B,L];
     route[layer] = (sel [B,L,E] bool, prior [B,L,E] fp32); per-layer aux losses;
-    record: keep each layer's Z_vis attention probs [B,H,E,L] in `attn` (diagnostics)."""
+    record: keep each layer's Z_vis attention probs [B,H,E,L] in `attn` (diagnostics);
+    reduce: `mole.reduce` in training (the global-batch counts of a data-parallel run), else None."""
 
     def __init__(self, mole, types, zpos, record=False):
         self.mole, self.types, self.zpos, self.record = mole, types, zpos, record
+        self.reduce = mole.reduce if mole.training else None
         self.is_vis = types == VIS
         # visual positions packed per row: vis_idx [B,Nv] (padded), vis_ok [B,Nv]; ESVA runs on these only
         n = self.is_vis.sum(1)
@@ -425,20 +427,22 @@ def latent_scores(qz, key, value, allowed, prior, scaling):
     return p, torch.einsum("bkgel,bkld->bkged", p, value.float())
 
 
-def diversity_loss(delta, sel, is_vis):
+def diversity_loss(delta, sel, is_vis, reduce=None):
     """Mean pairwise squared cosine between the ESVA deltas of the experts that the same
     visual token selected (paper: L_div; 0 when K = 1 since no pair exists).
 
     delta: [B,L,E,d] (MLP_e(u); squared cosine is scale-free, so gamma drops out and the
-    loss stays defined at gamma = 0); sel: [B,L,E] bool top-K selection; is_vis: [B,L] bool.
+    loss stays defined at gamma = 0); sel: [B,L,E] bool top-K selection; is_vis: [B,L] bool;
+    reduce: None, or a data-parallel run's `common.routing.rank_mean`: the mean is then over
+    the global batch's pairs (this rank's sum / (global pairs / world)).
     Returns a scalar fp32 (0 if no pair)."""
     d = F.normalize(delta.float(), dim=-1)
     cos2 = torch.einsum("blie,blje->blij", d, d).square()  # [B,L,E,E]
     E = sel.shape[-1]
     upper = torch.ones(E, E, dtype=torch.bool, device=sel.device).triu(1)
     pair = sel[..., :, None] & sel[..., None, :] & upper & is_vis[..., None, None]
-    n = pair.sum()
-    return (cos2 * pair).sum() / n.clamp(min=1)
+    n = pair.sum().float() if reduce is None else reduce(pair.sum())
+    return (cos2 * pair).sum() / torch.where(n > 0, n, torch.ones_like(n))
 
 
 class MoLE(nn.Module):
@@ -456,6 +460,9 @@ class MoLE(nn.Module):
     def __init__(self, model, proc, cfg=None):
         super().__init__()
         self.cfg = cfg = cfg or MoLEConfig()
+        # data-parallel training sets this to common.routing.rank_mean: the aux losses then average
+        # over the global batch (what one process computes on it), not over this rank's share
+        self.reduce = None
         self.adapter = adapter = adapter_for(model, proc)
         self.model, self.proc = model, adapter.proc
         tcfg = model.config.get_text_config()
@@ -578,8 +585,8 @@ class MoLE(nn.Module):
         b = cfg.alpha * torch.log(cfg.top_k * rho + cfg.eps)  # eq. prior: ~0 when rho = 1/K
         prior = torch.zeros_like(probs).scatter_(-1, idx, b) * vis[..., None]
         st.route[layer_idx] = (sel, prior)
-        st.balance.append(load_balance_loss(probs, idx, vis))
-        st.z.append(z_loss(logits, vis))
+        st.balance.append(load_balance_loss(probs, idx, vis, st.reduce))
+        st.z.append(z_loss(logits, vis, st.reduce))
 
     # ------------------------------------------------------------------ Z_vis attention
 
@@ -616,7 +623,7 @@ class MoLE(nn.Module):
             out = out + torch.einsum("bkgev,bvekd->bkged", p_v, routed.view(B, Nv, E, Hkv, D).float())
             if cfg.router and cfg.top_k > 1:
                 sel_v = sel.gather(1, vi[..., None].expand(B, Nv, E))
-                st.div.append(diversity_loss(delta, sel_v, ok))
+                st.div.append(diversity_loss(delta, sel_v, ok, st.reduce))
         if st.record:
             st.attn[layer_idx] = p.reshape(B, H, E, L).detach()
         return out.reshape(B, H, E, D)

@@ -40,16 +40,17 @@ from common import backbone as bb
 from common import data
 from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP
-from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, number,
-                        read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_tokens,
-                        token_ce, add_threads, Deprecated)
+from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
+                        number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
+                        step_tokens, token_ce, add_threads, Deprecated)
+from common.routing import rank_mean
 from mole.lora import add_lora
 from mole.checkpoint import (PlaceholderProcessor, build, copy_tensors, load_mole, mole_config,  # noqa: F401
                              recorded_base, recorded_method, unfinished_stage2)
 from mole.model import MoLE, MoLEConfig, record_images
 
 # flags that do not change what a run computes: everything else must match on --resume
-NOT_SETTINGS = ("model", "base", "data", "image_root", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
+NOT_SETTINGS = ("model", "base", "data", "image_root", "skip_bad", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
                 "save_every", "max_steps", "threads")
 
 
@@ -65,6 +66,7 @@ def get_parser():
                    help="directory with <split>.json / <split>.jsonl (LLaVA format) + images, or one such file "
                         "(canonical JSONL too)")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
+    p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
     p.add_argument("--split", default="train", help="which <split>.json(l) of a --data directory to train on")
     p.add_argument("--n-train", type=number(min=0), default=0, help="use only the first n training records (0 = all)")
     p.add_argument("--out", default="out/mole/mole", help="checkpoint directory (written atomically)")
@@ -350,7 +352,7 @@ def train(a):
                        "mole.train ... --fsdp` (N = 1 works too)")
     doomed = prepare_out(a.out, a.resume, a.overwrite) if rank == 0 else []
     path = data_file(a)
-    recs = data.read_records(path, a.image_root)
+    recs = data.read_records(path, a.image_root, a.skip_bad)
     recs = recs[: a.n_train] if a.n_train else recs
     if a.method == "sft" and any(len(record_images(r)) > 1 for r in recs):
         raise RunError(f"{path}: --method sft takes one image per record; records with several images "
@@ -358,6 +360,10 @@ def train(a):
     data.check_support(recs, "mole.train", multi_image=True)  # MoLE routes Z_vis over every image of a record
     data.check_training_records(recs, path)
     loader = Loader(recs, a.batch_size, a.seed, rank, world)  # images checked before the model loads
+    per_step = min(a.batch_size, len(recs))
+    if world > 1 and per_step % world:  # uneven shares: ranks would run different numbers of micro-batches
+        raise RunError(f"--batch-size {a.batch_size} ({per_step} records per step) does not split evenly over "
+                       f"{world} processes; pass a multiple of {world}")
     device = a.device
     if ddp or a.fsdp:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
@@ -395,57 +401,72 @@ def train(a):
     fwd = net
     if ddp and not a.fsdp:
         fwd = torch.nn.parallel.DistributedDataParallel(fwd, find_unused_parameters=True)
+    if world > 1 and isinstance(net, MoLE):  # aux losses over the global batch, as one process computes them
+        net.reduce = rank_mean
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
     end = min(total, a.max_steps) if a.max_steps else total
     bar = None
     if rank == 0 and not a.quiet:
         from tqdm import tqdm
         bar = tqdm(total=end, initial=step, desc=f"train {a.method}", dynamic_ncols=True)
-    with sigterm_flag() as flag:
-        while step < end:
-            t0 = time.time()
-            stage = 1 if step < s1 else 2
-            chunk, imgs = loader.batch(step)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, total, a.lr, a.warmup)
-            enc = proc.encode if a.method == "sft" else net.encode
-            batches = []
-            for m in range(min(a.grad_accum, len(chunk))):  # the step's records in --grad-accum micro-batches
-                recs, ims = chunk[m::a.grad_accum], imgs[m::a.grad_accum]
-                pixels = proc.images([im for per_rec in ims for im in per_rec])  # every image of every record, in order
-                kw = {} if a.method == "sft" else {"n_images": [len(per_rec) for per_rec in ims]}
-                batch = {k: v.to(device) for k, v in enc(None, [r["question"] for r in recs], [r["target"] for r in recs],
-                                                         pixels=pixels, **kw).items()}
-                check_labels(batch["labels"], step, recs)
-                batches.append(batch)
-            opt.zero_grad(set_to_none=True)
-            res = accumulate(fwd, batches, stage if a.method == "mole" else None, amp, world)
-            gnorm = torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip if a.clip > 0 else math.inf)
-            gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)   # a DTensor under FSDP
-            loss = float(res["loss"])
-            if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                raise diverged(step, f"loss {loss}, gradient norm {gnorm}", a.out, saved_at, a.save_every)
-            opt.step()
-            step += 1
-            rec = {"step": step, "stage": stage, "lr": opt.param_groups[0]["lr"], "s": time.time() - t0}
-            rec.update({k: float(res[k]) for k in ("loss", "ce", "balance", "z", "div") if k in res})
-            log.append(rec)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(stage=stage, loss=f"{rec['loss']:.3f}")
-            if a.save_every and step % a.save_every == 0 and step < end:
-                save_ckpt(a.out, a, params, opt, step, log, settings, base, sharded, rank)
-                saved_at = step
-            if flag["stop"] and step < end:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
-                if saved_at != step:
+    try:
+        with sigterm_flag() as flag:
+            while step < end:
+                t0 = time.time()
+                stage = 1 if step < s1 else 2
+                chunk, imgs = loader.batch(step)
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, total, a.lr, a.warmup)
+                enc = proc.encode if a.method == "sft" else net.encode
+                batches = []
+                for m in range(min(a.grad_accum, len(chunk))):  # the step's records in --grad-accum micro-batches
+                    recs, ims = chunk[m::a.grad_accum], imgs[m::a.grad_accum]
+                    pixels = proc.images([im for per_rec in ims for im in per_rec])  # every image of every record, in order
+                    kw = {} if a.method == "sft" else {"n_images": [len(per_rec) for per_rec in ims]}
+                    batch = {k: v.to(device) for k, v in enc(None, [r["question"] for r in recs], [r["target"] for r in recs],
+                                                             pixels=pixels, **kw).items()}
+                    check_labels(batch["labels"], step, recs)
+                    batches.append(batch)
+                opt.zero_grad(set_to_none=True)
+                res = accumulate(fwd, batches, stage if a.method == "mole" else None, amp, world)
+                if world > 1:  # the global batch's losses (what one process logs), and one stop decision for all
+                    mine = flag["stop"]  # read once: a signal arriving after the all-reduce counts next step
+                    res = step_means(dict(res, stop=1.0 if mine else 0.0), world)
+                    agreed = (mine or "a signal to another process") if res.pop("stop") else False
+                gnorm = torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip if a.clip > 0 else math.inf)
+                gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)   # a DTensor under FSDP
+                loss = float(res["loss"])
+                if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                    raise diverged(step, f"loss {loss}, gradient norm {gnorm}", a.out, saved_at, a.save_every)
+                opt.step()
+                step += 1
+                rec = {"step": step, "stage": stage, "lr": opt.param_groups[0]["lr"], "s": time.time() - t0}
+                rec.update({k: float(res[k]) for k in ("loss", "ce", "balance", "z", "div") if k in res})
+                log.append(rec)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(stage=stage, loss=f"{rec['loss']:.3f}")
+                if a.save_every and step % a.save_every == 0 and step < end:
                     save_ckpt(a.out, a, params, opt, step, log, settings, base, sharded, rank)
-                raise Interrupted(f"interrupted at step {step} of {end} ({flag['stop']}); checkpoint {a.out} written; "
-                                  f"continue with --resume", flag["signum"])
+                    saved_at = step
+                stop = agreed if world > 1 else flag["stop"]
+                if stop and step < end:  # SIGTERM / Ctrl-C during this step (or its checkpoint write)
+                    if saved_at != step:
+                        save_ckpt(a.out, a, params, opt, step, log, settings, base, sharded, rank)
+                    raise Interrupted(f"interrupted at step {step} of {end} ({stop}); checkpoint {a.out} written; "
+                                      f"continue with --resume", flag["signum"])
+    except Interrupted:  # every rank stops after the same step (step_means agrees on it), so all reach this
+        fwd = None
+        net.reduce = None
+        end_distributed()
+        raise
     if bar is not None:
         bar.close()
     save_ckpt(a.out, a, params, opt, step, log, settings, base, sharded, rank)
+    fwd = None  # the DDP wrapper goes before the process group does (`end_distributed`): else a rank can hang at exit
+    net.reduce = None
     if ddp or a.fsdp:
-        dist.destroy_process_group()
+        end_distributed()
     return net.eval(), proc, log
 
 

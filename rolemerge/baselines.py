@@ -9,13 +9,17 @@ merge operator `rolemerge.merge.merge_model`):
   layer are *dominant*; every other expert joins the dominant expert whose **router logits**
   over the calibration tokens are most similar (cosine of the logit columns, their default
   similarity); each group is merged with activation-frequency weights. M-SMoE's neuron
-  permutation alignment before merging and its layer-adaptive dominant count are not applied
-  (one K for all layers, like every arm here).
+  permutation alignment before merging is not applied. Its layer-adaptive dominant count
+  (`msmoe_layer_counts`: one global threshold on the per-layer normalised activation
+  frequencies) is an option; since a transformers config holds one expert count, it is only
+  expressible with the "bound" router operator (N slots kept, K_l unique experts per layer).
 - **HC-SMoE** (Chen et al., "Retraining-Free Merging of Sparse Mixture-of-Experts via
   Hierarchical Clustering", arXiv 2410.08589, §3): each expert is represented by its **output
   averaged over all calibration tokens** (every expert is run on every token, independent of
-  routing); agglomerative clustering with **average linkage** on the cosine distance of those
-  vectors down to K clusters; frequency-weighted merging.
+  routing); agglomerative clustering with **average linkage** on the **Euclidean distance** of
+  those vectors down to K clusters (the official code's `pairwise_distances` /
+  `compute_distance`, and REAP's port run with `--distance_measure euclidean`); frequency-weighted
+  merging. `distance="cosine"` (1 - cos) is kept as a named variant.
 - **REAP** (Lasby et al., "REAP the Experts: Why Pruning Prevails for One-Shot MoE
   Compression", arXiv 2510.13999, eq. 5): saliency
       S_j = (1 / |X_j|) sum_{x in X_j} g_j(x) * ||f_j(x)||_2,
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 BASELINES = ("msmoe", "hcsmoe", "reap")
+DISTANCES = ("euclidean", "cosine")   # HC-SMoE: official default first
 
 
 # ----------------------------------------------------------------------------- criteria (pure)
@@ -75,15 +80,29 @@ def msmoe_groups(count, logit_gram, K):
     return sorted(sorted(g) for g in groups.values())
 
 
-def hcsmoe_groups(out_mean, K, linkage="average"):
+def euclidean_matrix(x):
+    """Pairwise Euclidean distances of the rows of x [N, F] -> [N, N] float64 (exact zeros on the
+    diagonal)."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    return torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist").fill_diagonal_(0.0)
+
+
+def hcsmoe_groups(out_mean, K, linkage="average", distance="euclidean"):
     """HC-SMoE grouping (arXiv 2410.08589 §3): hierarchical clustering of the experts' mean
-    outputs out_mean [N, H] with distance 1 - cos, Lance-Williams `linkage` ("average", the
-    paper's choice; "single", "complete"), merging the closest pair until K clusters remain
-    (exact ties: lower sorted member list). Returns K sorted groups."""
+    outputs out_mean [N, H], merging the closest pair of clusters until K remain.
+
+    distance: "euclidean" ||o_i - o_j||_2 (the official code's default, `pairwise_distances`)
+    or "cosine" 1 - cos(o_i, o_j) (a variant); linkage: Lance-Williams "average" (the paper's and
+    the official code's choice: the mean pairwise distance between the two clusters), "single",
+    "complete". Exact ties: lower sorted member list. Returns K sorted groups. Raises ValueError
+    for an unknown linkage / distance or K outside [1, N]."""
     from rolemerge.model import LINKAGES, lance_williams
     if linkage not in LINKAGES:
         raise ValueError(f"unknown linkage {linkage!r}; choose from {LINKAGES}")
-    D = (1.0 - cosine_matrix(out_mean)).cpu().numpy()   # numpy: the loop of small ops shared with agglomerate
+    if distance not in DISTANCES:
+        raise ValueError(f"unknown distance {distance!r}; choose from {DISTANCES}")
+    D = euclidean_matrix(out_mean) if distance == "euclidean" else 1.0 - cosine_matrix(out_mean)
+    D = D.cpu().numpy()   # numpy: the loop of small ops shared with agglomerate
     N = D.shape[0]
     if not 1 <= K <= N:
         raise ValueError(f"K={K} must be in [1, N={N}]")
@@ -100,6 +119,30 @@ def hcsmoe_groups(out_mean, K, linkage="average"):
         size[a] += size[b]
         active[b] = False
     return sorted(members.values())
+
+
+def msmoe_layer_counts(counts, K):
+    """M-SMoE's layer-adaptive group counts (arXiv 2310.01334 §3.2; official
+    `_assign_num_groups_per_layer`): every layer's activation frequencies are normalised to sum
+    to 1, each layer's most used expert is set to 1 (every layer keeps at least one group), all
+    L N values are sorted in descending order and the value at position L K (L K - 1 when K = N)
+    is a global threshold; layer l keeps K_l = #{e : f_le > threshold} groups, so sum_l K_l is
+    about L K. counts: list over layers of [N] activation counts. Returns [K_l]. Raises
+    ValueError when the threshold is 1 (K too large for the rule)."""
+    freqs = []
+    for c in counts:
+        c = torch.as_tensor(c, dtype=torch.float64)
+        f = c / c.sum() if float(c.sum()) > 0 else torch.zeros_like(c)
+        f[int(torch.argmax(f))] = 1.0
+        freqs.append(f)
+    N, L = freqs[0].numel(), len(freqs)
+    if not 1 <= K <= N:
+        raise ValueError(f"K={K} must be in [1, N={N}]")
+    total = L * K - (1 if K == N else 0)
+    thr = float(torch.sort(torch.cat(freqs), descending=True).values[total])
+    if thr == 1.0:
+        raise ValueError(f"M-SMoE layer-adaptive counts: K={K} is too large for its threshold rule")
+    return [int((f > thr).sum()) for f in freqs]
 
 
 def reap_saliency(reap_sum, count):
@@ -130,16 +173,44 @@ def slice_features(feats, ix):
             "out_sum": feats["out_sum"][ix], "reap_sum": feats["reap_sum"][ix], "tokens": feats["tokens"]}
 
 
-def baseline_groups(method, feats, K, linkage="average"):
+def baseline_groups(method, feats, K, linkage="average", distance="euclidean"):
     """Groups of one layer for `method` in BASELINES from that layer's features (dict of
-    `collect_features`). Raises ValueError for an unknown method."""
+    `collect_features`); linkage / distance apply to HC-SMoE. Raises ValueError for an unknown
+    method."""
     if method == "msmoe":
         return msmoe_groups(feats["count"], feats["logit_gram"], K)
     if method == "hcsmoe":
-        return hcsmoe_groups(feats["out_sum"] / max(float(feats["tokens"]), 1.0), K, linkage)
+        return hcsmoe_groups(feats["out_sum"] / max(float(feats["tokens"]), 1.0), K, linkage, distance)
     if method == "reap":
         return reap_groups(reap_saliency(feats["reap_sum"], feats["count"]), K)
     raise ValueError(f"unknown baseline {method!r}; choose from {BASELINES}")
+
+
+def plan_groups(method, features, K, blocks=1, distance="euclidean", adaptive=False):
+    """Groups of every layer for a BASELINES method: features is the list over MoE layers of
+    `collect_features` dicts, K the experts (groups) per layer, blocks the number of contiguous
+    routing blocks every group must stay inside (K / blocks groups per block). HC-SMoE always
+    uses average linkage (its paper's and code's choice). adaptive (M-SMoE only): the per-layer
+    counts of `msmoe_layer_counts` instead of one K (blocks must be 1). Returns [L][K_l][members]."""
+    if adaptive:
+        if method != "msmoe":
+            raise ValueError(f"layer-adaptive expert counts are M-SMoE's rule, not {method!r}")
+        if blocks != 1:
+            raise ValueError("layer-adaptive counts need blocks=1 (the bound router keeps every routing group)")
+        ks = msmoe_layer_counts([f["count"] for f in features], K)
+        return [msmoe_groups(f["count"], f["logit_gram"], k) for f, k in zip(features, ks)]
+    N = int(features[0]["count"].numel())
+    if N % blocks or K % blocks:
+        raise ValueError(f"blocks={blocks} must divide N={N} and K={K}")
+    nb, kb = N // blocks, K // blocks
+    out = []
+    for f in features:
+        g = []
+        for s0 in range(0, N, nb):
+            gb = baseline_groups(method, slice_features(f, slice(s0, s0 + nb)), kb, "average", distance)
+            g += [[e + s0 for e in grp] for grp in gb]
+        out.append(g)
+    return out
 
 
 # ----------------------------------------------------------------------------- feature collection
@@ -155,7 +226,11 @@ def expert_outputs(experts, x):
 class FeatureRecorder:
     """Forward hooks on every routed-expert block's `experts` module (inputs: hidden states
     [T, H], top_k_index [T, k], top_k_weights [T, k]) that accumulate the features of the
-    module docstring over the tokens where `self.mask` ([T] bool, set per batch) is True."""
+    module docstring over the tokens where `self.mask` ([T] bool, set per call) is True. The
+    all-experts pass runs over chunks of tokens (`chunk_bytes` of float32 activations), so its
+    memory does not grow with the batch; the sums are kept on the CPU in float64."""
+
+    chunk_bytes = 256 << 20     # every expert on every token is computed this many bytes of tokens at a time
 
     def __init__(self, model):
         from rolemerge import calibrate as cal
@@ -175,15 +250,19 @@ class FeatureRecorder:
             if self.mask is not None:
                 x, idx, w = x[self.mask], idx[self.mask], w[self.mask]
             f = self.feats[i]
-            z = (x.float() @ block.gate.weight.float().T).double()               # router logits [T, N]
-            y = expert_outputs(module, x)                                        # [T, N, H]
-            norms = y.norm(dim=-1)                                               # [T, N]
-            N = z.shape[1]
-            f["count"] += torch.bincount(idx.reshape(-1), minlength=N).double()
-            f["logit_gram"] += z.T @ z
-            f["out_sum"] += y.double().sum(0)
-            f["reap_sum"] += torch.zeros(N, dtype=torch.float64).index_add_(
-                0, idx.reshape(-1), (w.double() * norms.gather(1, idx).double()).reshape(-1))
+            N, H = block.gate.weight.shape
+            I2 = module.gate_up_proj.shape[1]
+            step = max(1, self.chunk_bytes // (4 * N * (H + I2)))            # tokens per chunk: bounded memory
+            for a in range(0, x.shape[0], step):
+                xs, ids, ws = x[a:a + step], idx[a:a + step], w[a:a + step]
+                z = (xs.float() @ block.gate.weight.float().T).double()       # router logits [t, N]
+                y = expert_outputs(module, xs)                                # [t, N, H]
+                norms = y.norm(dim=-1)                                        # [t, N]
+                f["count"] += torch.bincount(ids.reshape(-1).cpu(), minlength=N).double()
+                f["logit_gram"] += (z.T @ z).cpu()
+                f["out_sum"] += y.double().sum(0).cpu()
+                f["reap_sum"] += torch.zeros(N, dtype=torch.float64).index_add_(
+                    0, ids.reshape(-1).cpu(), (ws.double() * norms.gather(1, ids).double()).reshape(-1).cpu())
             f["tokens"] += x.shape[0]
         return fn
 
@@ -205,3 +284,63 @@ def collect_features(model, batches):
     finally:
         rec.remove()
     return rec.feats
+
+
+# ----------------------------------------------------------------------------- feature files
+
+FEATURES_KEY = "rolemerge_features"
+
+
+def features_path(stats_path):
+    """The features file `rolemerge.calibrate --features` writes next to a stats file:
+    out/stats.safetensors -> out/stats.features.safetensors."""
+    base = stats_path[:-len(".safetensors")] if stats_path.endswith(".safetensors") else stats_path
+    return base + ".features.safetensors"
+
+
+def save_features(feats, path, meta):
+    """Write per-layer features (list over MoE layers of dicts name -> tensor or int) to a
+    safetensors file: tensor `L/name` per entry (ints as 0-dim int64), metadata JSON with
+    `meta` (model id, fingerprint, layer names), the layer count and which entries are ints."""
+    import json
+    from common.checkpoint import atomic_save_file
+    tensors, ints = {}, []
+    for l, f in enumerate(feats):
+        for k, v in f.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{l}/{k}"] = v.detach().cpu().contiguous()
+            else:
+                tensors[f"{l}/{k}"] = torch.tensor(int(v), dtype=torch.int64)
+                ints.append(f"{l}/{k}")
+    atomic_save_file(tensors, path, metadata={FEATURES_KEY: json.dumps(dict(meta, n_layers=len(feats), ints=ints))})
+
+
+def load_features(paths):
+    """Read and sum (every feature is a sum over calibration tokens) the features files of
+    `paths`. Returns (feats list over layers, meta of the first file). Raises ValueError naming
+    a missing or foreign file, or files of different models."""
+    import json
+    import os
+    from safetensors import safe_open
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    feats, meta0 = None, None
+    for p in paths:
+        if not os.path.exists(p):
+            raise ValueError(f"{p}: no features file")
+        with safe_open(p, "pt") as f:
+            md = f.metadata() or {}
+            if FEATURES_KEY not in md:
+                raise ValueError(f"{p}: not a RoleMerge features file (no '{FEATURES_KEY}' metadata)")
+            meta = json.loads(md[FEATURES_KEY])
+            cur = [{} for _ in range(meta["n_layers"])]
+            for k in f.keys():
+                l, name = k.split("/", 1)
+                v = f.get_tensor(k)
+                cur[int(l)][name] = int(v) if k in meta["ints"] else v
+        if feats is None:
+            feats, meta0 = cur, meta
+            continue
+        if meta.get("fingerprint") != meta0.get("fingerprint") or len(cur) != len(feats):
+            raise ValueError(f"{p}: features of a different model than {paths[0]}")
+        feats = [{k: a[k] + b[k] for k in a} for a, b in zip(feats, cur)]
+    return feats, meta0

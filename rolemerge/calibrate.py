@@ -22,6 +22,7 @@ router fingerprint; a readable .json summary is written next to it.
 """
 import hashlib
 import json
+import math
 import os
 import re
 
@@ -64,6 +65,108 @@ def moe_blocks(model):
                 and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)):
             out.append((name, mod))
     return out
+
+
+ROUTER_TENSORS = ("weight", "e_score_correction_bias")     # what merge_block rewrites in a router
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")              # ... and in the fused experts
+
+
+def _int_field(obj, f):
+    """obj.f when it is an int (config attribute maps included), else None."""
+    try:
+        v = getattr(obj, f, None)
+    except Exception:   # a config that refuses global access to a per-layer field: not a layout we know
+        return "per-layer"
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def check_mergeable(model, plan=None):
+    """Raise CalibrationError unless the merge understands every routed-expert block, router and
+    expert-count field of `model` (and `plan` fits it); reads only, so a refusal leaves every
+    parameter and config field as it was. Called before any tensor or config field changes.
+
+    Checks: the family is one of SUPPORTED (its routing semantics are known: a family outside
+    it may route by groups or by a router RoleMerge does not rewrite); at least one block from
+    `moe_blocks`; every module named `*.experts` belongs to one; each router holds only
+    ROUTER_TENSORS (weight [N, H], bias [N]) and each experts module only EXPERT_TENSORS with N
+    rows; no tensor sits on the block itself; every int expert-count attribute of block, router,
+    experts and the config equals N; top_k <= N. plan (make_plan's dict, optional): one entry
+    of groups and weights per block, the same K >= top_k in every layer (bound router operator:
+    any 1 <= K <= N per layer), each group a non-empty
+    list of distinct experts in [0, N) (no expert in two groups), weights finite and aligned
+    with the groups, routing fields among n_group / topk_group."""
+    mt = getattr(model.config, "model_type", None)
+    check_supported(model.config)
+    fam = f"{SUPPORTED[mt]} [{mt}]"
+
+    def no(why):
+        raise CalibrationError(f"{fam}: {why}; nothing was changed. RoleMerge merges blocks with a router `gate` "
+                               f"({', '.join(ROUTER_TENSORS)}) and fused `experts` ({', '.join(EXPERT_TENSORS)}) "
+                               f"in the families {', '.join(SUPPORTED.values())}")
+
+    blocks = moe_blocks(model)
+    if not blocks:
+        no("no routed-expert block (`gate` router + fused `experts`) found")
+    names = {n for n, _ in blocks}
+    for n, _ in model.named_modules():
+        if n.rsplit(".", 1)[-1] == "experts" and n.rsplit(".", 1)[0] not in names:
+            no(f"{n} is an experts module outside the blocks the merge rewrites")
+    tc = text_config(model.config)
+    try:
+        field = expert_count_field(model.config)
+    except CalibrationError:
+        no(f"its config has none of the expert-count fields {EXPERT_FIELDS}")
+    N = _int_field(tc, field)
+    top_k = _int_field(tc, "num_experts_per_tok")
+    if not isinstance(N, int) or not isinstance(top_k, int) or not 1 <= top_k <= N:
+        no(f"config {field}={N!r}, num_experts_per_tok={top_k!r} (need ints, 1 <= top_k <= N)")
+    for cfg in {id(c): c for c in (model.config, tc)}.values():
+        for f in EXPERT_FIELDS:
+            v = _int_field(cfg, f)
+            if v is not None and v != N:
+                no(f"config field {f}={v} disagrees with {field}={N}")
+    for name, b in blocks:
+        w = b.gate.weight
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] != N:
+            no(f"{name}.gate.weight has shape {list(getattr(w, 'shape', []))}, not [{N}, hidden]")
+        for k, t in list(b.gate.named_parameters()) + list(b.gate.named_buffers()):
+            if k not in ROUTER_TENSORS or t.shape[0] != N:
+                no(f"{name}.gate.{k} {list(t.shape)} is a router tensor the merge does not rewrite")
+        for k, t in list(b.experts.named_parameters()) + list(b.experts.named_buffers()):
+            if k not in EXPERT_TENSORS or t.dim() < 2 or t.shape[0] != N:
+                no(f"{name}.experts.{k} {list(t.shape)} is an expert tensor the merge does not rewrite")
+        if not all(isinstance(getattr(b.experts, k, None), torch.Tensor) for k in EXPERT_TENSORS):
+            no(f"{name}.experts lacks one of {EXPERT_TENSORS}")
+        for k, t in list(b.named_parameters(recurse=False)) + list(b.named_buffers(recurse=False)):
+            no(f"{name}.{k} {list(t.shape)} is a block tensor the merge does not rewrite")
+        for mod in (b, b.gate, b.experts):
+            for f in EXPERT_FIELDS:
+                v = _int_field(mod, f)
+                if v is not None and v != N:
+                    no(f"{name}: module field {f}={v} disagrees with the {N} router rows")
+    if plan is None or (plan.get("own") and plan.get("groups") is None):   # comparators group while merging
+        return
+    groups, weights = plan.get("groups"), plan.get("weights")
+    if not isinstance(groups, list) or not isinstance(weights, list) or not len(groups) == len(weights) == len(blocks):
+        no(f"the plan has {len(groups or [])} layers of groups and {len(weights or [])} of weights for "
+           f"{len(blocks)} MoE blocks")
+    K, bound = len(groups[0]), plan.get("router") == "bound"
+    for (name, _), g, w in zip(blocks, groups, weights):
+        if bound:      # N slots stay (members bound to their group's merge): any 1 <= K_l <= N per layer
+            if not 1 <= len(g) <= N:
+                no(f"{name}: {len(g)} merged experts (the bound operator needs 1 <= K <= N={N})")
+        elif len(g) != K or not top_k <= K <= N:
+            no(f"{name}: {len(g)} merged experts (need the same K in every layer, top_k={top_k} <= K <= N={N})")
+        flat = [e for grp in g for e in grp]
+        if (any(not grp for grp in g) or len(set(flat)) != len(flat)
+                or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < N for e in flat)):
+            no(f"{name}: groups must be non-empty lists of distinct expert indices in [0, {N})")
+        if len(w) != len(g) or any(len(a) != len(b) for a, b in zip(g, w)) or not all(
+                isinstance(x, (int, float)) and math.isfinite(x) for a in w for x in a):
+            no(f"{name}: merge weights must be finite numbers aligned with the groups")
+    extra = set(plan.get("routing") or {}) - {"n_group", "topk_group"}
+    if extra:
+        no(f"the plan rewrites routing fields {sorted(extra)} (only n_group / topk_group exist)")
 
 
 def layer_index(name):
@@ -215,7 +318,69 @@ def _chat_ids(tokenizer, question, history=()):
     return ids + tok(rendered, False)
 
 
-def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, model_id="model", progress=True):
+class DecodeMask:
+    """Sets `.mask` of feature recorders (rolemerge.baselines.FeatureRecorder, the comparators'
+    ComparatorRecorder) during greedy decoding to exactly the positions the routing statistics
+    count, through a forward pre-hook on the model: the first call of a batch (prefill) counts
+    its non-padding positions (attention_mask), every later call (one fed-back token per row)
+    counts row i while none of the tokens fed so far is EOS (token j is routed and counted iff
+    j < n_i - 1, see record_batch). Call `start()` before each batch's generate."""
+
+    def __init__(self, model, recorders, eos_id):
+        self.recorders, self.eos, self.first, self.alive = recorders, eos_id, True, None
+        self.handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    def start(self):
+        self.first = True
+
+    def _pre(self, module, args, kwargs):
+        if self.first:
+            mask = kwargs.get("attention_mask")
+            if mask is None:             # generate may drop an all-ones mask
+                x = kwargs.get("input_ids", args[0] if args else None)
+                x = kwargs["inputs_embeds"] if x is None else x
+                mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+            mask = mask.bool()
+            self.alive = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+            self.first = False
+        else:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.alive = self.alive & (ids[:, -1] != self.eos)
+            mask = self.alive
+        for r in self.recorders:
+            r.mask = mask.reshape(-1)
+
+    def remove(self):
+        self.handle.remove()
+
+
+def feature_recorders(model):
+    """The feature recorders of the comparison methods: rolemerge.baselines.FeatureRecorder and,
+    when rolemerge/comparators.py provides one, its ComparatorRecorder."""
+    from rolemerge import baselines as bl
+    recs = [bl.FeatureRecorder(model)]
+    try:
+        from rolemerge import comparators
+    except ImportError:
+        comparators = None
+    if comparators is not None and hasattr(comparators, "ComparatorRecorder"):
+        recs.append(comparators.ComparatorRecorder(model))
+    return recs
+
+
+def merged_features(recorders):
+    """Per MoE layer, one dict of every recorder's features (earlier recorders win a name clash)."""
+    out = []
+    for per in zip(*[r.feats for r in recorders]):
+        d = {}
+        for f in per:
+            d.update({k: v for k, v in f.items() if k not in d})
+        out.append(d)
+    return out
+
+
+def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, model_id="model", progress=True,
+              features=False):
     """Phase-separated routing statistics of `model` over calibration sources.
 
     model: a supported MoE model (eval mode); proc_or_tok: `common.backbone.VLProcessor` for a
@@ -223,7 +388,11 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
     sources: {name: list of records {question[, image]}} (records from common.data.read_llava_json).
     Returns a stats dict: model info + buckets + sources {name: {counts [L,B,N], tokens [B], examples}}.
     A VLM calibrates text-only records (image None) too: they add to the question and answer
-    buckets only. Raises CalibrationError for an unsupported model or an empty bucket."""
+    buckets only. features: also collect the features of the comparison methods
+    (`rolemerge.baselines.FeatureRecorder`, and `rolemerge.comparators.ComparatorRecorder` when
+    that module exists) in the same decoding pass, over exactly the tokens the statistics count (`DecodeMask`); they are returned as
+    stats["features"] (list over MoE layers of dicts; per-layer sums, no per-token storage).
+    Raises CalibrationError for an unsupported model or an empty bucket."""
     from tqdm import tqdm
     info = model_info(model, model_id)
     vlm = model.config.model_type in VLM_TYPES
@@ -235,6 +404,8 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
         eos = proc_or_tok.eos_token_id
         pad = proc_or_tok.pad_token_id if proc_or_tok.pad_token_id is not None else eos
     rec = RouterRecorder(model)
+    frec = feature_recorders(model) if features else []
+    dmask = DecodeMask(model, frec, eos) if features else None
     out = {}
     try:
         for name, records in sources.items():
@@ -250,14 +421,20 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
                 else:
                     inputs, image_mask = text_inputs(proc_or_tok, qs), None
                 inputs = {k: v.to(model.device) for k, v in inputs.items()}
+                if dmask is not None:
+                    dmask.start()
                 c, t, _ = record_batch(model, rec, inputs, image_mask, eos, pad, max_new_tokens, len(buckets))
                 counts += c
                 tokens += t
             out[name] = {"counts": counts, "tokens": tokens, "examples": len(records)}
     finally:
         rec.remove()
+        for r in frec + ([dmask] if dmask else []):
+            r.remove()
     stats = dict(info, buckets=buckets, sources=out)
     check_nonempty(stats)
+    if features:
+        stats["features"] = merged_features(frec)
     return stats
 
 
@@ -266,10 +443,13 @@ def check_nonempty(stats):
     tot = sum(s["tokens"] for s in stats["sources"].values())
     for b, n in zip(stats["buckets"], tot.tolist()):
         if n == 0:
-            hint = {"image": "the records have no images", "answer": "no generated token was fed back: "
-                    "raise --max-new-tokens (>= 2) or check that the model does not stop at once"}.get(
-                b, "the prompts are empty")
-            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources ({hint}); "
+            why, fix = {
+                "image": ("the records have no images", ": add records with images (an `image` field) to a --data "
+                          "file; one source with images beside text-only sources is enough"),
+                "answer": ("no generated token was fed back: raise --max-new-tokens (>= 2) or check that the model "
+                           "does not stop at once", ""),
+            }.get(b, ("the prompts are empty", ": add records with a non-empty `question`"))
+            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources ({why}){fix}; "
                                    f"RoleMerge needs routing counts of every phase")
 
 
@@ -280,7 +460,7 @@ def save_stats(stats, path):
     readable `path` with .json suffix next to it."""
     from common.checkpoint import atomic_save_file
     from common.data import atomic_write_text
-    meta = {k: v for k, v in stats.items() if k != "sources"}
+    meta = {k: v for k, v in stats.items() if k not in ("sources", "features")}
     meta["examples"] = {n: s["examples"] for n, s in stats["sources"].items()}
     tensors = {}
     for n, s in stats["sources"].items():
@@ -444,6 +624,7 @@ def main(argv=None):
     p.add_argument("--data", nargs="+", required=True,
                    help="calibration files (LLaVA JSON/JSONL or canonical JSONL); each file is one source (task)")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
+    p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
     p.add_argument("--out", required=True, help="stats file to write (.safetensors; a .json summary goes next to it)")
     add_limit(p, default=128, what="examples of each source file", dest="n", old_n=True)
     add_threads(p)
@@ -455,6 +636,10 @@ def main(argv=None):
     p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
     p.add_argument("--force", action="store_true", help="overwrite an existing stats file at --out")
+    p.add_argument("--features", action="store_true",
+                   help="also collect the comparison methods' features (M-SMoE, HC-SMoE, REAP, rolemerge/comparators.py) "
+                        "over the same decoded tokens, written to <out minus .safetensors>.features.safetensors; "
+                        "rolemerge.merge --method msmoe|hcsmoe|reap|... reads them next to --stats")
     a = p.parse_args(argv)
     for flag, low in (("batch_size", 1), ("max_new_tokens", 2)):
         if getattr(a, flag) < low:   # max_new_tokens 1: the one generated token is never fed back (no answer bucket)
@@ -469,6 +654,10 @@ def main(argv=None):
              f"(e.g. {os.path.join(a.out, 'stats.safetensors')})")
     if os.path.exists(a.out) and not a.force:  # before the data and the model are read
         fail(f"--out {a.out} exists; pass --force to overwrite it (or choose another --out)")
+    from rolemerge import baselines as bl
+    fpath = bl.features_path(a.out)
+    if a.features and os.path.exists(fpath) and not a.force:
+        fail(f"{fpath} exists; pass --force to overwrite it (or choose another --out)")
     seen = {}
     for path in a.data:
         if os.path.realpath(path) in seen:  # also ./val.json after val.json, or a link to it
@@ -484,14 +673,19 @@ def main(argv=None):
                 name = os.path.splitext(os.path.normpath(path))[0].replace(os.sep, "/")
             if name in sources:  # val.json and val.jsonl side by side
                 raise CalibrationError(f"{path}: another --data file has the same source name {name!r}; rename one")
-            sources[name] = data.read_records(path, a.image_root)[:a.n or None]  # DataError for a file without records
+            sources[name] = data.read_records(path, a.image_root, a.skip_bad)[:a.n or None]  # DataError for a file without records
             data.check_support(sources[name], "rolemerge.calibrate", text_only=True)
         set_threads(a.threads, a.model)
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)
-        stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model)
+        stats = calibrate(model, proc, sources, a.batch_size, a.max_new_tokens, model_id=a.model,
+                          features=a.features)
     except (CalibrationError, data.DataError) as e:
         fail(e)
+    feats = stats.pop("features", None)
     save_stats(stats, a.out)
+    if feats is not None:
+        bl.save_features(feats, fpath, {k: stats[k] for k in ("model_id", "model_type", "fingerprint", "layer_names")})
+        print(f"wrote {fpath}: features of {len(feats)} MoE layers over the same decoded tokens")
     tot = sum(s["tokens"] for s in stats["sources"].values())
     print(f"wrote {a.out}: {len(stats['layer_names'])} MoE layers x {stats['num_experts']} experts, tokens "
           + ", ".join(f"{b}={n}" for b, n in zip(stats["buckets"], tot.tolist())))

@@ -637,12 +637,14 @@ class Processor:
         x = torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0).permute(2, 0, 1)
         return (x - torch.tensor(self.mean)[:, None, None]) / torch.tensor(self.std)[:, None, None]
 
-    def tiles(self, image):
-        """[1 + tw*th, 3, S, S] pixel values (global first, then local tiles row-major) and (tw, th)."""
+    def tiles(self, image, cropping=True):
+        """[1 + tw*th, 3, S, S] pixel values (global first, then local tiles row-major) and (tw, th).
+        cropping False (the official processor's choice for a prompt with more than 2 images): the
+        local view is the image padded to S x S, one tile (tw = th = 1)."""
         from PIL import ImageOps
         image = image.convert("RGB")
         S, fill = self.image_size, tuple(int(m * 255) for m in self.mean)
-        w, h = select_best_resolution(image.size, self.candidates)
+        w, h = select_best_resolution(image.size, self.candidates) if cropping else (S, S)
         out = [self._pixels(ImageOps.pad(image, (S, S), color=fill))]
         local = ImageOps.pad(image, (w, h), color=fill)
         out += [self._pixels(local.crop((j, i, j + S, i + S))) for i in range(0, h, S) for j in range(0, w, S)]
@@ -653,35 +655,49 @@ class Processor:
 
     def encode(self, images, questions, history=None):
         """Left-padded batch: input_ids, attention_mask [B, L], images [B, T, 3, S, S],
-        images_seq_mask [B, L], images_spatial_crop [B, 1, 2]. images[i] None: a text-only row.
-        history: None or per row its earlier (question, answer) turns (the image goes with the first)."""
+        images_seq_mask [B, L], images_spatial_crop [B, n_max, 2] (rows with fewer images padded
+        with [0, 0]). images[i]: None (a text-only row), one PIL image or a list of them; they go
+        with the first turn, at its `<image>` tags when it has one per image, else one
+        `<image>\n` line per image in front of the question. As in the official processor,
+        a prompt with more than 2 images is not tiled (each image: global view + one S x S local
+        view); 1 or 2 images are tiled at their best candidate resolution.
+        history: None or per row its earlier (question, answer) turns."""
         rows, masks, pix, crops = [], [], [], []
         for i, (im, q) in enumerate(zip(images, questions)):
+            ims = [] if im is None else list(im) if isinstance(im, (list, tuple)) else [im]
+            cropping = len(ims) <= 2
             turns = list(history[i]) if history else []
             ids = [] if self.bos_token_id is None else [self.bos_token_id]
             m = [False] * len(ids)
-            crop, t = (0, 0), None
+            crop, t = [], []
             for j, (u, a) in enumerate(turns + [(q, None)]):
-                user = (f"{self.image_token}\n" if j == 0 and im is not None else "") + str(u).strip()
-                head, _, tail = f"<|User|>: {user}\n\n<|Assistant|>:".partition(self.image_token)
-                if _:
-                    t, crop = self.tiles(im)
-                    n = image_token_count(*crop, self.image_size, self.patch_size, self.downsample_ratio)
-                    seg = self._ids(head) + [self.image_token_id] * n + self._ids(tail)
-                    m += [False] * len(self._ids(head)) + [True] * n + [False] * len(self._ids(tail))
-                else:
-                    seg = self._ids(head)
+                user = str(u).strip()
+                if j == 0 and ims and user.count(self.image_token) != len(ims):
+                    user = f"{self.image_token}\n" * len(ims) + user
+                pieces = f"<|User|>: {user}\n\n<|Assistant|>:".split(self.image_token)
+                if j > 0 or not ims:                    # an `<image>` typed in a later turn stays text
+                    pieces = ["".join(self.image_token.join(pieces))]
+                for k, piece in enumerate(pieces):
+                    seg = self._ids(piece)
+                    ids += seg
                     m += [False] * len(seg)
-                ids += seg
+                    if k < len(pieces) - 1:
+                        x, c = self.tiles(ims[k], cropping)
+                        n = image_token_count(*c, self.image_size, self.patch_size, self.downsample_ratio)
+                        ids += [self.image_token_id] * n
+                        m += [True] * n
+                        t.append(x)
+                        crop.append(c)
                 if a is not None:
                     ans = self._ids(str(a).strip()) + [self.eos_token_id]
                     ids += ans
                     m += [False] * len(ans)
-            rows.append(ids), masks.append(m), crops.append(crop)
-            pix.append(t)
+            rows.append(ids), masks.append(m), crops.append(crop or [(0, 0)])
+            pix.append(torch.cat(t) if t else None)
         L = max(map(len, rows))
         S = self.image_size
         T = max([len(t) for t in pix if t is not None] or [1])
+        n_max = max(map(len, crops))
         images_t = torch.zeros(len(rows), T, 3, S, S)
         for b, t in enumerate(pix):
             if t is not None:
@@ -690,7 +706,8 @@ class Processor:
                 "attention_mask": torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows]),
                 "images": images_t,
                 "images_seq_mask": torch.tensor([[False] * (L - len(m)) + m for m in masks]),
-                "images_spatial_crop": torch.tensor([[list(c)] for c in crops], dtype=torch.long)}
+                "images_spatial_crop": torch.tensor([[list(c) for c in cs] + [[0, 0]] * (n_max - len(cs))
+                                                     for cs in crops], dtype=torch.long)}
 
     def decode(self, ids, skip_special_tokens=True, **kw):
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, **kw)

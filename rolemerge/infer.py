@@ -104,17 +104,20 @@ def _ids(model, proc):
 
 
 @torch.no_grad()
-def predict(model, proc, records, batch_size=32, max_new_tokens=48, progress=True):
+def predict(model, proc, records, batch_size=32, max_new_tokens=48, progress=True, log=None):
     """Batched greedy answers. records: dicts with question[, image, answer, family, id].
-    Returns a list of {id, family, pred, answer, correct (None without a gold answer), n_tokens}."""
-    from tqdm import tqdm
+    Returns a list of {id, family, pred, answer, correct (None without a gold answer), n_tokens}.
+    log: a `common.predictions.PredictionLog` keeping each finished batch (phase "predict")
+    and holding those of a resumed run."""
+    from common.predictions import PredictionLog
     eos, pad = _ids(model, proc)
-    out = []
-    for i in tqdm(range(0, len(records), batch_size), desc="predict", disable=not progress):
-        chunk = records[i:i + batch_size]
+
+    def one(b):
+        chunk = records[b * batch_size:(b + 1) * batch_size]
         batch = {k: v.to(model.device) for k, v in _inputs(model, proc, chunk).items()}
         gen = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                              pad_token_id=pad)
+        out = []
         for r, row in zip(chunk, gen[:, batch["input_ids"].shape[1]:].tolist()):
             n = row.index(eos) + 1 if eos in row else len(row)
             text = proc.decode(row[:n]) if hasattr(proc, "image_processor") else \
@@ -123,7 +126,10 @@ def predict(model, proc, records, batch_size=32, max_new_tokens=48, progress=Tru
             out.append({"id": r.get("id"), "family": r.get("family", "all"), "pred": text, "answer": gold,
                         "correct": None if gold is None else bool(is_correct(text, gold, r.get("family", "all"))),
                         "n_tokens": n})
-    return out
+        return out
+
+    return (log or PredictionLog(None, None)).run("predict", -(-len(records) // batch_size), one,
+                                                  desc="predict" if progress else False)
 
 
 @torch.no_grad()
@@ -159,10 +165,8 @@ def load_timed(path, dtype=None):
 
 
 def main(argv=None):
-    from common import backbone as bb
     from common import data
-    from common.cli import add_limit, add_threads, fail, set_threads
-    from common.cli import entry_parser
+    from common.cli import add_limit, add_threads, entry_parser, run_cli
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
     p.add_argument("--data", required=True,
@@ -174,36 +178,52 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
     p.add_argument("--speed", action="store_true", help="also measure batch-1 time to first token and decode tok/s")
     p.add_argument("--out", default=None, help="write predictions + summary JSON here")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a stopped run from its last finished batch (OUT.partial; the same flags)")
+    p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
     a = p.parse_args(argv)
     for flag in ("batch_size", "max_new_tokens"):
         if getattr(a, flag) < 1:
             p.error(f"--{'limit' if flag == 'n' else flag.replace('_', '-')} must be a positive integer, got "
                     f"{getattr(a, flag)}")
-    set_threads(a.threads, a.model)
     if a.out and os.path.realpath(a.out) == os.path.realpath(a.data):
         p.error(f"--out {a.out} is the data file; predictions would overwrite it")
-    try:
-        records = data.expand_turns(data.read_records(a.data, a.image_root))[:a.n or None]  # data first: fails before
-        data.check_support(records, "rolemerge.infer", text_only=True, multi_turn=True)  # the model loads
-        model, proc, load_s = load_timed(a.model)
-    except (cal.CalibrationError, data.DataError) as e:
-        fail(e)  # `error: ...`, exit status 2
-    preds = predict(model, proc, records, a.batch_size, a.max_new_tokens)
-    summary = {"model": a.model, "params": param_count(model), "checkpoint_bytes": checkpoint_bytes(bb.resolve(a.model)),
-               "load_s": load_s, "n": len(preds)}
-    scored = [r for r in preds if r["correct"] is not None]
-    if scored:
-        fams = {}
-        for x in scored:
-            fams.setdefault(x["family"], []).append(x["correct"])
-        fams["all"] = [x["correct"] for x in scored]
-        summary["accuracy"] = {f: sum(c) / len(c) for f, c in fams.items()}
-    if a.speed:
-        summary.update(speed(model, proc, records))
-    print(json.dumps(summary, indent=1))
-    if a.out:
-        data.atomic_write_text(a.out, json.dumps({"summary": summary, "predictions": preds}, indent=1))
+    return run_cli(run, a)  # DataError, CalibrationError, RunError, BackboneError, files: `error: ...`, exit 2
 
+
+def run(a):
+    """The body of `main` for parsed flags: data first (every image decoded, refusals before
+    the model loads), then predictions (each finished batch kept in OUT.partial), the
+    summary, --out. Returns {"summary", "predictions"}."""
+    from common import backbone as bb
+    from common import data
+    from common.cli import check_out_file, set_threads
+    from common.predictions import PredictionLog, fingerprint, model_digest
+    set_threads(a.threads, a.model)
+    if a.out:
+        check_out_file(a.out)  # now, not after the whole run
+    records = data.expand_turns(data.read_records(a.data, a.image_root, a.skip_bad))[:a.n or None]
+    data.check_support(records, "rolemerge.infer", text_only=True, multi_turn=True)  # before the model loads
+    fp = fingerprint(records, model=model_digest(a.model), batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
+    with PredictionLog(a.out, fp, a.resume) as log:
+        model, proc, load_s = load_timed(a.model)
+        preds = predict(model, proc, records, a.batch_size, a.max_new_tokens, log=log)
+        summary = {"model": a.model, "params": param_count(model),
+                   "checkpoint_bytes": checkpoint_bytes(bb.resolve(a.model)), "load_s": load_s, "n": len(preds)}
+        scored = [r for r in preds if r["correct"] is not None]
+        if scored:
+            fams = {}
+            for x in scored:
+                fams.setdefault(x["family"], []).append(x["correct"])
+            fams["all"] = [x["correct"] for x in scored]
+            summary["accuracy"] = {f: sum(c) / len(c) for f, c in fams.items()}
+        if a.speed:
+            summary.update(speed(model, proc, records))
+        print(json.dumps(summary, indent=1))
+        if a.out:
+            data.atomic_write_text(a.out, json.dumps({"summary": summary, "predictions": preds}, indent=1))
+        log.finish()
+    return {"summary": summary, "predictions": preds}
 
 if __name__ == "__main__":
     main()

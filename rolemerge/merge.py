@@ -1,30 +1,40 @@
 """Merge the routed experts of an MoE checkpoint into a smaller one (paper §4.3-4.4, App. B.2).
 
-    python -m rolemerge.merge --model tiny-moe --stats out/rolemerge/stats.safetensors \\
+    python -m rolemerge.merge --model tiny-moe --stats out/rolemerge/stats.safetensors \
         --rho 0.5 --out out/rolemerge/tiny-moe-rho0.5
-    python -m rolemerge.merge ... --streaming          # from the safetensors shards alone
+    python -m rolemerge.merge ... --method hcsmoe      # a comparison method (needs calibrate --features)
+    python -m rolemerge.merge ... --in-memory          # load the model instead of streaming the shards
 
 Input: routing statistics (rolemerge.calibrate), a checkpoint directory and the retention
 ratio rho (K = round(rho N) experts kept in every MoE layer) or K itself. Output: a
-`save_pretrained` directory whose config carries K experts, loadable with plain
-`from_pretrained`, the tokenizer / processor files copied, and `rolemerge_report.json`
-(groups, weights, kappa / lambda / tau, ACR and expert-phase MI retention per layer).
+`save_pretrained` directory loadable with plain `from_pretrained`, the tokenizer / processor
+files copied, and `rolemerge_report.json` (groups, weights, kappa / lambda / tau, ACR and
+expert-phase MI retention per layer, parameter counts).
 
-Every merged expert is  Theta_G = sum_{e in G} omega_e Theta_e  and its router row (and
-DeepSeek-V3's score-correction bias) r_G = sum_{e in G} omega_e r_e with the same weights
-(§4.4); attention, shared experts, dense layers and the vision tower are untouched.
+Every merged expert is  Theta_G = sum_{e in G} omega_e Theta_e. Two router operators:
+- "average" (RoleMerge §4.4, the default of every method but M-SMoE / HC-SMoE): K experts, router
+  row (and DeepSeek-V3's score-correction bias) r_G = sum_{e in G} omega_e r_e, config count K;
+- "bound" (the official M-SMoE / HC-SMoE codes): all N router rows kept and every member slot of
+  G holds Theta_G, so a token routes as in the original model and reaches its experts' merges;
+  the checkpoint keeps N slots (file size and parameter count do not shrink; the report gives the
+  unique parameters). This is the K-expert merge under `infer.oracle_routing` (tested).
+Methods with their own merge operator (rolemerge/comparators.py) get each layer's expert tensors
+in one canonical layout (`own_merge`); the result is written back in the checkpoint's layout and
+dtype. Attention, shared experts, dense layers and the vision tower are untouched.
 
 Two paths with identical output tensors (tested):
-- in memory: load the model, replace the fused expert / router parameters, save_pretrained;
-- streaming: read the safetensors headers, byte-copy untouched tensors, read only the expert
-  tensors of one layer at a time (pread, no mmap) and write merged shards. Works for the
-  per-expert on-disk layout (Qwen2/3-MoE, OLMoE, DeepSeek: experts.N.*_proj.weight; Mixtral:
-  block_sparse_moe.experts.N.w1/w2/w3) and the fused one (Qwen3-VL-MoE: experts.gate_up_proj).
-Memory of the streaming path: one layer's merged experts plus one I/O buffer.
+- streaming (default for a local checkpoint directory): read the safetensors headers, byte-copy
+  untouched tensors, read only the expert tensors of one layer at a time (pread, no mmap) and
+  write merged shards. Works for the per-expert on-disk layout (Qwen2/3-MoE, OLMoE, DeepSeek:
+  experts.N.*_proj.weight; Mixtral: block_sparse_moe.experts.N.w1/w2/w3) and the fused one
+  (Qwen3-VL-MoE: experts.gate_up_proj). Memory: one layer's merged experts plus one I/O buffer;
+- in memory (--in-memory; `merge_model` for a model already loaded): replace the fused expert /
+  router parameters, save_pretrained.
 
 The groupings are planned all at once from the stats (all layers share lambda's mean); every
 step is deterministic, so the same inputs give byte-identical tensors.
 """
+import argparse
 import json
 import math
 import os
@@ -66,6 +76,37 @@ def _start_tmp(tmp):
 
 class MergeError(ValueError):
     """The merge cannot run as asked; the message says why."""
+
+
+def check_streamable(src, plan):
+    """The streaming path's `cal.check_mergeable`: raise before anything is written unless
+    config.json is a supported family with its expert-count field, every MoE layer found in the
+    tensor names has one router weight [N, H] and all N experts (per-expert keys 0..N-1 or fused
+    [N, ...] tensors), N equals the config's count and the plan has one layer per MoE layer
+    (groups checked like check_mergeable). Raises CalibrationError / MergeError."""
+    config = _streaming_config(src)
+    sub = _expert_config(config)
+    N = sub[next(f for f in cal.EXPERT_FIELDS if f in sub)]
+    headers, where, layers = scan_checkpoint(src)
+    rows = lambda k: headers[where[k]][0][k]["shape"][:1]                   # noqa: E731
+    fam = f"{cal.SUPPORTED[config['model_type']]} [{config['model_type']}]"
+    if plan.get("own") and plan.get("groups") is None:   # a comparator groups each layer while it merges
+        return
+    if len(layers) != len(plan["groups"]):
+        raise MergeError(f"{fam}: the plan has {len(plan['groups'])} layers, the checkpoint {len(layers)} MoE layers")
+    for lidx, lay in sorted(layers.items()):
+        routers = [k for k in lay["router"] if k.endswith(".weight")]
+        idx = {e for e, _ in lay["experts"].values() if e is not None}
+        fused = [k for k, (e, _) in lay["experts"].items() if e is None] + list(lay["router"])
+        if len(routers) != 1 or (idx and idx != set(range(N))) or any(rows(k) != [N] for k in fused):
+            raise MergeError(f"{fam}: layer {lidx} has routers {routers} and experts {sorted(idx)}; the merge needs "
+                             f"one `gate.weight` and experts 0..{N - 1} (config: {N})")
+    for g in plan["groups"]:
+        flat = [e for grp in g for e in grp]
+        same_k = plan.get("router") == "bound" or len(g) == len(plan["groups"][0])   # bound: per-layer K may differ
+        if not same_k or not all(g) or len(set(flat)) != len(flat) or not all(
+                0 <= e < N for e in flat):
+            raise MergeError(f"{fam}: the plan's groups must be non-empty, disjoint, in [0, {N}) and as many per layer")
 
 
 # ----------------------------------------------------------------------------- planning
@@ -148,19 +189,91 @@ def routing_groups(model_type, tc, N, K, top_k):
     return got[0], ({} if got == (n, tg) else {"n_group": got[0], "topk_group": got[1]})
 
 
+ROUTERS = ("bound", "average")
+OFFICIAL_ROUTER = {"msmoe": "bound", "hcsmoe": "bound"}   # their official codes; every other method: average
+PRUNING = ("prune", "reap")                                  # keep K experts, drop the others
+
+
+def comparator_methods():
+    """The method names of rolemerge/comparators.py (`COMPARATORS`), () while that module is absent."""
+    try:
+        from rolemerge import comparators
+    except ImportError:
+        return ()
+    return tuple(getattr(comparators, "COMPARATORS", ()))
+
+
+def all_methods():
+    """Every `--method`: rolemerge, its controls and baselines (rolemerge.model.METHODS) and the comparators."""
+    return tuple(rm.METHODS) + tuple(m for m in comparator_methods() if m not in rm.METHODS)
+
+
+def router_operator(method, router=None):
+    """The router operator of `method`: `router` when given ("bound" or "average"), else the
+    method's official one (bound for M-SMoE / HC-SMoE, whose codes keep all N router rows and
+    bind every member expert to its group's merged expert; average for the others). Raises
+    MergeError for an unknown operator or bound with a pruning method (no group holds a dropped
+    expert, so there is nothing to bind it to)."""
+    op = router or OFFICIAL_ROUTER.get(method, "average")
+    if op not in ROUTERS:
+        raise MergeError(f"unknown router operator {op!r}; choose from {ROUTERS}")
+    if op == "bound" and method in PRUNING:
+        raise MergeError(f"--router bound binds every expert to its group's merge; {method!r} prunes experts "
+                         f"(no group holds them): use --router average")
+    return op
+
+
 def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, features=None,
-              routing=(1, {})):
+              routing=(1, {}), router=None, distance="euclidean", adaptive=False):
     """Groups, weights and diagnostics for every MoE layer.
 
     stats: cal.load_stats output; routers: callable -> list of [N, H] router weights (only
-    called for the frequency baseline); features: per-layer `rolemerge.baselines.collect_features`
-    output (only for msmoe / hcsmoe / reap); routing: routing_groups' (blocks, config fields).
+    called for the frequency baseline); features: per-layer features (`calibrate --features`,
+    `rolemerge.baselines.collect_features`; for msmoe / hcsmoe / reap and the comparators);
+    routing: routing_groups' (blocks, config fields); router: the router operator
+    (`router_operator`; bound keeps N expert slots and the router, so routing blocks and fields
+    do not apply); distance: HC-SMoE's ("euclidean", official, or "cosine"); adaptive: M-SMoE's
+    layer-adaptive counts (bound only). A comparator (rolemerge/comparators.py) returns its
+    groups while merging: its plan has groups None until `finish_plan` runs after the merge.
     Returns a dict with 'groups' [L][G][members], 'weights' [L][G][w], 'layers' (per-layer
-    diagnostics), 'routing' (config fields rewritten) and summary ACR / MI retention."""
+    diagnostics), 'routing' (config fields rewritten), 'router', summary ACR / MI retention,
+    and the internal '_mass' [L, N] / '_features' (never written to the report)."""
+    op = router_operator(method, router)
+    if adaptive and (method != "msmoe" or op != "bound"):
+        raise MergeError("layer-adaptive expert counts are M-SMoE's (--method msmoe) and need --router bound: a "
+                         "transformers config holds one expert count for all layers, so only N bound slots with "
+                         "K_l unique experts per layer can express them")
+    if distance not in ("euclidean", "cosine"):
+        raise MergeError(f"unknown distance {distance!r}; choose from ('euclidean', 'cosine')")
+    if op == "bound":
+        routing = (1, {})
     counts = cal.total_counts(stats).double()                    # [L, B, N]
-    groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None,
-                           features, blocks=routing[0])
-    mass = counts.sum(1)                                          # [L, N]
+    own = method in comparator_methods() and method not in rm.METHODS
+    if method in rm.FEATURE_METHODS or own:
+        if features is None:
+            raise MergeError(f"method {method!r} needs the calibration features (rolemerge.calibrate --features)")
+        _, info = rm.plan(counts, K, "prune", lam, linkage, seed, blocks=routing[0])   # kappa / lambda / tau only
+        from rolemerge import baselines as bl
+        groups = None if own else bl.plan_groups(method, features, K, routing[0], distance, adaptive)
+    else:
+        groups, info = rm.plan(counts, K, method, lam, linkage, seed, routers() if method == "frequency" else None,
+                               features, blocks=routing[0])
+    plan = {"method": method, "K": K, "N": stats["num_experts"], "lambda": lam, "linkage": linkage, "seed": seed,
+            "router": op, "routing": routing[1], "groups": groups, "info": info,
+            "_mass": counts.sum(1), "_features": features}
+    if method == "hcsmoe":
+        plan["distance"] = distance
+    if adaptive:
+        plan["adaptive"] = True
+    if own:
+        plan["own"] = True
+        return plan
+    return finish_plan(plan, stats)
+
+
+def finish_plan(plan, stats):
+    """The plan's merge weights and diagnostics (per-layer ACR, MI retention, K_l) from its groups."""
+    groups, info, mass = plan["groups"], plan.pop("info"), plan["_mass"]
     weights = [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)]
     records = [(n, s["counts"].double()) for n, s in stats["sources"].items()]
     layers, acrs, mi_num, mi_den = [], [], 0.0, 0.0
@@ -172,13 +285,13 @@ def make_plan(stats, K, method="rolemerge", lam=0.03, linkage="single", seed=0, 
             P_e, q = rm.role_profiles(rm.phase_distributions(c[l]))
             mi_den += rm.mutual_information(P_e, q)
             mi_num += rm.mutual_information(P_e, q, g) if covers else 0.0
-        layers.append(dict(info[l], name=stats["layer_names"][l], groups=g, weights=weights[l], acr=acr_l,
+        layers.append(dict(info[l], name=stats["layer_names"][l], K=len(g), groups=g, weights=weights[l], acr=acr_l,
                            mi_retention=rm.mi_retention([c[l] for _, c in records], g) if covers else None))
     # MI retention compares groupings of all experts; pruning drops experts, so it has none
     mi = (mi_num / mi_den if mi_den > 0 else 1.0) if covers else None
-    return {"method": method, "K": K, "N": stats["num_experts"], "lambda": lam, "linkage": linkage, "seed": seed,
-            "routing": routing[1], "groups": groups, "weights": weights, "layers": layers, "acr_mean": sum(acrs) / len(acrs),
-            "mi_retention": mi}
+    plan.update(weights=weights, layers=layers, acr_mean=sum(acrs) / len(acrs), mi_retention=mi)
+    plan["slots"] = plan["N"] if plan.get("router") == "bound" else len(groups[0])
+    return plan
 
 
 # ----------------------------------------------------------------------------- tensor merge
@@ -200,20 +313,80 @@ def merge_stacked(x, groups, weights):
     return torch.stack([weighted_sum([x[e] for e in g], w, x.dtype) for g, w in zip(groups, weights)])
 
 
+def slot_groups(groups, weights, N, router):
+    """(groups, weights) of the output expert slots: the K groups themselves ("average"), or
+    with the "bound" operator one slot per original expert e holding its group's merge (N slots,
+    members of a group hold identical tensors). Raises MergeError if bound and a group misses an expert."""
+    if router != "bound":
+        return groups, weights
+    of = {e: i for i, g in enumerate(groups) for e in g}
+    if sorted(of) != list(range(N)):
+        raise MergeError("the bound router operator needs groups that cover every expert")
+    return [groups[of[e]] for e in range(N)], [weights[of[e]] for e in range(N)]
+
+
+def own_merge(plan, li, W, K):
+    """The hook for a method that produces its own tensors (rolemerge/comparators.py): layer li's
+    canonical float32 tensors W (gate [N, I, H], up [N, I, H], down [N, H, I], router [N, H],
+    optional bias [N]) -> `comparators.merge_layer(method, W, feats, K)` with that layer's
+    features; the returned groups (and frequency weights from them) are stored in the plan.
+    Returns the merged dict (gate / up / down [K, ...], router [K, H] or None, bias or None).
+    Raises MergeError when the comparator returns the wrong number of groups or shapes."""
+    from rolemerge import comparators
+    feats = (plan.get("_features") or [None] * (li + 1))[li]
+    out = comparators.merge_layer(plan["method"], W, feats, K)
+    groups = sorted(sorted(int(e) for e in g) for g in out["groups"])
+    if len(groups) != K or any(out[k].shape[0] != K for k in ("gate", "up", "down")):
+        raise MergeError(f"comparator {plan['method']!r} returned {len(groups)} groups / "
+                         f"{out['gate'].shape[0]} experts at layer {li}, expected K={K}")
+    order = sorted(range(K), key=lambda i: sorted(out["groups"][i]))   # tensors follow the sorted groups
+    res = {k: out[k][order] for k in ("gate", "up", "down")}
+    for k in ("router", "bias"):
+        res[k] = out.get(k)[order] if out.get(k) is not None else None
+    if plan["groups"] is None:
+        plan["groups"] = [None] * len(plan["info"])
+        plan["weights"] = [None] * len(plan["info"])
+    plan["groups"][li] = groups
+    plan["weights"][li] = rm.merge_weights(plan["_mass"][li], groups)
+    return res
+
+
 @torch.no_grad()
-def merge_block(block, groups, weights, routing=None):
+def merge_block(block, groups, weights, routing=None, router="average", own=None):
     """One MoE block in place: its expert tensors, router rows (and router score-correction
     bias) become their group merges (groups [K] lists of expert indices, weights [K] lists of
     their merge weights; singleton groups with weight 1 prune), and the expert counts of the
-    block's modules become K. routing: the plan's group-limited routing fields, if any."""
-    K, dev = len(groups), block.gate.weight.device
-    for mod, pname in ((block.experts, "gate_up_proj"), (block.experts, "down_proj"), (block.gate, "weight")):
-        p = getattr(mod, pname)
-        setattr(mod, pname, torch.nn.Parameter(merge_stacked(p.detach().cpu(), groups, weights).to(dev),
-                                               requires_grad=False))
+    block's modules become K. routing: the plan's group-limited routing fields, if any.
+    router "bound": the N expert slots stay, slot e holding the merge of e's group, and the
+    router (N rows) is untouched (the M-SMoE / HC-SMoE codes' operator). own: a method's own
+    merged tensors (`own_merge`: gate / up / down [K, ...] float32, router / bias or None ->
+    the weighted average of the member rows), cast to the block's dtype."""
+    N, dev = block.gate.weight.shape[0], block.gate.weight.device
+    gu, down = block.experts.gate_up_proj, block.experts.down_proj
+    if own is None:
+        gu_m = merge_stacked(gu.detach().cpu(), groups, weights)
+        down_m = merge_stacked(down.detach().cpu(), groups, weights)
+    else:
+        gu_m = torch.cat([own["gate"], own["up"]], 1).to(gu.dtype)
+        down_m = own["down"].to(down.dtype)
+    if router == "bound":
+        sg, _ = slot_groups(groups, weights, N, router)
+        lut = torch.tensor([groups.index(g) for g in sg])
+        block.experts.gate_up_proj = torch.nn.Parameter(gu_m[lut].to(dev), requires_grad=False)
+        block.experts.down_proj = torch.nn.Parameter(down_m[lut].to(dev), requires_grad=False)
+        return
+    K = len(groups)
+    block.experts.gate_up_proj = torch.nn.Parameter(gu_m.to(dev), requires_grad=False)
+    block.experts.down_proj = torch.nn.Parameter(down_m.to(dev), requires_grad=False)
+    r = own.get("router") if own else None
+    r = r.to(block.gate.weight.dtype) if r is not None else merge_stacked(block.gate.weight.detach().cpu(), groups,
+                                                                         weights)
+    block.gate.weight = torch.nn.Parameter(r.to(dev), requires_grad=False)
     bias = getattr(block.gate, "e_score_correction_bias", None)
     if isinstance(bias, torch.Tensor):
-        block.gate.e_score_correction_bias = merge_stacked(bias.cpu(), groups, weights).to(dev)
+        ob = own.get("bias") if own else None
+        block.gate.e_score_correction_bias = (ob.to(bias.dtype) if ob is not None else
+                                              merge_stacked(bias.cpu(), groups, weights)).to(dev)
     for mod in (block, block.gate, block.experts):
         for attr in cal.EXPERT_FIELDS:
             if isinstance(getattr(mod, attr, None), int):
@@ -224,13 +397,32 @@ def merge_block(block, groups, weights, routing=None):
             setattr(block.gate, attr, v)
 
 
+def canonical_block(block):
+    """A loaded MoE block's tensors in the canonical float32 layout of `own_merge`."""
+    gu = block.experts.gate_up_proj.detach().float().cpu()
+    I = gu.shape[1] // 2
+    W = {"gate": gu[:, :I], "up": gu[:, I:], "down": block.experts.down_proj.detach().float().cpu(),
+         "router": block.gate.weight.detach().float().cpu()}
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    if isinstance(bias, torch.Tensor):
+        W["bias"] = bias.detach().float().cpu()
+    return W
+
+
 @torch.no_grad()
 def merge_model(model, plan):
-    """In-memory merge: `merge_block` on every MoE block with the plan's groups and weights;
-    update the expert counts in the config. model is changed in place and returned."""
-    K = len(plan["groups"][0])
-    for (name, block), groups, weights in zip(cal.moe_blocks(model), plan["groups"], plan["weights"]):
-        merge_block(block, groups, weights, plan.get("routing"))
+    """In-memory merge: `merge_block` on every MoE block with the plan's groups and weights (a
+    comparator's own tensors through `own_merge`) and router operator; update the expert counts
+    in the config (unchanged with the bound operator: N slots). model is changed in place and
+    returned. Raises CalibrationError (`cal.check_mergeable`) before any change when a block,
+    router, expert-count field or the plan is not one the merge understands."""
+    cal.check_mergeable(model, plan)
+    K, op = plan.get("K") or len(plan["groups"][0]), plan.get("router", "average")
+    for li, (name, block) in enumerate(cal.moe_blocks(model)):
+        own = own_merge(plan, li, canonical_block(block), K) if plan.get("own") else None
+        merge_block(block, plan["groups"][li], plan["weights"][li], plan.get("routing"), op, own)
+    if op == "bound":
+        return model
     tc = cal.text_config(model.config)
     setattr(tc, cal.expert_count_field(model.config), K)
     for f, v in plan.get("routing", {}).items():
@@ -413,6 +605,54 @@ def streaming_info(path, config):
             "layers": sorted(layers), "fingerprint": cal.router_fingerprint(w)}
 
 
+PARTS = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down",   # per-expert keys
+         "w1.weight": "gate", "w3.weight": "up", "w2.weight": "down"}                        # Mixtral
+
+
+def _fused_canonical(gu_shape, down_shape, H):
+    """True if fused per-expert shapes are transformers 5's [2I, H] / [H, I] (the layout
+    save_pretrained writes), False for the transposed [H, 2I] / [I, H] of some hub files."""
+    if down_shape[0] != down_shape[1]:
+        return down_shape[0] == H
+    return gu_shape[1] == H
+
+
+def _canonical_streams(streams, x, H):
+    """Layer tensors read by _read_layer (expert streams only) -> canonical float32 W parts
+    gate / up [N, I, H], down [N, H, I]. Raises MergeError for an expert tensor that is none
+    of the known projections (the own-tensor hook needs to know every part)."""
+    W = {}
+    fused = {st[5]: (st, v) for st, v in zip(streams, x) if st[4] == "fused"}
+    for st, v in zip(streams, x):
+        if st[4] != "expert":
+            continue
+        if st[5] not in PARTS:
+            raise MergeError(f"expert tensor {st[5]!r} is not a known projection {sorted(PARTS)}; methods with their "
+                             f"own merge operator need gate / up / down projections")
+        W[PARTS[st[5]]] = torch.stack([v[e].float() for e in range(len(v))])
+    if fused:
+        (gst, gv), (dst_, dv) = fused["gate_up_proj"], fused["down_proj"]
+        canon = _fused_canonical(gst[2], dst_[2], H)
+        gu = torch.stack([gv[e].float() if canon else gv[e].float().T for e in range(len(gv))])
+        I = gu.shape[1] // 2
+        W.update(gate=gu[:, :I], up=gu[:, I:],
+                 down=torch.stack([dv[e].float() if canon else dv[e].float().T for e in range(len(dv))]))
+    return W
+
+
+def _own_tensor(st, merged, g):
+    """Output tensor for slot group index g of one stream from a method's own merged tensors,
+    in the stream's own layout (per-expert, fused canonical or transposed, router rows)."""
+    kind, rest = st[4], st[5]
+    if kind == "expert":
+        return merged[PARTS[rest]][g]
+    if kind == "fused":
+        canon = st[6]
+        t = torch.cat([merged["gate"][g], merged["up"][g]], 0) if rest == "gate_up_proj" else merged["down"][g]
+        return t if canon else t.T
+    return merged["router" if rest == "weight" else "bias"][g]
+
+
 def merge_streaming(src, dst, plan):
     """Merge from the checkpoint files alone into dst (created if missing; holds nothing else yet).
 
@@ -421,38 +661,54 @@ def merge_streaming(src, dst, plan):
     router lives in shard i. One layer's expert bytes are read with a few large preads into a
     reused buffer while the previous layer merges (two buffers, one prefetch thread, one
     hand-off per layer); merging reuses one float32 accumulator (no fresh allocation per
-    tensor). Raises MergeError for quantised or non-float expert tensors."""
+    tensor). The "bound" router operator writes N expert slots (slot e = the merge of e's
+    group) and copies the router untouched. A method with its own tensors (plan "own") gets each
+    layer's tensors in the canonical layout through `own_merge`; they are written back in the
+    file's layout and dtype. Raises MergeError for quantised or non-float expert tensors, and
+    (`check_streamable`) before anything is written for a layout or plan it does not understand."""
+    check_streamable(src, plan)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     headers, where, layers = scan_checkpoint(src)
-    K = len(plan["groups"][0])
+    K, op, own = plan.get("K") or len(plan["groups"][0]), plan.get("router", "average"), plan.get("own", False)
+    N = next(headers[where[k]][0][k]["shape"][0] for k in layers[min(layers)]["router"] if k.endswith(".weight"))
+    S = N if op == "bound" else K                                  # expert slots written
     # --- plan every output: per home shard, the layers' streams; a stream is one merged tensor
     # family (per-expert `experts.{g}.{rest}`, or a fused [N, ...] tensor / router merged row-wise)
-    # = (output [(name, shape)], dtype, input shape of one expert, {e: (key, row or None)})
+    # = (output [(name, shape)], dtype, input shape of one expert, {e: (key, row or None)}, kind, rest[, canonical])
     jobs = {s: [] for s in headers}
     merged_keys = set()
+    routers = {}
     for li, lidx in enumerate(sorted(layers)):
-        lay, groups, weights = layers[lidx], plan["groups"][li], plan["weights"][li]
+        lay = layers[lidx]
         home = where[lay["router"][0]] if lay["router"] else where[next(iter(lay["experts"]))]
         per_rest, streams = {}, []
         for k, (e, rest) in lay["experts"].items():
             per_rest.setdefault(rest, {})[e] = k
-        fused = [by_e[None] for _, by_e in sorted(per_rest.items()) if None in by_e] + list(lay["router"])
+        rkeys = {RE_ROUTER.match(k).group("rest"): k for k in lay["router"]}
+        H = headers[where[rkeys["weight"]]][0][rkeys["weight"]]["shape"][1]
+        fused = [(rest, by_e[None]) for rest, by_e in sorted(per_rest.items()) if None in by_e]
+        fshape = {rest: headers[where[k]][0][k]["shape"][1:] for rest, k in fused}
+        canon = _fused_canonical(fshape["gate_up_proj"], fshape["down_proj"], H) if len(fshape) == 2 else True
         for rest, by_e in sorted(per_rest.items()):
             if None not in by_e:
                 ent = headers[where[by_e[0]]][0][by_e[0]]
                 if ent["dtype"] not in FLOATS:
                     raise MergeError(f"{by_e[0]}: dtype {ent['dtype']} (quantised experts are not supported)")
-                streams.append(([(f"{lay['block']}.experts.{g}.{rest}", ent["shape"]) for g in range(K)],
-                                ent["dtype"], ent["shape"], {e: (k, None) for e, k in by_e.items()}))
-        for k in fused:
+                streams.append(([(f"{lay['block']}.experts.{g}.{rest}", ent["shape"]) for g in range(S)],
+                                ent["dtype"], ent["shape"], {e: (k, None) for e, k in by_e.items()}, "expert", rest))
+        for kind, rest, k in ([("fused", r, k) for r, k in fused] +
+                              ([("router", RE_ROUTER.match(k).group("rest"), k) for k in lay["router"]] if op != "bound" else [])):
             ent = headers[where[k]][0][k]
             if ent["dtype"] not in FLOATS:
                 raise MergeError(f"{k}: dtype {ent['dtype']} (quantised experts are not supported)")
-            streams.append(([(k, [K] + ent["shape"][1:])], ent["dtype"], ent["shape"][1:],
-                            {e: (k, e) for e in range(ent["shape"][0])}))
+            n_out = S if kind == "fused" else K
+            streams.append(([(k, [n_out] + ent["shape"][1:])], ent["dtype"], ent["shape"][1:],
+                            {e: (k, e) for e in range(ent["shape"][0])}, kind, rest, canon))
         merged_keys.update(k for st in streams for k, _ in st[3].values())
-        jobs[home].append((streams, groups, weights))
+        if own:
+            routers[li] = {("router" if r == "weight" else "bias"): k for r, k in rkeys.items()}
+        jobs[home].append((li, streams))
     # --- write shards: header first (sizes are known), then the data in header order
     os.makedirs(dst, exist_ok=True)
     weight_map, total = {}, 0
@@ -467,7 +723,7 @@ def merge_streaming(src, dst, plan):
                     continue
                 hdr, off = {}, 0
                 for name, dt, shape in ([(k, entries[k]["dtype"], entries[k]["shape"]) for k in copies] +
-                                        [(n, st[1], sh) for streams, _, _ in jobs[s] for st in streams
+                                        [(n, st[1], sh) for _, streams in jobs[s] for st in streams
                                          for n, sh in st[0]]):
                     size = math.prod(shape) * DTYPES[dt].itemsize
                     hdr[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + size]}
@@ -479,29 +735,49 @@ def merge_streaming(src, dst, plan):
                 with open(os.path.join(dst, s), "wb") as f:
                     f.write(len(hb).to_bytes(8, "little"))
                     f.write(hb)
-                    nxt = pool.submit(_read_layer, files, headers, where, jobs[s][0][0], bufs, 0) if jobs[s] else None
+                    nxt = pool.submit(_read_layer, files, headers, where, jobs[s][0][1], bufs, 0) if jobs[s] else None
                     for a, b in _coalesce([(start + entries[k]["data_offsets"][0], start + entries[k]["data_offsets"][1])
                                            for k in copies], gap=0):
                         _write_one(f, ("copy", os.path.join(src, s), a, b - a))
-                    for i, (streams, groups, weights) in enumerate(jobs[s]):
+                    for i, (li, streams) in enumerate(jobs[s]):
                         inputs = nxt.result()
+                        merged = None
+                        if own:        # before the prefetch of the next layer reuses the other buffer
+                            rt = {n: read_tensor(os.path.join(src, where[k]), headers[where[k]][1],
+                                                 headers[where[k]][0][k]).float() for n, k in routers[li].items()}
+                            W = dict(_canonical_streams(streams, inputs, rt["router"].shape[1]), **rt)
+                            merged = own_merge(plan, li, W, K)
                         if i + 1 < len(jobs[s]):
-                            nxt = pool.submit(_read_layer, files, headers, where, jobs[s][i + 1][0], bufs, (i + 1) % 2)
-                        for (outs, dt, shape, _), x in zip(streams, inputs):
+                            nxt = pool.submit(_read_layer, files, headers, where, jobs[s][i + 1][1], bufs, (i + 1) % 2)
+                        groups, weights = plan["groups"][li], plan["weights"][li]
+                        sgroups, sweights = slot_groups(groups, weights, N, op)
+                        gidx = [groups.index(g) for g in sgroups]
+                        for st, x in zip(streams, inputs):
+                            dt, shape, kind = st[1], st[2], st[4]
+                            slots = list(zip(sgroups, sweights)) if kind != "router" else list(zip(groups, weights))
+                            if merged is not None and kind != "router":
+                                for g in gidx:
+                                    _write_one(f, _own_tensor(st, merged, g).to(DTYPES[dt]))
+                                continue
+                            if merged is not None and merged["router" if st[5] == "weight" else "bias"] is not None:
+                                for g in range(K):
+                                    _write_one(f, _own_tensor(st, merged, g).to(DTYPES[dt]))
+                                continue
                             n = math.prod(shape)
                             if acc[0].numel() < n:
                                 acc[0], acc[1] = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float64)
                             a32, o = acc[0][:n].view(shape), acc[1].view(torch.uint8)[:n * DTYPES[dt].itemsize]
                             o = o.view(DTYPES[dt]).view(shape)
-                            for grp, w in zip(groups, weights):
+                            for grp, w in slots:
                                 _write_one(f, weighted_sum([x[e] for e in grp], w, DTYPES[dt], acc=a32, out=o))
     finally:
         for fh in files.values():
             fh.close()
     # --- config, index, side files
     sub = _expert_config(config)
-    sub[next(f for f in cal.EXPERT_FIELDS if f in sub)] = K
-    sub.update(plan.get("routing", {}))
+    if op != "bound":
+        sub[next(f for f in cal.EXPERT_FIELDS if f in sub)] = K
+        sub.update(plan.get("routing", {}))
     for f, v in sub.items():           # DeepSeek-VL2 configs may repeat language fields at the top level
         if sub is not config and f in cal.EXPERT_FIELDS + ("n_group", "topk_group") and f in config:
             config[f] = v
@@ -529,7 +805,7 @@ def _read_layer(files, headers, where, streams, bufs, slot, gap=1 << 20):
     per run of nearby tensors (gaps <= 1 MiB are read through); returns, per stream, a dict
     {e: tensor view}. Runs in the prefetch thread, so reading overlaps merging and writing."""
     want = {}                                   # (key, row) -> (shard, start, end, dtype, shape)
-    for _, dt, shape, src_of in streams:
+    for _, dt, shape, src_of, *_ in streams:
         for key, row in src_of.values():
             entries, start = headers[where[key]]
             a, b = entries[key]["data_offsets"]
@@ -560,7 +836,7 @@ def _read_layer(files, headers, where, streams, bufs, slot, gap=1 << 20):
             pos += b - a
     starts = {shard: [a for a, _ in rs] for shard, rs in runs.items()}
     out = []
-    for _, dt, shape, src_of in streams:
+    for _, dt, shape, src_of, *_ in streams:
         views = {}
         for e, (key, row) in src_of.items():
             shard, a, b, dtype, shp = want[key, row]
@@ -586,10 +862,49 @@ def _write_one(f, item):
 
 # ----------------------------------------------------------------------------- entry point
 
+def load_method_features(stats_paths, method):
+    """The features `rolemerge.calibrate --features` wrote next to each stats file, summed.
+    Raises MergeError naming the calibrate flag when one is missing or unreadable."""
+    from rolemerge import baselines as bl
+    paths = [stats_paths] if isinstance(stats_paths, str) else list(stats_paths)
+    fps = [bl.features_path(p) for p in paths]
+    for sp, fp in zip(paths, fps):
+        if not os.path.exists(fp):
+            raise MergeError(f"method {method!r} needs calibration features (expert outputs, router logits) and "
+                             f"{fp} is missing: rerun python -m rolemerge.calibrate ... --out {sp} --features")
+    try:
+        feats, meta = bl.load_features(fps)
+    except (ValueError, OSError) as e:
+        raise MergeError(f"{e}; rerun python -m rolemerge.calibrate ... --features") from None
+    return feats, meta
+
+
+def param_summary(path, plan):
+    """Parameter counts of a merged checkpoint directory, from its safetensors headers:
+    params (every tensor), expert_slots / unique_experts per layer (bound: N slots, K_l unique:
+    file size and parameter count do not shrink) and unique_params (params minus the copies of
+    bound slots: what a runtime that shares a group's slots would hold)."""
+    headers, where, layers = scan_checkpoint(path)
+    params = sum(math.prod(e["shape"]) for entries, _ in headers.values() for e in entries.values())
+    dup = 0
+    for li, lidx in enumerate(sorted(layers)):
+        numel = sum(math.prod(headers[where[k]][0][k]["shape"]) for k in layers[lidx]["experts"])
+        slots = plan["slots"]
+        dup += (slots - len(plan["groups"][li])) * numel // slots
+    return {"params": params, "unique_params": params - dup, "expert_slots": plan["slots"],
+            "unique_experts": [len(g) for g in plan["groups"]]}
+
+
 def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge", lam=0.03, linkage="single",
-              seed=0, streaming=False, force=False, dtype=None, features=None):
+              seed=0, streaming=None, force=False, dtype=None, features=None, router=None, distance="euclidean",
+              adaptive=False):
     """Plan + merge + save + report. Returns the report dict. Raises MergeError / CalibrationError.
 
+    streaming None (default): merge from the checkpoint files (`merge_streaming`) unless a load
+    `dtype` is asked for; False loads the model (`merge_model` + save_pretrained); both write the
+    same tensors. method: every name of `all_methods()`; the feature methods (msmoe, hcsmoe,
+    reap, the comparators) read the features `rolemerge.calibrate --features` wrote next to the
+    stats file(s) unless `features` is given. router / distance / adaptive: see `make_plan`.
     The output is written to `{out}.tmp` and renamed to `out` only when complete (report
     last), so a killed run never leaves a directory at `out`; a rerun starts the `.tmp` over
     and gives the same bytes. `force` replaces only a previous RoleMerge output (a directory
@@ -602,14 +917,22 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     check_rho_k(rho, k)
     if linkage not in rm.LINKAGES:   # every method, before any loading
         raise MergeError(f"unknown linkage {linkage!r}; choose from {rm.LINKAGES}")
-    if method in rm.FEATURE_METHODS and features is None:
-        raise MergeError(f"method {method!r} needs calibration features (expert outputs, router logits): collect "
-                         f"them with rolemerge.baselines.collect_features and pass run_merge(features=...)")
+    if method not in all_methods():
+        raise MergeError(f"unknown method {method!r}; choose from {all_methods()}")
+    router = router_operator(method, router)
+    if distance not in ("euclidean", "cosine"):
+        raise MergeError(f"unknown distance {distance!r}; choose from ('euclidean', 'cosine')")
+    if adaptive and (method != "msmoe" or router != "bound"):
+        raise MergeError("layer-adaptive expert counts are M-SMoE's (--method msmoe) and need --router bound: a "
+                         "transformers config holds one expert count for all layers")
     if not (lam >= 0 and math.isfinite(lam)):
         raise MergeError(f"lambda={lam} must be a finite number >= 0 (paper: 0.03)")
+    if streaming is None:
+        streaming = dtype is None
     if streaming and dtype is not None:
-        raise MergeError("--dtype applies to the in-memory merge only; the streaming path keeps every tensor's "
-                         "dtype from the checkpoint files")
+        raise MergeError("--dtype applies to the in-memory merge only (--in-memory); the streaming path keeps "
+                         "every tensor's dtype from the checkpoint files")
+    needs_features, fmeta = method in rm.FEATURE_METHODS or method in comparator_methods(), None
     out = out.rstrip("/") or out
     real_out, real_src = os.path.realpath(out), os.path.realpath(src)
     if real_out == real_src or os.path.commonpath([real_out, real_src]) == real_out:
@@ -632,7 +955,13 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     # readable, supported family, complete safetensors shards (streaming: from config.json alone, so the
     # merge never imports transformers, whose import costs seconds)
     cal.load_config(src) if not streaming else _streaming_config(src)
+    if needs_features and features is None:             # before the stats: names the calibrate flag
+        features, fmeta = load_method_features(stats_paths, method)
     stats = cal.load_stats(stats_paths)
+    if needs_features and fmeta is not None:
+        if fmeta.get("fingerprint") != stats["fingerprint"] or len(features) != len(stats["layer_names"]):
+            raise MergeError("the features file was recorded on a different model than the stats; recalibrate "
+                             "with python -m rolemerge.calibrate ... --features")
     t0 = time.time()
     if streaming:
         with open(os.path.join(src, "config.json")) as f:
@@ -640,7 +969,8 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         info = streaming_info(src, config)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
-        routing = routing_groups(config["model_type"], _expert_config(config), info["num_experts"], K, info["top_k"])
+        routing = (1, {}) if router == "bound" else routing_groups(
+            config["model_type"], _expert_config(config), info["num_experts"], K, info["top_k"])
 
         def routers():
             headers, where, layers = scan_checkpoint(src)
@@ -650,7 +980,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                 out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
             return out_r
         tp = time.time()
-        plan = make_plan(stats, K, method, lam, linkage, seed, routers, features, routing)
+        plan = make_plan(stats, K, method, lam, linkage, seed, routers, features, routing, router, distance, adaptive)
         plan_s = time.time() - tp
         _start_tmp(tmp)
         merge_streaming(src, tmp, plan)
@@ -659,19 +989,22 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         info = cal.model_info(model, model_path)
         check_stats(stats, info)
         K = target_k(info["num_experts"], info["top_k"], rho, k)
-        routing = routing_groups(model.config.model_type, cal.text_config(model.config).to_dict(),
-                                 info["num_experts"], K, info["top_k"])
+        routing = (1, {}) if router == "bound" else routing_groups(
+            model.config.model_type, cal.text_config(model.config).to_dict(), info["num_experts"], K, info["top_k"])
         tp = time.time()
         plan = make_plan(stats, K, method, lam, linkage, seed,
                          lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)],
-                         features, routing)
+                         features, routing, router, distance, adaptive)
         plan_s = time.time() - tp
         merge_model(model, plan)
         _start_tmp(tmp)
         model.save_pretrained(tmp)
         copy_side_files(src, tmp)
-    report = dict(plan, model=str(model_path), stats=list(stats_paths) if not isinstance(stats_paths, str)
-                  else [stats_paths], streaming=streaming, merge_seconds=time.time() - t0, plan_seconds=plan_s)
+    if plan.get("own"):                                   # a comparator's groups are known once merged
+        finish_plan(plan, stats)
+    report = dict({k: v for k, v in plan.items() if not k.startswith("_")}, model=str(model_path),
+                  stats=list(stats_paths) if not isinstance(stats_paths, str) else [stats_paths], streaming=streaming,
+                  merge_seconds=time.time() - t0, plan_seconds=plan_s, **param_summary(tmp, plan))
     with open(os.path.join(tmp, REPORT), "w") as f:      # last file: its presence marks a complete output
         json.dump(report, f, indent=1)
     os.remove(os.path.join(tmp, TMP_MARK))                # the report marks it from here on
@@ -705,28 +1038,50 @@ def main(argv=None):
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--rho", type=float, help="expert retention ratio in (0, 1]; K = round(rho * N) per layer")
     g.add_argument("--k", type=int, help="experts kept per MoE layer (transformers configs hold one count for all layers)")
-    p.add_argument("--method", default="rolemerge", choices=rm.METHODS,
-                   help="rolemerge (paper); controls no_phase_split / lambda0 / permuted / kmeans; "
-                        "baselines frequency (global-frequency merging) / prune (frequency pruning)")
+    p.add_argument("--method", default="rolemerge", choices=all_methods(),
+                   help="rolemerge (paper); controls no_phase_split / lambda0 / permuted / kmeans / empirical_prior; "
+                        "baselines frequency (global-frequency merging) / prune (frequency pruning); the papers' own "
+                        "criteria msmoe / hcsmoe / reap and the comparators of rolemerge/comparators.py (these read "
+                        "the features of rolemerge.calibrate --features next to --stats)")
+    p.add_argument("--router", default=None, choices=ROUTERS,
+                   help="router operator: bound (all N router rows kept, every member expert slot holds its group's "
+                        "merge: the M-SMoE / HC-SMoE codes; checkpoint size does not shrink) or average (K rows, the "
+                        "weighted average of the members' rows). Default: the method's official one (bound for "
+                        "msmoe / hcsmoe, average otherwise)")
+    p.add_argument("--distance", default="euclidean", choices=("euclidean", "cosine"),
+                   help="HC-SMoE's distance between mean expert outputs (official: euclidean)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="M-SMoE's layer-adaptive expert counts (global frequency threshold; needs --router bound)")
     p.add_argument("--lam", type=float, default=0.03, help="mean collision weight lambda over layers (paper .03)")
     p.add_argument("--linkage", default="single", choices=rm.LINKAGES, help="group dissimilarity (paper: single)")
     p.add_argument("--seed", type=int, default=0, help="seed of the permuted / kmeans controls")
-    p.add_argument("--streaming", action="store_true",
-                   help="merge from the safetensors shards without loading the model (bounded memory)")
+    p.add_argument("--in-memory", action="store_true",
+                   help="load the model and merge it in memory (default: stream from the safetensors shards without "
+                        "loading the model; identical tensors, bounded memory)")
+    p.add_argument("--streaming", action="store_true", help=argparse.SUPPRESS)   # the default; kept so older commands run
     p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="load dtype of the in-memory path (auto: the checkpoint's own; the streaming path always "
-                        "keeps the checkpoint's dtypes)")
+                   help="load dtype of --in-memory (auto: the checkpoint's own; streaming always keeps the "
+                        "checkpoint's dtypes)")
     from common.cli import add_threads, fail, set_threads
     add_threads(p)
     a = p.parse_args(argv)
+    if a.in_memory and a.streaming:
+        fail("--in-memory and --streaming exclude each other (streaming is the default)")
+    if a.dtype != "auto" and not a.in_memory:
+        fail(f"--dtype applies to the in-memory merge only: add --in-memory (the streaming merge, the default, keeps "
+             f"every tensor's dtype from the checkpoint files)")
     set_threads(a.threads, a.model)
     try:
-        rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, a.streaming,
-                        a.force, None if a.dtype == "auto" else getattr(torch, a.dtype))
+        rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, not a.in_memory,
+                        a.force, None if a.dtype == "auto" else getattr(torch, a.dtype), router=a.router,
+                        distance=a.distance, adaptive=a.adaptive)
     except (MergeError, cal.CalibrationError) as e:
         fail(e)  # `error: ...`, exit status 2
     print(summary_line(rep, a.out))
+    if rep["router"] == "bound":
+        print(f"note: bound router: {rep['expert_slots']} expert slots per layer kept (the router keeps all rows), "
+              f"{rep['unique_params']:,} unique of {rep['params']:,} parameters; the files do not shrink")
     if rep["routing"]:
         print(f"note: group-limited routing rewritten so K={rep['K']} is valid: {rep['routing']} (experts were merged "
               f"only within these routing groups)")

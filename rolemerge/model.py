@@ -47,9 +47,16 @@ def role_profiles(p, prior=None):
     p [B, N] phase distributions. With the uniform phase prior pi(b) = 1/B (the paper's; or
     `prior` [B], non-negative, summing to 1, e.g. the empirical phase token shares):
     P(e, b) = pi(b) p[b, e], P(e) = sum_b P(e, b), q_e(b) = P(e, b) / P(e) (zero vector if P(e) = 0).
+    An all-zero row (a phase this record never reached, e.g. the image bucket of a text-only
+    source) is no distribution: the uniform prior is then 1/B' over the B' non-empty phases,
+    so the joint still sums to 1 and the record's MI does not depend on an empty bucket.
     Returns (P_e [N], q [N, B]), float64."""
     B = p.shape[0]
-    pi = torch.full((B,), 1.0 / B, dtype=torch.float64) if prior is None else torch.as_tensor(prior, dtype=torch.float64)
+    if prior is None:
+        seen = (torch.as_tensor(p, dtype=torch.float64).sum(-1) > 0).double()        # [B]
+        pi = seen / seen.sum() if seen.sum() > 0 else torch.full((B,), 1.0 / B, dtype=torch.float64)
+    else:
+        pi = torch.as_tensor(prior, dtype=torch.float64)
     joint = p.T * pi[None, :]                    # [N, B] = P(e, b)
     P_e = joint.sum(-1)                          # [N]
     q = torch.where(P_e[:, None] > 0, joint / P_e.clamp_min(1e-300)[:, None], torch.zeros_like(joint))
@@ -343,7 +350,7 @@ def mi_retention(record_counts, groups):
 
 METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune",
            "msmoe", "hcsmoe", "reap", "empirical_prior")
-FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need rolemerge.baselines.collect_features
+FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need features: rolemerge.calibrate --features (or baselines.collect_features)
 
 
 def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, features=None,

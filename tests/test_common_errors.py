@@ -111,14 +111,18 @@ def test_extreme_aspect_ratio_fails_at_read_time(tmp_path):
         data.read_llava_json(_llava(tmp_path / "d.json", "images/strip.png"))
 
 
-def test_truncated_image_passes_the_header_check_but_fails_clearly_on_load(tmp_path):
+def test_truncated_image_fails_the_read_time_check_although_its_header_is_intact(tmp_path):
+    """A download cut short keeps its header: a header-only check passed it and the run
+    stopped at its batch, after the model had loaded. check_image decodes the pixels."""
     p = tmp_path / "cut.png"
     a = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
     Image.fromarray(a).save(p)
     p.write_bytes(p.read_bytes()[:400])                 # a download cut short
-    data.check_image(str(p), "r5")                       # header intact
-    with pytest.raises(data.DataError, match=r"record r5: cannot read image .*cut.png \(OSError: .*truncated"):
-        data.load_image(str(p), "r5")
+    with Image.open(p) as im:
+        assert im.size == (64, 64)                      # header intact
+    for check in (data.check_image, data.load_image):
+        with pytest.raises(data.DataError, match=r"record r5: cannot read image .*cut.png \(OSError: .*truncated"):
+            check(str(p), "r5")
 
 
 def test_canonical_jsonl_checks_image_files_too(tmp_path):

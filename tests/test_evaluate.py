@@ -51,7 +51,7 @@ def test_readers(tmp_path, saved):
     assert [r["id"] for r in recs] == ["q1", "q2", "q3"] and set(recs[0]) == set(llava[0])
     assert recs[0]["target"] == "yes" and recs[0]["conversations"][0]["value"] == "<image>\nIs there a dog?"
     q2 = recs[1]
-    assert q2["family"] == "all" and q2["answer"] == "B"                    # option text -> letter
+    assert q2["family"] == "unlabelled" and q2["answer"] == "B"             # option text -> letter
     assert q2["question"] == "Which animal? A. cat B. dog Answer with the letter."
     assert q2["options"] == [("A", "cat"), ("B", "dog")] and recs[2]["question"] == "Which? A. cat B. dog"
     assert parse_options("Which is at the top? A. red circle B. blue square C. x D. y Answer with the letter.")[

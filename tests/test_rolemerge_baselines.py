@@ -31,17 +31,18 @@ def _at(deg, r=1.0):
     return [r * math.cos(math.radians(deg)), r * math.sin(math.radians(deg))]
 
 
-def test_hcsmoe_average_linkage_on_cosine_of_mean_outputs():
+def test_hcsmoe_cosine_variant_average_linkage_on_mean_outputs():
     # directions 0, 20, 45, 75, 90 degrees; norms differ (cosine ignores them, Euclidean would not)
     X = torch.tensor([_at(0), _at(20, 3), _at(45, 9), _at(75, 0.2), _at(90)], dtype=torch.float64)
     # merges: (75, 90) at 1 - cos15; (0, 20) at 1 - cos20; then 45 -> {0, 20}: average
     # (1-cos45 + 1-cos25)/2 = .193 < to {75, 90}: (1-cos30 + 1-cos45)/2 = .213
-    assert bl.hcsmoe_groups(X, 2) == [[0, 1, 2], [3, 4]]
-    assert bl.hcsmoe_groups(X, 3) == [[0, 1], [2], [3, 4]]
-    assert bl.hcsmoe_groups(X, 4) == [[0], [1], [2], [3, 4]]
+    assert bl.hcsmoe_groups(X, 2, distance="cosine") == [[0, 1, 2], [3, 4]]
+    assert bl.hcsmoe_groups(X, 3, distance="cosine") == [[0, 1], [2], [3, 4]]
+    assert bl.hcsmoe_groups(X, 4, distance="cosine") == [[0], [1], [2], [3, 4]]
+    assert bl.hcsmoe_groups(X, 2) == [[0, 1, 3, 4], [2]]      # the official Euclidean: 45 deg sits at radius 9
     # average vs complete linkage differ here: 45 sits 25 deg from 20 and 45 from 0 (complete 1-cos45),
     # 30 deg from 75 and 45 from 90 (complete 1-cos45) -> tie -> lower member list {0,1,2}
-    assert bl.hcsmoe_groups(X, 2, "complete") == [[0, 1, 2], [3, 4]]
+    assert bl.hcsmoe_groups(X, 2, "complete", "cosine") == [[0, 1, 2], [3, 4]]
     with pytest.raises(ValueError, match="unknown linkage"):
         bl.hcsmoe_groups(X, 2, "ward")
 
@@ -53,8 +54,8 @@ def test_hcsmoe_average_linkage_is_size_weighted():
     X = torch.tensor([_at(0), _at(10), _at(20), _at(34), _at(100)], dtype=torch.float64)
     d = lambda a, b: 1 - math.cos(math.radians(b - a))
     assert d(14, 0) < (d(20, 0) + d(10, 0)) / 2 and d(10, 0) < d(14, 0)
-    assert bl.hcsmoe_groups(X, 3) == [[0, 1], [2, 3], [4]]
-    assert bl.hcsmoe_groups(X, 3, "single") == [[0, 1, 2], [3], [4]]
+    assert bl.hcsmoe_groups(X, 3, distance="cosine") == [[0, 1], [2, 3], [4]]
+    assert bl.hcsmoe_groups(X, 3, "single", "cosine") == [[0, 1, 2], [3], [4]]
 
 
 # ----------------------------------------------------------------------------- REAP

@@ -400,7 +400,7 @@ def test_calibrate_merge_reload_generate(tok, tmp_path, mla, topk_method, n_grou
     assert int(sum(s["tokens"][0] for s in stats["sources"].values())) == n_img
     sp = str(tmp_path / "stats.safetensors")
     cal.save_stats(stats, sp)
-    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), rho=0.5)
+    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), rho=0.5, streaming=False)
     mg.run_merge(src, sp, str(tmp_path / "stream"), rho=0.5, streaming=True)
     assert rep["K"] == 4 and rep["routing"] == {}
     if n_group == 2:                                       # merged only within routing groups {0..3}, {4..7}

@@ -101,10 +101,12 @@ def test_choice_typos_and_dtype_flag(moe, tmp_path, capsys):
         in capsys.readouterr().err
     assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", out, "--rho", ".5", "--streaming",
                        "--dtype", "bfloat16"]).startswith("error: --dtype applies to the in-memory merge only")
-    mg.main(["--model", "tiny-moe", "--stats", stats, "--out", out, "--rho", ".5", "--dtype", "bfloat16"])
+    assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", out, "--rho", ".5",
+                       "--dtype", "bfloat16"]).startswith("error: --dtype applies to the in-memory merge only")
+    mg.main(["--model", "tiny-moe", "--stats", stats, "--out", out, "--rho", ".5", "--dtype", "bfloat16", "--in-memory"])
     assert all(v.dtype == torch.bfloat16 for v in load_file(os.path.join(out, "model.safetensors")).values()
                if v.is_floating_point())
-    mg.main(["--model", "tiny-moe", "--stats", stats, "--out", out + "2", "--rho", ".5", "--dtype", "auto"])
+    mg.main(["--model", "tiny-moe", "--stats", stats, "--out", out + "2", "--rho", ".5", "--dtype", "auto", "--in-memory"])
     assert load_file(os.path.join(out + "2", "model.safetensors"))[
         "model.language_model.layers.0.mlp.gate.weight"].dtype == torch.float32
 
@@ -136,7 +138,7 @@ def test_non_moe_model_is_refused_by_calibrate_and_merge(moe, tmp_path):
     assert _error(cal.main, ["--model", "tiny-dense", "--data", str(root / "val.json"), "--out",
                              str(tmp_path / "s.safetensors")]).startswith(f"error: {msg}. Supported: Qwen3-VL-MoE "
                                                                           f"[qwen3_vl_moe]")
-    for extra in ([], ["--streaming"]):
+    for extra in ([], ["--in-memory"]):
         code = _merge_cli(["--model", "tiny-dense", "--stats", stats, "--out", str(tmp_path / "o"), "--rho", ".5"]
                           + extra)
         assert code.startswith(f"error: {msg}")
@@ -157,7 +159,7 @@ def test_stats_from_another_model(moe, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"]["num_experts_per_tok"] = 3
     (d / "config.json").write_text(json.dumps(cfg))
-    for extra in ([], ["--streaming"]):
+    for extra in ([], ["--in-memory"]):
         assert _merge_cli(["--model", str(d), "--stats", stats, "--out", str(tmp_path / "o"), "--rho", ".5"] + extra) \
             == ("error: statistics were recorded on a different model (top_k: stats 2 vs checkpoint 3; stats model "
                 "'tiny-moe'); recalibrate on this one")
@@ -213,7 +215,7 @@ def test_truncated_shard_is_named_by_both_merge_paths(moe, tmp_path):
     f = d / "model.safetensors"
     full = f.stat().st_size
     os.truncate(f, full // 2)
-    for extra in ([], ["--streaming"]):
+    for extra in ([], ["--in-memory"]):
         assert _merge_cli(["--model", str(d), "--stats", stats, "--out", str(tmp_path / "o"), "--rho", ".5"] + extra) \
             == (f"error: {f}: truncated or corrupt safetensors file: {full // 2} bytes on disk, its header describes "
                 f"{full}; re-download or re-save it")
@@ -312,7 +314,7 @@ def test_killed_streaming_merge_leaves_no_output_and_rerun_is_identical(moe, tmp
     assert {k: v for k, v in rep.items() if k not in ("merge_seconds", "plan_seconds")} == \
         {k: v for k, v in ref_rep.items() if k not in ("merge_seconds", "plan_seconds")}
     for i in range(2):
-        mg.run_merge(src, stats, str(tmp_path / f"mem{i}"), rho=0.5)
+        mg.run_merge(src, stats, str(tmp_path / f"mem{i}"), rho=0.5, streaming=False)
     assert _files(str(tmp_path / "mem0")) == _files(str(tmp_path / "mem1"))
 
 

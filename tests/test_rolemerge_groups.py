@@ -108,7 +108,7 @@ def test_group_limited_merge_loads_runs_routes_inside_groups(case, tok, tmp_path
                           model_id=src, progress=False)
     sp = str(tmp_path / "stats.safetensors")
     cal.save_stats(stats, sp)
-    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), k=K)
+    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), k=K, streaming=False)
     mg.run_merge(src, sp, str(tmp_path / "stream"), k=K, streaming=True)
     blk = N // want[0]
     for layer in rep["groups"]:                 # every merged expert inside one routing group of the merged model

@@ -106,7 +106,7 @@ def test_merge_every_family(family, tok, tmp_path):
     assert stats["buckets"] == (["image", "question", "answer"] if family == "qwen3_vl_moe" else ["question", "answer"])
     sp = str(tmp_path / "stats.safetensors")
     cal.save_stats(stats, sp)
-    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), rho=0.5)
+    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), rho=0.5, streaming=False)
     assert rep["K"] == 4 and all(len(g) == 4 for g in rep["groups"])
     mg.run_merge(src, sp, str(tmp_path / "stream"), rho=0.5, streaming=True)
     m2 = loader(family).from_pretrained(str(tmp_path / "mem")).eval()

@@ -122,8 +122,12 @@ def test_remote_code_is_not_run_without_the_flag(tmp_path, capsys):
     with pytest.raises(cal.CalibrationError, match=r"cannot read its config.json.*need --trust-remote-code"):
         cal.load_model(str(b))
     with pytest.raises(SystemExit) as e:                 # a user error: `error: ...`, exit status 2
-        mg.main(["--model", str(b), "--stats", "s.safetensors", "--out", str(tmp_path / "o"), "--rho", ".5"])
+        mg.main(["--model", str(b), "--stats", "s.safetensors", "--out", str(tmp_path / "o"), "--rho", ".5",
+                 "--in-memory"])
     assert e.value.code == 2 and "need --trust-remote-code" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:                 # streaming (the default) reads config.json as JSON only
+        mg.main(["--model", str(b), "--stats", "s.safetensors", "--out", str(tmp_path / "o"), "--rho", ".5"])
+    assert e.value.code == 2 and "model_type 'evil_vlm' is not a supported MoE family" in capsys.readouterr().err
     c = _with_files(tmp_path, "c", weights=False)
     (c / "config.json").write_text(EVIL_PY.format(marker=marker))
     with pytest.raises(bb.BackboneError, match=r"cannot read its config.json \(.*not a valid JSON file\)"):

@@ -23,6 +23,7 @@ instruction following:
     python -m eval.toys.mod --part e2e   # the pipeline below -> out/mod/results.json (~20 CPU minutes)
     python -m eval.toys.mod --part mechanism   # frozen single-layer mechanism experiments -> out/mod/mechanism/
     python -m eval.toys.mod --part debate      # end to end with headroom, one lr -> out/mod/debate/
+    python -m eval.toys.mod --part mad-rounds  # MAD 1-3 debate rounds beside MoD: tokens, wall time -> out/mod/mad_rounds.json
     python -m eval.toys.mod              # mechanism, debate and e2e; out/mod/results.json lists every part's report
     bash eval/toys/mod_main.sh a|b|report      # the debate part's main setting (per-arm lr, 600 questions, 3 seeds)
 
@@ -227,15 +228,23 @@ def main(argv=None):
                    "(default 300; other steps train into their own folders, OUT/debate/lr/<arm>_lr<LR>_steps<N>_s<seed>)")
     p.add_argument("--debate-picks", default="", help="debate-lr part: fixed lr per arm, no sweep, e.g. "
                    "MoD=1e-2,MoE-LoRA=5e-3 (folder names as in --debate-arms)")
+    p.add_argument("--debate-metrics", default="", help="debate-lr part: test metrics scored at the picks, comma "
+                   "separated from single, misled_own, misled_ood (default: all three)")
     p.add_argument("--debate-no-train", action="store_true", help="debate-lr part: report what is on disk, "
                    "train and score nothing ((arm, seed) without scores are listed as not run)")
-    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e"],
+    p.add_argument("--mad-rounds", default="1,2,3", help="mad-rounds part: MAD debate rounds, comma separated")
+    p.add_argument("--mad-adapter", default="", help="mad-rounds part: the MoD adapter folder of the MoD-Single / "
+                   "MoD-Multi rows (default OUT/debate/lr/MoD_lr0.01_steps500_s0, the main setting's seed 0; none: MAD rows only)")
+    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e", "mad-rounds"],
                    help="mechanism: frozen single-layer experiments (eval/toys/mod_mechanism.py, -> OUT/mechanism/); "
                    "debate: end to end with headroom (eval/toys/mod_debate.py, -> OUT/debate/); "
                    "debate-lr: per-arm lr of the --debate-arms (default MoD,MoE-LoRA; the first two are the "
                    "references every further arm is compared with) picked on the val split, then --debate-seeds "
                    "at the picks (-> OUT/debate/lr/; makes the debate data when missing); "
-                   "e2e: the shapes-world pipeline below; all: every part but debate-lr (--quick runs e2e only)")
+                   "e2e: the shapes-world pipeline below; all: every part but debate-lr and mad-rounds (--quick runs "
+                   "e2e only); mad-rounds: MAD with --mad-rounds debate rounds beside MoD-Single / MoD-Multi 1 and 2 "
+                   "rounds on the first --debate-test questions, tokens and wall time per question "
+                   "(eval/toys/mod_mad.py, -> OUT/mad_rounds.json)")
     a = p.parse_args(argv)
     from eval.toys import mod_debate as toy_mod_debate
     arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
@@ -269,9 +278,27 @@ def main(argv=None):
     if a.debate_steps < 0 or any(v <= 0 for v in picks.values()):
         p.error("--debate-steps must be >= 1 (0 = the default 300) and --debate-picks lrs > 0")
     lr_arms = tuple(picks) or lr_arms
+    metrics = tuple(x.strip() for x in a.debate_metrics.split(",") if x.strip()) or toy_mod_debate.METRICS
+    if [m for m in metrics if m not in toy_mod_debate.METRICS]:
+        p.error(f"--debate-metrics: choose from {','.join(toy_mod_debate.METRICS)}")
     lr_part = dict(toy_mod_debate.LR_SETTINGS, lrs=lrs, n_val=a.debate_val, lr_arms=lr_arms,
-                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None, rounds=tuple(rounds))
+                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None, rounds=tuple(rounds),
+                   metrics=metrics)
+    try:
+        mad_rounds = tuple(int(x) for x in a.mad_rounds.split(",") if x.strip())
+    except ValueError:
+        p.error("--mad-rounds takes comma-separated integers, e.g. 1,2,3")
+    if not mad_rounds or min(mad_rounds) < 1:
+        p.error("--mad-rounds needs at least one value, each >= 1")
     set_threads(a.threads, a.model)
+    if a.part == "mad-rounds":
+        from eval.toys import mod_mad
+        try:
+            mod_mad.run(a.data, a.out, a.model, a.debate_test, mad_rounds, a.mad_adapter or None)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+        return
     if a.part in ("all", "mechanism") and not a.quick:
         from eval.toys import mod_mechanism as toy_mod_mechanism
         toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))

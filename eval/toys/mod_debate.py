@@ -184,14 +184,19 @@ def arm_records(root, prep, arm):
     return read_llava_json(path)
 
 
-def score_test(model, proc, test, own, base=False):
-    """The three test metrics of the debate parts, in this order: single round on MoD-Single's
-    JSON prompt (`mod_debate` with 0 rounds; the frozen base (`base`) through `plain` on the same
-    prompt), misled by the base's own wrong answer `own[id]`, misled by another scene."""
+def score_test(model, proc, test, own, base=False, metrics=METRICS):
+    """The test metrics of the debate parts (`metrics`, default all three), in this order: single
+    round on MoD-Single's JSON prompt (`mod_debate` with 0 rounds; the frozen base (`base`) through
+    `plain` on the same prompt), misled by the base's own wrong answer `own[id]`, misled by another
+    scene. Raises ValueError for a metric not in METRICS."""
+    bad = [m for m in metrics if m not in METRICS]
+    if bad:
+        raise ValueError(f"unknown test metric(s) {bad}; choose from {list(METRICS)}")
+    fns = {"single": lambda: (plain(model, proc, test, json_prompt=True) if base
+                              else mod_debate(model, proc, test, rounds=0))[0],
+           "misled_own": lambda: misled_own(model, proc, test, own)[0], "misled_ood": lambda: misled(model, proc, test)[0]}
     with torch.inference_mode():
-        single = plain(model, proc, test, json_prompt=True) if base else mod_debate(model, proc, test, rounds=0)
-        return {"single": single[0], "misled_own": misled_own(model, proc, test, own)[0],
-                "misled_ood": misled(model, proc, test)[0]}
+        return {m: fns[m]() for m in METRICS if m in metrics}
 
 
 def score_rounds(load, proc, test, res, rounds, path, log=print):
@@ -355,9 +360,10 @@ def report(results, root, S, prep, own, t0, log=print):
 # train: False = report what is on disk (nothing trained or scored; a missing sweep point is an error);
 # tag: suffix of the report's files (results<tag>.json, debate_lr<tag>_*.png), e.g. for a second grid;
 # picks: {arm: lr} given = no sweep (e.g. the picks of the 300-step sweep for a run with other steps)
-# rounds: MoD-Multi rounds scored on the MoD arm at its pick (test only)
+# rounds: MoD-Multi rounds scored on the MoD arm at its pick (test only); metrics: the test metrics
+# scored at the picks (default all three; e.g. ("single",) when only MoD-Multi vs MoD-Single is asked)
 LR_SETTINGS = dict(lr_arms=("MoD", "MoE-LoRA token"), lrs=(2e-3, 5e-3, 1e-2), n_val=150, val_k=4, val_seed=2,
-                   select=("single", "misled_own"), train=True, tag="", picks=None, rounds=())
+                   select=("single", "misled_own"), train=True, tag="", picks=None, rounds=(), metrics=METRICS)
 
 
 def _pair_key(r):
@@ -560,7 +566,7 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             def score(arm=arm, seed=seed, d=d):
                 model, info = trained(arm, picks[arm], seed)
                 t = time.time()
-                out = score_test(model, proc, test, own)
+                out = score_test(model, proc, test, own, metrics=L.get("metrics") or METRICS)
                 log(f"  test {d}: " + ", ".join(f"{k} {summarize(k, v, 0)['accuracy']:.3f}" for k, v in out.items()))
                 return {"results": out, "trainable": num_trainable(model), **info, "wall_s_score": time.time() - t}
             res = scores[(arm, seed)] = cached(os.path.join(d, sfile), score)

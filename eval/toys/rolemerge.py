@@ -168,20 +168,35 @@ def table(out):
 # a base with the paper's structure (32 experts, top-4, 144 image tokens, short answers),
 # the papers' own baselines, oracle routing; pre-registered in eval/logs/rolemerge.md.
 
-PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too)
-    "rolemerge": ("rolemerge", "single", True),
-    "no_phase_split": ("no_phase_split", "single", True),
-    "lambda0": ("lambda0", "single", False),
-    "permuted": ("permuted", "single", False),
-    "average_link": ("rolemerge", "average", False),
-    "msmoe": ("msmoe", "single", True),
-    "hcsmoe": ("hcsmoe", "single", True),
-    "reap": ("reap", "single", False),
-    "prune": ("prune", "single", False),
-    "complete_link": ("rolemerge", "complete", False),
-    "kmeans": ("kmeans", "single", False),
-    "empirical_prior": ("empirical_prior", "single", False),
+PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too, run_merge options)
+    "rolemerge": ("rolemerge", "single", True, {}),
+    "no_phase_split": ("no_phase_split", "single", True, {}),
+    "lambda0": ("lambda0", "single", False, {}),
+    "permuted": ("permuted", "single", False, {}),
+    "average_link": ("rolemerge", "average", False, {}),
+    # M-SMoE / HC-SMoE as their official codes run them: all N router rows kept, every member expert
+    # bound to its group's merge (rolemerge.merge --router bound; the same function as the K-expert
+    # merge under oracle routing, so their oracle accuracy is their accuracy); HC-SMoE on the
+    # Euclidean distance of mean expert outputs. *_avg_router: K averaged router rows (the paper's
+    # App. C.3 protocol, "translating the router to the reduced expert pool"); hcsmoe_cosine: 1 - cos.
+    "msmoe": ("msmoe", "single", False, {"router": "bound"}),
+    "msmoe_avg_router": ("msmoe", "single", True, {"router": "average"}),
+    "hcsmoe": ("hcsmoe", "single", False, {"router": "bound", "distance": "euclidean"}),
+    "hcsmoe_avg_router": ("hcsmoe", "single", True, {"router": "average", "distance": "euclidean"}),
+    "hcsmoe_cosine": ("hcsmoe", "single", False, {"router": "bound", "distance": "cosine"}),
+    "reap": ("reap", "single", False, {}),
+    "prune": ("prune", "single", False, {}),
+    "complete_link": ("rolemerge", "complete", False, {}),
+    "kmeans": ("kmeans", "single", False, {}),
+    "empirical_prior": ("empirical_prior", "single", False, {}),
 }
+try:                       # the comparators of rolemerge/comparators.py, when that module provides them
+    from rolemerge import comparators as _comparators
+except ImportError:
+    _comparators = None
+if hasattr(_comparators, "COMPARATORS") and hasattr(_comparators, "merge_layer"):
+    PAPER_ARMS.update({c: (c, "single", False, {}) for c in _comparators.COMPARATORS})
+BOUND_IS_ORACLE = True     # tests/test_rolemerge_comparators_cli.py: bound router == oracle routing of the merge
 PAPER_BASELINES = ("msmoe", "hcsmoe", "reap", "prune")
 # The pre-registered claims (rolemerge/README.md, "Hypotheses"): (row label, RoleMerge's arm, the
 # other arm, field compared). Each row reads "RoleMerge-side minus other arm" on the same examples.
@@ -196,6 +211,8 @@ CLAIMS = [("H1 RoleMerge > M-SMoE", "rolemerge", "msmoe", "correct"),
           ("H5 single >= complete linkage", "rolemerge", "complete_link", "correct"),
           ("H7 uniform >= empirical prior", "rolemerge", "empirical_prior", "correct"),
           ("k-means (no hypothesis)", "rolemerge", "kmeans", "correct"),
+          ("H1' RoleMerge > M-SMoE, K-row router (App. C.3)", "rolemerge", "msmoe_avg_router", "correct"),
+          ("H1' RoleMerge > HC-SMoE, K-row router (App. C.3)", "rolemerge", "hcsmoe_avg_router", "correct"),
           ("H6 oracle: RoleMerge vs M-SMoE grouping", "rolemerge", "msmoe", "oracle_correct"),
           ("H6 oracle: RoleMerge vs HC-SMoE grouping", "rolemerge", "hcsmoe", "oracle_correct")]
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
@@ -234,18 +251,6 @@ def gold_turn(record, look):
     raise ValueError(f"unknown look {look!r}; choose from {LOOKS}")
 
 
-def _features(model, proc, records, look, batch_size=16):
-    """Baseline features (rolemerge.baselines) over the calibration records, teacher-forced on
-    prompt + the gold assistant turn of the base's look step (`gold_turn`)."""
-    from rolemerge import baselines as bl
-    batches = []
-    for i in range(0, len(records), batch_size):
-        chunk = records[i:i + batch_size]
-        ims = [data.load_image(r["image"], r.get("id", "?")) for r in chunk]
-        batches.append(proc.encode(ims, [r["question"] for r in chunk], [gold_turn(r, look) for r in chunk]))
-    return bl.collect_features(model, batches)
-
-
 def _eval_acc(model, proc, test, max_new, desc):
     from eval.evaluate import evaluate
     with torch.inference_mode():
@@ -275,14 +280,17 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
     ck = os.path.join(out_dir, "ckpt", name)
     stats_path = os.path.join(ck, "stats.safetensors")
     model, proc = cal.load_model(base)
-    if not os.path.exists(stats_path):
-        t = time.time()
-        stats = cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"], model_id=base)
+    from rolemerge import baselines as bl
+    if not os.path.exists(stats_path) or not os.path.exists(bl.features_path(stats_path)):
+        t = time.time()   # the baselines' features come from the same decoded tokens as the routing statistics
+        stats = cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"], model_id=base,
+                              features=True)
+        feats = stats.pop("features")
         cal.save_stats(stats, stats_path)
+        bl.save_features(feats, bl.features_path(stats_path), {"fingerprint": stats["fingerprint"]})
         res["calibration_s"] = time.time() - t
     res["premise"] = premise(cal.load_stats(stats_path))
     print(f"[paper] {name}: token shares {res['premise']['token_share']} kappa {res['premise']['kappa']}", flush=True)
-    feats = _features(model, proc, [r for s in sources.values() for r in s], look)
     routers = [b.gate.weight.detach().clone() for _, b in cal.moe_blocks(model)]
     if "full" not in res["arms"]:
         acc, fam = _eval_acc(model, proc, test, cfg["max_new"], "full")
@@ -293,16 +301,18 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
             key = f"{arm}@{rho}"
             if key in res["arms"]:
                 continue
-            method, linkage, oracle = PAPER_ARMS[arm]
+            method, linkage, oracle, opts = PAPER_ARMS[arm]
             out = os.path.join(ck, key)
-            rep = mg.run_merge(base, stats_path, out, rho=rho, method=method, linkage=linkage, force=True,
-                               features=feats)
+            rep = mg.run_merge(base, stats_path, out, rho=rho, method=method, linkage=linkage, force=True, **opts)
             m, p, _ = infer.load_timed(out)
             row = {"K": rep["K"], "acr": rep["acr_mean"], "mi_retention": rep["mi_retention"], "groups": rep["groups"]}
             row["correct"], _ = _eval_acc(m, p, test, cfg["max_new"], key)
+            row["router"] = rep["router"]
             if oracle:
                 with infer.oracle_routing(m, routers, rep["groups"]):
                     row["oracle_correct"], _ = _eval_acc(m, p, test, cfg["max_new"], key + " oracle")
+            elif rep["router"] == "bound" and BOUND_IS_ORACLE:
+                row["oracle_correct"] = row["correct"]
             res["arms"][key] = row
             shutil.rmtree(out, ignore_errors=True)
             print(f"[paper] {name} {key}: acc {sum(row['correct']) / len(test):.3f}" +
@@ -504,6 +514,10 @@ def parser():
                         "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --no-look): run the pre-registered "
                         "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
     p.add_argument("--arms", default=",".join(PAPER_ARMS), help="--paper arms, comma-separated")
+    p.add_argument("--limit", type=int, default=0,
+                   help="--paper smoke runs: at most this many test examples and calibration records per family "
+                        "(0: the pre-registered sizes)")
+    p.add_argument("--rhos", default="", help="--paper retention ratios, comma-separated (default: .5, .625, .75)")
     p.add_argument("--retrain-base", default="", metavar="DIR",
                    help="first train the paper-structure base (PAPER_RECIPE, ~65-75 CPU minutes per seed) into "
                         "DIR/seed{S} for every --seeds (resuming a checkpoint), then run --paper on them")
@@ -545,11 +559,21 @@ def main(argv=None):
         bad = [x for x in arms if x not in PAPER_ARMS]
         if bad:
             p.error(f"unknown arms {bad}; choose from {list(PAPER_ARMS)}")
-        res = [run_paper(b, a.data, outp, PAPER, arms) for b in a.paper.split(",") if b]
+        cfg = dict(PAPER)
+        if a.limit < 0:
+            p.error(f"--limit must be >= 0, got {a.limit}")
+        if a.limit:
+            cfg.update(n_test=min(cfg["n_test"], a.limit), n_cal=min(cfg["n_cal"], a.limit))
+        if a.rhos:
+            try:
+                cfg["rhos"] = tuple(float(x) for x in a.rhos.split(",") if x)
+            except ValueError:
+                p.error(f"--rhos takes comma-separated numbers, got {a.rhos!r}")
+        res = [run_paper(b, a.data, outp, cfg, arms) for b in a.paper.split(",") if b]
         md = paper_report(res, outp)
         r0 = res[0]
         groups = {k.split("@")[0]: r0["arms"][k]["groups"][0] for k in r0["arms"]
-                  if k.endswith(f"@{PAPER['rhos'][0]}") and k.split("@")[0] in ("rolemerge", "no_phase_split", "msmoe", "hcsmoe")}
+                  if k.endswith(f"@{cfg['rhos'][0]}") and k.split("@")[0] in ("rolemerge", "no_phase_split", "msmoe", "hcsmoe")}
         name = os.path.basename(r0["base"].rstrip("/"))
         grouping_png(os.path.join(outp, "ckpt", name, "stats.safetensors"), groups, 0, os.path.join(outp, "grouping_layer0.png"))
         data.atomic_write_text(os.path.join(outp, "report.md"), md + "\n")

@@ -1,0 +1,120 @@
+"""Trainable-parameter counts of the MoD / LoRA / MoE-LoRA adapters from a model's shapes alone.
+
+Mixture of Debaters (arXiv 2606.29425) compares MoD and MoE-LoRA "at the same learnable
+parameter scale (12M)" (§4, Fig. 4). The counts follow `mod.model.MoDLinear`'s parameters per
+wrapped projection with `in` input and `out` output features:
+
+    mod      E (in + out) + E in (router A) + E in (router B, absent with shared_router)
+    lora     r (in + out)
+    moelora  E k (in + out) + E in (router)          (k = expert_rank)
+
+`attention_shapes(config)` reads the projection shapes of q/k/v/o from a transformers config
+(a VLM's text config included), so a count needs no weights. `MOELORA_MATCHED` is the MoE-LoRA
+setting `mod.train` uses by default: 11 coupled rank-1 experts, top-r = 4 as MoD (the same
+active rank; the one difference left is the coupling of A and B). Its count relative to MoD
+(E = 8): tiny-chat +0.8 %, Qwen2.5-VL-3B -1.1 %, Qwen2.5-VL-7B -1.0 %, LLaVA-1.6-13B +3.1 %.
+With multi-head attention (every projection d -> d) MoD has 32 d per projection and MoE-LoRA
+E (2k + 1) d, and E (2k + 1) = 32 has no integer solution with k >= 1: +-3.125 % (33 or 31) is
+the closest any (E, k) gets there (`best_moelora`).
+"""
+from mod.model import AdapterConfig
+
+MOELORA_MATCHED = dict(num_experts=11, expert_rank=1)
+
+
+def attention_shapes(config, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")):
+    """[(module, in_features, out_features)] of every decoder layer's attention projection named
+    in `target_modules`, from a transformers config (`config.get_text_config()` for a VLM):
+    hidden_size, num_attention_heads, num_key_value_heads (default: the heads), head_dim
+    (default hidden_size // heads), num_hidden_layers. One entry per layer and module.
+    Raises ValueError for a module other than q/k/v/o_proj."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    hd = getattr(c, "head_dim", None) or c.hidden_size // heads
+    h = c.hidden_size
+    shape = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h)}
+    bad = [m for m in target_modules if m not in shape]
+    if bad:
+        raise ValueError(f"attention_shapes: {bad} not one of {sorted(shape)}")
+    return [(m, *shape[m]) for _ in range(c.num_hidden_layers) for m in target_modules]
+
+
+def adapter_params(cfg, shapes):
+    """Trainable parameters of AdapterConfig `cfg` wrapped around projections `shapes`
+    [(name, in, out)] (as `mod.model.num_trainable` counts them after `attach`)."""
+    E, k = cfg.num_experts, cfg.expert_rank
+    total = 0
+    for _, din, dout in shapes:
+        if cfg.method == "mod":
+            total += E * (din + dout) + E * din * (1 if cfg.shared_router else 2)
+        elif cfg.method == "lora":
+            total += cfg.r * (din + dout)
+        else:
+            total += E * k * (din + dout) + E * din
+    return total
+
+
+def best_moelora(shapes, target, max_experts=32, max_rank=32, r=4):
+    """The MoE-LoRA (num_experts E >= r, expert_rank k) of at most `max_experts` / `max_rank`
+    whose count on `shapes` is closest to `target`: (E, k, count, relative difference)."""
+    best = None
+    for E in range(r, max_experts + 1):
+        for k in range(1, max_rank + 1):
+            n = adapter_params(AdapterConfig(method="moelora", num_experts=E, expert_rank=k, r=r), shapes)
+            if best is None or abs(n - target) < abs(best[2] - target):
+                best = (E, k, n, n / target - 1)
+    return best
+
+
+# the bases of the paper's Table 1 and its 12M statement, by config numbers (transformers' config classes)
+BASES = {"Qwen2.5-VL-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                               num_key_value_heads=2, vocab_size=151936),
+         "Qwen2.5-VL-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                               num_key_value_heads=4, vocab_size=152064),
+         "LLaVA-1.6-13B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                               num_key_value_heads=40, vocab_size=32064)}
+
+
+def base_config(name):
+    """The transformers config of one of BASES (no weights, no hub access)."""
+    if name.startswith("LLaVA"):
+        from transformers import LlamaConfig, LlavaNextConfig
+        return LlavaNextConfig(text_config=LlamaConfig(**BASES[name]))
+    from transformers import Qwen2_5_VLConfig
+    return Qwen2_5_VLConfig(text_config=dict(BASES[name]))
+
+
+def main(argv=None):
+    """python -m mod.params [--out FILE]: MoD / MoE-LoRA / LoRA counts at BASES and tiny-chat."""
+    import argparse
+    import json
+    import os
+    p = argparse.ArgumentParser(prog="python -m mod.params", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="", help="also write the rows as a result file (eval/report.py format)")
+    a = p.parse_args(argv)
+    from transformers import AutoConfig
+    configs = {**{n: base_config(n) for n in BASES},
+               "tiny-chat": AutoConfig.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "common", "tiny", "chat"))}
+    arms = {"MoD (E = 8, top-4)": AdapterConfig(),
+            "MoE-LoRA default (11 rank-1 experts, top-4)": AdapterConfig(method="moelora", **MOELORA_MATCHED),
+            "MoE-LoRA, 8 rank-1 experts (the earlier default)": AdapterConfig(method="moelora"),
+            "MoE-LoRA, 4 experts of rank 4 (the toy's)": AdapterConfig(method="moelora", num_experts=4, expert_rank=4, r=2)}
+    rows = []
+    for base, config in configs.items():
+        shapes = attention_shapes(config)
+        ref = adapter_params(arms["MoD (E = 8, top-4)"], shapes)
+        for arm, cfg in arms.items():
+            n = adapter_params(cfg, shapes)
+            rows.append({"kind": "count", "backbone": base, "arm": arm, "trainable": n, "vs_mod": round(n / ref - 1, 4)})
+            print(f"{base:14s} {arm:50s} {n:>12,} {n / ref - 1:+.2%}")
+    if a.out:
+        from common.data import atomic_write_text
+        atomic_write_text(a.out, json.dumps({"experiment": "mod_param_counts", "source": "python -m mod.params --out "
+                                             f"{a.out}: trainable parameters on q/k/v/o from the bases' config numbers "
+                                             "(mod.params.adapter_params; equal to attach on the meta device, "
+                                             "tests/test_mod_params.py)", "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
