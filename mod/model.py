@@ -20,7 +20,7 @@ scale by g, scatter-add them into an [.., E] weight at the B indices, multiply b
 x_route itself is never materialised: the routers are linear, so W_g x_route equals the
 window mean of the per-token logits W_g x (same cumulative-sum window, padding excluded).
 Averaging E (or 2E) logits instead of `in_features` inputs makes momentum switching almost
-free and shrinks the decoding cache to the last W-1 tokens' router logits per layer.
+free and shrinks the decoding cache to the last W tokens' router logits per layer.
 
 Usage:
     model, proc = load_backbone("tiny-dense")
@@ -30,9 +30,13 @@ Usage:
 
 Cached decoding: a routing context, shared by all adapter layers of one model, is filled by a
 forward pre-hook on the model with the current tokens' padding mask and whether this call
-continues a KV-cached sequence. Each routed layer keeps the routing inputs (router logits)
-of the last W-1 non-pad tokens, so routing during `generate` equals routing in a full
-forward (tested). Beam search
+continues a KV-cached sequence. Each routed layer keeps the router logits of its last W non-pad
+tokens in a fixed-size ring, so routing during `generate` equals routing in a full forward
+(tested, also long after the ring wrapped and with left padding). A one-token step
+(`MoDLinear._decode`) is a fixed, context-independent set of small operations: one matmul for
+both routers and the A experts, an in-place ring write and a weighted sum for the window, one
+top-r over both pools, one gather-weighted sum of B rows; the per-step bookkeeping that only
+depends on the mask and the token count is computed once per forward for all layers. Beam search
 reorders the batch and is not supported by that cache (greedy and sampling are).
 
 Copy unit: this file plus common/routing.py (imported as `common.routing`) are all it needs
@@ -115,11 +119,28 @@ class RoutingContext:
     call extends a KV-cached sequence (use the per-layer token caches); aux: per-layer
     load-balance losses of this forward (training only); record: if True, layers append
     (name, idx_A [B,T,r], idx_B [B,T,r], mask) to `trace` for diagnostics; reduce: None, or
-    `common.routing.rank_mean` while a data-parallel run trains (the aux loss of the global batch)."""
+    `common.routing.rank_mean` while a data-parallel run trains (the aux loss of the global batch).
+
+    The decoding bookkeeping that depends only on the mask and the number of real tokens seen
+    (window weights, ring slot, counts) is the same for every layer, so it is computed once
+    per forward by the first layer that needs it (`shared`) and reused by the others."""
 
     def __init__(self):
         self.mask, self.continuing, self.aux, self.record, self.trace = None, False, [], False, []
         self.reduce = None
+        self._memo = {}
+
+    @torch.compiler.disable
+    def shared(self, kind, tensors, extra, make):
+        """make() once for the same `tensors` (by identity, kept alive here) and `extra`: one
+        entry per `kind`. Layers that advance in lock step hold the same count tensors, so the
+        first layer of a forward computes and the others hit."""
+        hit = self._memo.get(kind)
+        if hit is not None and hit[1] == extra and all(a is b for a, b in zip(hit[0], tensors)):
+            return hit[2]
+        val = make()
+        self._memo[kind] = (tensors, extra, val)
+        return val
 
 
 def _model_pre_hook(ctx):
@@ -139,50 +160,122 @@ def _model_pre_hook(ctx):
     return hook
 
 
+def _decode_plan(n_seen, mask, W, granularity, C):
+    """What one cached decoding step (one new token per row) does to the ring, the same for
+    every layer: (sidx [B, 1, C] long: the ring slot the new logits are written to, wv [B, 1, W+1]
+    fp32: averaging weights over the ring's slots after the write, n_after [B]).
+
+    Ring slot j % W holds the logits of real token number j (0-based, padding not counted); slot
+    W is a dump slot that pads write to (never averaged). A real token is averaged with the
+    previous n-1 real ones (window: n = min(n_seen + 1, W); region: its position in its block of
+    W, + 1); a pad gets the mean the full forward gives a pad (the window / block of the previous
+    real token; zero weights before the first one)."""
+    B, dev = n_seen.shape[0], n_seen.device
+    m = torch.ones(B, dtype=torch.bool, device=dev) if mask is None else mask[:, -1].to(dev).bool()
+    if granularity == "region":
+        n_real = n_seen % W + 1
+        n_pad = torch.where(n_seen > 0, (n_seen - 1) % W + 1, torch.zeros_like(n_seen))
+    else:
+        n_real, n_pad = (n_seen + 1).clamp(max=W), n_seen.clamp(max=W)
+    n = torch.where(m, n_real, n_pad)
+    last = torch.where(m, n_seen, n_seen - 1)                    # number of the newest averaged token
+    age = (last[:, None] - torch.arange(W, device=dev)[None]) % W   # slot s holds token last - age[s]
+    wv = torch.zeros(B, W + 1, device=dev)
+    wv[:, :W] = (age < n[:, None]).float() / n.clamp(min=1)[:, None].float()
+    slot = torch.where(m, n_seen % W, torch.full_like(n_seen, W))
+    return slot[:, None, None].expand(B, 1, C), wv[:, None, :], n_seen + m.long()
+
+
 class RoutingWindow(nn.Module):
-    """Momentum switching (eq. 1) applied to per-token router logits, with the W-1 token
-    cache for cached decoding. By linearity window_mean(x) @ W_g.T == window_mean(x @ W_g.T).
-    Holds no parameters."""
+    """Momentum switching (eq. 1) applied to per-token router logits, with the routing cache
+    for cached decoding. By linearity window_mean(x) @ W_g.T == window_mean(x @ W_g.T).
+    Holds no parameters.
+
+    Cache: (ring [B, W+1, C] fp32, n_seen [B] long: real tokens so far). Slot j % W holds the
+    logits of real token number j for each row's last W real tokens (zeros where a row has seen
+    fewer); slot W is where a pad's logits go. A one-token decoding step (`step`) costs O(W C)
+    whatever the context: one in-place scatter into the ring and one [1, W+1] x [W+1, C]
+    weighted sum, recomputed from the ring each step (no running sum: no drift); the ring keeps
+    its shape and storage across steps."""
 
     def __init__(self, cfg, ctx):
         super().__init__()
         self.W, self.granularity, self.ctx = cfg.route_window, cfg.granularity, ctx
-        self.cache = None  # (buf [B, W-1, C], buf_mask [B, W-1], n_seen [B] real tokens so far) or None
+        self.cache = None
+
+    def ready(self):
+        """True when the next call may use `step` (a continuing call with a filled cache)."""
+        return self.ctx.continuing and self.cache is not None
 
     def forward(self, x):
         """x: [B, T, C] per-token values (router logits) -> their window / region mean [B, T, C]."""
         if self.W == 1:
             return x
         B, T, _ = x.shape
-        mask = self.ctx.mask if self.ctx.mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
-        if self.ctx.continuing and self.cache is not None:
-            buf, buf_mask, n_seen = self.cache
-            if buf.shape[0] != B:
-                raise RuntimeError(f"routing cache holds {buf.shape[0]} rows but the batch has {B} "
+        ctx = self.ctx
+        if ctx.continuing and self.cache is not None and T == 1:
+            return self.step(x)
+        mask = ctx.mask if ctx.mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        if ctx.continuing and self.cache is not None:
+            ring, n_seen = self.cache
+            if ring.shape[0] != B:
+                raise RuntimeError(f"routing cache holds {ring.shape[0]} rows but the batch has {B} "
                                    f"(beam search / batch reordering is not supported)")
-            xc, mc = torch.cat([buf.to(x.dtype), x], 1), torch.cat([buf_mask, mask], 1)
-            offset = n_seen - buf_mask.sum(1)
+            W = self.W
+            i = torch.arange(W, device=x.device)[None]
+            n_valid = n_seen.clamp(max=W)                               # oldest first: tokens n_seen - W + i
+            buf = ring.gather(1, ((n_seen[:, None] - W + i) % W)[..., None].expand(B, W, ring.shape[-1]))
+            valid = i >= (W - n_valid)[:, None]
+            xc, mc = torch.cat([buf.to(x.dtype), x], 1), torch.cat([valid, mask], 1)
+            offset = n_seen - n_valid
         else:
             xc, mc = x, mask
-            n_seen = torch.zeros(B, dtype=torch.long, device=x.device)
-            offset = n_seen
+            n_seen = None
+            offset = torch.zeros(B, dtype=torch.long, device=x.device)
         if self.granularity == "region":
             xr = region_mean(xc, self.W, mc, offset=offset)[:, -T:]
         else:
             xr = window_mean(xc, self.W, mc)[:, -T:]
-        self._update_cache(xc.detach(), mc, n_seen + mask.sum(1))
+        n_after = ctx.shared("count", (n_seen, ctx.mask), (B, T, str(x.device)),
+                             lambda: (0 if n_seen is None else n_seen) + mask.sum(1))
+        self._update_cache(xc.detach(), mc, n_after)
         return xr
 
+    def step(self, x):
+        """One cached decoding step: x [B, 1, C] fp32 logits of the new token -> window / region
+        mean [B, 1, C] (equal to the full forward's, tested); writes x into the ring in place."""
+        ring, n_seen = self.cache
+        B, _, C = x.shape
+        if ring.shape[0] != B:
+            raise RuntimeError(f"routing cache holds {ring.shape[0]} rows but the batch has {B} "
+                               f"(beam search / batch reordering is not supported)")
+        sidx, wv, n_after = self.ctx.shared("plan", (n_seen, self.ctx.mask), (self.W, self.granularity, C),
+                                            lambda: _decode_plan(n_seen, self.ctx.mask, self.W, self.granularity, C))
+        if x.requires_grad:                                 # autograd on: out of place, the ring stays detached
+            ring = ring.scatter(1, sidx, x)
+            self.cache = (ring.detach(), n_after)
+        else:
+            ring.scatter_(1, sidx, x)
+            self.cache = (ring, n_after)
+        return torch.bmm(wv, ring)
+
     def _update_cache(self, xc, mc, n_seen):
-        # keep the last W-1 real positions (pads sort first, order preserved): no host sync
-        L = xc.shape[1]
+        # the last W real positions, oldest first (pads sort first, order preserved): no host sync
+        B, L, C = xc.shape
+        W = self.W
+        if L < W:                                        # fixed ring size: zeros in front
+            xc = torch.cat([xc.new_zeros(B, W - L, C), xc], 1)
+            mc = torch.cat([mc.new_zeros(B, W - L), mc], 1)
+            L = W
         key = torch.where(mc, torch.arange(L, device=xc.device).expand_as(mc), torch.full_like(mc, -1, dtype=torch.long))
-        keep = min(self.W - 1, L)
-        pos = key.sort(dim=1).values[:, -keep:]  # real positions are distinct, pads (-1) first
+        pos = key.sort(dim=1).values[:, -W:]  # real positions are distinct, pads (-1) first
         valid = pos >= 0
-        pos = pos.clamp(min=0)
-        buf = xc.gather(1, pos[..., None].expand(-1, -1, xc.shape[-1]))
-        self.cache = (buf, valid, n_seen)
+        buf = xc.float().gather(1, pos.clamp(min=0)[..., None].expand(-1, -1, C)) * valid[..., None]
+        # entry i is real token number n_seen - W + i, which lives in slot (n_seen - W + i) % W
+        entry = (torch.arange(W, device=xc.device)[None] - n_seen[:, None]) % W      # slot s <- entry (s - n_seen) % W
+        ring = xc.new_zeros(B, W + 1, C, dtype=torch.float32)
+        ring[:, :W] = buf.gather(1, entry[..., None].expand(B, W, C))
+        self.cache = (ring, n_seen)
 
 
 class MoDLinear(nn.Module):
@@ -250,13 +343,21 @@ class MoDLinear(nn.Module):
 
     def forward(self, x):
         out = self.base_layer(x)
-        return out + self._adapter(x.to(torch.float32)).to(out.dtype)
+        h = self._adapter(x if x.dtype == torch.float32 else x.float())
+        return out + (h if h.dtype == out.dtype else h.to(out.dtype))
 
     def _adapter(self, x):
         """The adapter term (alpha/r) * h for fp32 input x [B,T,in] -> [B,T,out] fp32."""
         cfg = self.cfg
         if cfg.method == "lora":
             return self.scaling * ((x @ self.lora_A.T) @ self.lora_B.T)
+        if x.shape[1] == 1 and not self.training and (self.window.W == 1 or self.window.ready()):
+            return self._decode(x)
+        return self._adapter_full(x)
+
+    def _adapter_full(self, x):
+        """Training / prefill path of `_adapter` (mod, moelora): any T, aux losses recorded."""
+        cfg = self.cfg
         logits = self.router_logits(x)
         if cfg.method == "moelora":
             probs, idx, gates = self._route(logits)
@@ -278,6 +379,68 @@ class MoDLinear(nn.Module):
         w = torch.zeros_like(z).scatter_add(-1, ib, coef)  # [B,T,E] weight of each B expert
         self._bookkeeping(pa, ia, pb, ib)
         return self.scaling * (w @ self.B)  # eq. 6
+
+    @torch.compiler.disable   # reads parameter version counters
+    def _decode_weights(self):
+        """(F, Bs) for `_decode`: F [P*E + E*k, in] = the router weight(s) stacked on the expert
+        down-projections (A for mod, lora_A for moelora), Bs = scaling * B ([E, out] mod) or
+        scaling * lora_B ([out, E*k] moelora), fp32. Cached while no parameter changed (their
+        version counters and storage) and autograd is off; rebuilt per call otherwise."""
+        if self.cfg.method == "mod":
+            ps = (self.router_A,) + (() if self.router_B is None else (self.router_B,)) + (self.A, self.B)
+        else:
+            ps = (self.router, self.lora_A, self.lora_B)
+        key = tuple((p._version, p.data_ptr()) for p in ps)
+        hit = getattr(self, "_fused", None)
+        if hit is not None and hit[0] == key and not torch.is_grad_enabled():
+            return hit[1], hit[2]
+        F = torch.cat([p.float() for p in ps[:-1]])
+        Bs = self.scaling * ps[-1].float()
+        if not torch.is_grad_enabled():
+            self._fused = (key, F, Bs)
+        return F, Bs
+
+    def _decode(self, x):
+        """One cached decoding step (x [B, 1, in] fp32, eval mode): the same eq. 1-6 as the full
+        path with fewer, fixed-shape operations: one matmul gives the router logits of both pools
+        and the expert projections z; the routing window is updated from its ring (O(W) per
+        token); top-r of both pools in one topk; eq. 4's renormalised gates as the softmax of the
+        top-r logits (probs[I] / sum probs[I] = softmax over the kept logits); the r selected B
+        rows mixed by one batched matmul. Returns [B, 1, out] fp32 (tested equal to the full
+        forward during `generate`, ring wrap-around and left padding included)."""
+        cfg, ctx = self.cfg, self.ctx
+        E, B = cfg.num_experts, x.shape[0]
+        F, Bs = self._decode_weights()
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                y = torch.nn.functional.linear(x, F)
+        else:
+            y = torch.nn.functional.linear(x, F)                       # [B, 1, P*E + E*k]
+        P = 1 if cfg.method == "moelora" or self.router_B is None else 2
+        logits, z = y.split([P * E, y.shape[-1] - P * E], -1)
+        if self.window.W > 1:
+            logits = self.window.step(logits)                           # the routing window, from its ring
+        vals, idx = logits.view(B, P, E).topk(cfg.r, dim=-1)           # [B, P, r], ranked
+        g = vals.softmax(-1)                                            # eq. 4
+        ia, ib = (idx[:, 0], idx[:, 0]) if P == 1 else idx.unbind(1)
+        if ctx.record:
+            self._bookkeeping(None, ia[:, None], None, ib[:, None])
+        if cfg.method == "moelora":
+            w = torch.zeros(B, E, device=x.device).scatter_(-1, ia, g[:, 0])   # [B, E]
+            zz = z.view(B, E, cfg.expert_rank) * w[..., None]
+            return (zz.view(B, 1, -1) @ Bs.T)
+        if P == 1:                                                      # shared router: g_A = g_B
+            gg = {"sqrt_product": g[:, 0], "product": g[:, 0].square(), "mean": g[:, 0]}[cfg.combine]
+        elif cfg.combine == "sqrt_product":
+            gg = g.prod(1)                                              # eq. 5
+            gg = (gg.clamp_min(1e-30) if torch.is_grad_enabled() else gg).sqrt()
+        elif cfg.combine == "product":
+            gg = g.prod(1)
+        else:
+            gg = g.mean(1)
+        coef = z.view(B, -1).gather(-1, ia) * gg                        # [B, r]: g_j * (A[I_A_j] . x)
+        h = torch.nn.functional.embedding_bag(ib, Bs, per_sample_weights=coef, mode="sum")  # eq. 6: sum_j coef_j B[I_B_j]
+        return h.view(B, 1, -1)
 
     @torch.compiler.disable   # appends to the shared ctx lists: compiled, it would guard on their lengths and
     def _bookkeeping(self, pa, ia, pb, ib):   # recompile per layer (compile_adapters compiles the rest)
@@ -411,23 +574,32 @@ def adapter_layers(model):
 
 
 def compile_adapters(model, backend="inductor", **kw):
-    """torch.compile the hot path only: every adapter layer's forward (routing window, top-r
-    gates, expert mix: two graphs around the eager aux-loss bookkeeping, compiled once and
-    shared by all layers of a shape, no per-layer recompiles) while the transformers model around
-    it stays eager (its Qwen-VL code graph-breaks and a whole-model compile costs minutes).
-    Compiles in place (nn.Module.compile): parameter names, state_dict and saving unchanged.
-    kw go to torch.compile (dynamic, mode, ...). Returns the number of layers compiled.
+    """torch.compile the hot path only, per adapter layer and in place: the training / prefill
+    adapter term (`_adapter_full`: routing window, top-r gates, expert mix; graph breaks around
+    the eager aux-loss bookkeeping) and the one-token decoding step (`_decode`; LoRA: `_adapter`),
+    each its own compiled function shared by all layers of a shape, while `MoDLinear.forward`
+    (base layer + dispatch) and the transformers model around it stay eager (Qwen-VL code
+    graph-breaks and a whole-model compile costs minutes). Parameter names, state_dict and
+    saving are unchanged. kw go to torch.compile (dynamic, mode="reduce-overhead", ...).
+    Returns the number of layers compiled.
 
-    Layers of one kind (in / out features, bias) share their compiled graphs; each kind also
-    compiles per input requires_grad, train / eval and static / dynamic length, so dynamo's
-    recompile limit (default 8, after which it silently runs eager) is raised to 8 per kind."""
+    Recompiles: dynamo keeps one cache of compiled variants per function (code object), shared
+    by all layers; a variant per layer kind (in / out features, bias) x train / eval (grad
+    mode, input requires_grad) x batch 1 / batch > 1 (size 1 is specialised) x static / dynamic
+    lengths. `recompile_limit` (dynamo's default 8, after which it silently runs eager) is
+    raised to 16 per kind, which covers training, evaluation and cached generation at several
+    batch sizes in one process (tested with `fail_on_recompile_limit_hit`). A process that
+    compiles other models too can call `torch._dynamo.reset()` between them to start fresh."""
     layers = adapter_layers(model)
     kinds = {(m.base_layer.in_features, m.base_layer.out_features, m.base_layer.bias is not None) for _, m in layers}
     cfg = torch._dynamo.config  # torch imports torch._dynamo lazily on first attribute access
     field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, field, max(getattr(cfg, field), 8 * len(kinds)))
+    setattr(cfg, field, max(getattr(cfg, field), 16 * len(kinds)))
     for _, m in layers:
-        m.compile(backend=backend, **kw)
+        names = ("_adapter",) if m.cfg.method == "lora" else ("_adapter_full", "_decode")
+        for name in names:
+            fn = getattr(type(m), name)
+            setattr(m, name, torch.compile(fn.__get__(m), backend=backend, **kw))
     return len(layers)
 
 

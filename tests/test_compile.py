@@ -109,4 +109,52 @@ def test_compile_adapters_raises_the_recompile_limit_per_layer_kind():
     attach(model, AdapterConfig())
     with torch._dynamo.config.patch(recompile_limit=8):
         assert compile_adapters(model, backend="eager") == 8
-        assert torch._dynamo.config.recompile_limit == 24        # q/o (bias / none) and k/v widths: 3 kinds
+        assert torch._dynamo.config.recompile_limit == 48        # q/o (bias / none) and k/v widths: 3 kinds, 16 each
+
+
+def test_compile_adapters_stays_within_the_recompile_limit_through_train_eval_and_generation():
+    """Layers of three kinds (as q/k/v/o of a real model: widths, bias), one shared context, as one
+    process uses them: training at batch 1 and 4 and two lengths (inputs without and with grad),
+    evaluation, then cached decoding at batch 1 and 4. Dynamo must never hit its recompile limit
+    (it would silently run eager; `fail_on_recompile_limit_hit` turns that into an error), the
+    compiled functions must run, and a second pass over the same regimes compiles nothing new.
+    Compiling the whole layer forward (before) needed more variants than 8 per kind."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    ctx = RoutingContext()
+    cfg = AdapterConfig(num_experts=4, r=2, window=3)
+    layers = nn.ModuleList([MoDLinear(nn.Linear(8, o, bias=b), cfg, ctx) for o, b in ((8, False), (4, False), (8, True))])
+    for i, m in enumerate(layers):
+        m.name = str(i)
+
+    def run(x):
+        outs = []
+        for j, m in enumerate(layers):
+            outs.append(m(x if j == 0 else x.detach().requires_grad_(layers.training)))
+        return outs
+
+    def regimes():
+        layers.train()
+        for B in (1, 4):
+            for T in (5, 9):
+                ctx.mask, ctx.continuing, ctx.aux = torch.ones(B, T, dtype=torch.bool), False, []
+                sum(o.square().sum() for o in run(torch.randn(B, T, 8))).backward()
+        layers.eval()
+        with torch.no_grad():
+            for B in (1, 4):
+                ctx.mask, ctx.continuing = torch.ones(B, 6, dtype=torch.bool), False
+                run(torch.randn(B, 6, 8))
+                for _ in range(3):
+                    ctx.mask, ctx.continuing = torch.ones(B, 1, dtype=torch.bool), True
+                    run(torch.randn(B, 1, 8))
+    with torch._dynamo.config.patch(recompile_limit=8):            # dynamo's default, raised per kind
+        compile_adapters(nn.ModuleDict({"l": layers}), backend="eager")
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            regimes()
+            graphs = counters["stats"]["unique_graphs"]
+            assert counters["frames"]["ok"] > 0 and graphs > 0
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                regimes()
+            assert counters["stats"]["unique_graphs"] == graphs
