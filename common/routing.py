@@ -16,6 +16,7 @@ contributes to a mean, a count or a loss. Window and region positions are counte
 without padding (what batched generation needs).
 """
 import torch
+import torch.distributed as dist
 
 
 def topk_gates(logits, k, noise_std=0.0, training=False):
@@ -49,7 +50,6 @@ def rank_mean(t):
     """Mean of a tensor over the data-parallel processes (all-reduce sum / world size), without
     gradient: the `reduce` of the aux losses below in a DDP / FSDP run (the trainers pass it
     when WORLD_SIZE > 1). The process group must be initialised."""
-    import torch.distributed as dist
     t = t.detach().float().clone()
     dist.all_reduce(t)
     return t / dist.get_world_size()
