@@ -276,7 +276,14 @@ def collect_features(model, batches):
     """Run `model` over `batches` (dicts of model inputs with an attention_mask [B, L]) and
     return the per-layer baseline features (list over MoE layers of dicts, see module doc),
     counted over the non-padding positions."""
-    rec = FeatureRecorder(model)
+    return run_recorder(FeatureRecorder(model), model, batches)
+
+
+@torch.no_grad()
+def run_recorder(rec, model, batches):
+    """Run `model` over `batches` with recorder `rec` (FeatureRecorder, or any object with
+    .mask / .feats / .remove()) counting the non-padding positions; the hooks are removed even
+    on error. Returns rec.feats."""
     try:
         for b in batches:
             rec.mask = b["attention_mask"].reshape(-1).bool()

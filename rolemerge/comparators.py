@@ -244,14 +244,7 @@ def collect(model, batches, methods=COMPARATORS, sample_tokens=SAMPLE_TOKENS, se
     """Run `model` over `batches` (dicts of model inputs with an attention_mask [B, L]) and
     return the per-layer comparator features of `methods` (list over MoE layers of dicts, see
     the module docstring), counted over the non-padding positions."""
-    rec = ComparatorRecorder(model, methods, sample_tokens, seed)
-    try:
-        for b in batches:
-            rec.mask = b["attention_mask"].reshape(-1).bool()
-            model(**{k: v for k, v in b.items() if k != "labels"})
-    finally:
-        rec.remove()
-    return rec.feats
+    return bl.run_recorder(ComparatorRecorder(model, methods, sample_tokens, seed), model, batches)
 
 
 # ----------------------------------------------------------------------------- shared pieces

@@ -36,7 +36,8 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+
+from eval.tools import lmms_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
@@ -45,18 +46,12 @@ HARNESS_FILES = {"arc_easy": ("arc/arc_easy.yaml",), "piqa": ("piqa/piqa.yaml",)
 
 
 def log(msg):
-    print(f"[lm_harness_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    lmms_check.log(msg, "lm_harness_check")
 
 
 def run(cmd, env, what, check=True):
     """Run a command in the repo root; on failure print its tail and exit 2 (check=True)."""
-    log(f"{what}: {' '.join(c if chr(10) not in c else '<script>' for c in cmd)}")
-    p = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
-    if p.returncode != 0 and check:
-        sys.stderr.write((p.stdout + p.stderr)[-6000:])
-        print(f"error: {what} failed (exit {p.returncode}); its output is above", file=sys.stderr)
-        raise SystemExit(2)
-    return p
+    return lmms_check.run(cmd, env, what, check, tool="lm_harness_check")
 
 
 def ensure_venv(venv, version, env):

@@ -41,13 +41,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
 
 
-def log(msg):
-    print(f"[lmms_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+def log(msg, tool="lmms_check"):
+    print(f"[{tool} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(cmd, env, what, check=True, capture=False):
-    """Run a command in the repo root; on failure print its tail and exit 2 (check=True)."""
-    log(f"{what}: {' '.join(c if chr(10) not in c else '<script>' for c in cmd)}")
+def run(cmd, env, what, check=True, capture=False, tool="lmms_check"):
+    """Run a command in the repo root; on failure print its tail and exit 2 (check=True).
+    tool: the name in the log lines (eval.tools.lm_harness_check uses this too)."""
+    log(f"{what}: {' '.join(c if chr(10) not in c else '<script>' for c in cmd)}", tool)
     p = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True)
     if p.returncode != 0 and check:
         sys.stderr.write((p.stdout + p.stderr)[-6000:])
