@@ -261,7 +261,7 @@ def main(argv=None):
     p = entry_parser(__spec__.name, "Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
                                     "JSONL): per-family accuracy vs the best constant answer.")
     p.add_argument("--model", default=None,  # required, checked after parsing so the old --base spelling counts
-                   help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-moe (required)")
+                   help="required: checkpoint directory (save_pretrained format) or tiny-dense / tiny-chat / tiny-moe")
     p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     add_limit(p)

@@ -294,6 +294,11 @@ def run(args, methods):
         from mod.data import wrong_response
         for r in records:
             wrong_response(random.Random(0), r["question"], r["answer"], r["family"])  # DataError: not shapes
+    if args.adapter:   # a wrong --adapter path is refused before any model loads
+        from mod.model import CONFIG_NAME
+        if not os.path.exists(os.path.join(args.adapter, CONFIG_NAME)):
+            raise FileNotFoundError(f"{args.adapter}: no {CONFIG_NAME} (not an adapter directory written by "
+                                    f"mod.train or peft)")
     from common.predictions import PredictionLog, fingerprint, model_digest
     fp = fingerprint(records, model=model_digest(args.model), adapter=model_digest(args.adapter), methods=methods,
                      rounds=args.rounds, mad_rounds=_mad_rounds(args), batch_size=args.batch_size,

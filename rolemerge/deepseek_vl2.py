@@ -116,7 +116,7 @@ def check_config(config):
     if not str(v.get("model_name", "")).startswith("siglip") or isinstance(v.get("width"), dict):
         raise VL2Error(f"vision_config.model_name {v.get('model_name')!r}: only DeepSeek-VL2's SigLIP tower is "
                        f"supported (DeepSeek-OCR hub checkpoints share model_type {MODEL_TYPE!r}; merge them with "
-                       f"--streaming, which needs no model code)")
+                       f"the default streaming merge, which needs no model code)")
     if config.raw.get("tile_tag", "2D") != "2D":
         raise VL2Error(f"tile_tag {config.raw.get('tile_tag')!r}: only '2D' (image_newline / view_seperator) exists "
                        f"in released DeepSeek-VL2 checkpoints")

@@ -34,7 +34,16 @@ def fresh():
 
 
 def main():
-    import peft
+    if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+        print(__doc__)
+        return {}
+    try:
+        import peft
+    except ImportError:
+        print("error: peft is not installed in this venv (it is not a dependency of this repository); run this "
+              "from a venv with peft: python -m venv --system-site-packages ~/venv-peft && "
+              "~/venv-peft/bin/pip install peft", file=sys.stderr)
+        raise SystemExit(2)
     torch.manual_seed(0)
     res = {}
     with tempfile.TemporaryDirectory() as d:
