@@ -40,7 +40,7 @@ def world(tmp_path_factory):
 
 
 def torchrun(module, args, timeout=TIMEOUT):
-    """`torchrun --standalone --nproc_per_node 2 -m module args` in its own session; killed
+    """`torchrun --standalone --nproc_per_node 2 -m module args` in its own process group; killed
     (the whole group) and reported when it runs past `timeout`. Returns (rc, output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module] + args
     env = dict(os.environ, OMP_NUM_THREADS="1")

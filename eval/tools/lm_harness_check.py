@@ -40,7 +40,7 @@ import sys
 from eval.tools import lmms_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
+PINS = lmms_check.PINS
 HARNESS_FILES = {"arc_easy": ("arc/arc_easy.yaml",), "piqa": ("piqa/piqa.yaml",),
                  "winogrande": ("winogrande/default.yaml", "winogrande/preprocess_winogrande.py")}
 
@@ -58,12 +58,7 @@ def ensure_venv(venv, version, env):
     """The venv's python (made on first use: requirements.txt, then lm-eval[hf]==version with
     our pins as constraints) and a line of the versions it holds."""
     py = os.path.join(venv, "bin", "python")
-    pins = {}
-    with open(os.path.join(REPO, "requirements.txt")) as f:
-        for line in f:
-            name = line.split("#")[0].strip()
-            if "==" in name and name.split("==")[0].lower() in PINS:
-                pins[name.split("==")[0].lower()] = name
+    pins = lmms_check.our_pins()
     have = os.path.exists(py) and subprocess.run([py, "-c", f"import lm_eval, lm_eval.models.huggingface, sys; sys.exit("
                                                         f"lm_eval.__version__ != {version!r})"], env=env, capture_output=True).returncode == 0
     if not have:

@@ -57,6 +57,17 @@ def run(cmd, env, what, check=True, capture=False, tool="lmms_check"):
     return p
 
 
+def our_pins():
+    """{name: "name==version"} of the PINS in requirements.txt (the constraints every check venv keeps)."""
+    pins = {}
+    with open(os.path.join(REPO, "requirements.txt")) as f:
+        for line in f:
+            name = line.split("#")[0].strip()
+            if "==" in name and name.split("==")[0].lower() in PINS:
+                pins[name.split("==")[0].lower()] = name
+    return pins
+
+
 def ensure_venv(venv, version, env, torch_source):
     """The venv's python, made on first use, and notes on what had to give way.
 
@@ -69,12 +80,7 @@ def ensure_venv(venv, version, env, torch_source):
     does not install."""
     py = os.path.join(venv, "bin", "python")
     notes = []
-    pins = {}
-    with open(os.path.join(REPO, "requirements.txt")) as f:
-        for line in f:
-            name = line.split("#")[0].strip()
-            if "==" in name and name.split("==")[0].lower() in PINS:
-                pins[name.split("==")[0].lower()] = name
+    pins = our_pins()
     ok = os.path.exists(py) and subprocess.run([py, "-c", "import lmms_eval"], env=env,
                                                capture_output=True).returncode == 0
     if not ok:
