@@ -158,7 +158,8 @@ def routing_trace(model, proc, records, batch_size=64, max_new_tokens=96):
     from common.routing import switch_rate
     from mod.model import adapter_layers, routing_context
     ctx = routing_context(model)
-    E, names = model._adapter["config"].num_experts, [m.name for _, m in adapter_layers(model)]
+    layers = adapter_layers(model)
+    E, names = max(m.cfg.num_experts for _, m in layers), [m.name for _, m in layers]
     batcher = Batcher(proc, records)
     counts = {s: torch.zeros(len(names), E) for s in "AB"}
     fam_counts = {s: {} for s in "AB"}

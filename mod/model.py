@@ -49,7 +49,7 @@ import json
 import math
 import os
 from contextlib import suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -71,7 +71,10 @@ class AdapterConfig:
       (num_experts coupled rank-`expert_rank` LoRA experts, one router, top-r).
     r: top-r experts per token for mod/moelora (mod's effective rank), LoRA rank for lora.
     lora_alpha: output scale alpha / r (eq. 6).
-    num_experts: E of each pool. window: W of the routing input. granularity: token
+    num_experts: E of each pool. experts_pattern: {target module suffix: E} overriding
+      num_experts for those projections, as peft's rank_pattern overrides r (e.g. {"o_proj": 10}:
+      how `mod.params` matches MoE-LoRA's trainable parameters to MoD's where no uniform E does).
+      window: W of the routing input. granularity: token
       (x_route = x), region (mean inside blocks of W), window (sliding mean of the last W);
       "" (default) = window for mod (momentum switching, eq. 1) and token for moelora (the
       paper's MixLoRA baseline routes each token; "window" there is an explicit variant).
@@ -84,6 +87,7 @@ class AdapterConfig:
     r: int = 4
     lora_alpha: float = 8.0
     num_experts: int = 8
+    experts_pattern: dict = field(default_factory=dict)
     expert_rank: int = 1
     window: int = 16
     granularity: str = ""
@@ -102,10 +106,22 @@ class AdapterConfig:
                   (self.granularity in GRANULARITIES, f"granularity must be one of {GRANULARITIES}"),
                   (self.combine in COMBINES, f"combine must be one of {COMBINES}"),
                   (self.r >= 1 and self.window >= 1 and self.expert_rank >= 1, "r, window, expert_rank must be >= 1"),
-                  (self.method == "lora" or self.r <= self.num_experts, "top-r must not exceed num_experts")]
+                  (self.method == "lora" or self.r <= min([self.num_experts, *self.experts_pattern.values()]),
+                   "top-r must not exceed num_experts (or an experts_pattern value)"),
+                  (self.method != "lora" or not self.experts_pattern, "experts_pattern is for mod / moelora pools"),
+                  (all(k in self.target_modules and isinstance(v, int) for k, v in self.experts_pattern.items()),
+                   "experts_pattern maps target_modules entries to integer expert counts")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"AdapterConfig: {msg} (got {self})")
+
+    def layer_config(self, name):
+        """The config of the projection named `name` (a module path): experts_pattern's count
+        for a suffix it names (the longest match), else this config unchanged."""
+        hits = [k for k in self.experts_pattern if _matches(name, [k])]
+        if not hits:
+            return self
+        return replace(self, num_experts=self.experts_pattern[max(hits, key=len)], experts_pattern={})
 
     @property
     def route_window(self):
@@ -560,7 +576,7 @@ def attach(model, cfg):
     for n in names:
         parent_name, _, child = n.rpartition(".")
         parent = lm.get_submodule(parent_name) if parent_name else lm
-        layer = MoDLinear(getattr(parent, child), cfg, ctx)
+        layer = MoDLinear(getattr(parent, child), cfg.layer_config(n), ctx)
         layer.name = n
         setattr(parent, child, layer)
     hook = model.register_forward_pre_hook(_model_pre_hook(ctx), with_kwargs=True)

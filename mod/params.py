@@ -15,7 +15,9 @@ active rank; the one difference left is the coupling of A and B). Its count rela
 (E = 8): tiny-chat +0.8 %, Qwen2.5-VL-3B -1.1 %, Qwen2.5-VL-7B -1.0 %, LLaVA-1.6-13B +3.1 %.
 With multi-head attention (every projection d -> d) MoD has 32 d per projection and MoE-LoRA
 E (2k + 1) d, and E (2k + 1) = 32 has no integer solution with k >= 1: +-3.125 % (33 or 31) is
-the closest any (E, k) gets there (`best_moelora`).
+the closest any uniform (E, k) gets there (`best_moelora`). `matched_moelora` gives one
+projection kind one expert less (`--experts-pattern k_proj=10`, as peft's rank_pattern):
++0.78 %. `python -m mod.params --model PATH` prints the matching flags for any checkpoint.
 """
 from mod.model import AdapterConfig
 
@@ -43,9 +45,9 @@ def attention_shapes(config, target_modules=("q_proj", "k_proj", "v_proj", "o_pr
 def adapter_params(cfg, shapes):
     """Trainable parameters of AdapterConfig `cfg` wrapped around projections `shapes`
     [(name, in, out)] (as `mod.model.num_trainable` counts them after `attach`)."""
-    E, k = cfg.num_experts, cfg.expert_rank
     total = 0
-    for _, din, dout in shapes:
+    for name, din, dout in shapes:
+        E, k = cfg.layer_config(name).num_experts, cfg.expert_rank
         if cfg.method == "mod":
             total += E * (din + dout) + E * din * (1 if cfg.shared_router else 2)
         elif cfg.method == "lora":
@@ -65,6 +67,41 @@ def best_moelora(shapes, target, max_experts=32, max_rank=32, r=4):
             if best is None or abs(n - target) < abs(best[2] - target):
                 best = (E, k, n, n / target - 1)
     return best
+
+
+def matched_moelora(shapes, cfg=None, expert_rank=1, r=4, tol=0.02):
+    """The MoE-LoRA that matches MoD's trainable parameters on `shapes`: E0 = the closest uniform
+    expert count, then the fewest per-projection overrides (each q/k/v/o_proj kind gets
+    E0 - 1, E0 or E0 + 1) that bring the count within `tol` of MoD's, the closest among those
+    (the closest overall when none is within tol). `cfg`: MoD's AdapterConfig (default
+    AdapterConfig()). Returns (num_experts E0, experts_pattern {module: E}, count, relative
+    difference to MoD). Qwen2.5-VL-3B: (11, {}, -1.10 %); LLaVA-1.6-13B (every projection d -> d,
+    where no uniform E is within 3.1 %): (11, {"k_proj": 10}, +0.78 %)."""
+    import itertools
+    target = adapter_params(cfg or AdapterConfig(), shapes)
+    kinds = sorted({m for m, _, _ in shapes})
+    count = lambda E, pat: adapter_params(AdapterConfig(method="moelora", num_experts=E, experts_pattern=pat,
+                                                        expert_rank=expert_rank, r=r, target_modules=kinds), shapes)
+    E0 = min(range(r, 257), key=lambda E: abs(count(E, {}) - target))
+    best = None
+    for combo in itertools.product((E0 - 1, E0, E0 + 1), repeat=len(kinds)):
+        if min(combo) < r:   # top-r needs at least r experts
+            continue
+        pat = {m: e for m, e in zip(kinds, combo) if e != E0}
+        n = count(E0, pat)
+        off = abs(n / target - 1)
+        key = (off > tol, len(pat) if off <= tol else 0, off)
+        if best is None or key < best[0]:
+            best = (key, pat, n)
+    return E0, best[1], best[2], best[2] / target - 1
+
+
+def pattern_flags(E, pattern):
+    """The mod.train flags of a MoE-LoRA (E, experts_pattern) beside --method moelora."""
+    flags = [] if E == MOELORA_MATCHED["num_experts"] else [f"--num-experts {E}"]
+    if pattern:
+        flags.append("--experts-pattern " + ",".join(f"{m}={e}" for m, e in sorted(pattern.items())))
+    return " ".join(flags)
 
 
 # the bases of the paper's Table 1 and its 12M statement, by config numbers (transformers' config classes)
@@ -92,8 +129,26 @@ def main(argv=None):
     import os
     p = argparse.ArgumentParser(prog="python -m mod.params", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="", help="also write the rows as a result file (eval/report.py format)")
+    p.add_argument("--model", default="", metavar="PATH",
+                   help="a checkpoint directory (its config.json only): print the MoE-LoRA flags matching MoD there")
+    p.add_argument("--flags", action="store_true", help="with --model: print only the mod.train flags "
+                   "(for $(python -m mod.params --model PATH --flags) in a recipe)")
     a = p.parse_args(argv)
     from transformers import AutoConfig
+    if a.model:
+        if not os.path.isfile(os.path.join(a.model, "config.json")):
+            p.exit(2, f"error: --model {a.model}: no config.json there (pass a checkpoint directory)\n")
+        try:
+            shapes = attention_shapes(AutoConfig.from_pretrained(a.model))
+        except (OSError, ValueError, AttributeError) as e:
+            p.exit(2, f"error: --model {a.model}: cannot read its attention shapes ({e})\n")
+        E, pat, n, rel = matched_moelora(shapes)
+        if a.flags:
+            print(f"--method moelora {pattern_flags(E, pat)}".rstrip())
+            return
+        print(f"MoD (E = 8, top-4): {adapter_params(AdapterConfig(), shapes):,} trainable; MoE-LoRA matched: "
+              f"{n:,} ({rel:+.2%}) with: --method moelora {pattern_flags(E, pat)}".rstrip())
+        return
     configs = {**{n: base_config(n) for n in BASES},
                "tiny-chat": AutoConfig.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "common", "tiny", "chat"))}
     arms = {"MoD (E = 8, top-4)": AdapterConfig(),
@@ -104,10 +159,15 @@ def main(argv=None):
     for base, config in configs.items():
         shapes = attention_shapes(config)
         ref = adapter_params(arms["MoD (E = 8, top-4)"], shapes)
-        for arm, cfg in arms.items():
+        E, pat, _, _ = matched_moelora(shapes)
+        matched = {"MoE-LoRA matched (the recipe's flags, `mod.params --model`)":
+                   AdapterConfig(method="moelora", num_experts=E, experts_pattern=pat)}
+        for arm, cfg in {**arms, **matched}.items():
             n = adapter_params(cfg, shapes)
-            rows.append({"kind": "count", "backbone": base, "arm": arm, "trainable": n, "vs_mod": round(n / ref - 1, 4)})
-            print(f"{base:14s} {arm:50s} {n:>12,} {n / ref - 1:+.2%}")
+            flags = pattern_flags(E, pat) if arm in matched else ""
+            rows.append({"kind": "count", "backbone": base, "arm": arm, "trainable": n, "vs_mod": round(n / ref - 1, 4),
+                         "flags": f" `{flags}`" if flags else ""})
+            print(f"{base:14s} {arm:60s} {n:>12,} {n / ref - 1:+.2%} {flags}")
     if a.out:
         from common.data import atomic_write_text
         atomic_write_text(a.out, json.dumps({"experiment": "mod_param_counts", "source": "python -m mod.params --out "

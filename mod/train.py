@@ -72,6 +72,10 @@ def add_adapter_args(p):
     p.add_argument("--num-experts", type=number(min=1), default=None,
                    help=f"experts per pool (E); default {d.num_experts} for mod, "
                    f"{MOELORA_MATCHED['num_experts']} for moelora (MoD's trainable parameters within ~1-3 %%, mod.params)")
+    p.add_argument("--experts-pattern", default="", metavar="MODULE=E,...",
+                   help="per-projection expert counts overriding --num-experts (peft's rank_pattern for E), e.g. "
+                   "o_proj=10: `python -m mod.params --model PATH` prints the MoE-LoRA flags that match MoD's "
+                   "trainable parameters on a checkpoint")
     p.add_argument("--expert-rank", type=number(min=1), default=None,
                    help=f"rank of each MoE-LoRA expert (default {MOELORA_MATCHED['expert_rank']})")
     p.add_argument("--window", type=number(min=1), default=d.window, help="routing window / region size W")
@@ -87,6 +91,17 @@ def add_adapter_args(p):
                    help="lambda of the load-balance loss (0 = off)")
 
 
+def parse_pattern(text):
+    """"o_proj=10,q_proj=12" -> {"o_proj": 10, "q_proj": 12} (ValueError naming the bad entry)."""
+    out = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, _, n = item.partition("=")
+        if not name or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--experts-pattern entry {item!r} is not MODULE=E with E >= 1 (e.g. o_proj=10)")
+        out[name.strip()] = int(n)
+    return out
+
+
 def adapter_config(args):
     """The AdapterConfig of parsed `add_adapter_args` flags (ValueError for inconsistent ones).
     --num-experts / --expert-rank not given: AdapterConfig's (8, 1) for mod and lora,
@@ -96,6 +111,7 @@ def adapter_config(args):
     k = d["expert_rank"] if args.expert_rank is None else args.expert_rank
     return AdapterConfig(method=args.method, target_modules=args.target_modules, r=args.r,
                          lora_alpha=args.lora_alpha, num_experts=E, expert_rank=k,
+                         experts_pattern=parse_pattern(getattr(args, "experts_pattern", "")),
                          window=args.window, granularity=args.granularity, combine=args.combine,
                          shared_router=args.shared_router, noise_std=args.noise_std, aux_coef=args.aux_coef)
 
@@ -382,6 +398,7 @@ def train(args):
     """The body of `main` for parsed flags. Returns fit's result dict."""
     set_threads(args.threads, args.model)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cfg = adapter_config(args)  # before anything loads: a bad flag fails in seconds
     stale = prepare_out(args.out, args.resume, args.overwrite) if rank == 0 else []
     records = load_records(args.data, args.image_root, skip_bad=args.skip_bad)  # before the model loads: bad data fails in seconds
     batcher = Batcher(None, records)  # decodes every image now: a truncated one fails here too
@@ -394,7 +411,6 @@ def train(args):
     from common.backbone import load_backbone
     model, proc = load_backbone(args.model, device=device)
     torch.manual_seed(args.seed)
-    cfg = adapter_config(args)
     names = attach(model, cfg)
     for f in stale:  # --overwrite: data, base and adapter config all loaded fine
         shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.remove(f)

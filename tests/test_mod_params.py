@@ -3,7 +3,9 @@
 Mixture of Debaters (arXiv 2606.29425) compares MoD and MoE-LoRA "at the same learnable parameter
 scale"; `mod.train --method moelora` must be parameter-matched to `mod.train`'s MoD (within 2 %)
 at Qwen2.5-VL-3B's and the tiny chat base's shapes; at LLaVA-1.6-13B (multi-head attention) no
-(E, k) gets within 3.1 % (see `mod.params`), pinned here too. Also L_reg's reduction (eq. 8)."""
+uniform (E, k) gets within 3.1 %, and the recipe's `--experts-pattern k_proj=10` (one projection
+kind with one expert less, `mod.params.matched_moelora`) gets within 0.8 %. Also L_reg's
+reduction (eq. 8)."""
 import argparse
 import math
 import types
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 
 from mod.model import AdapterConfig, attach, num_trainable
-from mod.params import MOELORA_MATCHED, adapter_params, attention_shapes, best_moelora
+from mod.params import MOELORA_MATCHED, adapter_params, attention_shapes, best_moelora, matched_moelora, pattern_flags
 
 
 def qwen25_vl_3b():
@@ -65,7 +67,8 @@ def test_analytic_count_equals_attach_on_the_meta_device(make):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
     config = make()
     cls = LlamaModel if config.model_type == "llava_next" else Qwen2_5_VLTextModel
-    for cfg in (cli_config(), cli_config("--method", "moelora")):
+    for cfg in (cli_config(), cli_config("--method", "moelora"),
+                cli_config("--method", "moelora", "--experts-pattern", "k_proj=10,o_proj=12")):
         with torch.device("meta"):
             model = cls(config.get_text_config())
         attach(model, cfg)
@@ -89,6 +92,63 @@ def test_moelora_default_matches_mod_within_2_percent():
     shapes = attention_shapes(llava_16_13b())
     E, k, n, rel = best_moelora(shapes, adapter_params(mod, shapes))
     assert abs(rel) == pytest.approx(1 / 32) and adapter_params(moe, shapes) / adapter_params(mod, shapes) == 33 / 32
+
+
+# the MoE-LoRA flags of mod/README.md's "Reproducing the paper's table", per base
+RECIPE_FLAGS = {"Qwen2.5-VL-3B": ["--method", "moelora"],
+                "LLaVA-1.6-13B": ["--method", "moelora", "--experts-pattern", "k_proj=10"]}
+
+
+@pytest.mark.parametrize("base,make", [("Qwen2.5-VL-3B", qwen25_vl_3b), ("LLaVA-1.6-13B", llava_16_13b)])
+def test_recipe_flags_match_mod_within_2_percent(base, make):
+    shapes = attention_shapes(make())
+    n_mod, n_moe = adapter_params(cli_config(), shapes), adapter_params(cli_config(*RECIPE_FLAGS[base]), shapes)
+    assert abs(n_moe / n_mod - 1) <= 0.02, (base, n_mod, n_moe)
+    E, pat, n, _ = matched_moelora(shapes)        # the flags mod.params prints for that base
+    assert ["--method", "moelora", *pattern_flags(E, pat).split()] == RECIPE_FLAGS[base] and n == n_moe
+
+
+def test_matched_moelora_hand_computed():
+    # LLaVA-1.6-13B, every projection 5120 -> 5120: rank-1 expert = 2 d + router row d = 3 d;
+    # MoD 32 d per projection = 128 d per layer; 11 + 11 + 11 + 10 experts = 129 d (+1/128)
+    shapes = attention_shapes(llava_16_13b())
+    E, pat, n, rel = matched_moelora(shapes)
+    assert (E, pat) == (11, {"k_proj": 10}) and n == 40 * 3 * 5120 * 43 == 26_419_200
+    assert rel == pytest.approx(1 / 128)
+    # Qwen2.5-VL-3B: uniform 11 is within 2 % (-1.10 %): no override
+    assert matched_moelora(attention_shapes(qwen25_vl_3b()))[:2] == (11, {})
+    # a tighter tolerance asks for the fewest overrides that reach it: per layer an expert costs
+    # 6,144 on q/o_proj and 4,352 on k/v_proj; one override is at best +0.77 %, two (q + 1, k - 1)
+    # give 8,312,832 + 36 (6,144 - 4,352) = 8,377,344 (-0.33 %)
+    E, pat, n, rel = matched_moelora(attention_shapes(qwen25_vl_3b()), tol=0.005)
+    assert (E, pat, n) == (11, {"k_proj": 10, "q_proj": 12}, 8_377_344)
+    assert pattern_flags(11, {}) == "" and pattern_flags(12, {"o_proj": 10}) == "--num-experts 12 --experts-pattern o_proj=10"
+
+
+def test_experts_pattern_attach_save_load_and_bad_input(tmp_path):
+    from common.backbone import load_backbone
+    from mod.model import adapter_layers, load_adapters, save_adapters
+    from mod.train import parse_pattern
+    model, _ = load_backbone("tiny-chat")
+    cfg = cli_config("--method", "moelora", "--experts-pattern", "o_proj=5")
+    attach(model, cfg)
+    E = {n.rsplit(".", 1)[-1]: m.router.shape[0] for n, m in adapter_layers(model)}
+    assert E == {"q_proj": 11, "k_proj": 11, "v_proj": 11, "o_proj": 5}
+    assert num_trainable(model) == adapter_params(cfg, attention_shapes(model.config))
+    save_adapters(model, tmp_path / "a")
+    fresh, _ = load_backbone("tiny-chat")
+    load_adapters(fresh, tmp_path / "a")
+    assert {n.rsplit(".", 1)[-1]: m.router.shape[0] for n, m in adapter_layers(fresh)} == E
+    assert parse_pattern(" o_proj=10, q_proj=12 ") == {"o_proj": 10, "q_proj": 12}
+    for bad in ("o_proj", "o_proj=x", "o_proj=0", "=3"):
+        with pytest.raises(ValueError, match="MODULE=E"):
+            parse_pattern(bad)
+    with pytest.raises(ValueError, match="experts_pattern maps target_modules"):
+        AdapterConfig(method="moelora", num_experts=11, experts_pattern={"gate_proj": 4})
+    with pytest.raises(ValueError, match="top-r must not exceed"):
+        AdapterConfig(method="moelora", num_experts=11, experts_pattern={"o_proj": 3})
+    with pytest.raises(ValueError, match="experts_pattern is for"):
+        AdapterConfig(method="lora", experts_pattern={"o_proj": 3})
 
 
 def test_moelora_default_on_the_tiny_chat_model():

@@ -86,9 +86,14 @@ def test_mod_section(world, capsys):
     pope, mme, mmlu = conv(r, "pope"), conv(r, "mme"), conv(r, "mmlu")
     vs = str(r / "vs.json")
     mdata.main(["--model", base, "--data", sqa, "--out", vs, "--k", "2", "--max-new-tokens", "8", "--threads", "1"])
-    for method in ("mod", "moelora"):
+    from mod import params
+    capsys.readouterr()
+    params.main(["--model", "common/tiny/chat", "--flags"])   # MOELORA=$(python -m mod.params --model $BASE --flags)
+    moelora = capsys.readouterr().out.split()
+    assert moelora == ["--method", "moelora"]
+    for method, flags in (("mod", []), ("moelora", moelora)):
         train.main(["--model", base, "--data", vs, "--out", str(r / method), "--steps", "2", "--batch-size", "2",
-                    "--seed", "0", "--method", method, "--threads", "1"])
+                    "--seed", "0", *flags, "--threads", "1"])
     for bench, methods in ((pope, "base,single,multi,mad,sc"), (mme, "multi")):  # every method once
         preds = bench + ".preds.json"
         infer.main(["--model", base, "--adapter", str(r / "mod"), "--data", bench, "--methods", methods,
