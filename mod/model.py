@@ -128,6 +128,18 @@ class AdapterConfig:
         return 1 if self.granularity == "token" else self.window
 
 
+def _eager_or_disabled(fn):
+    """fn as is in eager mode; under torch.compile, fn with dynamo disabled (it reads Python
+    state: memo dicts, parameter version counters). `torch.compiler.disable` alone would add a
+    frame-evaluation wrapper to every eager call (about 10 us per layer per decoding step)."""
+    off = torch.compiler.disable(fn)
+
+    def call(*args, **kw):
+        return off(*args, **kw) if torch.compiler.is_compiling() else fn(*args, **kw)
+    call.__doc__, call.__name__ = fn.__doc__, fn.__name__
+    return call
+
+
 class RoutingContext:
     """State shared by the adapter layers of one model for the current forward call.
 
@@ -146,7 +158,7 @@ class RoutingContext:
         self.reduce = None
         self._memo = {}
 
-    @torch.compiler.disable
+    @_eager_or_disabled
     def shared(self, kind, tensors, extra, make):
         """make() once for the same `tensors` (by identity, kept alive here) and `extra`: one
         entry per `kind`. Layers that advance in lock step hold the same count tensors, so the
@@ -202,7 +214,7 @@ def _decode_plan(n_seen, mask, W, granularity, C):
     return slot[:, None, None].expand(B, 1, C), wv[:, None, :], n_seen + m.long()
 
 
-class RoutingWindow(nn.Module):
+class RoutingWindow:
     """Momentum switching (eq. 1) applied to per-token router logits, with the routing cache
     for cached decoding. By linearity window_mean(x) @ W_g.T == window_mean(x @ W_g.T).
     Holds no parameters.
@@ -212,12 +224,15 @@ class RoutingWindow(nn.Module):
     fewer); slot W is where a pad's logits go. A one-token decoding step (`step`) costs O(W C)
     whatever the context: one in-place scatter into the ring and one [1, W+1] x [W+1, C]
     weighted sum, recomputed from the ring each step (no running sum: no drift); the ring keeps
-    its shape and storage across steps."""
+    its shape and storage across steps. A plain object, not an nn.Module: it holds no
+    parameters, and the decoding step reads and writes its attributes once per token."""
 
     def __init__(self, cfg, ctx):
-        super().__init__()
         self.W, self.granularity, self.ctx = cfg.route_window, cfg.granularity, ctx
         self.cache = None
+
+    def __call__(self, x):
+        return self.forward(x)
 
     def ready(self):
         """True when the next call may use `step` (a continuing call with a filled cache)."""
@@ -326,6 +341,8 @@ class MoDLinear(nn.Module):
             self.lora_A, self.lora_B = new(E * cfg.expert_rank, din), new(dout, E * cfg.expert_rank)
             self.router = new(E, din)
         self.window = RoutingWindow(cfg, ctx) if cfg.method != "lora" else None
+        self._fused_names = {"mod": ("router_A",) + (() if cfg.shared_router else ("router_B",)) + ("A", "B"),
+                             "moelora": ("router", "lora_A", "lora_B")}.get(cfg.method, ())
         self.reset_parameters()
 
     @torch.no_grad()
@@ -396,18 +413,17 @@ class MoDLinear(nn.Module):
         self._bookkeeping(pa, ia, pb, ib)
         return self.scaling * (w @ self.B)  # eq. 6
 
-    @torch.compiler.disable   # reads parameter version counters
+    @_eager_or_disabled   # reads parameter version counters
     def _decode_weights(self):
         """(F, Bs) for `_decode`: F [P*E + E*k, in] = the router weight(s) stacked on the expert
         down-projections (A for mod, lora_A for moelora), Bs = scaling * B ([E, out] mod) or
         scaling * lora_B ([out, E*k] moelora), fp32. Cached while no parameter changed (their
-        version counters and storage) and autograd is off; rebuilt per call otherwise."""
-        if self.cfg.method == "mod":
-            ps = (self.router_A,) + (() if self.router_B is None else (self.router_B,)) + (self.A, self.B)
-        else:
-            ps = (self.router, self.lora_A, self.lora_B)
-        key = tuple((p._version, p.data_ptr()) for p in ps)
-        hit = getattr(self, "_fused", None)
+        version counters, identity and storage, checked every step: a few microseconds) and
+        autograd is off; rebuilt per call otherwise."""
+        own = self._parameters   # a plain dict: no nn.Module attribute lookup per step
+        ps = tuple(own[n] for n in self._fused_names)
+        key = tuple((id(p), p._version, p.data_ptr()) for p in ps)
+        hit = self.__dict__.get("_fused")
         if hit is not None and hit[0] == key and not torch.is_grad_enabled():
             return hit[1], hit[2]
         F = torch.cat([p.float() for p in ps[:-1]])
@@ -433,7 +449,7 @@ class MoDLinear(nn.Module):
         else:
             y = torch.nn.functional.linear(x, F)                       # [B, 1, P*E + E*k]
         P = 1 if cfg.method == "moelora" or self.router_B is None else 2
-        logits, z = y.split([P * E, y.shape[-1] - P * E], -1)
+        logits, z = y.split_with_sizes([P * E, y.shape[-1] - P * E], -1)
         if self.window.W > 1:
             logits = self.window.step(logits)                           # the routing window, from its ring
         vals, idx = logits.view(B, P, E).topk(cfg.r, dim=-1)           # [B, P, r], ranked
@@ -455,7 +471,12 @@ class MoDLinear(nn.Module):
         else:
             gg = g.mean(1)
         coef = z.view(B, -1).gather(-1, ia) * gg                        # [B, r]: g_j * (A[I_A_j] . x)
-        h = torch.nn.functional.embedding_bag(ib, Bs, per_sample_weights=coef, mode="sum")  # eq. 6: sum_j coef_j B[I_B_j]
+        off = self.__dict__.get("_bag_offsets")                         # [B] bag starts 0, r, 2r, ...
+        if off is None or off.shape[0] != B or off.device != x.device:
+            off = self._bag_offsets = torch.arange(0, B * cfg.r, cfg.r, device=x.device)
+        # eq. 6: sum_j coef_j B[I_B_j], one weighted bag of r rows per token (aten's embedding_bag,
+        # mode 0 = sum, without F.embedding_bag's per-call input checks and offsets)
+        h = torch.embedding_bag(Bs, ib.reshape(-1), off, False, 0, False, coef.reshape(-1))[0]
         return h.view(B, 1, -1)
 
     @torch.compiler.disable   # appends to the shared ctx lists: compiled, it would guard on their lengths and
