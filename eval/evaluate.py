@@ -36,8 +36,8 @@ import torch
 
 from common.backbone import generate, load_backbone
 from common.cli import Deprecated, RunError, add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_support, expand_turns,
-                         load_image, read_any)
+from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
+                         check_support, expand_turns, load_image, read_any)
 from common.predictions import PredictionLog, fingerprint, model_digest
 from common.answers import ANSWER_TYPE, UNLABELLED, is_multiple_choice, options_of, score  # noqa: F401  (eval.evaluate.options_of)
 from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
@@ -303,7 +303,11 @@ def main(argv=None):
         p.error(str(e))
 
     t0 = time.time()
-    records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad))[:a.limit or None]  # rid#k per turn
+    if a.limit:   # only the first N items are evaluated: only their images are decoded now
+        records = expand_turns(read_any(a.data, image_root=a.image_root, check_images=False))[:a.limit]
+        records = check_record_images(records, a.data, a.skip_bad)
+    else:
+        records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad))  # rid#k per turn
     check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
     bad = sorted({r["benchmark"] for r in records if r.get("benchmark")} - set(SCORERS))
     if bad:  # before the model loads, not after the whole evaluation

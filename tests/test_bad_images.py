@@ -165,3 +165,20 @@ def test_rolemerge_infer_on_a_truncated_image_is_an_error_not_a_traceback(bad_da
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
     assert "1 of 7 record(s)" in r.stderr and "record trunc: cannot read image" in r.stderr
     assert not out.exists() and not os.path.exists(f"{out}.partial")
+
+
+def test_evaluate_limit_decodes_only_the_records_it_evaluates(bad_data, tmp_path, capsys):
+    """`eval.evaluate --limit N`: the two bad images are records 7 and 8, past the limit, so the
+    run goes on to the (missing) model; records inside the limit are still checked first."""
+    from common.cli import run_cli
+    from eval.evaluate import main
+    argv = ["--model", "nowhere", "--data", str(bad_data / "bad.json"), "--threads", "1",
+            "--out", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, argv + ["--limit", "6"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "nowhere" in err and "unusable image" not in err, err
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, argv + ["--limit", "7"])          # the truncated JPEG is item 7
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "1 of 7 record(s) with a missing or unusable image" in err, err

@@ -197,13 +197,21 @@ except ImportError:
 if hasattr(_comparators, "COMPARATORS") and hasattr(_comparators, "merge_layer"):
     PAPER_ARMS.update({c: (c, "single", False, {}) for c in _comparators.COMPARATORS})
 BOUND_IS_ORACLE = True     # tests/test_rolemerge_comparators_cli.py: bound router == oracle routing of the merge
-PAPER_BASELINES = ("msmoe", "hcsmoe", "reap", "prune")
-# The pre-registered claims (rolemerge/README.md, "Hypotheses"): (row label, RoleMerge's arm, the
-# other arm, field compared). Each row reads "RoleMerge-side minus other arm" on the same examples.
-CLAIMS = [("H1 RoleMerge > M-SMoE", "rolemerge", "msmoe", "correct"),
-          ("H1 RoleMerge > HC-SMoE", "rolemerge", "hcsmoe", "correct"),
-          ("H1 RoleMerge > REAP", "rolemerge", "reap", "correct"),
-          ("H1 RoleMerge > frequency pruning", "rolemerge", "prune", "correct"),
+# H1 of the Table-1 pre-registration (eval/logs/rolemerge.md): RoleMerge against every comparator
+PAPER_BASELINES = ("submoe", "namex", "msmoe", "hcsmoe", "mergemoe", "ream", "reap")
+# The pre-registered claims: (row label, RoleMerge's arm, the other arm, field compared). Each row
+# reads "RoleMerge-side minus other arm" on the same examples.
+CLAIMS = [("H1a RoleMerge > Sub-MoE", "rolemerge", "submoe", "correct"),
+          ("H1b RoleMerge > NAMEx (training-free adaptation)", "rolemerge", "namex", "correct"),
+          ("H1c RoleMerge > M-SMoE (official: bound router)", "rolemerge", "msmoe", "correct"),
+          ("H1d RoleMerge > HC-SMoE (official: bound router, Euclidean)", "rolemerge", "hcsmoe", "correct"),
+          ("H1e RoleMerge > MergeMoE", "rolemerge", "mergemoe", "correct"),
+          ("H1f RoleMerge > REAM (non-sequential)", "rolemerge", "ream", "correct"),
+          ("H1g RoleMerge > REAP (pruning)", "rolemerge", "reap", "correct"),
+          ("H1' RoleMerge > M-SMoE, K-row router (App. C.3)", "rolemerge", "msmoe_avg_router", "correct"),
+          ("H1' RoleMerge > HC-SMoE, K-row router (App. C.3)", "rolemerge", "hcsmoe_avg_router", "correct"),
+          ("RoleMerge > HC-SMoE on 1 - cos (the earlier variant)", "rolemerge", "hcsmoe_cosine", "correct"),
+          ("RoleMerge > frequency pruning (control)", "rolemerge", "prune", "correct"),
           ("H2 phase split (vs no_phase_split)", "rolemerge", "no_phase_split", "correct"),
           ("H3 collision term (vs lambda0)", "rolemerge", "lambda0", "correct"),
           ("H4 role information (vs permuted)", "rolemerge", "permuted", "correct"),
@@ -211,10 +219,12 @@ CLAIMS = [("H1 RoleMerge > M-SMoE", "rolemerge", "msmoe", "correct"),
           ("H5 single >= complete linkage", "rolemerge", "complete_link", "correct"),
           ("H7 uniform >= empirical prior", "rolemerge", "empirical_prior", "correct"),
           ("k-means (no hypothesis)", "rolemerge", "kmeans", "correct"),
-          ("H1' RoleMerge > M-SMoE, K-row router (App. C.3)", "rolemerge", "msmoe_avg_router", "correct"),
-          ("H1' RoleMerge > HC-SMoE, K-row router (App. C.3)", "rolemerge", "hcsmoe_avg_router", "correct"),
           ("H6 oracle: RoleMerge vs M-SMoE grouping", "rolemerge", "msmoe", "oracle_correct"),
           ("H6 oracle: RoleMerge vs HC-SMoE grouping", "rolemerge", "hcsmoe", "oracle_correct")]
+# Table 1's rows (the paper's methods, each by the arm that runs it as its official code does)
+TABLE1 = [("Sub-MoE", "submoe"), ("NAMEx (training-free)", "namex"), ("M-SMoE / MC-SMoE", "msmoe"),
+          ("HC-SMoE", "hcsmoe"), ("MergeMoE", "mergemoe"), ("REAM", "ream"), ("REAP", "reap"),
+          ("RoleMerge", "rolemerge")]
 PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
 # The base with the paper's structure (rolemerge/README.md: one 5,500-step schedule per
 # seed; the second recipe's 1,000 steps did not give a usable base): `--retrain-base DIR` runs
@@ -430,6 +440,101 @@ def claim_table(results):
     return "\n".join(lines)
 
 
+def _name(r):
+    return os.path.basename(r["base"].rstrip("/"))
+
+
+def _acc(r, key, field="correct"):
+    v = r["arms"][key][field]
+    return sum(v) / len(v)
+
+
+def table1(results):
+    """Markdown table in the layout of the paper's Table 1: each method's accuracy at rho .5 /
+    .625 / .75 and the % of the full model it keeps (accuracy / full accuracy), pooled over the
+    bases in `results` (examples concatenated), then one line per base."""
+    rhos = results[0]["config"]["rhos"]
+    head = "| method | " + " | ".join(f"rho {rho}: acc (% of full)" for rho in rhos) + " |"
+    lines = [head, "|---" * (len(rhos) + 1) + "|"]
+    full = pooled(results, "full")
+    f = sum(full) / len(full)
+    lines.append("| full model | " + " | ".join(f"{f:.3f} (100%)" for _ in rhos) + " |")
+    for label, arm in TABLE1:
+        if not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos):
+            continue
+        cells = []
+        for rho in rhos:
+            c = pooled(results, f"{arm}@{rho}")
+            a = sum(c) / len(c)
+            cells.append(f"{a:.3f} ({100 * a / f:.1f}%)" + (" [" + " / ".join(
+                f"{_acc(r, f'{arm}@{rho}'):.3f}" for r in results) + "]" if len(results) > 1 else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _summary(verdicts, rhos):
+    """["supported", "not resolved", ...] per rho -> "supported at every rho" / "partial: ..."."""
+    word = {"supported": "supported", "contradicted": "contradicted", "not resolved": "inconclusive"}
+    v = [word[x] for x in verdicts]
+    if len(set(v)) == 1:
+        return f"{v[0]} at every rho"
+    by = {}
+    for w, rho in zip(v, rhos):
+        by.setdefault(w, []).append(f"{rho:g}".lstrip("0"))
+    return "partial: " + ", ".join(f"{w} at {' and '.join(r)}" for w, r in by.items())
+
+
+def result_rows(results, everyone, log):
+    """Rows of the result file (eval/report.py format) for the Table-1 experiment: per-base
+    accuracy and % of full per (arm, rho) for every base in `everyone`, and the pooled claims
+    over `results` (the bases that passed the usability check). `log`: the log entry's link."""
+    from eval.metrics import bootstrap_ci, paired_bootstrap
+    rhos = results[0]["config"]["rhos"]
+    pool = "+".join(_name(r) for r in results)
+    rows = []
+    for r in everyone:
+        f = _acc(r, "full")
+        lo, hi = bootstrap_ci(r["arms"]["full"]["correct"])
+        rows.append({"kind": "full", "seed": _name(r), "value": f, "ci_low": lo, "ci_high": hi,
+                     "n": len(r["arms"]["full"]["correct"]), "pooled": "yes" if r in results else "no (exploratory)"})
+        for key in r["arms"]:
+            if key == "full":
+                continue
+            arm, _, rho = key.partition("@")
+            a = _acc(r, key)
+            rows.append({"kind": "accuracy", "arm": arm, "rho": float(rho), "seed": _name(r), "value": a,
+                         "retained": a / f, "K": r["arms"][key]["K"], "n": len(r["arms"][key]["correct"])})
+    for label, arm in [("full model", "full")] + TABLE1:
+        if not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos) and arm != "full":
+            continue
+        row = {"kind": "table1", "method": label, "arm": arm, "seeds": pool}
+        f = sum(pooled(results, "full")) / len(pooled(results, "full"))
+        for rho in rhos:
+            c = pooled(results, "full" if arm == "full" else f"{arm}@{rho}")
+            lo, hi = bootstrap_ci(c)
+            k = round(1000 * rho)      # acc_500, ret_625, ...: field names without a dot (str.format)
+            row[f"acc_{k}"], row[f"ret_{k}"] = sum(c) / len(c), sum(c) / len(c) / f
+            row[f"lo_{k}"], row[f"hi_{k}"] = lo, hi
+            row[f"per_seed_{k}"] = " / ".join(f"{sum(pooled([r], 'full' if arm == 'full' else f'{arm}@{rho}')) / len(r['arms']['full']['correct']):.3f}" for r in results)
+        rows.append(row)
+    for label, a, b, field in CLAIMS:
+        keys = [(f"{a}@{rho}", f"{b}@{rho}") for rho in rhos]
+        if not all(ka in r["arms"] and kb in r["arms"] and r["arms"][ka].get(field) is not None
+                   and r["arms"][kb].get(field) is not None for r in results for ka, kb in keys):
+            continue
+        ds = [paired_bootstrap(pooled(results, ka, field), pooled(results, kb, field)) for ka, kb in keys]
+        rows.append({"kind": "claim", "method": "RoleMerge", "claim": label, "arm": b, "field": field,
+                     "verdict": _summary([verdict(d) for d in ds], rhos),
+                     "effect": "; ".join(f"{rho:g}".lstrip("0") + f": {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+                                         for rho, d in zip(rhos, ds)),
+                     "per_seed": "; ".join(f"{rho:g}".lstrip("0") + ": " + " / ".join(
+                         f"{_acc(r, ka, field) - _acc(r, kb, field):+.3f}" for r in results)
+                                           for rho, (ka, kb) in zip(rhos, keys)),
+                     "seeds": len(results), "pool": pool, "log": log,
+                     "top": label.startswith(("H1a", "H1c", "H1d", "H1g", "H2 ", "H3 "))})
+    return rows
+
+
 PALETTE = [(220, 50, 47), (38, 139, 210), (133, 153, 0), (211, 54, 130), (42, 161, 152), (181, 137, 0),
            (108, 113, 196), (203, 75, 22), (88, 110, 117), (230, 159, 0), (150, 150, 150), (120, 60, 0)]
 
@@ -522,6 +627,13 @@ def parser():
                    help="first train the paper-structure base (PAPER_RECIPE, ~65-75 CPU minutes per seed) into "
                         "DIR/seed{S} for every --seeds (resuming a checkpoint), then run --paper on them")
     p.add_argument("--seeds", default="0", help="--retrain-base seeds, comma-separated")
+    p.add_argument("--pool", default="",
+                   help="--paper: comma-separated base names (folder names) that passed the usability check; the "
+                        "verdicts pool these (default: every base)")
+    p.add_argument("--results", default="", metavar="FILE",
+                   help="--paper: also write the result rows (eval/report.py format: per-base accuracy, Table 1, "
+                        "claims) to FILE")
+    p.add_argument("--log", default="", help="--results: the experiment log entry the claim rows link to")
     return p
 
 
@@ -569,8 +681,20 @@ def main(argv=None):
                 cfg["rhos"] = tuple(float(x) for x in a.rhos.split(",") if x)
             except ValueError:
                 p.error(f"--rhos takes comma-separated numbers, got {a.rhos!r}")
-        res = [run_paper(b, a.data, outp, cfg, arms) for b in a.paper.split(",") if b]
-        md = paper_report(res, outp)
+        every = [run_paper(b, a.data, outp, cfg, arms) for b in a.paper.split(",") if b]
+        names = [x for x in a.pool.split(",") if x]
+        unknown = [x for x in names if x not in [_name(r) for r in every]]
+        if unknown:
+            p.error(f"--pool names {unknown} are not among the --paper bases {[_name(r) for r in every]}")
+        res = [r for r in every if not names or _name(r) in names]
+        md = paper_report(res, outp) + "\n\nTable 1 layout (pooled; per base in brackets):\n\n" + table1(res)
+        if len(res) < len(every):
+            md += "\n\nEvery base, exploratory:\n\n" + table1(every)
+        if a.results:
+            data.atomic_write_text(a.results, json.dumps({
+                "experiment": "rolemerge_table1", "source": "python -m eval.toys.rolemerge " + " ".join(
+                    argv if argv is not None else __import__("sys").argv[1:]),
+                "rows": result_rows(res, every, a.log)}, indent=1) + "\n")
         r0 = res[0]
         groups = {k.split("@")[0]: r0["arms"][k]["groups"][0] for k in r0["arms"]
                   if k.endswith(f"@{cfg['rhos'][0]}") and k.split("@")[0] in ("rolemerge", "no_phase_split", "msmoe", "hcsmoe")}
