@@ -198,15 +198,16 @@ def data_fingerprint(records):
 
 
 def settings_diff(saved, now):
-    """['key: saved X, now Y'] for the keys both define and that differ. Dict values (the
-    base identity) are compared on the keys both define too, so a checkpoint written before
-    a key was recorded still resumes."""
-    def same(a, b):
-        if isinstance(a, dict) and isinstance(b, dict):
-            return all(a[k] == b[k] for k in a.keys() & b.keys())
+    """['key: saved X, now Y'] for the keys both define and that differ. The base identity
+    (`base_model`, a dict) is compared on the keys both define too, so a checkpoint written
+    before a key was recorded still resumes; every other value (experts_pattern included) must
+    be equal."""
+    def same(k, a, b):
+        if k == "base_model" and isinstance(a, dict) and isinstance(b, dict):
+            return all(a[x] == b[x] for x in a.keys() & b.keys())
         return a == b
     return [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in sorted(saved.keys() & now.keys())
-            if not same(saved[k], now[k])]
+            if not same(k, saved[k], now[k])]
 
 
 def check_settings(path, saved, now):

@@ -303,11 +303,11 @@ def main(argv=None):
         p.error(str(e))
 
     t0 = time.time()
-    if a.limit:   # only the first N items are evaluated: only their images are decoded now
+    if a.limit and not a.skip_bad:   # only the first N items are evaluated: only their images are decoded now
         records = expand_turns(read_any(a.data, image_root=a.image_root, check_images=False))[:a.limit]
-        records = check_record_images(records, a.data, a.skip_bad)
-    else:
-        records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad))  # rid#k per turn
+        records = check_record_images(records, a.data)
+    else:          # --skip-bad: the first N usable items (every image decoded)
+        records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad))[:a.limit or None]
     check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
     bad = sorted({r["benchmark"] for r in records if r.get("benchmark")} - set(SCORERS))
     if bad:  # before the model loads, not after the whole evaluation

@@ -159,7 +159,11 @@ def routing_trace(model, proc, records, batch_size=64, max_new_tokens=96):
     from mod.model import adapter_layers, routing_context
     ctx = routing_context(model)
     layers = adapter_layers(model)
-    E, names = max(m.cfg.num_experts for _, m in layers), [m.name for _, m in layers]
+    sizes = sorted({m.cfg.num_experts for _, m in layers})
+    if len(sizes) > 1:
+        raise ValueError(f"routing_trace compares expert shares across layers, which needs one expert count; "
+                         f"these adapters have {sizes} (experts_pattern): trace a model without it")
+    E, names = sizes[0], [m.name for _, m in layers]
     batcher = Batcher(proc, records)
     counts = {s: torch.zeros(len(names), E) for s in "AB"}
     fam_counts = {s: {} for s in "AB"}

@@ -471,9 +471,11 @@ class MoDLinear(nn.Module):
         else:
             gg = g.mean(1)
         coef = z.view(B, -1).gather(-1, ia) * gg                        # [B, r]: g_j * (A[I_A_j] . x)
-        off = self.__dict__.get("_bag_offsets")                         # [B] bag starts 0, r, 2r, ...
-        if off is None or off.shape[0] != B or off.device != x.device:
-            off = self._bag_offsets = torch.arange(0, B * cfg.r, cfg.r, device=x.device)
+        off = None if torch.compiler.is_compiling() else self.__dict__.get("_bag_offsets")
+        if off is None or off.shape[0] != B or off.device != x.device:           # [B] bag starts 0, r, 2r, ...
+            off = torch.arange(0, B * cfg.r, cfg.r, device=x.device)
+            if not torch.compiler.is_compiling():   # cached in eager mode only (never a graph output)
+                self.__dict__["_bag_offsets"] = off
         # eq. 6: sum_j coef_j B[I_B_j], one weighted bag of r rows per token (aten's embedding_bag,
         # mode 0 = sum, without F.embedding_bag's per-call input checks and offsets)
         h = torch.embedding_bag(Bs, ib.reshape(-1), off, False, 0, False, coef.reshape(-1))[0]

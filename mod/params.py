@@ -134,6 +134,10 @@ def main(argv=None):
     p.add_argument("--flags", action="store_true", help="with --model: print only the mod.train flags "
                    "(for $(python -m mod.params --model PATH --flags) in a recipe)")
     a = p.parse_args(argv)
+    if a.flags and not a.model:
+        p.error("--flags prints the flags for a checkpoint: pass --model PATH too")
+    if a.model and a.out:
+        p.error("--out writes the table of the paper's bases; leave out --model")
     from transformers import AutoConfig
     if a.model:
         if not os.path.isfile(os.path.join(a.model, "config.json")):

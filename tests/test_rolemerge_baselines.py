@@ -374,13 +374,14 @@ def test_claim_verdicts_pooled_and_per_base():
     b0 = {"rolemerge": ones, "msmoe": zeros, "hcsmoe": zeros, "reap": ones, "prune": half, "lambda0": ones}
     b1 = {"rolemerge": half, "msmoe": zeros, "hcsmoe": zeros, "reap": half, "prune": ones, "lambda0": half}
     t = claim_table(_claim_results([b0, b1]))
-    rows = {ln.split(" | ")[0][2:]: ln for ln in t.splitlines() if ln.startswith("| H")}
+    rows = {ln.split(" | ")[0][2:]: ln for ln in t.splitlines() if ln.startswith("| ") and "rho" not in ln}
+    msmoe = "H1c RoleMerge > M-SMoE (official: bound router)"
     # M-SMoE: rolemerge 30/40 vs 0/40 pooled -> +0.750, per base +1.000 / +0.500
-    assert "supported (+0.750 [" in rows["H1 RoleMerge > M-SMoE"]
-    assert "[+1.000 / +0.500]" in rows["H1 RoleMerge > M-SMoE"]
+    assert "supported (+0.750 [" in rows[msmoe]
+    assert "[+1.000 / +0.500]" in rows[msmoe]
     # pruning: +0.500 on base 0, -0.500 on base 1 -> pooled 0, seeds disagree in sign
-    assert "not resolved (+0.000 [" in rows["H1 RoleMerge > frequency pruning"]
-    assert "[+0.500 / -0.500]" in rows["H1 RoleMerge > frequency pruning"]
+    assert "not resolved (+0.000 [" in rows["RoleMerge > frequency pruning (control)"]
+    assert "[+0.500 / -0.500]" in rows["RoleMerge > frequency pruning (control)"]
     assert "same groups" in rows["H3 collision term (vs lambda0)"]
     assert "H2 phase split (vs no_phase_split)" not in rows   # arm missing: row left out
     assert t.rstrip().endswith("rhos): no")                   # REAP / pruning not supported
@@ -388,7 +389,36 @@ def test_claim_verdicts_pooled_and_per_base():
     t2 = claim_table(_claim_results([worse, worse]))
     assert "contradicted" not in t2 and t2.rstrip().endswith("rhos): yes")
     flip = claim_table(_claim_results([{a: (ones if a != "rolemerge" else zeros) for a in b0}]))
-    assert "| H1 RoleMerge > REAP | contradicted (-1.000 [-1.000, -1.000]) |" in flip.splitlines()  # one base: no per-base brackets
+    assert "| H1g RoleMerge > REAP (pruning) | contradicted (-1.000 [-1.000, -1.000]) |" in flip.splitlines()  # one base: no brackets
+
+
+def test_table1_and_result_rows_hand_computed():
+    """Table 1 layout (accuracy and % of the full model, pooled, per base in brackets) and the
+    result rows' claim summary, on two bases of 20 items at one rho."""
+    from eval.toys.rolemerge import _summary, result_rows, table1
+    ones, zeros, half = [1] * 20, [0] * 20, [1] * 10 + [0] * 10
+    b0 = {"full": ones, "rolemerge": ones, "reap": half, "msmoe": zeros}
+    b1 = {"full": half, "rolemerge": half, "reap": half, "msmoe": zeros}
+    res = _claim_results([b0, b1])
+    for r, b in zip(res, (b0, b1)):
+        r["arms"]["full"] = {"correct": b["full"]}
+        for a in b:
+            r["arms"].setdefault(f"{a}@0.5", {})["K"] = 2
+    t = table1(res).splitlines()
+    # full 30/40 = .75; RoleMerge 30/40 = .75 (100 %), per base 1.000 / 0.500; REAP 20/40 (66.7 %)
+    assert "| full model | 0.750 (100%) |" in t
+    assert "| RoleMerge | 0.750 (100.0%) [1.000 / 0.500] |" in t
+    assert "| REAP | 0.500 (66.7%) [0.500 / 0.500] |" in t
+    rows = result_rows(res, res, "log#x")
+    claim = next(r for r in rows if r["kind"] == "claim" and r["arm"] == "reap")
+    assert claim["effect"].startswith(".5: +0.250 [") and claim["per_seed"] == ".5: +0.500 / +0.000"
+    acc = next(r for r in rows if r["kind"] == "accuracy" and r["arm"] == "reap" and r["seed"] == "seed1")
+    assert acc["value"] == 0.5 and acc["retained"] == 1.0
+    t1 = next(r for r in rows if r["kind"] == "table1" and r["arm"] == "rolemerge")
+    assert t1["acc_500"] == 0.75 and t1["ret_500"] == 1.0 and t1["per_seed_500"] == "1.000 / 0.500"
+    assert _summary(["supported"] * 3, (0.5, 0.625, 0.75)) == "supported at every rho"
+    assert _summary(["supported", "not resolved", "supported"], (0.5, 0.625, 0.75)) == \
+        "partial: supported at .5 and .75, inconclusive at .625"
 
 
 def test_committed_paper_structure_base_is_the_recipe():

@@ -457,7 +457,7 @@ def table1(results):
     head = "| method | " + " | ".join(f"rho {rho}: acc (% of full)" for rho in rhos) + " |"
     lines = [head, "|---" * (len(rhos) + 1) + "|"]
     full = pooled(results, "full")
-    f = sum(full) / len(full)
+    f = sum(full) / len(full) or float("nan")
     lines.append("| full model | " + " | ".join(f"{f:.3f} (100%)" for _ in rhos) + " |")
     for label, arm in TABLE1:
         if not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos):
@@ -493,7 +493,7 @@ def result_rows(results, everyone, log):
     pool = "+".join(_name(r) for r in results)
     rows = []
     for r in everyone:
-        f = _acc(r, "full")
+        f = _acc(r, "full") or float("nan")   # a base that scores 0: % of full undefined, not an error
         lo, hi = bootstrap_ci(r["arms"]["full"]["correct"])
         rows.append({"kind": "full", "seed": _name(r), "value": f, "ci_low": lo, "ci_high": hi,
                      "n": len(r["arms"]["full"]["correct"]), "pooled": "yes" if r in results else "no (exploratory)"})
@@ -508,7 +508,7 @@ def result_rows(results, everyone, log):
         if not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos) and arm != "full":
             continue
         row = {"kind": "table1", "method": label, "arm": arm, "seeds": pool}
-        f = sum(pooled(results, "full")) / len(pooled(results, "full"))
+        f = sum(pooled(results, "full")) / len(pooled(results, "full")) or float("nan")
         for rho in rhos:
             c = pooled(results, "full" if arm == "full" else f"{arm}@{rho}")
             lo, hi = bootstrap_ci(c)
@@ -660,6 +660,8 @@ def main(argv=None):
         seeds = [int(x) for x in a.seeds.split(",") if x]
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
+    if (a.pool or a.results or a.log) and not (a.paper or a.retrain_base):
+        p.error("--pool, --results and --log belong to the --paper experiment; add --paper BASES")
     if a.retrain_base and a.paper:
         p.error("--retrain-base trains the bases it evaluates; leave out --paper")
     set_threads(a.threads, a.paper.split(",")[0] if a.paper else a.model)
@@ -681,11 +683,13 @@ def main(argv=None):
                 cfg["rhos"] = tuple(float(x) for x in a.rhos.split(",") if x)
             except ValueError:
                 p.error(f"--rhos takes comma-separated numbers, got {a.rhos!r}")
-        every = [run_paper(b, a.data, outp, cfg, arms) for b in a.paper.split(",") if b]
+        bases = [b for b in a.paper.split(",") if b]
         names = [x for x in a.pool.split(",") if x]
-        unknown = [x for x in names if x not in [_name(r) for r in every]]
-        if unknown:
-            p.error(f"--pool names {unknown} are not among the --paper bases {[_name(r) for r in every]}")
+        have = [os.path.basename(b.rstrip("/")) for b in bases]
+        unknown = [x for x in names if x not in have]
+        if unknown:   # before hours of merging, not after
+            p.error(f"--pool names {unknown} are not among the --paper bases {have}")
+        every = [run_paper(b, a.data, outp, cfg, arms) for b in bases]
         res = [r for r in every if not names or _name(r) in names]
         md = paper_report(res, outp) + "\n\nTable 1 layout (pooled; per base in brackets):\n\n" + table1(res)
         if len(res) < len(every):
