@@ -416,6 +416,12 @@ def test_table1_and_result_rows_hand_computed():
     assert acc["value"] == 0.5 and acc["retained"] == 1.0
     t1 = next(r for r in rows if r["kind"] == "table1" and r["arm"] == "rolemerge")
     assert t1["acc_500"] == 0.75 and t1["ret_500"] == 1.0 and t1["per_seed_500"] == "1.000 / 0.500"
+    h1 = next(r for r in rows if r.get("claim", "").startswith("H1 as registered"))
+    assert h1["verdict"] == "reproduced"              # +0.25 over REAP and +0.75 over M-SMoE, both CIs above 0
+    for r in res:
+        r["arms"]["reap@0.5"]["correct"] = ones       # REAP now ahead on both bases
+    h1 = next(r for r in result_rows(res, res, "") if r.get("claim", "").startswith("H1 as registered"))
+    assert h1["verdict"] == "not reproduced (fails against REAP)"
     assert _summary(["supported"] * 3, (0.5, 0.625, 0.75)) == "supported at every rho"
     assert _summary(["supported", "not resolved", "supported"], (0.5, 0.625, 0.75)) == \
         "partial: supported at .5 and .75, inconclusive at .625"

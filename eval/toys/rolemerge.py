@@ -531,7 +531,16 @@ def result_rows(results, everyone, log):
                          f"{_acc(r, ka, field) - _acc(r, kb, field):+.3f}" for r in results)
                                            for rho, (ka, kb) in zip(rhos, keys)),
                      "seeds": len(results), "pool": pool, "log": log,
-                     "top": label.startswith(("H1a", "H1c", "H1d", "H1g", "H2 ", "H3 "))})
+                     "top": label.startswith(("H1a", "H1d", "H1g", "H2 ", "H3 ")),
+                     "supported_at": sum(verdict(d) == "supported" for d in ds)})
+    h1 = [r for r in rows if r["kind"] == "claim" and r["arm"] in PAPER_BASELINES and r["field"] == "correct"]
+    if h1:   # the registered rule: supported against every comparator at >= 2 of the rhos
+        fails = [r["claim"].split(" > ")[1].split(" (")[0] for r in h1 if r["supported_at"] < min(2, len(rhos))]
+        rows.append({"kind": "claim", "method": "RoleMerge", "claim": "H1 as registered: beats every comparator "
+                     f"({len(h1)}) at >= 2 of {len(rhos)} rho", "arm": None, "field": "correct",
+                     "verdict": "reproduced" if not fails else f"not reproduced (fails against {', '.join(fails)})",
+                     "effect": "the rows above", "per_seed": "", "seeds": len(results), "pool": pool, "log": log,
+                     "top": False})
     return rows
 
 
