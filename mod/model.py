@@ -102,6 +102,14 @@ class AdapterConfig:
             self.target_modules = [s.strip() for s in self.target_modules.split(",") if s.strip()]
         if not self.granularity:
             self.granularity = "token" if self.method == "moelora" else "window"
+        bad_keys = [k for k in self.experts_pattern if k not in self.target_modules]
+        low = {k: v for k, v in self.experts_pattern.items() if not isinstance(v, int) or v < self.r}
+        if self.method != "lora" and bad_keys:   # --experts-pattern is named: it is the only way to set it by flag
+            raise ValueError(f"experts_pattern (--experts-pattern) names {bad_keys}, which are not target_modules "
+                             f"{self.target_modules}; use those names (e.g. o_proj=10)")
+        if self.method != "lora" and low:
+            raise ValueError(f"experts_pattern (--experts-pattern) gives {low}: each count must be an integer >= "
+                             f"top-r ({self.r}, --r)")
         checks = [(self.method in METHODS, f"method must be one of {METHODS}"),
                   (self.granularity in GRANULARITIES, f"granularity must be one of {GRANULARITIES}"),
                   (self.combine in COMBINES, f"combine must be one of {COMBINES}"),

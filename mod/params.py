@@ -140,10 +140,15 @@ def main(argv=None):
         p.error("--out writes the table of the paper's bases; leave out --model")
     from transformers import AutoConfig
     if a.model:
-        if not os.path.isfile(os.path.join(a.model, "config.json")):
+        from common.tiny import TINY   # tiny-chat, tiny-dense, tiny-moe as every --model takes them
+        path = TINY.get(a.model, a.model)
+        if not os.path.isdir(path):
+            p.exit(2, f"error: --model {a.model}: no such directory (pass a checkpoint directory or a tiny base "
+                      f"name: {', '.join(TINY)})\n")
+        if not os.path.isfile(os.path.join(path, "config.json")):
             p.exit(2, f"error: --model {a.model}: no config.json there (pass a checkpoint directory)\n")
         try:
-            shapes = attention_shapes(AutoConfig.from_pretrained(a.model))
+            shapes = attention_shapes(AutoConfig.from_pretrained(path))
         except (OSError, ValueError, AttributeError) as e:
             p.exit(2, f"error: --model {a.model}: cannot read its attention shapes ({e})\n")
         E, pat, n, rel = matched_moelora(shapes)

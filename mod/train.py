@@ -98,6 +98,8 @@ def parse_pattern(text):
         name, _, n = item.partition("=")
         if not name or not n.isdigit() or int(n) < 1:
             raise ValueError(f"--experts-pattern entry {item!r} is not MODULE=E with E >= 1 (e.g. o_proj=10)")
+        if name.strip() in out:
+            raise ValueError(f"--experts-pattern names {name.strip()!r} twice; give each module once")
         out[name.strip()] = int(n)
     return out
 

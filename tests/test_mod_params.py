@@ -143,10 +143,12 @@ def test_experts_pattern_attach_save_load_and_bad_input(tmp_path):
     for bad in ("o_proj", "o_proj=x", "o_proj=0", "=3"):
         with pytest.raises(ValueError, match="MODULE=E"):
             parse_pattern(bad)
-    with pytest.raises(ValueError, match="experts_pattern maps target_modules"):
+    with pytest.raises(ValueError, match=r"names \['gate_proj'\], which are not target_modules"):
         AdapterConfig(method="moelora", num_experts=11, experts_pattern={"gate_proj": 4})
-    with pytest.raises(ValueError, match="top-r must not exceed"):
+    with pytest.raises(ValueError, match=r"gives \{'o_proj': 3\}: each count must be an integer >= top-r \(4"):
         AdapterConfig(method="moelora", num_experts=11, experts_pattern={"o_proj": 3})
+    with pytest.raises(ValueError, match="names 'o_proj' twice"):
+        parse_pattern("o_proj=5,o_proj=6")
     with pytest.raises(ValueError, match="experts_pattern is for"):
         AdapterConfig(method="lora", experts_pattern={"o_proj": 3})
 

@@ -368,7 +368,7 @@ def test_claim_verdicts_pooled_and_per_base():
     from eval.toys.rolemerge import claim_table, verdict
     assert verdict({"ci_low": 0.01, "ci_high": 0.2}) == "supported"
     assert verdict({"ci_low": -0.2, "ci_high": -0.01}) == "contradicted"
-    assert verdict({"ci_low": 0.0, "ci_high": 0.2}) == "not resolved"
+    assert verdict({"ci_low": 0.0, "ci_high": 0.2}) == "inconclusive"
     ones, zeros = [1] * 20, [0] * 20
     half = [1] * 10 + [0] * 10
     b0 = {"rolemerge": ones, "msmoe": zeros, "hcsmoe": zeros, "reap": ones, "prune": half, "lambda0": ones}
@@ -380,14 +380,14 @@ def test_claim_verdicts_pooled_and_per_base():
     assert "supported (+0.750 [" in rows[msmoe]
     assert "[+1.000 / +0.500]" in rows[msmoe]
     # pruning: +0.500 on base 0, -0.500 on base 1 -> pooled 0, seeds disagree in sign
-    assert "not resolved (+0.000 [" in rows["RoleMerge > frequency pruning (control)"]
+    assert "inconclusive (+0.000 [" in rows["RoleMerge > frequency pruning (control)"]
     assert "[+0.500 / -0.500]" in rows["RoleMerge > frequency pruning (control)"]
     assert "same groups" in rows["H3 collision term (vs lambda0)"]
     assert "H2 phase split (vs no_phase_split)" not in rows   # arm missing: row left out
-    assert t.rstrip().endswith("rhos): no")                   # REAP / pruning not supported
+    assert t.rstrip().endswith("rho): no")                   # REAP / pruning not supported
     worse = {a: (zeros if a != "rolemerge" else ones) for a in b0}
     t2 = claim_table(_claim_results([worse, worse]))
-    assert "contradicted" not in t2 and t2.rstrip().endswith("rhos): yes")
+    assert "contradicted" not in t2 and t2.rstrip().endswith("rho): yes")
     flip = claim_table(_claim_results([{a: (ones if a != "rolemerge" else zeros) for a in b0}]))
     assert "| H1g RoleMerge > REAP (pruning) | contradicted (-1.000 [-1.000, -1.000]) |" in flip.splitlines()  # one base: no brackets
 
@@ -423,7 +423,7 @@ def test_table1_and_result_rows_hand_computed():
     h1 = next(r for r in result_rows(res, res, "") if r.get("claim", "").startswith("H1 as registered"))
     assert h1["verdict"] == "not reproduced (fails against REAP)"
     assert _summary(["supported"] * 3, (0.5, 0.625, 0.75)) == "supported at every rho"
-    assert _summary(["supported", "not resolved", "supported"], (0.5, 0.625, 0.75)) == \
+    assert _summary(["supported", "inconclusive", "supported"], (0.5, 0.625, 0.75)) == \
         "partial: supported at .5 and .75, inconclusive at .625"
 
 

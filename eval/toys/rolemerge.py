@@ -397,8 +397,8 @@ def paper_report(results, out_dir):
 
 def verdict(d):
     """The pre-registered criterion on a paired difference dict (eval.metrics.paired_bootstrap):
-    CI entirely above 0 -> "supported", entirely below -> "contradicted", else "not resolved"."""
-    return "supported" if d["ci_low"] > 0 else "contradicted" if d["ci_high"] < 0 else "not resolved"
+    CI entirely above 0 -> "supported", entirely below -> "contradicted", else "inconclusive"."""
+    return "supported" if d["ci_low"] > 0 else "contradicted" if d["ci_high"] < 0 else "inconclusive"
 
 
 def claim_table(results):
@@ -435,13 +435,20 @@ def claim_table(results):
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     h1 = [sum(found[(b, "correct", rho)] == "supported" for rho in rhos) >= min(2, len(rhos))
           for b in PAPER_BASELINES if (b, "correct", rhos[0]) in found]
-    lines += ["", "H1 reproduced (supported against every baseline at >= 2 of the rhos): "
-              + ("yes" if h1 and all(h1) else "no")]
+    lines += ["", f"H1 reproduced (supported against every comparator at >= {min(2, len(rhos))} of the "
+              f"{len(rhos)} rho): " + ("yes" if h1 and all(h1) else "no")]
     return "\n".join(lines)
 
 
 def _name(r):
     return os.path.basename(r["base"].rstrip("/"))
+
+
+def _seed(r):
+    """'seed S (name)' from the base's pretrain_log.json, else the folder name."""
+    log = os.path.join(r["base"], "pretrain_log.json")
+    s = json.load(open(log))["args"].get("seed") if os.path.exists(log) else None
+    return f"seed {s}" if s is not None else _name(r)
 
 
 def _acc(r, key, field="correct"):
@@ -473,9 +480,8 @@ def table1(results):
 
 
 def _summary(verdicts, rhos):
-    """["supported", "not resolved", ...] per rho -> "supported at every rho" / "partial: ..."."""
-    word = {"supported": "supported", "contradicted": "contradicted", "not resolved": "inconclusive"}
-    v = [word[x] for x in verdicts]
+    """["supported", "inconclusive", ...] per rho -> "supported at every rho" / "partial: ..."."""
+    v = list(verdicts)
     if len(set(v)) == 1:
         return f"{v[0]} at every rho"
     by = {}
@@ -495,14 +501,14 @@ def result_rows(results, everyone, log):
     for r in everyone:
         f = _acc(r, "full") or float("nan")   # a base that scores 0: % of full undefined, not an error
         lo, hi = bootstrap_ci(r["arms"]["full"]["correct"])
-        rows.append({"kind": "full", "seed": _name(r), "value": f, "ci_low": lo, "ci_high": hi,
+        rows.append({"kind": "full", "seed": _seed(r), "base": _name(r), "value": f, "ci_low": lo, "ci_high": hi,
                      "n": len(r["arms"]["full"]["correct"]), "pooled": "yes" if r in results else "no (exploratory)"})
         for key in r["arms"]:
             if key == "full":
                 continue
             arm, _, rho = key.partition("@")
             a = _acc(r, key)
-            rows.append({"kind": "accuracy", "arm": arm, "rho": float(rho), "seed": _name(r), "value": a,
+            rows.append({"kind": "accuracy", "arm": arm, "rho": float(rho), "seed": _seed(r), "base": _name(r), "value": a,
                          "retained": a / f, "K": r["arms"][key]["K"], "n": len(r["arms"][key]["correct"])})
     for label, arm in [("full model", "full")] + TABLE1:
         if not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos) and arm != "full":
@@ -692,13 +698,21 @@ def main(argv=None):
                 cfg["rhos"] = tuple(float(x) for x in a.rhos.split(",") if x)
             except ValueError:
                 p.error(f"--rhos takes comma-separated numbers, got {a.rhos!r}")
+            if not cfg["rhos"] or not all(0 < r < 1 for r in cfg["rhos"]):
+                p.error(f"--rhos: each retention ratio must be in (0, 1), got {a.rhos!r}")
         bases = [b for b in a.paper.split(",") if b]
+        missing = [b for b in bases if not os.path.isfile(os.path.join(b, "config.json"))]
+        if missing:
+            p.error(f"--paper: {missing} are not checkpoint directories (no config.json); pass the bases' folders")
         names = [x for x in a.pool.split(",") if x]
         have = [os.path.basename(b.rstrip("/")) for b in bases]
         unknown = [x for x in names if x not in have]
         if unknown:   # before hours of merging, not after
             p.error(f"--pool names {unknown} are not among the --paper bases {have}")
-        every = [run_paper(b, a.data, outp, cfg, arms) for b in bases]
+        try:
+            every = [run_paper(b, a.data, outp, cfg, arms) for b in bases]
+        except (ValueError, OSError) as e:   # e.g. a base without MoE layers: the library's message, no traceback
+            p.exit(2, f"error: {e}\n")
         res = [r for r in every if not names or _name(r) in names]
         md = paper_report(res, outp) + "\n\nTable 1 layout (pooled; per base in brackets):\n\n" + table1(res)
         if len(res) < len(every):
