@@ -479,6 +479,20 @@ def table1(results):
     return "\n".join(lines)
 
 
+def table1_png(results, path):
+    """accuracy_png of Table 1's methods only (pooled over `results`, 95% bootstrap CIs)."""
+    from eval.metrics import bootstrap_ci
+    rhos = results[0]["config"]["rhos"]
+    curves = {}
+    for label, arm in TABLE1:
+        if all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos):
+            for rho in rhos:
+                c = pooled(results, f"{arm}@{rho}")
+                curves.setdefault(label, []).append((rho, sum(c) / len(c), *bootstrap_ci(c)))
+    full = pooled(results, "full")
+    accuracy_png(curves, sum(full) / len(full), path)
+
+
 def _summary(verdicts, rhos):
     """["supported", "inconclusive", ...] per rho -> "supported at every rho" / "partial: ..."."""
     v = list(verdicts)
@@ -717,6 +731,7 @@ def main(argv=None):
         md = paper_report(res, outp) + "\n\nTable 1 layout (pooled; per base in brackets):\n\n" + table1(res)
         if len(res) < len(every):
             md += "\n\nEvery base, exploratory:\n\n" + table1(every)
+        table1_png(res, os.path.join(outp, "accuracy_vs_rho_table1.png"))
         if a.results:
             data.atomic_write_text(a.results, json.dumps({
                 "experiment": "rolemerge_table1", "source": "python -m eval.toys.rolemerge " + " ".join(
