@@ -6,7 +6,9 @@ L_reg is the token mean of the step's cross-entropy by default; `--loss-reductio
 eq. 8 literally, the sum over each target response's tokens (averaged over the step's records),
 which is the mean times |a'| for one record: lambda then weighs the aux loss |a'| times less.
 MoE-LoRA's default (`--method moelora`: 11 rank-1 experts, top-4) has MoD's trainable
-parameters within ~1-3 % (`mod.params`), the paper's "same learnable parameter scale".
+parameters within ~1 % at Qwen2.5-VL-3B / 7B; `python -m mod.params --model PATH --flags` prints
+the flags that match on any checkpoint (LLaVA-1.6-13B: `--experts-pattern k_proj=10`, +0.8 %), the
+paper's "same learnable parameter scale".
 
 Only the adapters train; the base model stays frozen. Task loss and aux loss are logged
 separately (out/log.jsonl and the progress bar).
@@ -71,7 +73,8 @@ def add_adapter_args(p):
     p.add_argument("--lora-alpha", type=number(float, above=0), default=d.lora_alpha, help="output scale alpha / r")
     p.add_argument("--num-experts", type=number(min=1), default=None,
                    help=f"experts per pool (E); default {d.num_experts} for mod, "
-                   f"{MOELORA_MATCHED['num_experts']} for moelora (MoD's trainable parameters within ~1-3 %%, mod.params)")
+                   f"{MOELORA_MATCHED['num_experts']} for moelora (MoD's trainable parameters within ~1 %% at Qwen2.5-VL; "
+                   "mod.params --model PATH --flags for others)")
     p.add_argument("--experts-pattern", default="", metavar="MODULE=E,...",
                    help="per-projection expert counts overriding --num-experts (peft's rank_pattern for E), e.g. "
                    "o_proj=10: `python -m mod.params --model PATH` prints the MoE-LoRA flags that match MoD's "
