@@ -102,23 +102,21 @@ class AdapterConfig:
             self.target_modules = [s.strip() for s in self.target_modules.split(",") if s.strip()]
         if not self.granularity:
             self.granularity = "token" if self.method == "moelora" else "window"
-        bad_keys = [k for k in self.experts_pattern if k not in self.target_modules]
-        low = {k: v for k, v in self.experts_pattern.items() if not isinstance(v, int) or v < self.r}
-        if self.method != "lora" and bad_keys:   # --experts-pattern is named: it is the only way to set it by flag
-            raise ValueError(f"experts_pattern (--experts-pattern) names {bad_keys}, which are not target_modules "
-                             f"{self.target_modules}; use those names (e.g. o_proj=10)")
-        if self.method != "lora" and low:
-            raise ValueError(f"experts_pattern (--experts-pattern) gives {low}: each count must be an integer >= "
-                             f"top-r ({self.r}, --r)")
+        if self.method != "lora":   # --experts-pattern is named: it is the only way to set it by flag
+            bad_keys = [k for k in self.experts_pattern if k not in self.target_modules]
+            low = {k: v for k, v in self.experts_pattern.items() if not isinstance(v, int) or v < self.r}
+            if bad_keys:
+                raise ValueError(f"experts_pattern (--experts-pattern) names {bad_keys}, which are not "
+                                 f"target_modules {self.target_modules}; use those names (e.g. o_proj=10)")
+            if low:
+                raise ValueError(f"experts_pattern (--experts-pattern) gives {low}: each count must be an integer "
+                                 f">= top-r ({self.r}, --r)")
         checks = [(self.method in METHODS, f"method must be one of {METHODS}"),
                   (self.granularity in GRANULARITIES, f"granularity must be one of {GRANULARITIES}"),
                   (self.combine in COMBINES, f"combine must be one of {COMBINES}"),
                   (self.r >= 1 and self.window >= 1 and self.expert_rank >= 1, "r, window, expert_rank must be >= 1"),
-                  (self.method == "lora" or self.r <= min([self.num_experts, *self.experts_pattern.values()]),
-                   "top-r must not exceed num_experts (or an experts_pattern value)"),
-                  (self.method != "lora" or not self.experts_pattern, "experts_pattern is for mod / moelora pools"),
-                  (all(k in self.target_modules and isinstance(v, int) for k, v in self.experts_pattern.items()),
-                   "experts_pattern maps target_modules entries to integer expert counts")]
+                  (self.method == "lora" or self.r <= self.num_experts, "top-r must not exceed num_experts"),
+                  (self.method != "lora" or not self.experts_pattern, "experts_pattern is for mod / moelora pools")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"AdapterConfig: {msg} (got {self})")
@@ -479,10 +477,11 @@ class MoDLinear(nn.Module):
         else:
             gg = g.mean(1)
         coef = z.view(B, -1).gather(-1, ia) * gg                        # [B, r]: g_j * (A[I_A_j] . x)
-        off = None if torch.compiler.is_compiling() else self.__dict__.get("_bag_offsets")
+        compiling = torch.compiler.is_compiling()   # cached in eager mode only (never a graph output)
+        off = None if compiling else self.__dict__.get("_bag_offsets")
         if off is None or off.shape[0] != B or off.device != x.device:           # [B] bag starts 0, r, 2r, ...
             off = torch.arange(0, B * cfg.r, cfg.r, device=x.device)
-            if not torch.compiler.is_compiling():   # cached in eager mode only (never a graph output)
+            if not compiling:
                 self.__dict__["_bag_offsets"] = off
         # eq. 6: sum_j coef_j B[I_B_j], one weighted bag of r rows per token (aten's embedding_bag,
         # mode 0 = sum, without F.embedding_bag's per-call input checks and offsets)

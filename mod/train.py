@@ -116,7 +116,7 @@ def adapter_config(args):
     k = d["expert_rank"] if args.expert_rank is None else args.expert_rank
     return AdapterConfig(method=args.method, target_modules=args.target_modules, r=args.r,
                          lora_alpha=args.lora_alpha, num_experts=E, expert_rank=k,
-                         experts_pattern=parse_pattern(getattr(args, "experts_pattern", "")),
+                         experts_pattern=parse_pattern(args.experts_pattern),
                          window=args.window, granularity=args.granularity, combine=args.combine,
                          shared_router=args.shared_router, noise_std=args.noise_std, aux_coef=args.aux_coef)
 
