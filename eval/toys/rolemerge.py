@@ -456,41 +456,59 @@ def _acc(r, key, field="correct"):
     return sum(v) / len(v)
 
 
-def table1(results):
-    """Markdown table in the layout of the paper's Table 1: each method's accuracy at rho .5 /
-    .625 / .75 and the % of the full model it keeps (accuracy / full accuracy), pooled over the
-    bases in `results` (examples concatenated), then one line per base."""
+def table1_rows(results):
+    """The rows of the paper's Table 1 layout, pooled over the bases in `results` (examples
+    concatenated): the full model, then each TABLE1 method present at every rho, with
+    acc_K / ret_K (% of the full model kept) / lo_K, hi_K (95% bootstrap CI) / per_seed_K
+    ("a / b / c", the bases in order) for K = round(1000 rho): field names without a dot."""
+    from eval.metrics import bootstrap_ci
     rhos = results[0]["config"]["rhos"]
-    head = "| method | " + " | ".join(f"rho {rho}: acc (% of full)" for rho in rhos) + " |"
-    lines = [head, "|---" * (len(rhos) + 1) + "|"]
     full = pooled(results, "full")
-    f = sum(full) / len(full) or float("nan")
-    lines.append("| full model | " + " | ".join(f"{f:.3f} (100%)" for _ in rhos) + " |")
-    for label, arm in TABLE1:
-        if not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos):
+    f = sum(full) / len(full) or float("nan")   # a pool that scores 0: % of full undefined, not an error
+    rows = []
+    for label, arm in [("full model", "full")] + TABLE1:
+        keys = ["full" if arm == "full" else f"{arm}@{rho}" for rho in rhos]
+        if not all(key in r["arms"] for r in results for key in keys):
             continue
-        cells = []
-        for rho in rhos:
-            c = pooled(results, f"{arm}@{rho}")
-            a = sum(c) / len(c)
-            cells.append(f"{a:.3f} ({100 * a / f:.1f}%)" + (" [" + " / ".join(
-                f"{_acc(r, f'{arm}@{rho}'):.3f}" for r in results) + "]" if len(results) > 1 else ""))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        row = {"kind": "table1", "method": label, "arm": arm, "seeds": "+".join(_name(r) for r in results)}
+        for rho, key in zip(rhos, keys):
+            c = pooled(results, key)
+            k = round(1000 * rho)
+            row[f"acc_{k}"], row[f"ret_{k}"] = sum(c) / len(c), sum(c) / len(c) / f
+            row[f"lo_{k}"], row[f"hi_{k}"] = bootstrap_ci(c)
+            row[f"per_seed_{k}"] = " / ".join(f"{_acc(r, key):.3f}" for r in results)
+        rows.append(row)
+    return rows
+
+
+def table1(results):
+    """Markdown table in the layout of the paper's Table 1 (`table1_rows`): each method's
+    accuracy at rho .5 / .625 / .75 and the % of the full model it keeps, pooled, then the
+    bases' accuracies in brackets."""
+    rhos = results[0]["config"]["rhos"]
+    lines = ["| method | " + " | ".join(f"rho {rho}: acc (% of full)" for rho in rhos) + " |",
+             "|---" * (len(rhos) + 1) + "|"]
+    rows = table1_rows(results)
+    f = rows[0][f"acc_{round(1000 * rhos[0])}"] or float("nan")   # the full model's accuracy
+    for row in rows:
+        if row["arm"] == "full":
+            cells = [f"{f:.3f} (100%)" for _ in rhos]
+        else:
+            cells = [f"{row[f'acc_{k}']:.3f} ({100 * row[f'acc_{k}'] / f:.1f}%)"
+                     + (f" [{row[f'per_seed_{k}']}]" if len(results) > 1 else "")
+                     for k in (round(1000 * rho) for rho in rhos)]
+        lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def table1_png(results, path):
-    """accuracy_png of Table 1's methods only (pooled over `results`, 95% bootstrap CIs)."""
-    from eval.metrics import bootstrap_ci
+    """accuracy_png of Table 1's methods only (`table1_rows`: pooled, 95% bootstrap CIs)."""
     rhos = results[0]["config"]["rhos"]
-    curves = {}
-    for label, arm in TABLE1:
-        if all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos):
-            for rho in rhos:
-                c = pooled(results, f"{arm}@{rho}")
-                curves.setdefault(label, []).append((rho, sum(c) / len(c), *bootstrap_ci(c)))
-    full = pooled(results, "full")
-    accuracy_png(curves, sum(full) / len(full), path)
+    rows = table1_rows(results)
+    curves = {row["method"]: [(rho, row[f"acc_{k}"], row[f"lo_{k}"], row[f"hi_{k}"])
+                              for rho, k in ((rho, round(1000 * rho)) for rho in rhos)]
+              for row in rows if row["arm"] != "full"}
+    accuracy_png(curves, rows[0]["acc_" + str(round(1000 * rhos[0]))], path)
 
 
 def _summary(verdicts, rhos):
@@ -514,29 +532,18 @@ def result_rows(results, everyone, log):
     rows = []
     for r in everyone:
         f = _acc(r, "full") or float("nan")   # a base that scores 0: % of full undefined, not an error
+        seed, base = _seed(r), _name(r)
         lo, hi = bootstrap_ci(r["arms"]["full"]["correct"])
-        rows.append({"kind": "full", "seed": _seed(r), "base": _name(r), "value": f, "ci_low": lo, "ci_high": hi,
+        rows.append({"kind": "full", "seed": seed, "base": base, "value": f, "ci_low": lo, "ci_high": hi,
                      "n": len(r["arms"]["full"]["correct"]), "pooled": "yes" if r in results else "no (exploratory)"})
         for key in r["arms"]:
             if key == "full":
                 continue
             arm, _, rho = key.partition("@")
             a = _acc(r, key)
-            rows.append({"kind": "accuracy", "arm": arm, "rho": float(rho), "seed": _seed(r), "base": _name(r), "value": a,
+            rows.append({"kind": "accuracy", "arm": arm, "rho": float(rho), "seed": seed, "base": base, "value": a,
                          "retained": a / f, "K": r["arms"][key]["K"], "n": len(r["arms"][key]["correct"])})
-    for label, arm in [("full model", "full")] + TABLE1:
-        if not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos) and arm != "full":
-            continue
-        row = {"kind": "table1", "method": label, "arm": arm, "seeds": pool}
-        f = sum(pooled(results, "full")) / len(pooled(results, "full")) or float("nan")
-        for rho in rhos:
-            c = pooled(results, "full" if arm == "full" else f"{arm}@{rho}")
-            lo, hi = bootstrap_ci(c)
-            k = round(1000 * rho)      # acc_500, ret_625, ...: field names without a dot (str.format)
-            row[f"acc_{k}"], row[f"ret_{k}"] = sum(c) / len(c), sum(c) / len(c) / f
-            row[f"lo_{k}"], row[f"hi_{k}"] = lo, hi
-            row[f"per_seed_{k}"] = " / ".join(f"{sum(pooled([r], 'full' if arm == 'full' else f'{arm}@{rho}')) / len(r['arms']['full']['correct']):.3f}" for r in results)
-        rows.append(row)
+    rows += table1_rows(results)
     for label, a, b, field in CLAIMS:
         keys = [(f"{a}@{rho}", f"{b}@{rho}") for rho in rhos]
         if not all(ka in r["arms"] and kb in r["arms"] and r["arms"][ka].get(field) is not None
