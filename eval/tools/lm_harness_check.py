@@ -62,11 +62,7 @@ def ensure_venv(venv, version, env):
     have = os.path.exists(py) and subprocess.run([py, "-c", f"import lm_eval, lm_eval.models.huggingface, sys; sys.exit("
                                                         f"lm_eval.__version__ != {version!r})"], env=env, capture_output=True).returncode == 0
     if not have:
-        if not os.path.exists(py):
-            run([sys.executable, "-m", "venv", venv], env, "make venv")
-        cons = os.path.join(venv, "constraints.txt")
-        with open(cons, "w") as f:
-            f.write("\n".join(pins.values()) + "\n")
+        py, cons = lmms_check.venv_with_pins(venv, env, pins, tool="lm_harness_check")
         run([py, "-m", "pip", "install", "-q", "-r", os.path.join(REPO, "requirements.txt")], env, "our requirements")
         p = run([py, "-m", "pip", "install", "-q", f"lm-eval[hf]=={version}", "-c", cons], env,
                 f"lm-eval {version} (our pins as constraints)", check=False)

@@ -68,6 +68,19 @@ def our_pins():
     return pins
 
 
+def venv_with_pins(venv, env, pins, tool="lmms_check"):
+    """Make `venv` unless it has a python already and write our pins as its constraints.txt,
+    which every later install passes with -c (eval.tools.lm_harness_check uses this too).
+    Returns (the venv's python, the constraints file)."""
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        run([sys.executable, "-m", "venv", venv], env, "make venv", tool=tool)
+    cons = os.path.join(venv, "constraints.txt")
+    with open(cons, "w") as f:
+        f.write("\n".join(pins.values()) + "\n")
+    return py, cons
+
+
 def ensure_venv(venv, version, env, torch_source):
     """The venv's python, made on first use, and notes on what had to give way.
 
@@ -84,11 +97,7 @@ def ensure_venv(venv, version, env, torch_source):
     ok = os.path.exists(py) and subprocess.run([py, "-c", "import lmms_eval"], env=env,
                                                capture_output=True).returncode == 0
     if not ok:
-        if not os.path.exists(py):
-            run([sys.executable, "-m", "venv", venv], env, "make venv")
-        cons = os.path.join(venv, "constraints.txt")
-        with open(cons, "w") as f:
-            f.write("\n".join(pins.values()) + "\n")
+        py, cons = venv_with_pins(venv, env, pins)
         if torch_source == "pypi":  # the index's build, not the local CPU wheel that find-links offers
             run([py, "-m", "pip", "install", "-q", "--isolated", pins["torch"], "torchvision", "-c", cons],
                 dict(env, PIP_FIND_LINKS=""), "torch + torchvision from the package index")
