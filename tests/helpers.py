@@ -1,4 +1,4 @@
-"""Small helpers shared by the hardening tests (imported as `helpers`: pytest puts tests/ on sys.path)."""
+"""Small helpers shared by the tests (imported as `helpers`: pytest puts tests/ on sys.path)."""
 import hashlib
 import os
 
@@ -23,3 +23,19 @@ def error_of(main, argv, capsys):
         main(argv)
     assert e.value.code == 2
     return capsys.readouterr().err
+
+
+def tiny_qwen3_moe(N=4, k=2, H=16, layers=1):
+    """A seeded random Qwen3-MoE causal LM (N experts, top-k, hidden H, `layers` MoE layers),
+    weights N(0, 0.5): the small MoE the rolemerge tests merge."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=32, moe_intermediate_size=8,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         num_experts=N, num_experts_per_tok=k, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[])
+    m = Qwen3MoeForCausalLM(cfg).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return m

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from helpers import tiny_qwen3_moe
 from rolemerge import baselines as bl
 from rolemerge import model as rm
 
@@ -70,22 +71,9 @@ def test_reap_saliency_is_mean_gated_norm_over_routed_tokens():
     assert rm.prune_groups(count, 2) == [[0], [3]]
 
 
-def _tiny_moe(N=4, k=2, H=16):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=32, moe_intermediate_size=8,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                         num_experts=N, num_experts_per_tok=k, norm_topk_prob=True, decoder_sparse_step=1,
-                         mlp_only_layers=[])
-    m = Qwen3MoeForCausalLM(cfg).eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    return m
-
-
 def test_collect_features_matches_a_brute_force_pass():
     from rolemerge import calibrate as cal
-    model = _tiny_moe()
+    model = tiny_qwen3_moe()
     block = cal.moe_blocks(model)[0][1]
     seen = {}
     h = block.experts.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach(), idx=a[1], w=a[2], out=o))
@@ -122,7 +110,7 @@ def test_reap_equals_the_published_definition_over_batches():
     combined weighted by the expert's routed-token count. Ours (sum / count over all batches) must
     give the same saliency and keep the same experts."""
     from rolemerge import calibrate as cal
-    model = _tiny_moe(N=6, k=2)
+    model = tiny_qwen3_moe(N=6, k=2)
     block = cal.moe_blocks(model)[0][1]
     batches = [{"input_ids": torch.tensor([[1, 5, 7, 9, 2], [3, 4, 0, 0, 0]]),
                 "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])},
@@ -266,7 +254,7 @@ def test_oracle_routing_sends_each_token_to_its_original_experts_groups(groups):
     from rolemerge import calibrate as cal
     from rolemerge import infer
     from rolemerge import merge as mg
-    model = _tiny_moe()
+    model = tiny_qwen3_moe()
     block = cal.moe_blocks(model)[0][1]
     W0 = block.gate.weight.detach().clone()
     x = torch.randn(6, 16)

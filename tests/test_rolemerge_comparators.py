@@ -9,22 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import tiny_qwen3_moe
 from rolemerge import baselines as bl
 from rolemerge import calibrate as cal
 from rolemerge import comparators as cp
-
-
-def _tiny_moe(N=6, k=2, H=16, layers=1):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=32, moe_intermediate_size=8,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                         num_experts=N, num_experts_per_tok=k, norm_topk_prob=True, decoder_sparse_step=1,
-                         mlp_only_layers=[])
-    m = Qwen3MoeForCausalLM(cfg).eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    return m
 
 
 BATCHES = [{"input_ids": torch.tensor([[1, 5, 7, 9, 2], [3, 4, 0, 0, 0]]),
@@ -48,7 +36,7 @@ def _random_layer(N=4, I=3, H=5, seed=0):
 # ----------------------------------------------------------------------------- recorder
 
 def test_recorder_sums_match_a_brute_force_pass_over_non_padding_tokens():
-    model = _tiny_moe()
+    model = tiny_qwen3_moe(N=6)
     block = cal.moe_blocks(model)[0][1]
     seen = []
     h = block.experts.register_forward_hook(lambda m, a, o: seen.append((a[0].detach(), a[1])))
@@ -95,7 +83,7 @@ def test_recorder_sums_match_a_brute_force_pass_over_non_padding_tokens():
 def test_recorder_sample_is_uniform_over_all_tokens_and_bounded():
     # bottom-m sampling keeps the m smallest of T uniform keys: each token is kept with
     # probability m / T, whatever batch it came in
-    model = _tiny_moe(N=4, layers=1)
+    model = tiny_qwen3_moe(N=4, layers=1)
     batches = [{"input_ids": torch.tensor([[(3 * i + 1) % 32 for i in range(j, j + 10)]]),
                 "attention_mask": torch.ones(1, 10, dtype=torch.long)} for j in range(0, 60, 10)]
     block = cal.moe_blocks(model)[0][1]
@@ -120,7 +108,7 @@ def test_recorder_sample_is_uniform_over_all_tokens_and_bounded():
 
 def test_recorder_rejects_unknown_method():
     with pytest.raises(ValueError, match="unknown comparator"):
-        cp.ComparatorRecorder(_tiny_moe(), ("submoe", "ties"))
+        cp.ComparatorRecorder(tiny_qwen3_moe(N=6), ("submoe", "ties"))
 
 
 # ----------------------------------------------------------------------------- Hungarian
@@ -458,7 +446,7 @@ def test_ream_weight_features_are_the_exact_pca_of_normalised_neuron_rows():
 @pytest.mark.parametrize("method", cp.COMPARATORS)
 def test_merged_tiny_qwen3_moe_loads_and_generates(method, tmp_path):
     from transformers import Qwen3MoeForCausalLM
-    model = _tiny_moe(N=6, k=2, layers=2)
+    model = tiny_qwen3_moe(N=6, k=2, layers=2)
     feats = cp.collect(model, BATCHES, methods=(method,), sample_tokens=12)
     K = 3
     for (name, block), f in zip(cal.moe_blocks(model), feats):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import rolemerge
 
 from common import backbone as bb
-from helpers import error_of
+from helpers import error_of, tiny_qwen3_moe
 from rolemerge import baselines as bl
 from rolemerge import calibrate as cal
 from rolemerge import infer
@@ -30,19 +30,6 @@ def on_disk(path):
     return out
 
 
-def _qwen3_moe(N=8, k=2, H=16):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=H, intermediate_size=32, moe_intermediate_size=8,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                         num_experts=N, num_experts_per_tok=k, norm_topk_prob=True, decoder_sparse_step=1,
-                         mlp_only_layers=[])
-    m = Qwen3MoeForCausalLM(cfg).eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    return m
-
-
 # ----------------------------------------------------------------------------- router operators
 
 GROUPS = [[0, 3], [1, 2, 5], [4], [6, 7]]
@@ -54,7 +41,7 @@ def test_bound_operator_hand_computed_and_equal_to_oracle_routing():
     sum_j w_j f_{g(e_j)}(x), written out here. It is the same function as the K-expert merge
     under `infer.oracle_routing`; with singleton groups it is the unmerged model."""
     import copy
-    base = _qwen3_moe()
+    base = tiny_qwen3_moe(N=8)
     blk0 = cal.moe_blocks(base)[0][1]
     W0 = blk0.gate.weight.detach().clone()
     mass = torch.tensor([3.0, 1, 2, 5, 4, 1, 1, 2])
@@ -327,7 +314,7 @@ def test_command_errors(calibrated, tmp_path, capsys):
 def test_feature_recorder_chunks_tokens_with_the_same_sums(monkeypatch):
     """The all-experts pass runs over token chunks (bounded memory); one token per chunk gives the
     same features as one chunk for the whole batch."""
-    model = _qwen3_moe()
+    model = tiny_qwen3_moe(N=8)
     ids = torch.randint(0, 32, (2, 9))
     batch = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     whole = bl.collect_features(model, batch)[0]

@@ -42,12 +42,18 @@ def raw_config(mla, vocab, topk_method="greedy", n_group=1, topk_group=1, **lm_e
             "language_config": lm, "torch_dtype": "float32", "transformers_version": "4.38.2"}
 
 
-@pytest.fixture(scope="module")
-def tok():
+def vl2_tokenizer():
+    """The tiny tokenizer with DeepSeek-VL2's special tokens (the `tok` fixture; imported by the
+    multi-image tests)."""
     t = bb.build_tokenizer()
     t.add_tokens(list(SPECIAL.values()) + ["<image>", "<|User|>", "<|Assistant|>"], special_tokens=True)
     t.bos_token, t.eos_token, t.pad_token = SPECIAL["bos"], SPECIAL["eos"], SPECIAL["pad"]
     return t
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return vl2_tokenizer()
 
 
 def make_checkpoint(path, tok, mla, seed=0, top_level_copy=False, **kw):

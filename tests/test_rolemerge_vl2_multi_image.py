@@ -7,16 +7,12 @@ import torch
 from PIL import Image
 
 from rolemerge import deepseek_vl2 as vl2
-from test_rolemerge_deepseek_vl2 import SPECIAL, raw_config
+from test_rolemerge_deepseek_vl2 import SPECIAL, raw_config, vl2_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from common import backbone as bb
-    t = bb.build_tokenizer()
-    t.add_tokens(list(SPECIAL.values()) + ["<image>", "<|User|>", "<|Assistant|>"], special_tokens=True)
-    t.bos_token, t.eos_token, t.pad_token = SPECIAL["bos"], SPECIAL["eos"], SPECIAL["pad"]
-    return t
+    return vl2_tokenizer()
 
 
 def images(n):
