@@ -4,16 +4,17 @@
 # one thread:   bash eval/toys/mod_paper_rounds.sh
 # 1. per seed 0, 1, 2: MoD at 1e-2, 500 steps, scored on the 600 test questions, single round and
 #    MoD-Multi rounds=1 (--debate-metrics single: the misled rows are not asked here)
-#    -> OUT/debate/lr/results_paper_rounds.json (resumable; no new training after CUTOFF, UTC HHMM);
+#    -> OUT/debate/lr/results_paper_rounds.json (resumable; optional deadlines CUTOFF / MAD_CUTOFF =
+#    HHMM, UTC wall clock, for steps 1 and 2-3: no new work starts after them; unset: none);
 # 2. before MAD_CUTOFF: MAD with 1, 2, 3 debate rounds on the frozen base beside MoD-Single /
 #    MoD-Multi 1 and 2 rounds (seed 0's adapters), the first MAD_TEST test questions -> OUT/mad_rounds.json;
 # 3. before MAD_CUTOFF: MoD-Multi rounds=2 on the seeds trained (the reproduction check of H7).
 set -u
-OUT=${OUT:-out/mod}; MAD_TEST=${MAD_TEST:-64}; CUTOFF=${CUTOFF:-1610}; MAD_CUTOFF=${MAD_CUTOFF:-1635}
+OUT=${OUT:-out/mod}; MAD_TEST=${MAD_TEST:-64}; CUTOFF=${CUTOFF:-}; MAD_CUTOFF=${MAD_CUTOFF:-}
 M="python -m eval.toys.mod --part debate-lr --debate-test 600 --debate-steps 500 --debate-picks MoD=1e-2 \
    --debate-metrics single --debate-lr-tag _paper_rounds --threads 1 --out $OUT"
 export OMP_NUM_THREADS=1
-before() { [ "$(date -u +%H%M)" -lt "$1" ]; }
+before() { [ -z "$1" ] || [ "$(date -u +%H%M)" -lt "$1" ]; }
 done_seeds=""
 for s in 0 1 2; do
   if [ -f "$OUT/debate/lr/MoD_lr0.01_steps500_s$s/train.json" ] || before "$CUTOFF"; then
