@@ -12,6 +12,8 @@ Errors are `DataError` with the record id and what to change. `atomic_target` /
 import json
 import os
 import re
+import sys
+from collections import Counter
 from contextlib import contextmanager, suppress
 
 from PIL import Image, ImageOps
@@ -110,7 +112,7 @@ def load_records(path):
 #             `final_answer(target)`); a list of acceptable answers stays a list
 #   history   earlier (question, target) pairs of a multi-turn conversation, [] otherwise
 #   family    the record's "family", default "unlabelled" (`_family`; "all" names the aggregate row)
-#   conversations  the human / gpt turns as read
+#   conversations  the human / gpt turns (user / assistant renamed to them, system turns left out)
 #   options   [(letter, text), ...] for canonical multiple-choice records only
 # Relative image paths resolve against `image_root` when given (--image-root), else the data
 # file's folder; absolute paths are used as they are.
@@ -137,21 +139,70 @@ def _strip_image(text, n_images):
     return text.strip() if n_images > 1 else text.replace("<image>\n", "").replace("<image>", "").strip()
 
 
+# The reader contract (README "Records", "One reader contract"): every reader reads both role
+# vocabularies, refuses duplicate ids (item ids of multi-turn records included), refuses a gold
+# answer that is not text, and says on stderr what it changed, with a count.
+ROLES = {"human": "human", "user": "human", "gpt": "gpt", "assistant": "gpt"}   # LLaVA / ShareGPT names
+DROPPED_ROLES = ("system",)   # left out with a note: the checkpoint's own chat template sets the system turn
+
+
+def item_ids(r):
+    """The ids a record answers under: its own and, for a multi-turn record with n pairs, the
+    evaluation items `rid#1` .. `rid#n` (`expand_turns`)."""
+    n = len(r.get("history") or [])
+    return [r["id"]] + ([f"{r['id']}#{k}" for k in range(1, n + 2)] if n else [])
+
+
+def check_unique_ids(records, path):
+    """Raise DataError naming both records when two records share an id, or when a record's id
+    equals an item id `rid#k` of a multi-turn record (`item_ids`): results, resumes and
+    `mod.infer --methods misled`'s priors are keyed by id, so one record would take another's."""
+    seen = {}
+    for r in records:
+        for i in item_ids(r):
+            if i in seen:
+                what = "duplicate id" if i == r["id"] and i == seen[i] else f"item id {i!r} is taken twice"
+                raise DataError(f"{path}: record {r['id']}: {what} (also record {seen[i]}; multi-turn records "
+                                f"answer as 'id#1', 'id#2', ...); give every record its own id")
+            seen[i] = r["id"]
+    return records
+
+
+def note_changes(path, counts):
+    """Print one `note:` line on stderr per change a reader made to the records of `path`
+    (counts: {what: how many}, zero counts skipped)."""
+    for what, n in counts.items():
+        if n:
+            print(f"note: {path}: {n} {what}", file=sys.stderr)
+
+
+def _placeholder_notes(counts, text, n_images):
+    """Count the "<image>" placeholders `_strip_image` removes beyond one per image."""
+    n = text.count("<image>")
+    if n_images == 0 and n:
+        counts["text-only record(s) with '<image>' placeholders: removed (there is no image to show)"] += 1
+    elif n_images == 1 and n > 1:
+        counts["record(s) with one image but several '<image>' placeholders: all removed, the image is shown "
+               "once before the question"] += 1
+
+
 def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
     """Read LLaVA-style conversation JSON (a list) or JSONL into record dicts (the keys above).
 
     `image` may be one path, a list of paths (one "<image>" placeholder per image in the human
-    turns) or absent (a text-only record). Conversations alternate human / gpt turns; every
-    pair is kept (`history` holds all but the last).
+    turns) or absent (a text-only record). Conversations alternate human / gpt turns (user /
+    assistant are read as human / gpt; system turns are left out, with a note); every pair is
+    kept (`history` holds all but the last). An optional "answer" beside the conversation is
+    the gold answer (`gold_answers`'s rules), else the last gpt turn's `final_answer`.
     Raises DataError for a file without records and, naming the record, for malformed turns,
-    a conversation that does not alternate human / gpt, a placeholder count that differs from
+    an unknown role, a non-text gold answer, duplicate ids (`check_unique_ids`), a conversation that does not alternate human / gpt, a placeholder count that differs from
     the image count, and (check_images) every record whose image is missing or unusable, all
     in one message (`check_record_images`; skip_bad: those records are left out, with a note)."""
     records = load_records(path)
     if not records:
         raise DataError(f"{path}: no records (an empty file or list)")
     root = image_root or os.path.dirname(os.path.abspath(path))
-    out = []
+    out, counts = [], Counter()
     for i, r in enumerate(records):
         rid = r.get("id", f"#{i}") if isinstance(r, dict) else f"#{i}"
         conv = r.get("conversations") if isinstance(r, dict) else None
@@ -161,10 +212,17 @@ def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
             if not isinstance(t["value"], str):
                 raise DataError(f"{path}: record {rid}: turn {k} ('from': {t.get('from')!r}) has a 'value' of type "
                                 f"{type(t['value']).__name__} ({t['value']!r:.40}); every turn's value must be text")
-        turns = [t for t in conv if t.get("from") in ("human", "gpt")]
+        unknown = [t.get("from") for t in conv if t.get("from") not in ROLES and t.get("from") not in DROPPED_ROLES]
+        if unknown:
+            raise DataError(f"{path}: record {rid}: turn role(s) {unknown} are not known; a turn's 'from' is "
+                            f"human / gpt (LLaVA) or user / assistant (ShareGPT), or system (left out)")
+        counts["'system' turn(s) left out (the model's chat template sets its own)"] += len(conv) - sum(
+            t.get("from") in ROLES for t in conv)
+        turns = [dict(t, **{"from": ROLES[t["from"]]}) for t in conv if t.get("from") in ROLES]
         roles = [t["from"] for t in turns]
         if "human" not in roles or "gpt" not in roles:
-            raise DataError(f"{path}: record {rid} needs a 'human' turn and a 'gpt' (answer) turn")
+            raise DataError(f"{path}: record {rid} needs a 'human' (or 'user') turn and a 'gpt' (or 'assistant', the "
+                            f"answer) turn")
         if roles != ["human", "gpt"] * (len(roles) // 2):
             raise DataError(f"{path}: record {rid}: turns go {roles}; a conversation alternates human, gpt, "
                             f"human, gpt, ... and ends with a gpt (answer) turn")
@@ -173,12 +231,20 @@ def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
         if len(images) > 1 and n_ph != len(images):
             raise DataError(f"{path}: record {rid} has {len(images)} images but {n_ph} '<image>' placeholders in "
                             f"its human turns; put one placeholder per image, in order")
+        if len(images) <= 1:
+            _placeholder_notes(counts, "".join(t["value"] for t in turns if t["from"] == "human"), len(images))
         pairs = [(_strip_image(turns[k]["value"], len(images)), turns[k + 1]["value"]) for k in range(0, len(turns), 2)]
         q, target = pairs[-1]
+        answer = final_answer(target)
+        if "answer" in r:  # a gold answer given beside the conversation: the canonical rules (`gold_answers`)
+            golds = gold_answers(path, rid, r["answer"])
+            answer = golds if isinstance(r["answer"], list) else golds[0]
         out.append({"id": str(rid), "images": images, "image": images[0] if images else None, "question": q,
-                    "target": target, "answer": r.get("answer", final_answer(target)),
+                    "target": target, "answer": answer,
                     "history": [list(p) for p in pairs[:-1]], "family": _family(r, path, rid),
-                    "conversations": conv})
+                    "conversations": turns})
+    check_unique_ids(out, path)
+    note_changes(path, counts)
     return check_record_images(out, path, skip_bad) if check_images else out
 
 
@@ -193,7 +259,9 @@ def _family(r, path, rid):
 
 
 REQUIRED = ("id", "question", "answer")  # "image" is optional: a record without one is text-only
-def _golds(path, rid, answer):
+
+
+def gold_answers(path, rid, answer):
     """A record's gold answers as a list of non-empty strings: one answer (text or number) or
     a list of acceptable ones (DocVQA / VQAv2 style). Raises DataError for anything else (an
     object, a nested list, an empty string in the list)."""
@@ -238,15 +306,15 @@ def read_jsonl(path, image_root=None, check_images=True, skip_bad=False):
     ("answer": ["1986", "1986."]) stay a list: `eval.metrics.is_correct` accepts any of them and
     ANLS takes the best; training needs one target, so "target" is the first gold.
     Raises DataError naming the record for a non-object line, missing/empty required fields
-    (id, question, answer), an 'answer' that is not a text / number / list of them (`_golds`),
+    (id, question, answer), an 'answer' that is not a text / number / list of them (`gold_answers`),
     badly typed benchmark fields (`_benchmark_fields`: benchmark, category, answer_type, meta;
     a record with "benchmark" keeps its question verbatim, options included),
-    an 'image' that is not a path or list of paths, duplicate ids,
+    an 'image' that is not a path or list of paths, duplicate ids (`check_unique_ids`),
     fewer than 2 options, an answer that is neither a letter nor an option's text, and
     (check_images) every record whose image file is missing, empty, unreadable, truncated or
     oversized, all in one message (`check_record_images`; skip_bad: left out, with a note)."""
     root = image_root or os.path.dirname(os.path.abspath(path))
-    out, seen = [], set()
+    out, counts = [], Counter()
     for i, r in enumerate(load_records(path)):
         if not isinstance(r, dict):
             raise DataError(f"{path}: record #{i} is not a JSON object")
@@ -256,11 +324,10 @@ def read_jsonl(path, image_root=None, check_images=True, skip_bad=False):
             raise DataError(f"{path}: record {rid} lacks required field(s) {missing} "
                             f"(canonical JSONL needs {list(REQUIRED)}; 'image' is optional)")
         rid = str(rid)
-        if rid in seen:
-            raise DataError(f"{path}: record {rid}: duplicate id")
-        seen.add(rid)
         images = _image_paths(r.get("image"), root, path, rid)
-        q, golds = _strip_image(str(r["question"]), len(images)), _golds(path, rid, r["answer"])
+        if len(images) <= 1:
+            _placeholder_notes(counts, str(r["question"]), len(images))
+        q, golds = _strip_image(str(r["question"]), len(images)), gold_answers(path, rid, r["answer"])
         keep = (lambda g: g) if isinstance(r["answer"], list) else (lambda g: g[0])  # a list stays a list
         rec = {"id": rid, "images": images, "image": images[0] if images else None, "question": q,
                "target": golds[0], "answer": keep(golds), "history": [], "family": _family(r, path, rid)}
@@ -284,6 +351,8 @@ def read_jsonl(path, image_root=None, check_images=True, skip_bad=False):
         rec["conversations"] = [{"from": "human", "value": head + rec["question"]},
                                 {"from": "gpt", "value": rec["target"]}]
         out.append(rec)
+    check_unique_ids(out, path)
+    note_changes(path, counts)
     return check_record_images(out, path, skip_bad) if check_images else out
 
 
@@ -302,8 +371,10 @@ def read_any(path, image_root=None, check_images=True, skip_bad=False):
         return read_llava_json(path, **kw)
     if isinstance(first, dict) and "question" in first:
         return read_jsonl(path, **kw)
+    hint = (" ('messages' is the OpenAI chat format: rename it 'conversations' and each turn's 'role' / 'content' "
+            "to 'from' / 'value')" if isinstance(first, dict) and "messages" in first else "")
     raise DataError(f"{path}: first record has neither 'conversations' (LLaVA JSON) nor 'question' "
-                    f"(canonical JSONL); keys: {sorted(first) if isinstance(first, dict) else type(first).__name__}")
+                    f"(canonical JSONL){hint}; keys: {sorted(first) if isinstance(first, dict) else type(first).__name__}")
 
 
 def read_records(path, image_root=None, skip_bad=False):
@@ -464,7 +535,6 @@ def check_record_images(records, path="data", skip_bad=False, workers=None, prog
     stderr gives the count and lists each left-out record). Raises DataError listing EVERY
     record with a missing or unusable image (id, file, what is wrong) when skip_bad is off, and
     when skip_bad leaves no record. Cost: README "What happens when" (measured per image)."""
-    import sys
     from concurrent.futures import ThreadPoolExecutor
     files = list(dict.fromkeys(p for r in records for p in r["images"]))
     if not files:

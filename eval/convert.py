@@ -55,7 +55,7 @@ import re
 from PIL import Image
 
 from common.cli import add_limit, run_cli
-from common.data import DataError, atomic_target, atomic_write_text, load_records
+from common.data import DataError, atomic_target, atomic_write_text, check_unique_ids, gold_answers, load_records, note_changes
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 MC_PROMPT = "Answer with the option's letter from the given choices directly."
@@ -401,8 +401,9 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
 
     Refuses (ConvertError, before writing anything) an existing `out` or a non-empty image
     folder unless `overwrite`, an unknown benchmark, rows missing the benchmark's columns,
-    withheld answers, duplicate ids (MME's two questions per image get "#1" / "#2") and
-    unreadable images. Every file is written atomically (`common.data.atomic_target`); the
+    withheld answers, a gold answer that is not text (`common.data.gold_answers`), duplicate
+    ids (MME's two questions per image get "#1" / "#2") and unreadable images; rows dropped
+    by `require_image` are counted in a note on stderr. Every file is written atomically (`common.data.atomic_target`); the
     JSONL last, so an interrupted run leaves no half file (only finished images)."""
     if benchmark not in CONVERTERS:
         raise ConvertError(f"unknown --benchmark {benchmark!r}; choose one of {', '.join(CONVERTERS)}")
@@ -422,14 +423,16 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
     roots = [image_dir] if image_dir else []
     roots += list(dict.fromkeys(s if os.path.isdir(s) else os.path.dirname(os.path.abspath(s)) for s in srcs))
     conv = CONVERTERS[benchmark]
-    records, seen, written = [], {}, {}  # written: image sha1 -> relative path
+    records, seen, written, dropped = [], {}, {}, 0  # written: image sha1 -> relative path
     out_folder = os.path.dirname(os.path.abspath(out))
     for i, row in enumerate(rows):
         if limit is not None and len(records) >= limit:
             break
         r = conv(row, i)
         if require_image and not any(v is not None and v != "" for v in r["images"]):
+            dropped += 1
             continue
+        gold_answers(srcs, r["id"], r["answer"])  # the readers' rule: text, a number or a list of them
         n = seen[r["id"]] = seen.get(r["id"], 0) + 1
         if n > 1:
             if benchmark != "mme":
@@ -471,6 +474,8 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
         if r.get("meta"):
             rec["meta"] = r["meta"]
         records.append(rec)
+    check_unique_ids(records, out)
+    note_changes(out, {"row(s) without an image left out (--require-image)": dropped})
     atomic_write_text(out, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in records))
     return records
 
