@@ -52,7 +52,9 @@ def pairwise_kl(p, eps=1e-4):
 @torch.no_grad()
 def latent_stats(mole, records, stage=2, batch_size=64):
     """(similarity x100, attention KL x100) of a MoLE model over `records` (LLaVA records
-    with images). Runs the prefill with Z_vis attention recorded in every layer."""
+    with images, of any sizes: each record's KL is taken over its own visual tokens). Runs the
+    prefill with Z_vis attention recorded in every layer; per-record values are averaged, so
+    the result does not depend on `batch_size`."""
     sims, kls = [], []
     for i in range(0, len(records), batch_size):
         chunk = records[i:i + batch_size]
@@ -63,12 +65,11 @@ def latent_stats(mole, records, stage=2, batch_size=64):
         lat = (types == ZVIS) | (types == ZSUM)
         B, n = lat.shape[0], int(lat[0].sum())
         sims.append(pairwise_sq_cos(out["hidden"][lat].view(B, n, -1)))
-        vis = st.is_vis
-        nv = int(vis[0].sum())
+        vis = st.is_vis                                   # [B, L]; images of other sizes: other counts per row
         per_layer = []
         for layer, p in sorted(st.attn.items()):  # p: [B,H,E,L]
-            pv = p.mean(1).transpose(1, 2)[vis].view(B, nv, -1).transpose(1, 2)  # [B,E,nv]
-            per_layer.append(pairwise_kl(pv))
+            pm = p.mean(1)                                # [B,E,L]
+            per_layer.append(torch.cat([pairwise_kl(pm[b][:, vis[b]][None]) for b in range(B)]))  # each [1,E,nv_b]
         kls.append(torch.stack(per_layer).mean(0))
     return 100 * torch.cat(sims).mean().item(), 100 * torch.cat(kls).mean().item()
 

@@ -247,3 +247,20 @@ def test_diagnostics_hand_values_and_run(tmp_path):
         r.update(image=str(tmp_path / r["image"]), question=r["conversations"][0]["value"].split("\n", 1)[1])
     sim, kl = latent_stats(make(), recs, stage=2)
     assert 0 <= sim <= 100 and kl > 0
+
+
+def test_diagnostics_on_images_of_different_sizes(tmp_path):
+    """A batch of a 112 px and a 56 px image (16 and 4 visual tokens) crashed (`shape '[2, 16, -1]'
+    is invalid`): the first record's visual-token count was taken for the batch. Now each record
+    uses its own, and the batched numbers equal the one-record-at-a-time ones."""
+    from PIL import Image
+    from mole.diagnostics import latent_stats
+    recs = shapes.generate_split(str(tmp_path), "test", 3)
+    for r in recs:
+        r.update(image=str(tmp_path / r["image"]), question=r["conversations"][0]["value"].split("\n", 1)[1])
+    Image.open(recs[1]["image"]).resize((56, 56)).save(recs[1]["image"])
+    mole = make()
+    batched = latent_stats(mole, recs, stage=2, batch_size=3)
+    single = latent_stats(mole, recs, stage=2, batch_size=1)
+    assert batched[1] > 0
+    assert batched == pytest.approx(single, rel=1e-4, abs=1e-5)
