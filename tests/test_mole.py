@@ -250,8 +250,8 @@ def test_diagnostics_hand_values_and_run(tmp_path):
 
 
 def test_diagnostics_on_images_of_different_sizes(tmp_path):
-    """A batch of a 112 px and a 56 px image (16 and 4 visual tokens) crashed (`shape '[2, 16, -1]'
-    is invalid`): the first record's visual-token count was taken for the batch. Now each record
+    """A batch with an 84 px and a 56 px image crashed (`shape '[3, 9, -1]' is invalid`): the
+    first record's visual-token count was taken for the whole batch. Now each record
     uses its own, and the batched numbers equal the one-record-at-a-time ones."""
     from PIL import Image
     from mole.diagnostics import latent_stats
