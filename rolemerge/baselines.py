@@ -323,8 +323,9 @@ def save_features(feats, path, meta):
 
 
 def load_features(paths):
-    """Read and sum (every feature is a sum over calibration tokens) the features files of
-    `paths`. Returns (feats list over layers, meta of the first file). Raises ValueError naming
+    """Read and merge the features files of `paths` (`merge_feature_dicts`: every sum over
+    calibration tokens added, the comparators' token samples concatenated and re-sampled).
+    Returns (feats list over layers, meta of the first file). Raises ValueError naming
     a missing or foreign file, or files of different models."""
     import json
     import os
@@ -349,5 +350,27 @@ def load_features(paths):
             continue
         if meta.get("fingerprint") != meta0.get("fingerprint") or len(cur) != len(feats):
             raise ValueError(f"{p}: features of a different model than {paths[0]}")
-        feats = [{k: a[k] + b[k] for k in a} for a, b in zip(feats, cur)]
+        feats = [merge_feature_dicts(a, b) for a, b in zip(feats, cur)]
     return feats, meta0
+
+
+SAMPLE_KEYS = ("x_sample", "x_sample_topk", "x_sample_key")   # comparators' token sample: rows, not sums
+
+
+def merge_feature_dicts(a, b):
+    """One layer's features of two calibration runs as if recorded in one: every sum is added;
+    the token sample (`rolemerge.comparators`: x_sample [m, H], x_sample_topk [m, k],
+    x_sample_key [m]) is never added row by row (that would sum two tokens' inputs and give
+    expert ids up to 2(N-1)): both samples are concatenated and the rows with the smallest keys
+    kept, m = the larger of the two sample sizes (bottom-m sampling, so the result is again a
+    uniform sample of all tokens seen, in arrival order: a's rows, then b's). Names in only one
+    dict are kept as they are."""
+    out = {}
+    for k in list(a) + [k for k in b if k not in a]:
+        out[k] = a[k] + b[k] if k in a and k in b and k not in SAMPLE_KEYS else a[k] if k in a else b[k]
+    if all(k in a and k in b for k in SAMPLE_KEYS):
+        m = max(a["x_sample_key"].numel(), b["x_sample_key"].numel())
+        keep = torch.cat([a["x_sample_key"], b["x_sample_key"]]).argsort(stable=True)[:m].sort().values
+        for k in SAMPLE_KEYS:
+            out[k] = torch.cat([a[k], b[k]])[keep]
+    return out

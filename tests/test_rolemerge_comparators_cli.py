@@ -4,6 +4,7 @@ the router operators ("bound": the M-SMoE / HC-SMoE codes' N slots bound to thei
 (rolemerge/comparators.py), on tiny models of the fused (Qwen3-VL-MoE), per-expert (Mixtral,
 DeepSeek-V3 with a router bias) and DeepSeek-VL2 layouts."""
 import json
+import os
 import sys
 import types
 
@@ -388,3 +389,54 @@ def test_own_tensor_hook_on_the_transposed_fused_layout(tok, tmp_path, monkeypat
     I, H = seen[0]["gate"].shape[1:]
     key = next(k for k in ref if k.endswith("experts.gate_up_proj"))
     assert list(ref[key].shape) == [4, H, 2 * I] and seen[0]["down"].shape[1:] == (H, I)
+
+
+def test_merging_two_feature_files_concatenates_the_token_samples():
+    """Hand case: counts add; the token sample is the bottom-m of both samples' keys (m = 3, the
+    larger size), rows kept whole, never added element-wise (which gave expert ids up to 2(N-1))."""
+    a = {"count": torch.tensor([1.0, 2.0]), "tokens": 2, "x_sample": torch.tensor([[1.0], [2.0]]),
+         "x_sample_topk": torch.tensor([[0], [1]]), "x_sample_key": torch.tensor([0.1, 0.5], dtype=torch.float64)}
+    b = {"count": torch.tensor([3.0, 0.0]), "tokens": 3, "x_sample": torch.tensor([[10.0], [20.0], [30.0]]),
+         "x_sample_topk": torch.tensor([[1], [1], [0]]),
+         "x_sample_key": torch.tensor([0.3, 0.2, 0.9], dtype=torch.float64)}
+    m = bl.merge_feature_dicts(a, b)
+    assert torch.equal(m["count"], torch.tensor([4.0, 2.0])) and m["tokens"] == 5
+    assert m["x_sample"].tolist() == [[1.0], [10.0], [20.0]]          # keys 0.1, 0.3, 0.2 in arrival order
+    assert m["x_sample_topk"].tolist() == [[0], [1], [1]]
+    assert m["x_sample_key"].tolist() == [0.1, 0.3, 0.2]
+    same = bl.merge_feature_dicts(b, b)                   # equal sizes: keys 0.3, 0.2 | 0.2 kept, no doubling
+    assert same["x_sample"].tolist() == [[10.0], [20.0], [20.0]] and same["x_sample_topk"].max() == 1
+
+
+@pytest.mark.parametrize("keep", [None, 5])
+def test_merge_with_two_stats_files_of_unequal_and_equal_samples(calibrated, keep, tmp_path):
+    """`rolemerge.merge --stats a b` on two calibrations: with unequal token samples (keep 5 rows of
+    the second) MergeMoE and REAM crashed with a traceback; with equal ones they ran on doubled
+    inputs. Now both run, and the merged sample holds rows of the two files, not sums."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    src, sp, _ = calibrated["tiny-moe"]
+    sp2 = str(tmp_path / "second.safetensors")
+    shutil.copy(sp, sp2)
+    f2 = bl.features_path(sp2)
+    shutil.copy(bl.features_path(sp), f2)
+    if keep:
+        from safetensors import safe_open
+        with safe_open(f2, "pt") as f:
+            md = f.metadata()
+        t = load_file(f2)
+        for k in list(t):
+            if k.split("/", 1)[1] in bl.SAMPLE_KEYS:
+                t[k] = t[k][:keep].contiguous()
+        save_file(t, f2, metadata=md)
+    feats, _ = bl.load_features([bl.features_path(sp), f2])
+    one, _ = bl.load_features(bl.features_path(sp))
+    N = one[0]["count"].numel()
+    assert all(int(f["x_sample_topk"].max()) < N for f in feats)
+    assert all(len(f["x_sample"]) == len(o["x_sample"]) for f, o in zip(feats, one))
+    rows = {tuple(r.tolist()) for r in one[0]["x_sample"]}
+    assert all(tuple(r.tolist()) in rows for r in feats[0]["x_sample"])   # whole rows of the inputs
+    for method in ("mergemoe", "ream"):
+        out = str(tmp_path / method)
+        mg.main(["--model", src, "--stats", sp, sp2, "--k", "4", "--method", method, "--out", out, "--threads", "1"])
+        assert os.path.exists(os.path.join(out, mg.REPORT))
