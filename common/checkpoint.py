@@ -12,6 +12,7 @@ run code), `check_safetensors` turns a truncated or corrupt file into a `Checkpo
 naming it, and optim.pt goes through `torch.load(weights_only=True)`, which refuses pickled
 code (the error says so instead of a raw `UnpicklingError`).
 """
+import errno
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.data import atomic_target, follow_umask
+from common.data import atomic_target, follow_umask, name_path
 
 MAX_HEADER = 100 << 20   # safetensors' own cap on the JSON header (100 MB)
 
@@ -102,16 +103,27 @@ def atomic_save_file(tensors, path, metadata=None):
 def save_train_state(path, tensors, optimizer, state):
     """Atomic training checkpoint directory (see module docstring).
 
-    tensors: dict name -> tensor; optimizer: torch optimizer or None; state: JSON-able dict."""
+    tensors: dict name -> tensor; optimizer: torch optimizer or None; state: JSON-able dict.
+    A failed write (full disk, read-only folder) removes the temp directory and raises an
+    OSError naming `path` (`common.data.name_path`); the previous checkpoint stays."""
     tmp = path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optim.pt"))
-    with open(os.path.join(tmp, "state.json"), "w") as f:
-        json.dump(state, f)
-    follow_umask(tmp)
+    try:
+        os.makedirs(tmp)
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optim.pt"))
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump(state, f)
+        follow_umask(tmp)
+    except Exception as e:  # a full disk or a read-only folder: no half-written temp stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, RuntimeError) and "inline_container" in str(e):   # torch.save's message for a failed write
+            raise OSError(errno.EIO, f"torch.save could not write optim.pt ({e})", path) from None
+        err = name_path(e, path)
+        if err is e:
+            raise
+        raise err from None
     old = path.rstrip("/") + ".old"
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)

@@ -8,6 +8,7 @@ what to do; `run_cli` prints it without a traceback. SIGTERM or Ctrl-C inside `s
 sets a flag: the loop finishes its step, writes a checkpoint and raises `Interrupted`.
 """
 import argparse
+import errno
 import hashlib
 import json
 import math
@@ -63,7 +64,23 @@ def run_cli(fn, *args):
         print(e, file=sys.stderr)
         raise SystemExit(128 + e.signum)
     except (ValueError, OSError) as e:
-        fail(e)
+        fail(with_fix(e))
+
+
+WRITE_FIXES = {errno.ENOSPC: "free space on that disk or write elsewhere",
+               errno.EFBIG: "the file is above a size limit (the file system's or `ulimit -f`); write elsewhere",
+               errno.EDQUOT: "the disk quota is used up; free space or write elsewhere",
+               errno.EROFS: "that file system is read-only; choose another folder",
+               errno.EACCES: "no permission; choose a folder you can write to or fix its permissions",
+               errno.EPERM: "not permitted; choose a folder you can write to or fix its permissions"}
+
+
+def with_fix(e):
+    """The text `run_cli` prints for an error: an OSError of a full disk, a size limit, a
+    read-only folder or a permission gets what to do after it (WRITE_FIXES); the message of
+    anything else as it is. An OSError names its file (`common.data.name_path`)."""
+    fix = WRITE_FIXES.get(getattr(e, "errno", None)) if isinstance(e, OSError) else None
+    return f"{e}; {fix}" if fix else e
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

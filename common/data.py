@@ -41,17 +41,35 @@ def follow_umask(path):
 def atomic_target(path):
     """Yields a temp path next to `path` to write to (its folder created if missing); renames it
     onto `path` when the block succeeds and removes it when the block or the rename fails (a
-    full disk, `path` being a directory), so `path` is either untouched or complete."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    full disk, `path` being a directory), so `path` is either untouched or complete. An
+    I/O error is raised as an OSError naming `path` (`name_path`)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         yield tmp
         follow_umask(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with suppress(OSError):
             os.remove(tmp)
-        raise
+        err = name_path(e, path)
+        if err is e:
+            raise
+        raise err from None
+
+
+def name_path(e, path):
+    """A failed write as an OSError that names its file, so `error: ...` says which one: an
+    OSError that names none (a `write` on a full disk raises ENOSPC / EFBIG without one) gets
+    `path`; safetensors' own I/O error (`SafetensorError: ... I/O error: File too large (os
+    error 27)`) becomes OSError(27, 'File too large', path). Any other exception is returned as
+    it is."""
+    if isinstance(e, OSError):
+        if e.filename is None:
+            e.filename = str(path)
+        return e
+    m = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+    return OSError(int(m.group(2)), m.group(1), str(path)) if m else e
 
 
 def atomic_write_text(path, text):

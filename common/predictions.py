@@ -27,7 +27,7 @@ import time
 from contextlib import nullcontext
 
 from common.cli import Interrupted, RunError, sigterm_flag
-from common.data import atomic_write_text
+from common.data import atomic_write_text, name_path
 
 FORMAT = "predictions-partial/1"
 _CHUNK = 1 << 20  # bytes hashed at each end of a weight file
@@ -118,9 +118,12 @@ class PredictionLog:
 
     # ------------------------------------------------------------------ the file
     def _write(self, obj):
-        self._file.write(json.dumps(obj, ensure_ascii=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:  # a full disk: the file keeps its finished batches (a torn last line is redone)
+            raise name_path(e, self.path)
 
     def _open(self):
         """The file, opened for appending; created (its header written atomically) if new."""

@@ -42,10 +42,11 @@ import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
-from common.data import follow_umask
+from common.data import follow_umask, name_path
 from rolemerge import calibrate as cal
 from rolemerge import model as rm
 
@@ -76,6 +77,25 @@ def _start_tmp(tmp):
 
 class MergeError(ValueError):
     """The merge cannot run as asked; the message says why."""
+
+
+@contextmanager
+def _no_tmp_after_io_error(tmp, out):
+    """Around the writing part of `run_merge`: an I/O error (a full disk, `[Errno 27] File too
+    large`, a read-only folder, no permission; safetensors' own I/O errors too) removes `tmp`
+    (ours: `run_merge` checked it) and becomes a MergeError naming the file, so the command
+    ends in `error: ...`, exit 2, with nothing at `out` and no temporary left."""
+    try:
+        yield
+    except Exception as e:
+        err = name_path(e, tmp)
+        if not isinstance(err, OSError):
+            raise
+        if _ours(tmp, (TMP_MARK, REPORT)):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise MergeError(f"{err.filename}: {err.strerror or err} (errno {err.errno}) while merging into {out}; "
+                         f"removed {tmp}, nothing was written to {out}: free space, or choose a --out on a disk "
+                         f"you can write to") from None
 
 
 def check_streamable(src, plan):
@@ -962,61 +982,62 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
         if fmeta.get("fingerprint") != stats["fingerprint"] or len(features) != len(stats["layer_names"]):
             raise MergeError("the features file was recorded on a different model than the stats; recalibrate "
                              "with python -m rolemerge.calibrate ... --features")
-    t0 = time.time()
-    if streaming:
-        with open(os.path.join(src, "config.json")) as f:
-            config = json.load(f)
-        info = streaming_info(src, config)
-        check_stats(stats, info)
-        K = target_k(info["num_experts"], info["top_k"], rho, k)
-        routing = (1, {}) if router == "bound" else routing_groups(
-            config["model_type"], _expert_config(config), info["num_experts"], K, info["top_k"])
+    with _no_tmp_after_io_error(tmp, out):
+        t0 = time.time()
+        if streaming:
+            with open(os.path.join(src, "config.json")) as f:
+                config = json.load(f)
+            info = streaming_info(src, config)
+            check_stats(stats, info)
+            K = target_k(info["num_experts"], info["top_k"], rho, k)
+            routing = (1, {}) if router == "bound" else routing_groups(
+                config["model_type"], _expert_config(config), info["num_experts"], K, info["top_k"])
 
-        def routers():
-            headers, where, layers = scan_checkpoint(src)
-            out_r = []
-            for lidx in sorted(layers):
-                key = [x for x in layers[lidx]["router"] if x.endswith(".weight")][0]
-                out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
-            return out_r
-        tp = time.time()
-        plan = make_plan(stats, K, method, lam, linkage, seed, routers, features, routing, router, distance, adaptive)
-        plan_s = time.time() - tp
-        _start_tmp(tmp)
-        merge_streaming(src, tmp, plan)
-    else:
-        model = load_model_for_merge(src, dtype)
-        info = cal.model_info(model, model_path)
-        check_stats(stats, info)
-        K = target_k(info["num_experts"], info["top_k"], rho, k)
-        routing = (1, {}) if router == "bound" else routing_groups(
-            model.config.model_type, cal.text_config(model.config).to_dict(), info["num_experts"], K, info["top_k"])
-        tp = time.time()
-        plan = make_plan(stats, K, method, lam, linkage, seed,
-                         lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)],
-                         features, routing, router, distance, adaptive)
-        plan_s = time.time() - tp
-        merge_model(model, plan)
-        _start_tmp(tmp)
-        model.save_pretrained(tmp)
-        copy_side_files(src, tmp)
-    if plan.get("own"):                                   # a comparator's groups are known once merged
-        finish_plan(plan, stats)
-    report = dict({k: v for k, v in plan.items() if not k.startswith("_")}, model=str(model_path),
-                  stats=list(stats_paths) if not isinstance(stats_paths, str) else [stats_paths], streaming=streaming,
-                  merge_seconds=time.time() - t0, plan_seconds=plan_s, **param_summary(tmp, plan))
-    with open(os.path.join(tmp, REPORT), "w") as f:      # last file: its presence marks a complete output
-        json.dump(report, f, indent=1)
-    os.remove(os.path.join(tmp, TMP_MARK))                # the report marks it from here on
-    follow_umask(tmp)                                     # save_pretrained writes weights 0600
-    if os.path.exists(out):                               # --force over a previous output
-        old = out + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+            def routers():
+                headers, where, layers = scan_checkpoint(src)
+                out_r = []
+                for lidx in sorted(layers):
+                    key = [x for x in layers[lidx]["router"] if x.endswith(".weight")][0]
+                    out_r.append(read_tensor(os.path.join(src, where[key]), headers[where[key]][1], headers[where[key]][0][key]))
+                return out_r
+            tp = time.time()
+            plan = make_plan(stats, K, method, lam, linkage, seed, routers, features, routing, router, distance, adaptive)
+            plan_s = time.time() - tp
+            _start_tmp(tmp)
+            merge_streaming(src, tmp, plan)
+        else:
+            model = load_model_for_merge(src, dtype)
+            info = cal.model_info(model, model_path)
+            check_stats(stats, info)
+            K = target_k(info["num_experts"], info["top_k"], rho, k)
+            routing = (1, {}) if router == "bound" else routing_groups(
+                model.config.model_type, cal.text_config(model.config).to_dict(), info["num_experts"], K, info["top_k"])
+            tp = time.time()
+            plan = make_plan(stats, K, method, lam, linkage, seed,
+                             lambda: [b.gate.weight.detach().float().cpu() for _, b in cal.moe_blocks(model)],
+                             features, routing, router, distance, adaptive)
+            plan_s = time.time() - tp
+            merge_model(model, plan)
+            _start_tmp(tmp)
+            model.save_pretrained(tmp)
+            copy_side_files(src, tmp)
+        if plan.get("own"):                                   # a comparator's groups are known once merged
+            finish_plan(plan, stats)
+        report = dict({k: v for k, v in plan.items() if not k.startswith("_")}, model=str(model_path),
+                      stats=list(stats_paths) if not isinstance(stats_paths, str) else [stats_paths], streaming=streaming,
+                      merge_seconds=time.time() - t0, plan_seconds=plan_s, **param_summary(tmp, plan))
+        with open(os.path.join(tmp, REPORT), "w") as f:      # last file: its presence marks a complete output
+            json.dump(report, f, indent=1)
+        os.remove(os.path.join(tmp, TMP_MARK))                # the report marks it from here on
+        follow_umask(tmp)                                     # save_pretrained writes weights 0600
+        if os.path.exists(out):                               # --force over a previous output
+            old = out + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
     return report
 
 
@@ -1076,7 +1097,7 @@ def main(argv=None):
         rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, not a.in_memory,
                         a.force, None if a.dtype == "auto" else getattr(torch, a.dtype), router=a.router,
                         distance=a.distance, adaptive=a.adaptive)
-    except (MergeError, cal.CalibrationError) as e:
+    except (MergeError, cal.CalibrationError, OSError) as e:
         fail(e)  # `error: ...`, exit status 2
     print(summary_line(rep, a.out))
     if rep["router"] == "bound":
