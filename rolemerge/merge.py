@@ -40,6 +40,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -165,6 +166,27 @@ def check_stats(stats, info):
         if stats[key] != info[key]:
             raise MergeError(f"statistics were recorded on a different model ({key}: stats {stats[key]!r} vs "
                              f"checkpoint {info[key]!r}; stats model {stats['model_id']!r}); recalibrate on this one")
+
+
+SPARSE_EXPECTED = 10   # expected routed tokens per expert and phase below which the statistics are too thin
+
+
+def sparse_calibration(stats, min_expected=SPARSE_EXPECTED):
+    """A warning text when the statistics are too thin to merge on, else None: some phase bucket
+    has so few tokens that an expert expects fewer than `min_expected` of them under uniform
+    routing (top_k * tokens_b / N), e.g. one calibration record. The text gives that number per
+    thin phase, the share of zero counts over (layer, phase, expert) and the fix."""
+    tokens = sum(s["tokens"] for s in stats["sources"].values()).double()          # [B]
+    expected = stats["top_k"] * tokens / stats["num_experts"]
+    thin = [f"{b} {float(e):.1f}" for b, e in zip(stats["buckets"], expected) if e < min_expected]
+    if not thin:
+        return None
+    zero = float((cal.total_counts(stats) == 0).double().mean())
+    examples = sum(int(s["examples"]) for s in stats["sources"].values() if "examples" in s)
+    return (f"warning: sparse calibration ({examples or '?'} example(s)): routed tokens expected per expert under "
+            f"uniform routing: {', '.join(thin)} (below {min_expected}); {100 * zero:.0f}% of the routing counts are "
+            f"zero, so the groups rest on little evidence; calibrate on more records (rolemerge.calibrate --limit, "
+            f"default 128 per file)")
 
 
 def routing_groups(model_type, tc, N, K, top_k):
@@ -978,6 +1000,9 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
     if needs_features and features is None:             # before the stats: names the calibrate flag
         features, fmeta = load_method_features(stats_paths, method)
     stats = cal.load_stats(stats_paths)
+    thin = sparse_calibration(stats)
+    if thin:
+        print(thin, file=sys.stderr)
     if needs_features and fmeta is not None:
         if fmeta.get("fingerprint") != stats["fingerprint"] or len(features) != len(stats["layer_names"]):
             raise MergeError("the features file was recorded on a different model than the stats; recalibrate "

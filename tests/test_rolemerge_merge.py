@@ -252,3 +252,17 @@ def test_summary_line_rounds_mi_retention():
                                               "expert-phase MI retention 0.803")
     assert mg.summary_line(dict(rep, mi_retention=None), "o").endswith(
         "MI retention n/a (pruning keeps no grouping of all experts)")
+
+
+def test_sparse_calibration_is_warned():
+    """One calibration record: image bucket 9 tokens over 8 experts, top-2 -> 2.25 expected per
+    expert (< 10); 2 of 24 counts zero. A full calibration says nothing."""
+    counts = torch.ones(1, 3, 8)
+    counts[0, 0, :2] = 0
+    stats = {"buckets": ["image", "question", "answer"], "top_k": 2, "num_experts": 8,
+             "sources": {"a": {"counts": counts, "tokens": torch.tensor([9, 40, 80]), "examples": 1}}}
+    msg = mg.sparse_calibration(stats)
+    assert msg.startswith("warning: sparse calibration (1 example(s))") and "image 2.2" in msg
+    assert "question" not in msg.split("(below")[0] and "8% of the routing counts are zero" in msg
+    stats["sources"]["a"]["tokens"] = torch.tensor([40, 40, 80])
+    assert mg.sparse_calibration(stats) is None
