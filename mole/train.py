@@ -50,8 +50,9 @@ from mole.checkpoint import (PlaceholderProcessor, build, copy_tensors, load_mol
 from mole.model import MoLE, MoLEConfig, record_images
 
 # flags that do not change what a run computes: everything else must match on --resume
-NOT_SETTINGS = ("model", "base", "data", "image_root", "skip_bad", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",
-                "save_every", "max_steps", "threads")
+# (--grad-accum is a setting: the aux losses are per-micro-batch means, so it changes the objective)
+NOT_SETTINGS = ("model", "base", "data", "image_root", "skip_bad", "out", "resume", "overwrite", "device", "compile",
+                "quiet", "save_every", "max_steps", "threads")
 
 
 # ----------------------------------------------------------------------------- flags

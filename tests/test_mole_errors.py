@@ -68,7 +68,8 @@ def test_existing_checkpoint_needs_resume_or_overwrite(shapes, run, capsys):
     (["--stage2-epochs", "1"], "stage2_epochs: saved 0.5, now 1.0"),
     (["--n-train", "6"], "data: saved '8 records, sha1"),
     (["--model", "tiny-moe"], "base_model: saved {'model_type': 'qwen3_vl'"),
-], ids=["n-vis", "lr", "batch-size", "method", "lora-r", "seed", "epochs", "data", "base"])
+    (["--grad-accum", "2"], "grad_accum: saved 1, now 2"),  # was accepted: aux losses are per micro-batch
+], ids=["n-vis", "lr", "batch-size", "method", "lora-r", "seed", "epochs", "data", "base", "grad-accum"])
 def test_resume_refuses_other_settings(shapes, run, capsys, extra, expected):
     before = snapshot(run)
     err = error_of(mt.main, train_args(shapes, run, "--resume", *extra), capsys)
