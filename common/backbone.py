@@ -376,10 +376,16 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     elif path in TINY.values():
         raise BackboneError(f"{path} missing: the committed tiny checkpoint is gone; restore it with git "
                             f"or rebuild it with `python -m eval.tools.pretrain` (README)")
-    elif path.startswith((".", os.sep, "~")) or path.count("/") != 1:
+    elif path.startswith((".", os.sep, "~")) or path.count("/") != 1 or os.path.isdir(path.split("/")[0]):
+        # (one slash under a local folder, `ckpt/qwen25v1`, is a typo of a local path, not a hub id)
         import difflib
-        near = difflib.get_close_matches(path, list(TINY), n=1, cutoff=0.7)
-        hint = f" (did you mean {near[0]}?)" if near else " (a local directory, a hub id org/name, tiny-dense, tiny-moe or tiny-chat)"
+        parent, name = os.path.split(path.rstrip("/"))
+        here = sorted(os.listdir(parent)) if parent and os.path.isdir(parent) else []
+        near = difflib.get_close_matches(name, here, n=1, cutoff=0.6) if here else \
+            difflib.get_close_matches(path, list(TINY), n=1, cutoff=0.7)
+        hint = (f" (did you mean {os.path.join(parent, near[0]) if here else near[0]}?)" if near else
+                f" ({parent}/ holds {here[:8]})" if here else
+                " (a local directory, a hub id org/name, tiny-dense, tiny-moe or tiny-chat)")
         raise BackboneError(f"{path}: no such checkpoint directory{hint}")
     # else: a hub id "org/name", resolved by transformers (needs network or a local HF cache)
     try:

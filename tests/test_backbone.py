@@ -83,6 +83,18 @@ def test_load_errors(tmp_path):
         bb.load_backbone("tiny-dnse")
 
 
+def test_relative_path_typo_with_one_slash_is_not_a_hub_id(tmp_path, monkeypatch):
+    """`ckpt/qwen25v1` (a typo of ckpt/qwen25vl) was taken for a hub id: half a minute of retries,
+    then "the model hub cannot be reached". Under an existing local folder it is a local path."""
+    (tmp_path / "ckpt" / "qwen25vl").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained",
+                        lambda *a, **k: pytest.fail("the hub was asked for a local path typo"))
+    with pytest.raises(bb.BackboneError, match=r"ckpt/qwen25v1: no such checkpoint directory \(did you mean "
+                                               r"ckpt/qwen25vl\?\)"):
+        bb.load_backbone("ckpt/qwen25v1")
+
+
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
 def test_committed_tiny_models_load_and_answer(name):
     if not os.path.exists(os.path.join(bb.TINY[name], "config.json")):
