@@ -14,6 +14,10 @@ nothing else is normalised unless the benchmark does it.
     # rolemerge.infer) against the converted benchmark file, matched by record id:
     python -m eval.scores --data bench/mme.jsonl --preds out/mod/infer.json [--method single]
 
+Records without a "benchmark" field (any canonical JSONL, LLaVA JSON) are scored as `generic`:
+the reading every entry point uses (`common.answers.score`), accuracy per family; `--benchmark
+NAME` scores them by NAME's rules instead.
+
 | benchmark | answer read as | score |
 |---|---|---|
 | mme | Otter's yes/no parse (`mme_answer`) | per subtask acc + acc+ per image pair (x100), perception / cognition sums |
@@ -41,6 +45,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from common.answers import score as answer_score
 from eval.metrics import _json_answer, extract, levenshtein, option_letters, option_pairs
 
 
@@ -624,6 +629,7 @@ def score_textvqa(items):
 
 # ----------------------------------------------------------------------------- report
 
+GENERIC = "generic"   # records of no benchmark: the repo's own reading (`common.answers.score`), as eval.evaluate
 SCORERS = {"mme": score_mme, "pope": score_pope, "mmmu": score_mmmu, "mmstar": score_mmstar,
            "scienceqa": score_scienceqa, "mmlu": score_mmlu, "infovqa": score_infovqa, "ocrbench": score_ocrbench,
            "chartqa": score_chartqa, "textvqa": score_textvqa, "blink": score_blink, "vstar": score_vstar,
@@ -633,24 +639,34 @@ HEADLINE = {"mme": ("perception", "cognition"), "pope": ("f1", "accuracy"), "mmm
             "mmstar": ("average",), "scienceqa": ("accuracy",), "mmlu": ("accuracy",), "infovqa": ("anls",),
             "ocrbench": ("points",), "chartqa": ("relaxed_overall",), "textvqa": ("vqa_accuracy",),
             "blink": ("accuracy",), "vstar": ("accuracy",), "realworldqa": ("accuracy",),
-            "cvbench": ("accuracy_2d", "accuracy_3d", "overall")}
+            "cvbench": ("accuracy_2d", "accuracy_3d", "overall"), GENERIC: ("accuracy",)}
 
 
-def benchmark_scores(records, preds):
+def score_generic(items):
+    """Any canonical record, scored the way every entry point scores it (`common.answers.score`:
+    the record's answer type, family or options decide the reading; README "Scoring"):
+    accuracy, per family. For data of no public benchmark (the shapes world, your own records)."""
+    ok = [answer_score(r, p)["correct"] for r, p in items]
+    return _accuracy_by_category([(dict(r, category=r.get("family", "unlabelled")), p) for r, p in items], ok)
+
+
+def benchmark_scores(records, preds, default=None):
     """{benchmark: scores} for the records that carry a "benchmark" field (`eval.convert`),
     each scored by `SCORERS[benchmark]` on its generated text (`visible`). records and preds
     are parallel lists (preds: raw generated strings). Records without a benchmark are
+    scored as `default` (a SCORERS name, or GENERIC: `score_generic`) when given, else
     skipped; an unknown benchmark name raises ValueError listing the known ones."""
     if len(records) != len(preds):
         raise ValueError(f"benchmark_scores: {len(records)} records vs {len(preds)} predictions")
     groups = {}
     for r, p in zip(records, preds):
-        if r.get("benchmark"):
-            groups.setdefault(r["benchmark"], []).append((r, visible(p)))
-    unknown = sorted(set(groups) - set(SCORERS))
+        b = r.get("benchmark") or default
+        if b:
+            groups.setdefault(b, []).append((r, visible(p)))
+    unknown = sorted(set(groups) - set(SCORERS) - {GENERIC})
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; scored benchmarks: {', '.join(SCORERS)}")
-    return {b: SCORERS[b](items) for b, items in groups.items()}
+    return {b: (score_generic if b == GENERIC else SCORERS[b])(items) for b, items in groups.items()}
 
 
 def format_scores(scores):
@@ -698,20 +714,23 @@ def main(argv=None):
     from common.data import atomic_write_text, read_any
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, "Score saved predictions the way each benchmark defines it.")
-    p.add_argument("--data", required=True, help="the converted benchmark JSONL (python -m eval.convert)")
+    p.add_argument("--data", required=True,
+                   help="the records the predictions answer: a converted benchmark JSONL (python -m eval.convert) or "
+                        "any canonical JSONL / LLaVA JSON")
     p.add_argument("--preds", required=True, help="predictions JSON of eval.evaluate / mod.infer / mole.infer / "
                                                   "rolemerge.infer")
+    p.add_argument("--benchmark", default=None, choices=sorted(SCORERS) + [GENERIC],
+                   help="score the records that have no \"benchmark\" field by this benchmark's rules (default: "
+                        f"{GENERIC}, the reading every entry point uses: accuracy per family)")
     p.add_argument("--method", default=None, help="one method of a mod.infer file (default: every method in it)")
     p.add_argument("--image-root", default=None, help="as for the entry point that made --preds (images are not read)")
     p.add_argument("--out", default=None, help="also write {method: scores} as JSON here")
     a = p.parse_args(argv)
     records = read_any(a.data, image_root=a.image_root, check_images=False)
-    if not any(r.get("benchmark") for r in records):  # shapes data, own data: nothing here defines a score
-        raise ValueError(f"{a.data}: no record has a \"benchmark\" field, so eval.scores has nothing to score. It "
-                         f"scores benchmark files made by eval.convert (records with a \"benchmark\" field: "
-                         f"{', '.join(SCORERS)}); for other data (the shapes world, your own records) the score is "
-                         f"the accuracy eval.evaluate prints and saves (mod.infer, mole.infer and rolemerge.infer "
-                         f"print it too)")
+    if not all(r.get("benchmark") for r in records) and not a.benchmark:
+        print(f"note: {sum(not r.get('benchmark') for r in records)} record(s) of {a.data} have no \"benchmark\" "
+              f"field: scored as {GENERIC} (accuracy per family, as eval.evaluate); --benchmark NAME applies a "
+              f"benchmark's own rules to them")
     out = {}
     for m, preds in load_predictions(a.preds, a.method).items():
         have = [r for r in records if r["id"] in preds]
@@ -720,7 +739,7 @@ def main(argv=None):
         if len(have) < len(records):
             print(f"note: {m}: {len(records) - len(have)} of {len(records)} records have no prediction (--limit?); "
                   f"scored the {len(have)} that do")
-        out[m] = benchmark_scores(have, [preds[r["id"]] for r in have])
+        out[m] = benchmark_scores(have, [preds[r["id"]] for r in have], a.benchmark or GENERIC)
         print(f"{m}:\n{format_scores(out[m])}")
     if a.out:
         atomic_write_text(a.out, json.dumps(out, indent=1))
