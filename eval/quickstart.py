@@ -93,14 +93,49 @@ def stage_tables(title, rows):
     return lines
 
 
-def write_report(stages, out_dir, timings):
-    """report.json (every row, with its stage) + report.md (per stage: accuracy first, then each
-    metric with a caption), atomically. stages: {title: rows}."""
+METHOD_NAMES = {"mod": "MoD", "rolemerge": "RoleMerge", "mole": "MoLE"}   # as the README's claims table names them
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def readme_verdicts(method):
+    """The rows of the README's claims table ("The claims, at toy scale") for `method`, read from
+    the committed result files the table is built from (`eval/results/tables.json`, table
+    "claims"): [(claim, verdict, effect, seeds)]. [] when the files are not there."""
+    try:
+        with open(os.path.join(RESULTS, "tables.json")) as f:
+            spec = next(t for t in json.load(f)["tables"] if t["name"] == "claims")
+        rows = []
+        for name in spec["file"] if isinstance(spec["file"], list) else [spec["file"]]:
+            with open(os.path.join(RESULTS, name)) as f:
+                rows += json.load(f)["rows"]
+    except (OSError, ValueError, KeyError, StopIteration):
+        return []
+    keep = [r for r in rows if all(r.get(k) == v for k, v in spec.get("where", {}).items())
+            and r.get("method") == METHOD_NAMES.get(method)]
+    return [(r["claim"], r["verdict"], r["effect"], r["seeds"]) for r in keep]
+
+
+def method_note(method):
+    """The lines report.md puts above a method's quick-mode rows: what they check, where the
+    verdict is, and the README's verdict lines (`readme_verdicts`)."""
+    lines = [f"These quick-mode rows check that {METHOD_NAMES.get(method, method)}'s code paths run end to end (a few "
+             f"steps, one seed, a small split); they test no claim and can point either way. The verdicts are in "
+             f"README.md, \"The claims, at toy scale\" (full toy runs, >= 3 seeds; {method}/README.md):", ""]
+    lines += [f"- {claim}: **{verdict}**, effect {effect} ({seeds} seeds)"
+              for claim, verdict, effect, seeds in readme_verdicts(method)] or ["- (no committed verdict found)"]
+    return lines + [""]
+
+
+def write_report(stages, out_dir, timings, notes=None):
+    """report.json (every row, with its stage) + report.md (per stage: its note lines from
+    `notes` {title: lines}, then accuracy first, then each metric with a caption), atomically.
+    stages: {title: rows}."""
     rows = [dict(r, stage=t) for t, rs in stages.items() for r in rs]
     data.atomic_write_text(os.path.join(out_dir, "report.json"), json.dumps(rows, indent=1))
     lines = ["# Quickstart report", ""]
     for title, rs in stages.items():
-        lines += stage_tables(title, rs)
+        table = stage_tables(title, rs)
+        lines += table[:2] + (notes or {}).get(title, []) + table[2:]
     lines += ["## Wall time (s)", ""] + [f"- {k}: {v:.1f}" for k, v in timings.items()]
     data.atomic_write_text(os.path.join(out_dir, "report.md"), "\n".join(lines) + "\n")
 
@@ -172,7 +207,7 @@ def main(argv=None):
     print(f"[quickstart] {threads} CPU thread(s) (--threads)")
     if a.fresh:  # before any stage: a --fresh run stopped midway must not leave the earlier run's records
         clear_stage_records(a.out)
-    timings, stages, t0 = {}, {}, time.time()
+    timings, stages, notes, t0 = {}, {}, {}, time.time()
 
     # 1. data
     world.ensure_splits(a.data, {"train": 2000, "val": 500, "test": a.n_test})
@@ -218,7 +253,8 @@ def main(argv=None):
                 if what in BASES:
                     bases_rows += rows
                 else:
-                    stages[f"{what} (quick mode; {what}/README.md has the full toy)"] = rows
+                    title = f"{what} (quick mode; {what}/README.md has the full toy)"
+                    stages[title], notes[title] = rows, method_note(what)
                 if flag["stop"]:
                     raise Interrupted(f"stopped after stage '{stage}' ({flag['stop']})", flag["signum"])
     except (Interrupted, KeyboardInterrupt) as e:  # ours after a stage, or a trainer's mid-stage, or a 2nd Ctrl-C
@@ -232,7 +268,7 @@ def main(argv=None):
     wall = time.time() - t0
     timings["total of the stages"] = sum(timings.values())
     timings["this run (wall)"] = wall  # less than the total when stages were reused from an earlier run
-    write_report(stages, a.out, timings)
+    write_report(stages, a.out, timings, notes)
     print(open(os.path.join(a.out, "report.md")).read())
     print(f"wrote {a.out}/report.json and report.md in {wall / 60:.1f} min")
 

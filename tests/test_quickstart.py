@@ -332,3 +332,32 @@ def test_mod_infer_base_json_is_the_toys_fair_baseline(tmp_path):
     import inspect
     from eval.toys import mod as toy_mod
     assert 'record("base-json", plain(base, proc, test, json_prompt=True))' in inspect.getsource(toy_mod.run)
+
+
+def test_report_says_quick_rows_check_code_paths_and_prints_the_readme_verdicts(tmp_path, monkeypatch):
+    """Quick-mode rows can point against the README verdicts (MoLE 0.685 vs plain latents 0.660;
+    RoleMerge at .5 0.300 vs frequency pruning 0.787): report.md now says, next to each method's
+    rows, that they check code paths and where the verdict is, and prints the README's verdict
+    lines, read from the committed result files (a changed file changes the report)."""
+    import json as js
+    import shutil
+    from eval import quickstart as qs
+    rows = [{"model": "mole", "family": "all", "metric": "accuracy", "value": 0.685, "ci_low": 0.6, "ci_high": 0.7,
+             "n": 40}]
+    title = "mole (quick mode; mole/README.md has the full toy)"
+    qs.write_report({title: rows}, str(tmp_path), {}, {title: qs.method_note("mole")})
+    md = (tmp_path / "report.md").read_text()
+    claims = [r for r in js.load(open(os.path.join(ROOT, "eval/results/mole/claims.json")))["rows"]
+              if r.get("top") and r["method"] == "MoLE"]
+    assert claims and all(f"- {r['claim']}: **{r['verdict']}**, effect {r['effect']}" in md for r in claims)
+    head = md.index(f"## {title}")
+    assert head < md.index("check that MoLE's code paths run") < md.index(claims[0]["claim"]) < md.index("| model |")
+    assert 'README.md, "The claims, at toy scale"' in md
+    res = tmp_path / "results"
+    shutil.copytree(os.path.join(ROOT, "eval", "results"), res, ignore=shutil.ignore_patterns("*.png"))
+    f = res / "mole" / "claims.json"
+    d = js.loads(f.read_text())
+    d["rows"] = [dict(r, verdict="supported") if r.get("top") else r for r in d["rows"]]
+    f.write_text(js.dumps(d))
+    monkeypatch.setattr(qs, "RESULTS", str(res))
+    assert all("**supported**" in line for line in qs.method_note("mole") if line.startswith("- "))
