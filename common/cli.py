@@ -119,6 +119,37 @@ class Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class DeprecatedSwitch(Deprecated):
+    """`Deprecated` for an on/off flag (no value): `--force` -> `--overwrite`. Usage:
+        p.add_argument("--force", dest="overwrite", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)"""
+
+    def __init__(self, option_strings, dest, new=None, **kw):
+        super().__init__(option_strings, dest, new=new, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, True, option_string)
+
+
+def add_overwrite(p, what="--out", old_force=False):
+    """Add `--overwrite` (replace an existing output; the one name in every entry point) to an
+    argparse parser; `old_force` also accepts the deprecated `--force`. Check it with
+    `check_overwrite` before anything slow runs."""
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace an existing {what} (without it an existing one is refused, nothing is written)")
+    if old_force:
+        p.add_argument("--force", dest="overwrite", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
+
+
+def check_overwrite(path, overwrite, resume=None, flag="--out"):
+    """RunError when `path` exists and neither `overwrite` nor `resume` is set: no entry point
+    replaces an output silently. resume None: the entry point has no --resume (the message
+    then names --overwrite only). Call before any model loads."""
+    if not path or not os.path.lexists(path) or overwrite or resume:
+        return
+    more = " (or --resume to continue an interrupted run)" if resume is not None else ""
+    raise RunError(f"{flag} {path} already exists; pass --overwrite to replace it{more}, or choose another {flag}")
+
+
 def add_limit(p, default=0, what="records", dest="limit", old_n=False):
     """Add `--limit N` (use only the first N records; 0 = all, the one meaning in every script) to an
     argparse parser; a negative N stops at parse time. `old_n` also accepts the deprecated `--n`.

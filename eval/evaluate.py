@@ -35,7 +35,8 @@ from collections import Counter
 import torch
 
 from common.backbone import generate, load_backbone
-from common.cli import Deprecated, RunError, add_limit, add_threads, check_out_file, number, run_cli, set_threads
+from common.cli import (Deprecated, RunError, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number,
+                        run_cli, set_threads)
 from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
                          check_support, expand_turns, load_image, read_any)
 from common.predictions import PredictionLog, fingerprint, model_digest
@@ -283,6 +284,7 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="continue a stopped run from its last finished batch (OUT.partial; the same flags, model "
                         "and data)")
+    add_overwrite(p)
     p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--n", dest="limit", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
     add_threads(p)
@@ -299,6 +301,7 @@ def main(argv=None):
         p.error(f"--out {out} is the data file; results would overwrite it")
     try:  # now, not after the whole evaluation
         check_out_file(out)
+        check_overwrite(out, a.overwrite, a.resume)
     except RunError as e:
         p.error(str(e))
 

@@ -20,10 +20,11 @@ out/quickstart/stages/<stage>.json when it finishes. Ctrl-C stops at the end of 
 training step and exits with 130 (Ctrl-C again stops at once); the interrupted stage reruns
 from its start (a method stage first empties its OUT/<method> folder, so no earlier run's
 files mix in), and a rerun skips the stages already done with the same settings and bases.
-`--fresh` deletes the earlier run's stage records and report before the first stage starts,
-so an interrupted --fresh run is continued by a plain rerun and never reports an earlier
+`--overwrite` deletes the earlier run's stage records and report before the first stage starts,
+so an interrupted --overwrite run is continued by a plain rerun and never reports an earlier
 run's rows.
 """
+import argparse
 import hashlib
 import importlib
 import json
@@ -38,7 +39,7 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import Interrupted, add_threads, fail, number, set_threads, sigterm_flag
+from common.cli import DeprecatedSwitch, Interrupted, add_threads, fail, number, set_threads, sigterm_flag
 
 METHODS = ("mod", "rolemerge", "mole")
 BASES = ("tiny-dense", "tiny-moe", "tiny-chat")
@@ -142,7 +143,7 @@ def write_report(stages, out_dir, timings, notes=None):
 
 def run_stage(name, settings, out, fresh, fn):
     """(rows, seconds, reused) of a stage: read from OUT/stages/<name>.json when it finished before
-    with the same settings (and not --fresh; reused True, seconds of that earlier run), else
+    with the same settings (and not --overwrite; reused True, seconds of that earlier run), else
     computed by fn() and saved there atomically."""
     path = os.path.join(out, "stages", f"{name}.json")
     if not fresh and os.path.exists(path):
@@ -159,7 +160,7 @@ def run_stage(name, settings, out, fresh, fn):
 
 
 def clear_stage_records(out):
-    """--fresh: delete OUT/stages (the stage records) and OUT/report.json / report.md of an
+    """--overwrite: delete OUT/stages (the stage records) and OUT/report.json / report.md of an
     earlier run, before the first stage starts. Only these quickstart paths are touched; each
     method's OUT/<method> folder is emptied when its stage runs (`main`)."""
     shutil.rmtree(os.path.join(out, "stages"), ignore_errors=True)
@@ -171,13 +172,13 @@ def clear_stage_records(out):
 def retrain_bases():
     """The README's three pretraining commands (the first two side by side, one thread each)."""
     procs = [subprocess.Popen([sys.executable, "-m", "eval.tools.pretrain", "--arch", arch, "--out", bb.TINY[name],
-                               "--steps", "6000", "--stop-at", "3500", "--threads", "1", "--fresh"])
+                               "--steps", "6000", "--stop-at", "3500", "--threads", "1", "--overwrite"])
              for arch, name in (("qwen3_vl", "tiny-dense"), ("qwen3_vl_moe", "tiny-moe"))]
     if any(p.wait() != 0 for p in procs):
         fail("base pretraining failed (see its output above)")
     chat = subprocess.run([sys.executable, "-m", "eval.tools.pretrain", "--init", bb.TINY["tiny-dense"],
                            "--chat-mix", "1,1,2,1,1", "--wrong-priors", "0", "--steps", "800", "--batch-size", "16",
-                           "--lr", "1e-3", "--out", bb.TINY["tiny-chat"], "--threads", "1", "--fresh"])
+                           "--lr", "1e-3", "--out", bb.TINY["tiny-chat"], "--threads", "1", "--overwrite"])
     if chat.returncode != 0:
         fail("chat-base pretraining failed (see its output above)")
 
@@ -193,9 +194,10 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of method toy reproductions to run in quick mode ('' for none)")
     p.add_argument("--batch-size", type=number(min=1), default=100, help="generation batch size")
-    p.add_argument("--fresh", action="store_true", help="redo every stage: the earlier run's stage records are "
-                                                        "deleted first (default: reuse the stages an earlier, "
-                                                        "interrupted run finished)")
+    p.add_argument("--overwrite", dest="fresh", action="store_true",
+                   help="redo every stage: the earlier run's stage records and report are deleted first (default: "
+                        "continue, reusing the stages an earlier, interrupted run finished)")
+    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
     from eval import evaluate as ev
@@ -205,7 +207,7 @@ def main(argv=None):
         p.error(f"unknown method(s) {bad}; choose from {','.join(METHODS)}")
     threads = set_threads(a.threads)
     print(f"[quickstart] {threads} CPU thread(s) (--threads)")
-    if a.fresh:  # before any stage: a --fresh run stopped midway must not leave the earlier run's records
+    if a.fresh:  # before any stage: an --overwrite run stopped midway must not leave the earlier run's records
         clear_stage_records(a.out)
     timings, stages, notes, t0 = {}, {}, {}, time.time()
 

@@ -712,7 +712,7 @@ def load_predictions(path, method=None):
 
 def main(argv=None):
     from common.data import atomic_write_text, read_any
-    from common.cli import entry_parser
+    from common.cli import add_overwrite, check_out_file, check_overwrite, entry_parser
     p = entry_parser(__spec__.name, "Score saved predictions the way each benchmark defines it.")
     p.add_argument("--data", required=True,
                    help="the records the predictions answer: a converted benchmark JSONL (python -m eval.convert) or "
@@ -725,7 +725,11 @@ def main(argv=None):
     p.add_argument("--method", default=None, help="one method of a mod.infer file (default: every method in it)")
     p.add_argument("--image-root", default=None, help="as for the entry point that made --preds (images are not read)")
     p.add_argument("--out", default=None, help="also write {method: scores} as JSON here")
+    add_overwrite(p)
     a = p.parse_args(argv)
+    if a.out:  # before anything is read
+        check_out_file(a.out)
+        check_overwrite(a.out, a.overwrite)
     records = read_any(a.data, image_root=a.image_root, check_images=False)
     if not all(r.get("benchmark") for r in records) and not a.benchmark:
         print(f"note: {sum(not r.get('benchmark') for r in records)} record(s) of {a.data} have no \"benchmark\" "

@@ -26,7 +26,7 @@ import time
 import torch
 
 from common.backbone import generate
-from common.cli import add_limit, add_threads, check_out_file, number, run_cli, set_threads
+from common.cli import add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
 
@@ -267,6 +267,7 @@ def main(argv=None):
     p.add_argument("--out", default="", help="write summaries + per-question results as JSON here")
     p.add_argument("--resume", action="store_true",
                    help="continue a stopped run from its last finished batch (OUT.partial; the same flags)")
+    add_overwrite(p, "--out / --heatmap")
     p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     add_threads(p)
     args = p.parse_args(argv)
@@ -291,6 +292,7 @@ def run(args, methods):
     for flag, path in (("--out", args.out), ("--heatmap", args.heatmap)):  # fail now, not after the whole run
         if path:
             check_out_file(path, flag)
+            check_overwrite(path, args.overwrite, args.resume, flag)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     records = read_records(args.data, args.image_root, args.skip_bad)[:args.limit or None]  # every image decoded
     check_support(records, "mod.infer", text_only=True)  # at most one image, one turn per record: before any model loads

@@ -19,6 +19,7 @@ the closest any uniform (E, k) gets there (`best_moelora`). `matched_moelora` gi
 projection kind one expert less (`--experts-pattern k_proj=10`, as peft's rank_pattern):
 +0.78 %. `python -m mod.params --model PATH` prints the matching flags for any checkpoint.
 """
+from common.cli import RunError, add_overwrite, check_overwrite
 from mod.model import AdapterConfig
 
 MOELORA_MATCHED = dict(num_experts=11, expert_rank=1)
@@ -129,6 +130,7 @@ def main(argv=None):
     import os
     p = argparse.ArgumentParser(prog="python -m mod.params", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="", help="also write the rows as a result file (eval/report.py format)")
+    add_overwrite(p)
     p.add_argument("--model", default="", metavar="PATH",
                    help="a checkpoint directory (its config.json only): print the MoE-LoRA flags matching MoD there")
     p.add_argument("--flags", action="store_true", help="with --model: print only the mod.train flags "
@@ -138,6 +140,10 @@ def main(argv=None):
         p.error("--flags prints the flags for a checkpoint: pass --model PATH too")
     if a.model and a.out:
         p.error("--out writes the table of the paper's bases; leave out --model")
+    try:
+        check_overwrite(a.out, a.overwrite)
+    except RunError as e:
+        p.error(str(e))
     from transformers import AutoConfig
     if a.model:
         from common.tiny import TINY   # tiny-chat, tiny-dense, tiny-moe as every --model takes them

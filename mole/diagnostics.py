@@ -20,7 +20,8 @@ import json
 import torch
 
 from common import data
-from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
+from common.cli import (Deprecated, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
+                        set_threads)
 from mole.model import ZSUM, ZVIS, load_record_images
 
 
@@ -92,6 +93,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=number(min=1), default=64, help="records per forward pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--out", default="", help="also write the numbers to this JSON file")
+    add_overwrite(p)
     return run_cli(run, p.parse_args(argv))  # DataError, BackboneError, bad checkpoint, files: error: ...
 
 
@@ -103,6 +105,7 @@ def run(a):
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:
         check_out_file(a.out)
+        check_overwrite(a.out, a.overwrite)
     recs = read_records(a.data, a.image_root, a.skip_bad)
     recs = recs[: a.n] if a.n else recs
     check_support(recs, "mole.diagnostics", multi_image=True)  # before the model loads

@@ -18,7 +18,8 @@ from transformers import DynamicCache
 
 from common import backbone as bb
 from common.answers import is_correct, score
-from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
+from common.cli import (Deprecated, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
+                        set_threads)
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, load_record_images, topology_mask
 
@@ -168,6 +169,7 @@ def main(argv=None):
     p.add_argument("--out", default="", help="write per-example predictions to this JSON file")
     p.add_argument("--resume", action="store_true",
                    help="continue a stopped run from its last finished batch (OUT.partial; the same flags)")
+    add_overwrite(p)
     p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     a = p.parse_args(argv)
     return run_cli(run, a)  # DataError, BackboneError, bad checkpoint, files: error: ...
@@ -181,6 +183,7 @@ def run(a):
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:  # fail now, not after the whole evaluation
         check_out_file(a.out)
+        check_overwrite(a.out, a.overwrite, a.resume)
     recs = read_records(a.data, a.image_root, a.skip_bad)  # every image decoded now
     recs = recs[: a.n] if a.n else recs
     # one turn per record, before the model loads; a MoLE checkpoint takes several images per

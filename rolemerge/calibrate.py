@@ -617,7 +617,7 @@ def _raw_model_type(path):
 
 def main(argv=None):
     from common import data
-    from common.cli import add_limit, add_threads, fail, set_threads
+    from common.cli import add_limit, add_overwrite, add_threads, fail, set_threads, with_fix
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
@@ -635,7 +635,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="device (cpu, cuda, ...)")
     p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
-    p.add_argument("--force", action="store_true", help="overwrite an existing stats file at --out")
+    add_overwrite(p, "stats file at --out (and its features file)", old_force=True)
     p.add_argument("--features", action="store_true",
                    help="also collect the comparison methods' features (M-SMoE, HC-SMoE, REAP, rolemerge/comparators.py) "
                         "over the same decoded tokens, written to <out minus .safetensors>.features.safetensors; "
@@ -652,12 +652,12 @@ def main(argv=None):
     if os.path.isdir(a.out):
         fail(f"--out {a.out} is a directory; give the stats file to write "
              f"(e.g. {os.path.join(a.out, 'stats.safetensors')})")
-    if os.path.exists(a.out) and not a.force:  # before the data and the model are read
-        fail(f"--out {a.out} exists; pass --force to overwrite it (or choose another --out)")
+    if os.path.exists(a.out) and not a.overwrite:  # before the data and the model are read
+        fail(f"--out {a.out} already exists; pass --overwrite to replace it, or choose another --out")
     from rolemerge import baselines as bl
     fpath = bl.features_path(a.out)
-    if a.features and os.path.exists(fpath) and not a.force:
-        fail(f"{fpath} exists; pass --force to overwrite it (or choose another --out)")
+    if a.features and os.path.exists(fpath) and not a.overwrite:
+        fail(f"{fpath} already exists; pass --overwrite to replace it, or choose another --out")
     seen = {}
     for path in a.data:
         if os.path.realpath(path) in seen:  # also ./val.json after val.json, or a link to it
@@ -682,9 +682,14 @@ def main(argv=None):
     except (CalibrationError, data.DataError) as e:
         fail(e)
     feats = stats.pop("features", None)
-    save_stats(stats, a.out)
+    try:  # a full disk, a read-only folder: `error: ...` naming the file, no temporary left
+        save_stats(stats, a.out)
+        if feats is not None:
+            bl.save_features(feats, fpath, {k: stats[k] for k in ("model_id", "model_type", "fingerprint",
+                                                                  "layer_names")})
+    except OSError as e:
+        fail(with_fix(e))
     if feats is not None:
-        bl.save_features(feats, fpath, {k: stats[k] for k in ("model_id", "model_type", "fingerprint", "layer_names")})
         print(f"wrote {fpath}: features of {len(feats)} MoE layers over the same decoded tokens")
     tot = sum(s["tokens"] for s in stats["sources"].values())
     print(f"wrote {a.out}: {len(stats['layer_names'])} MoE layers x {stats['num_experts']} experts, tokens "

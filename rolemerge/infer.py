@@ -166,7 +166,7 @@ def load_timed(path, dtype=None):
 
 def main(argv=None):
     from common import data
-    from common.cli import add_limit, add_threads, entry_parser, run_cli
+    from common.cli import add_limit, add_overwrite, add_threads, entry_parser, run_cli
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
     p.add_argument("--data", required=True,
@@ -180,6 +180,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write predictions + summary JSON here")
     p.add_argument("--resume", action="store_true",
                    help="continue a stopped run from its last finished batch (OUT.partial; the same flags)")
+    add_overwrite(p)
     p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
     a = p.parse_args(argv)
     for flag in ("batch_size", "max_new_tokens"):
@@ -197,11 +198,12 @@ def run(a):
     summary, --out. Returns {"summary", "predictions"}."""
     from common import backbone as bb
     from common import data
-    from common.cli import check_out_file, set_threads
+    from common.cli import check_out_file, check_overwrite, set_threads
     from common.predictions import PredictionLog, fingerprint, model_digest
     set_threads(a.threads, a.model)
     if a.out:
         check_out_file(a.out)  # now, not after the whole run
+        check_overwrite(a.out, a.overwrite, a.resume)
     records = data.expand_turns(data.read_records(a.data, a.image_root, a.skip_bad))[:a.n or None]
     data.check_support(records, "rolemerge.infer", text_only=True, multi_turn=True)  # before the model loads
     fp = fingerprint(records, model=model_digest(a.model), batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)

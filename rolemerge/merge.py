@@ -982,18 +982,18 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
                          f"to a new directory")
     if os.path.lexists(out):
         if not force:
-            raise MergeError(f"{out} exists; pass --force to overwrite it")
+            raise MergeError(f"--out {out} already exists; pass --overwrite to replace it, or choose another --out")
         if not os.path.isdir(out) or os.path.islink(out) or (
                 os.listdir(out) and not os.path.exists(os.path.join(out, REPORT))):
             raise MergeError(f"{out} exists and is not a RoleMerge output (no {REPORT}); refusing to delete it "
-                             f"even with --force: choose a new --out")
+                             f"even with --overwrite: choose a new --out")
     tmp, old = out + ".tmp", out + ".old"
     if not _ours(tmp, (TMP_MARK, REPORT)):
         raise MergeError(f"{tmp} exists and is not a RoleMerge temp folder (no {TMP_MARK} or {REPORT}); refusing "
                          f"to delete it: move it away or choose a new --out")
     if force and os.path.lexists(out) and not _ours(old, (REPORT,)):
         raise MergeError(f"{old} exists and is not a previous RoleMerge output (no {REPORT}); refusing to delete "
-                         f"it even with --force: move it away or choose a new --out")
+                         f"it even with --overwrite: move it away or choose a new --out")
     # readable, supported family, complete safetensors shards (streaming: from config.json alone, so the
     # merge never imports transformers, whose import costs seconds)
     cal.load_config(src) if not streaming else _streaming_config(src)
@@ -1055,7 +1055,7 @@ def run_merge(model_path, stats_paths, out, rho=None, k=None, method="rolemerge"
             json.dump(report, f, indent=1)
         os.remove(os.path.join(tmp, TMP_MARK))                # the report marks it from here on
         follow_umask(tmp)                                     # save_pretrained writes weights 0600
-        if os.path.exists(out):                               # --force over a previous output
+        if os.path.exists(out):                               # --overwrite over a previous output
             old = out + ".old"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(out, old)
@@ -1076,11 +1076,11 @@ def summary_line(rep, out):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
+    from common.cli import add_overwrite, entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe)")
     p.add_argument("--stats", nargs="+", required=True, help="stats file(s) from rolemerge.calibrate; all are summed")
-    p.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--rho", type=float, help="expert retention ratio in (0, 1]; K = round(rho * N) per layer")
     g.add_argument("--k", type=int, help="experts kept per MoE layer (transformers configs hold one count for all layers)")
@@ -1105,7 +1105,7 @@ def main(argv=None):
                    help="load the model and merge it in memory (default: stream from the safetensors shards without "
                         "loading the model; identical tensors, bounded memory)")
     p.add_argument("--streaming", action="store_true", help=argparse.SUPPRESS)   # the default; kept so older commands run
-    p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
+    add_overwrite(p, "output directory (a previous merge only, never other data)", old_force=True)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="load dtype of --in-memory (auto: the checkpoint's own; streaming always keeps the "
                         "checkpoint's dtypes)")
@@ -1120,7 +1120,7 @@ def main(argv=None):
     set_threads(a.threads, a.model)
     try:
         rep = run_merge(a.model, a.stats, a.out, a.rho, a.k, a.method, a.lam, a.linkage, a.seed, not a.in_memory,
-                        a.force, None if a.dtype == "auto" else getattr(torch, a.dtype), router=a.router,
+                        a.overwrite, None if a.dtype == "auto" else getattr(torch, a.dtype), router=a.router,
                         distance=a.distance, adaptive=a.adaptive)
     except (MergeError, cal.CalibrationError, OSError) as e:
         fail(e)  # `error: ...`, exit status 2

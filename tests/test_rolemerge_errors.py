@@ -4,7 +4,7 @@ leaves nothing at --out; a merge killed mid-shard leaves no output that looks co
 the rerun is byte-identical to an uninterrupted run.
 
 Already covered in test_rolemerge_merge.py, not repeated: rho 0 / 1.5 and rho below top_k
-through run_merge, stats of another seed's model, --out exists without --force, --out ==
+through run_merge, stats of another seed's model, --out exists without --overwrite, --out ==
 --model, calibrate() on a dense model."""
 import contextlib
 import io
@@ -229,12 +229,12 @@ def test_force_never_deletes_what_is_not_a_merge_output(moe, tmp_path):
     user = tmp_path / "results"
     user.mkdir()
     (user / "thesis.tex").write_text("years of work")
-    assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(user), "--rho", ".5", "--force"]) == (
+    assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(user), "--rho", ".5", "--overwrite"]) == (
         f"error: {user} exists and is not a RoleMerge output (no rolemerge_report.json); refusing to delete it even "
-        f"with --force: choose a new --out")
+        f"with --overwrite: choose a new --out")
     d = _copy_moe(tmp_path, "models/moe")                 # --out a folder that holds the input
     assert _merge_cli(["--model", str(d), "--stats", stats, "--out", str(tmp_path / "models"), "--rho", ".5",
-                       "--force"]).startswith(f"error: --out {tmp_path / 'models'} is the input checkpoint (or a "
+                       "--overwrite"]).startswith(f"error: --out {tmp_path / 'models'} is the input checkpoint (or a "
                                               f"folder holding it)")
     assert (user / "thesis.tex").read_text() == "years of work" and (d / "model.safetensors").exists()
 
@@ -244,7 +244,7 @@ def test_force_never_deletes_a_tmp_or_old_folder_it_did_not_write(moe, tmp_path)
     out = tmp_path / "o"
     (tmp_path / "o.tmp").mkdir()
     (tmp_path / "o.tmp" / "notes.txt").write_text("mine")
-    for extra in ([], ["--force"]):
+    for extra in ([], ["--overwrite"]):
         assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(out), "--rho", ".5", *extra]) == (
             f"error: {out}.tmp exists and is not a RoleMerge temp folder (no {mg.TMP_MARK} or {mg.REPORT}); "
             f"refusing to delete it: move it away or choose a new --out")
@@ -252,9 +252,9 @@ def test_force_never_deletes_a_tmp_or_old_folder_it_did_not_write(moe, tmp_path)
     mg.run_merge("tiny-moe", stats, str(out), rho=0.5)     # an empty leftover .tmp is fine
     (tmp_path / "o.old").mkdir()
     (tmp_path / "o.old" / "notes.txt").write_text("mine")
-    assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(out), "--rho", ".5", "--force"]) == (
+    assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(out), "--rho", ".5", "--overwrite"]) == (
         f"error: {out}.old exists and is not a previous RoleMerge output (no {mg.REPORT}); refusing to delete it "
-        f"even with --force: move it away or choose a new --out")
+        f"even with --overwrite: move it away or choose a new --out")
     assert (tmp_path / "o.old" / "notes.txt").read_text() == "mine" and (out / mg.REPORT).exists()
     assert not (out / mg.TMP_MARK).exists() and not (tmp_path / "o.tmp").exists()
 
@@ -333,20 +333,20 @@ def test_infer_flags_and_out(moe, tmp_path, capsys):
 
 def test_calibrate_refuses_an_existing_stats_file_without_force(moe, tmp_path):
     """--out holds stats already: refused before the data or the model is read (--model
-    nowhere), the file byte for byte as it was; --force replaces it."""
+    nowhere), the file byte for byte as it was; --overwrite replaces it."""
     *_, root, stats = moe
     d = str(root / "val.json")
     out = tmp_path / "s.safetensors"
     shutil.copy(stats, out)
     before = out.read_bytes()
     assert _error(cal.main, ["--model", "nowhere", "--data", d, "--out", str(out)]) == (
-        f"error: --out {out} exists; pass --force to overwrite it (or choose another --out)")
+        f"error: --out {out} already exists; pass --overwrite to replace it, or choose another --out")
     (tmp_path / "d.safetensors").mkdir()
     assert _error(cal.main, ["--model", "nowhere", "--data", d, "--out", str(tmp_path / "d.safetensors"),
-                             "--force"]).startswith(f"error: --out {tmp_path / 'd.safetensors'} is a directory; give "
+                             "--overwrite"]).startswith(f"error: --out {tmp_path / 'd.safetensors'} is a directory; give "
                                                     f"the stats file to write")
     assert out.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["d.safetensors", "s.safetensors"]
-    cal.main(["--model", "tiny-moe", "--data", d, "--out", str(out), "--limit", "1", "--max-new-tokens", "2", "--force"])
+    cal.main(["--model", "tiny-moe", "--data", d, "--out", str(out), "--limit", "1", "--max-new-tokens", "2", "--overwrite"])
     assert out.read_bytes() != before and json.load(open(tmp_path / "s.json"))["examples"] == {"val": 1}
 
 

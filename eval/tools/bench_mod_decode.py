@@ -164,7 +164,13 @@ def main(argv=None):
     p.add_argument("--toy-rounds", type=int, default=3, help="interleaved rounds of the toy comparison")
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--out", default="", help="write the result file (eval/report.py format) here")
+    from common.cli import add_overwrite, check_overwrite, fail
+    add_overwrite(p)
     args = p.parse_args(argv)
+    try:  # before anything runs: no silent overwrite of a measurement
+        check_overwrite(args.out, args.overwrite)
+    except ValueError as e:
+        fail(e)
     torch.set_num_threads(args.threads)
     try:
         import peft

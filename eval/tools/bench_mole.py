@@ -120,7 +120,13 @@ def main(argv=None):
     p.add_argument("--out", default="out/mole/bench.json", help="where to write the measurements")
     p.add_argument("--compile", action="store_true", help="also time MoLE with its hot functions compiled (cold-"
                    "compile seconds, compiled / eager train-step ratio; minutes of CPU)")
+    from common.cli import add_overwrite, check_overwrite, fail
+    add_overwrite(p)
     a = p.parse_args(argv)
+    try:  # before anything runs: no silent overwrite of a measurement
+        check_overwrite(a.out, a.overwrite)
+    except ValueError as e:
+        fail(e)
     if a.threads:
         torch.set_num_threads(a.threads)
     res = {"device": "cpu", "threads": torch.get_num_threads()}

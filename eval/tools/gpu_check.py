@@ -178,7 +178,13 @@ def main(argv=None):
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {CHECKS}")
     p.add_argument("--steps", type=int, default=30, help="train steps per timing check")
     p.add_argument("--out", default="out/gpu_check.json", help="where the figures go (JSON)")
+    from common.cli import add_overwrite, check_overwrite, fail
+    add_overwrite(p)
     a = p.parse_args(argv)
+    try:  # before anything runs: no silent overwrite of a measurement
+        check_overwrite(a.out, a.overwrite)
+    except ValueError as e:
+        fail(e)
     from common.cli import fail
     bad = [c for c in a.checks.split(",") if c not in CHECKS]
     if bad:

@@ -27,7 +27,7 @@ Needs only the standard library to start: it
 5. runs the entry point `python -m eval.lm_harness` on tiny-moe's local tasks and checks that its
    result file holds the harness's acc / acc_norm of step 4.
 Exits 1 if any comparison differs, 2 for a setup error. Every step's output stays in --out; a
-rerun redoes only what is missing (--fresh redoes all). About 5 minutes on a busy 2-core CPU
+rerun redoes only what is missing (--overwrite redoes all). About 5 minutes on a busy 2-core CPU
 after the venv (installing lm-eval and its dependencies takes longer).
 """
 import argparse
@@ -157,7 +157,10 @@ def main(argv=None):
     p.add_argument("--tol", type=float, default=1e-4, help="largest |log-likelihood difference| in nats (default 1e-4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--result", default=None, help="also write the rows as a result file here (eval.report format)")
-    p.add_argument("--fresh", action="store_true", help="redo every step (not the venv)")
+    from common.cli import DeprecatedSwitch
+    p.add_argument("--overwrite", dest="fresh", action="store_true",
+                   help="redo every step (not the venv; default: continue, skipping the steps done)")
+    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     p.add_argument("--driver", nargs=4, metavar=("MODEL", "NAME", "STOCK", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--make", nargs=2, metavar=("WHAT", "DIR"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -197,9 +200,9 @@ def main(argv=None):
                  "--overwrite"], env, "shapes data (calibration)")
         stats = os.path.join(rm, "stats.safetensors")
         run([py, "-m", "rolemerge.calibrate", "--model", "tiny-moe", "--data", os.path.join(data, "val.json"),
-             "--limit", "20", "--out", stats, "--force"] + T, env, "RoleMerge calibration")
+             "--limit", "20", "--out", stats, "--overwrite"] + T, env, "RoleMerge calibration")
         run([py, "-m", "rolemerge.merge", "--model", "tiny-moe", "--stats", stats, "--rho", "0.5", "--out", merged,
-             "--force"] + T, env, "RoleMerge merge")
+             "--overwrite"] + T, env, "RoleMerge merge")
     qwen3 = os.path.join(out, "qwen3_moe")
     if not os.path.exists(os.path.join(qwen3, "config.json")):
         run(me + ["--make", "qwen3_moe", qwen3], env, "random tiny Qwen3-MoE")

@@ -26,9 +26,10 @@ Measured (mod/README.md, "lmms-eval"): with --torch cpu every comparison is equa
 (qwen3_vl: patch 16 assumed, our tiny bases have 14; huggingface: `audios=` refused by
 transformers 5), so that mode exits 1.
 
-Every step's output stays in --out; a rerun redoes only what is missing (--fresh redoes all).
+Every step's output stays in --out; a rerun redoes only what is missing (--overwrite redoes all).
 Runs one thread per process (`--threads`); about 10 minutes on a busy 2-core CPU after the venv.
 """
+import argparse
 import glob
 import json
 import os
@@ -177,7 +178,10 @@ def main(argv=None):
     p.add_argument("--torch", choices=["cpu", "pypi"], default="cpu",
                    help="torch of a new venv: cpu = our local CPU wheel (no torchvision: lmms-eval's stock Qwen-VL "
                         "classes cannot run), pypi = the index's build of the same version + torchvision (~3 GB)")
-    p.add_argument("--fresh", action="store_true", help="redo every step (not the venv)")
+    from common.cli import DeprecatedSwitch
+    p.add_argument("--overwrite", dest="fresh", action="store_true",
+                   help="redo every step (not the venv; default: continue, skipping the steps done)")
+    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     out = os.path.abspath(a.out)
     if a.fresh:
@@ -216,9 +220,9 @@ def main(argv=None):
     if not os.path.exists(os.path.join(merged, "config.json")):
         stats = os.path.join(rm, "stats.safetensors")
         run([py, "-m", "rolemerge.calibrate", "--model", "tiny-moe", "--data", os.path.join(data, "val.json"),
-             "--limit", "20", "--out", stats, "--force"] + T, env, "RoleMerge calibration")
+             "--limit", "20", "--out", stats, "--overwrite"] + T, env, "RoleMerge calibration")
         run([py, "-m", "rolemerge.merge", "--model", "tiny-moe", "--stats", stats, "--rho", "0.5", "--out", merged,
-             "--force"] + T, env, "RoleMerge merge")
+             "--overwrite"] + T, env, "RoleMerge merge")
 
     # our own scores
     ref = os.path.join(out, "ref")

@@ -55,9 +55,15 @@ def main(argv=None):
     from common.cli import add_threads, entry_parser, set_threads
     from common.data import atomic_write_text
     p = entry_parser(__spec__.name, "Trainable parameters of MoLE, plain latents and SFT.")
-    p.add_argument("--out", default="eval/results/mole/param_counts.json", help="result file (rewritten)")
+    p.add_argument("--out", default="eval/results/mole/param_counts.json", help="result file")
     add_threads(p)
+    from common.cli import add_overwrite, check_overwrite, fail
+    add_overwrite(p)
     a = p.parse_args(argv)
+    try:  # before anything runs: no silent overwrite of a measurement
+        check_overwrite(a.out, a.overwrite)
+    except ValueError as e:
+        fail(e)
     set_threads(a.threads, "tiny-dense")
     from common.backbone import load_backbone
     tcfg = load_backbone("tiny-dense")[0].config.get_text_config()

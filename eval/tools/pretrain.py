@@ -20,6 +20,7 @@ answer); the target is always correct. The committed `tiny-chat` used --wrong-pr
 only ever saw agreeing priors and so learned to lean on them (misled by a wrong prior, as the
 MoD paper says real VLMs are), which is what viewpoint-shift training is meant to fix.
 """
+import argparse
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from common import backbone as bb
 from common import data
 from common import shapes
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
-from common.cli import add_threads, fail, number, set_threads
+from common.cli import DeprecatedSwitch, add_threads, fail, number, set_threads
 
 
 LOOKS = ("full", "objects", "none")
@@ -240,7 +241,9 @@ def main():
                    "(e.g. 1,1,2,1,1; empty = the plain shape only; see chat_example)")
     p.add_argument("--wrong-priors", type=number(float, min=0), default=0.5,
                    help="with --chat-mix: probability that a prior response in a prompt is wrong (0 = all agree)")
-    p.add_argument("--fresh", action="store_true", help="discard an existing {out}.ckpt instead of resuming it")
+    p.add_argument("--overwrite", dest="fresh", action="store_true",
+                   help="discard an existing {out}.ckpt and start over (default: continue it)")
+    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
     p.add_argument("--ckpt-every", type=int, default=250, help="atomic checkpoint every N steps")
