@@ -150,6 +150,9 @@ def check_overwrite(path, overwrite, resume=None, flag="--out"):
     raise RunError(f"{flag} {path} already exists; pass --overwrite to replace it{more}, or choose another {flag}")
 
 
+SAVE_EVERY = 100   # --save-every of every trainer: a checkpoint every 100 optimizer steps (0 = only at the end)
+
+
 def add_limit(p, default=0, what="records", dest="limit", old_n=False):
     """Add `--limit N` (use only the first N records; 0 = all, the one meaning in every script) to an
     argparse parser; a negative N stops at parse time. `old_n` also accepts the deprecated `--n`.

@@ -31,6 +31,7 @@ SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exits (stat
 loss stops the run before the update and keeps the last checkpoint. User errors print
 `error: ...` and exit with status 2.
 """
+import argparse
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher  # noqa: F401  (mod.train.Batcher: the trainer's batches)
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
-                        step_tokens, token_ce, add_threads)
+                        step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
 from common.routing import rank_mean
 from mod.data import load_records
 from mod.params import MOELORA_MATCHED
@@ -132,7 +133,7 @@ def batch_indices(n, batch_size, seed, step, micro, rank=0, world=1):
 
 
 def default_warmup(steps):
-    """Warmup steps when --warmup is not given: a tenth of the run, at least 1 and at most 20 (so 20 from
+    """Warmup steps when --warmup-steps is not given: a tenth of the run, at least 1 and at most 20 (so 20 from
     200 steps on, as before; a 10-step run warms up over 1 step instead of never reaching its peak lr)."""
     return min(20, max(1, steps // 10))
 
@@ -148,6 +149,7 @@ def lr_at(step, steps, lr, warmup):
 # ----------------------------------------------------------------------------- checkpoints
 
 RNG = "__torch_rng_state__"  # the torch CPU RNG state, stored with the adapter tensors
+BATCH_UNIT = "optimizer step"  # --batch-size counts the records of one optimizer step (settings key batch_size_unit)
 
 
 def run_settings(model, records, **train_kw):
@@ -190,6 +192,8 @@ def load_ckpt(path, model, opt, settings):
     if state is None:
         return 0, []
     saved = dict(state.get("settings", {}))
+    if "batch_size" in saved and saved.get("batch_size_unit") != BATCH_UNIT:  # written when it was per micro-batch
+        saved["batch_size"] *= saved.get("grad_accum", 1) * saved.get("world_size", 1)  # of one process
     if state["step"] > settings["steps"]:
         raise RunError(f"--resume: {path} is at step {state['step']}, past --steps {settings['steps']}; pass "
                        f"--steps {saved.get('steps', state['step'])} (its run) or more, or --overwrite to start over")
@@ -277,14 +281,21 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     Raises RunError when resuming a checkpoint of other settings, when a batch has no label
     to train on, and on a non-finite loss or gradient (the update is skipped, the last
     checkpoint kept); Interrupted after SIGTERM (step finished, checkpoint written).
-    warmup None: `default_warmup(steps)`, resolved here, so a checkpoint records (and --resume
-    compares) the number of steps actually used. loss_reduction: "mean" (token mean of L_reg)
+    batch_size: records per optimizer step, all processes and `grad_accum` micro-batches
+    together (each process draws batch_size / (world * grad_accum) records per micro-batch;
+    RunError when that does not divide). warmup None: `default_warmup(steps)`, resolved here, so
+    a checkpoint records (and --resume compares) the number of steps actually used. loss_reduction: "mean" (token mean of L_reg)
     or "sum" (eq. 8's sum over the target tokens, see `accumulate`); the logged loss is that L_reg."""
     if loss_reduction not in ("mean", "sum"):
         raise RunError(f"loss_reduction must be mean or sum, not {loss_reduction!r}")
     if not records:
         raise RunError("no training records")
     warmup = default_warmup(steps) if warmup is None else warmup
+    if batch_size % (world * grad_accum):
+        raise RunError(f"--batch-size {batch_size} (records per optimizer step) does not divide into {world} "
+                       f"process(es) x --grad-accum {grad_accum} micro-batches; pass a multiple of "
+                       f"{world * grad_accum}")
+    micro = batch_size // (world * grad_accum)   # records per micro-batch of each process
     os.makedirs(out_dir, exist_ok=True)
     raw = model
     device = next(raw.parameters()).device
@@ -293,7 +304,8 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     ckpt = os.path.join(out_dir, CKPT)
     settings = run_settings(raw, records, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                             warmup=warmup, weight_decay=weight_decay, clip=clip, seed=seed, aux_coef=aux_coef,
-                            world_size=world, **({"loss_reduction": loss_reduction} if loss_reduction != "mean" else {}))
+                            world_size=world, batch_size_unit=BATCH_UNIT,
+                            **({"loss_reduction": loss_reduction} if loss_reduction != "mean" else {}))
     start, log = load_ckpt(ckpt, raw, opt, settings) if resume else (0, [])
     saved_at = start if start else None  # step of the last checkpoint of this run on disk
     run = raw
@@ -318,8 +330,8 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step, steps, lr, warmup)
                 batches = []
-                for micro in range(grad_accum):
-                    recs = [records[i] for i in batch_indices(len(records), batch_size, seed, step, micro, rank, world)]
+                for m in range(grad_accum):
+                    recs = [records[i] for i in batch_indices(len(records), micro, seed, step, m, rank, world)]
                     batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
                     check_labels(batch["labels"], step, recs)
                     batches.append(batch)
@@ -373,20 +385,26 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output dir: adapter files, ckpt/, log.jsonl")
     add_adapter_args(p)
     p.add_argument("--steps", type=number(min=1), default=300, help="optimizer steps")
-    p.add_argument("--batch-size", type=number(min=1), default=16, help="micro-batch size per process")
+    p.add_argument("--batch-size", type=number(min=1), default=16,
+                   help="records per optimizer step, all processes and --grad-accum micro-batches together (a "
+                        "multiple of processes x --grad-accum)")
     p.add_argument("--grad-accum", type=number(min=1), default=1,
-                   help="micro-batches per optimizer step (the loss is normalised by the step's label tokens)")
+                   help="split each process's share of the step into this many micro-batches (memory); the loss is "
+                        "normalised by the label tokens of the whole step, so the gradient is the same")
     p.add_argument("--lr", type=number(float, above=0), default=2e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup", type=number(min=0), default=None,
-                   help="linear warmup steps (default: min(20, steps // 10), at least 1: 20 for --steps >= 200)")
+    p.add_argument("--warmup-steps", dest="warmup", type=number(min=0), default=None,
+                   help="linear warmup in optimizer steps (default: min(20, steps // 10), at least 1: 20 for --steps "
+                        ">= 200)")
+    p.add_argument("--warmup", dest="warmup", type=number(min=0), action=Deprecated, new="--warmup-steps",
+                   help=argparse.SUPPRESS)
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient-norm clip (0 = off)")
     p.add_argument("--loss-reduction", default="mean", choices=["mean", "sum"],
                    help="L_reg over the target tokens: mean (default) or sum (eq. 8 as written: lambda then weighs "
                    "the aux loss |a'| times less)")
     p.add_argument("--seed", type=int, default=0, help="seed of adapter init and batch sampling")
-    p.add_argument("--save-every", type=number(min=0), default=100,
-                   help="checkpoint every N steps (0 = only at the end)")
+    p.add_argument("--save-every", type=number(min=0), default=SAVE_EVERY,
+                   help="also checkpoint every N optimizer steps (0 = only at the end)")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue the run in OUT from OUT/ckpt (same settings required)")
@@ -404,6 +422,10 @@ def train(args):
     set_threads(args.threads, args.model)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cfg = adapter_config(args)  # before anything loads: a bad flag fails in seconds
+    if args.batch_size % (world * args.grad_accum):
+        raise RunError(f"--batch-size {args.batch_size} (records per optimizer step) does not divide into {world} "
+                       f"process(es) x --grad-accum {args.grad_accum} micro-batches; pass a multiple of "
+                       f"{world * args.grad_accum}")
     stale = prepare_out(args.out, args.resume, args.overwrite) if rank == 0 else []
     records = load_records(args.data, args.image_root, skip_bad=args.skip_bad)  # before the model loads: bad data fails in seconds
     batcher = Batcher(None, records)  # decodes every image now: a truncated one fails here too

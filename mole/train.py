@@ -42,7 +42,7 @@ from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
-                        step_tokens, token_ce, add_threads, Deprecated)
+                        step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
 from common.routing import rank_mean
 from mole.lora import add_lora
 from mole.checkpoint import (PlaceholderProcessor, build, copy_tensors, load_mole, mole_config,  # noqa: F401
@@ -96,20 +96,27 @@ def get_parser():
                    help="epochs with the visual bottleneck (stage 1)")
     p.add_argument("--stage2-epochs", type=number(float, min=0), default=1,
                    help="epochs with direct visual access (stage 2)")
-    p.add_argument("--batch-size", type=number(min=1), default=32, help="global batch size (split over DDP ranks)")
+    p.add_argument("--batch-size", type=number(min=1), default=32,
+                   help="records per optimizer step, all processes and --grad-accum micro-batches together (a "
+                        "multiple of the processes)")
     p.add_argument("--grad-accum", type=number(min=1), default=1,
-                   help="split each rank's batch into this many micro-batches (memory); the loss is normalised "
-                        "by the label tokens of the whole step, so the gradient is the same")
+                   help="split each process's share of the step into this many micro-batches (memory); the loss is "
+                        "normalised by the label tokens of the whole step, so the gradient is the same")
     p.add_argument("--lr", type=number(float, above=0), default=None,
                    help="peak learning rate (AdamW, warmup + cosine); default 2e-3 for the tiny bases only "
                         "(a toy value), required for any other --model")
-    p.add_argument("--warmup", type=number(float, min=0), default=0.05, help="warmup fraction of all steps (0-1)")
+    p.add_argument("--warmup-ratio", dest="warmup", type=number(float, min=0), default=0.05,
+                   help="linear warmup as a fraction of all optimizer steps (0-1)")
+    p.add_argument("--warmup", dest="warmup", type=number(float, min=0), action=Deprecated, new="--warmup-ratio",
+                   help=argparse.SUPPRESS)
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient norm clip (0 = off)")
     # trainable set
     p.add_argument("--train", default="lora", choices=("lora", "full"), help="LoRA on the LLM, or the full LLM")
-    p.add_argument("--lora-r", type=number(min=1), default=8, help="LoRA rank r")
-    p.add_argument("--lora-alpha", type=number(float, above=0), default=16, help="LoRA alpha (scaling = alpha / r)")
+    p.add_argument("--r", dest="lora_r", type=number(min=1), default=8, help="LoRA rank r (peft's r)")
+    p.add_argument("--lora-r", dest="lora_r", type=number(min=1), action=Deprecated, new="--r", help=argparse.SUPPRESS)
+    p.add_argument("--lora-alpha", type=number(float, above=0), default=16,
+                   help="LoRA output scale alpha (peft's lora_alpha; scaling = lora_alpha / r: 2 by default)")
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target module name suffixes")
     # system
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
@@ -125,8 +132,8 @@ def get_parser():
     again.add_argument("--resume", action="store_true",
                        help="continue the checkpoint in --out (same settings required; none there: start)")
     again.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --out, start over")
-    p.add_argument("--save-every", type=number(min=0), default=0,
-                   help="also checkpoint every n steps (0 = only at the end)")
+    p.add_argument("--save-every", type=number(min=0), default=SAVE_EVERY,
+                   help="also checkpoint every N optimizer steps (0 = only at the end)")
     p.add_argument("--max-steps", type=number(min=0), default=0,
                    help="stop after this global step (0 = full schedule); the schedule itself is unchanged")
     add_threads(p)
@@ -477,7 +484,7 @@ def main(argv=None):
     p = get_parser()
     a = p.parse_args(argv)
     if a.warmup > 1:
-        p.error(f"--warmup is a fraction of all steps (0-1), got {a.warmup}")
+        p.error(f"--warmup-ratio is a fraction of all steps (0-1), got {a.warmup}")
     net, proc, log = run_cli(train, a)
     if log and int(os.environ.get("RANK", "0")) == 0:
         last = log[-1]

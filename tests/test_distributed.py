@@ -87,15 +87,16 @@ def _mod_args(d, out, batch):
 
 
 def test_mod_train_two_processes_end_and_equal_one_process(world, tmp_path):
-    """3 steps; 2 processes x batch 2 == 1 process x batch 4 (batch_indices: slice `rank` of the
-    global draw), aux loss (eq. 9) weighted up: adapters within 1e-5, logged losses the same."""
+    """3 steps of --batch-size 4 (records per optimizer step): 2 processes x 2 == 1 process x 4
+    (batch_indices: slice `rank` of the global draw), aux loss (eq. 9) weighted up: adapters
+    within 1e-5, logged losses the same."""
     from mod import train as mtr
     from safetensors.torch import load_file
     mtr.main(_mod_args(world, tmp_path / "one", 4))
     w1 = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
     log1 = [json.loads(x) for x in (tmp_path / "one" / "log.jsonl").read_text().splitlines()]
     for i in range(RUNS):
-        rc, out = torchrun("mod.train", _mod_args(world, tmp_path / f"two{i}", 2))
+        rc, out = torchrun("mod.train", _mod_args(world, tmp_path / f"two{i}", 4))
         assert rc == 0, out[-3000:]
         w2 = load_file(str(tmp_path / f"two{i}" / "adapter_model.safetensors"))
         worst = max(float((w1[k] - w2[k]).abs().max()) for k in w1)

@@ -134,7 +134,7 @@ def test_truncated_checkpoint_is_refused_on_resume(shapes, run, tmp_path, capsys
     ("train", ["--steps", "ten"], "argument --steps: expected an integer, got 'ten'"),
     ("train", ["--method", "mdo"], "argument --method: invalid choice: 'mdo'"),
     ("train", ["--granularity", "windw"], "argument --granularity: invalid choice: 'windw'"),
-    ("data", ["--k", "0"], "argument --k: must be >= 1, got 0"),
+    ("data", ["--num-return-sequences", "0"], "argument --num-return-sequences: must be >= 1, got 0"),
     ("data", ["--ratios", "0,0,0"], "argument --ratios: needs three weights >= 0 (pos,rev,rob), not all 0"),
     ("data", ["--ratios", "1,2"], "argument --ratios: needs three weights >= 0"),
     ("data", ["--ratios", "1,-1,1"], "argument --ratios: needs three weights >= 0"),

@@ -113,7 +113,7 @@ def test_truncated_checkpoint(shapes, run, tmp_path, capsys):
     ("train", ["--n-vis", "0"], "argument --n-vis: must be >= 1, got 0"),
     ("train", ["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     ("train", ["--stage1-epochs", "-1"], "argument --stage1-epochs: must be >= 0, got -1"),
-    ("train", ["--warmup", "2"], "--warmup is a fraction of all steps (0-1), got 2.0"),
+    ("train", ["--warmup-ratio", "2"], "--warmup-ratio is a fraction of all steps (0-1), got 2.0"),
     ("train", ["--lora-r", "0"], "argument --lora-r: must be >= 1, got 0"),
     ("train", ["--max-steps", "-1"], "argument --max-steps: must be >= 0, got -1"),
     ("train", ["--method", "mle"], "argument --method: invalid choice: 'mle'"),

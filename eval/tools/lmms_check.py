@@ -213,7 +213,7 @@ def main(argv=None):
     merged = os.path.join(rm, "tiny-moe-A1B-rho0.5")
     if not os.path.exists(os.path.join(mod_dir, "adapter_config.json")):
         run([py, "-m", "mod.train", "--model", "tiny-chat", "--data", os.path.join(data, "train.json"), "--out",
-             mod_dir, "--steps", "30", "--warmup", "20", "--batch-size", "8", "--lr", "5e-3", "--overwrite"] + T, env, "MoD adapter")
+             mod_dir, "--steps", "30", "--warmup-steps", "20", "--batch-size", "8", "--lr", "5e-3", "--overwrite"] + T, env, "MoD adapter")
     if not os.path.exists(os.path.join(mole_dir, "state.json")):
         run([py, "-m", "mole.train", "--data", data, "--out", mole_dir, "--max-steps", "30", "--batch-size", "8",
              "--overwrite", "--quiet"] + T, env, "MoLE checkpoint")

@@ -6,7 +6,7 @@
         --steps 800 --batch-size 16 --lr 1e-3 --out common/tiny/chat        # chat base (MoD toy)
 
 Fresh examples every step (seeded by step, so a resumed run sees the same data), AdamW with
-warmup + cosine, a progress bar, an atomic checkpoint every --ckpt-every steps in
+warmup + cosine, a progress bar, an atomic checkpoint every --save-every steps in
 `{out}.ckpt/` and automatic resume from it. The result is `save_pretrained` into --out and
 loads through `common.backbone.load_backbone` exactly like a real checkpoint.
 The recipe and its measured time are in the README ("How the tiny base models learn").
@@ -35,7 +35,7 @@ from common import backbone as bb
 from common import data
 from common import shapes
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
-from common.cli import DeprecatedSwitch, add_threads, fail, number, set_threads
+from common.cli import SAVE_EVERY, Deprecated, DeprecatedSwitch, add_threads, fail, number, set_threads
 
 
 LOOKS = ("full", "objects", "none")
@@ -211,12 +211,16 @@ def main():
                    help="transformers architecture of the tiny base")
     p.add_argument("--out", required=True, help="save_pretrained directory of the result")
     p.add_argument("--steps", type=int, default=6000, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32, help="examples per step")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="records per optimizer step, --grad-accum micro-batches together")
     p.add_argument("--grad-accum", type=number(min=1), default=1,
                    help="split each step's batch into this many micro-batches (memory); the loss is normalised by "
                         "the label tokens of the whole step, so the gradient is the same")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warmup + cosine)")
-    p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of --steps")
+    p.add_argument("--warmup-ratio", dest="warmup", type=float, default=0.05,
+                   help="linear warmup as a fraction of all optimizer steps (0-1)")
+    p.add_argument("--warmup", dest="warmup", type=float, action=Deprecated, new="--warmup-ratio",
+                   help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, default=128, help="text hidden size")
     p.add_argument("--layers", type=int, default=4, help="text decoder layers")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer (MoE arch)")
@@ -246,7 +250,10 @@ def main():
     p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
-    p.add_argument("--ckpt-every", type=int, default=250, help="atomic checkpoint every N steps")
+    p.add_argument("--save-every", dest="ckpt_every", type=int, default=SAVE_EVERY,
+                   help="also checkpoint (atomically) every N optimizer steps (0 = only at the end)")
+    p.add_argument("--ckpt-every", dest="ckpt_every", type=int, action=Deprecated, new="--save-every",
+                   help=argparse.SUPPRESS)
     a = p.parse_args()
     set_threads(a.threads)  # the tiny bases: one thread unless asked
     chat_mix = None
@@ -318,7 +325,7 @@ def main():
             log.append({"step": step, "loss": loss.item(), "minutes": (time.time() - t0) / 60, "val": ev})
             tqdm.write(f"step {step} loss {loss.item():.3f} " + " ".join(
                 f"{f}={v['answer']:.2f}/{v['full']:.2f}" for f, v in ev.items()))
-        if step % a.ckpt_every == 0 or step == last:
+        if (a.ckpt_every and step % a.ckpt_every == 0) or step == last:
             save_train_state(ckpt, model.state_dict(), opt, {"step": step, "log": log, "recipe": recipe})
     bar.close()
     model.eval()

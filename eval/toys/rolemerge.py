@@ -230,7 +230,7 @@ PAPER = dict(n_cal=24, n_test=200, rhos=(0.5, 0.625, 0.75), max_new=8)
 # seed; the second recipe's 1,000 steps did not give a usable base): `--retrain-base DIR` runs
 # `python -m eval.tools.pretrain {PAPER_RECIPE} --seed S --out DIR/seedS` (resuming DIR/seedS.ckpt).
 PAPER_RECIPE = ("--arch qwen3_vl_moe --experts 32 --top-k 4 --expert-width 32 --patch-size 7 --merge-size 1 "
-                "--look objects --steps 5500 --batch-size 16 --lr 2e-3 --eval-every 1000 --ckpt-every 50").split()
+                "--look objects --steps 5500 --batch-size 16 --lr 2e-3 --eval-every 1000 --save-every 50").split()
 MAX_NEW_BY_LOOK = {"none": 8, "objects": 32, "full": 64}   # new tokens by the base's look step (its longest turn fits)
 
 
