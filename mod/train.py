@@ -17,8 +17,8 @@ separately (out/log.jsonl and the progress bar).
     python -m mod.train --model tiny-chat --data out/mod/data/train_vs.json --out out/mod/run --steps 300
     # one GPU (bf16 autocast, compiled)
     python -m mod.train --model /ckpt/Qwen2.5-VL-3B-Instruct --data train_vs.json --out run --device cuda --compile
-    # several GPUs
-    torchrun --nproc_per_node 8 -m mod.train --model ... --device cuda --compile
+    # several GPUs (--batch-size counts the records of one optimizer step: 16 per GPU here)
+    torchrun --nproc_per_node 8 -m mod.train --model ... --batch-size 128 --device cuda --compile
 
 Batches are drawn per step from a generator seeded with (seed, step, rank), so a resumed run
 (--resume) sees exactly the batches of an uninterrupted one; the checkpoint OUT/ckpt/

@@ -447,8 +447,8 @@ def largest_unit_bytes(spec):
 # documented real-model commands: (label, model, job, batch per process, processes; negative: FSDP over them)
 COMMANDS = [
     ("python -m mod.train --model Qwen2.5-VL-3B-Instruct (batch 16)", "qwen2_5_vl_3b", "mod", 16, 1),
-    ("torchrun --nproc_per_node 8 -m mod.train --model Qwen2.5-VL-3B-Instruct (16 per GPU)", "qwen2_5_vl_3b", "mod",
-     16, 8),
+    ("torchrun --nproc_per_node 8 -m mod.train --model Qwen2.5-VL-3B-Instruct --batch-size 128 (16 per GPU)",
+     "qwen2_5_vl_3b", "mod", 16, 8),
     ("python -m mole.train --model Qwen2.5-VL-7B-Instruct, stage 1 (batch 32)", "qwen2_5_vl_7b", "mole1", 32, 1),
     ("python -m mole.train --model Qwen2.5-VL-7B-Instruct, stage 2 (batch 32)", "qwen2_5_vl_7b", "mole2", 32, 1),
     ("python -m mole.train --model Qwen2.5-VL-7B-Instruct --grad-accum 4, stage 2 (8 per micro-batch)",
