@@ -22,6 +22,7 @@ Results are what this run measures; nothing is copied from the paper.
 import argparse
 import json
 import os
+import re
 import shutil
 import time
 
@@ -30,6 +31,8 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes
+from eval.metrics import two_level_bootstrap
+from eval.metrics import verdict as verdict_rule
 
 VARIANTS = {  # name -> (method, linkage)
     "rolemerge": ("rolemerge", "single"),
@@ -338,10 +341,17 @@ def pooled(results, key, field="correct"):
     return sum((list(r["arms"][key][field]) for r in results), [])
 
 
+def compare(results, ka, kb, field="correct"):
+    """Arm `ka` minus arm `kb` over the bases in `results` (each base one seed): the two-level paired
+    bootstrap of eval.metrics (bases with replacement, then examples within each base), with the
+    per-base differences; one base: the examples-only bootstrap, and the result says so."""
+    return two_level_bootstrap([r["arms"][ka][field] for r in results], [r["arms"][kb][field] for r in results])
+
+
 def paper_report(results, out_dir):
     """Markdown tables + PNG figures from the per-base result dicts (pooled over bases: the
     examples of every base are concatenated, paired by (base, example))."""
-    from eval.metrics import bootstrap_ci, paired_bootstrap
+    from eval.metrics import bootstrap_ci
     rhos = results[0]["config"]["rhos"]
     arms = [a for a in PAPER_ARMS if all(f"{a}@{rhos[0]}" in r["arms"] for r in results)]
     fams = list(dict.fromkeys(f for r in results for f in r["families"]))
@@ -373,7 +383,7 @@ def paper_report(results, out_dir):
             macro = sum(sum(v) / len(v) for v in fam_acc.values()) / len(fam_acc)
             orc = results[0]["arms"][key].get("oracle_correct")
             orc = f"{sum(cat(key, 'oracle_correct')) / len(c):.3f}" if orc is not None else ""
-            d = paired_bootstrap(cat(f"rolemerge@{rho}"), c) if a != "rolemerge" else None
+            d = compare(results, f"rolemerge@{rho}", key) if a != "rolemerge" else None
             ds = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
             mi = [r["arms"][key]["mi_retention"] for r in results]
             mis = f"{sum(mi) / len(mi):.3f}" if None not in mi else "n/a"
@@ -396,24 +406,24 @@ def paper_report(results, out_dir):
 
 
 def verdict(d):
-    """The pre-registered criterion on a paired difference dict (eval.metrics.paired_bootstrap):
-    CI entirely above 0 -> "supported", entirely below -> "contradicted", else "inconclusive"."""
-    return "supported" if d["ci_low"] > 0 else "contradicted" if d["ci_high"] < 0 else "inconclusive"
+    """The verdict rule of every toy (eval.metrics.verdict) on a comparison dict (`compare`): the CI
+    entirely above 0 and every base's difference > 0 -> "supported", both below -> "contradicted",
+    else "inconclusive"."""
+    return verdict_rule(d)
 
 
 def claim_table(results):
-    """Markdown verdict table of CLAIMS x rho, pooled over the bases in `results` (examples
-    concatenated, paired by (base, example), 10,000 resamples), then each base's own difference
-    (last brackets, in the order of `results`) so a reader sees whether the seeds agree in sign.
+    """Markdown verdict table of CLAIMS x rho over the bases in `results` (`compare`: bases, then
+    examples resampled, 10,000 resamples; `verdict`), then each base's own difference (last
+    brackets, in the order of `results`), whose signs the verdict also requires to agree.
     Rows whose arms are missing are left out; "same groups" marks a cell where both arms chose
     identical groups on every base (for arms that differ only in grouping, e.g. lambda0 or the
     phase prior, the difference is then 0 by construction, not a finding). H1 counts as
     reproduced if supported against every baseline at >= 2 rhos (all rhos when fewer than 2)."""
-    from eval.metrics import paired_bootstrap
     rhos = results[0]["config"]["rhos"]
     names = [os.path.basename(r["base"].rstrip("/")) for r in results]
-    lines = [f"Verdicts (RoleMerge side minus arm; pooled over {', '.join(names)}; per base in the "
-             "last brackets):", "", "| claim | " + " | ".join(f"rho {rho}" for rho in rhos) + " |",
+    lines = [f"Verdicts (RoleMerge side minus arm; two-level bootstrap over {', '.join(names)}; per base in "
+             "the last brackets):", "", "| claim | " + " | ".join(f"rho {rho}" for rho in rhos) + " |",
              "|---" * (len(rhos) + 1) + "|"]
     found = {}   # (arm, field, rho) -> pooled verdict, for the H1 rule below
     for label, a, b, field in CLAIMS:
@@ -423,10 +433,9 @@ def claim_table(results):
             continue
         cells = []
         for rho, (ka, kb) in zip(rhos, keys):
-            d = paired_bootstrap(pooled(results, ka, field), pooled(results, kb, field))
+            d = compare(results, ka, kb, field)
             found[(b, field, rho)] = verdict(d)
-            per = [sum(r["arms"][ka][field]) / len(r["arms"][ka][field])
-                   - sum(r["arms"][kb][field]) / len(r["arms"][kb][field]) for r in results]
+            per = d["per_seed"]
             same = results[0]["arms"][ka].get("groups") is not None \
                 and all(r["arms"][ka]["groups"] == r["arms"][kb].get("groups") for r in results)
             cells.append(f"{verdict(d)} ({d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
@@ -445,9 +454,11 @@ def _name(r):
 
 
 def _seed(r):
-    """'seed S (name)' from the base's pretrain_log.json, else the folder name."""
+    """'seed S' from the base's pretrain_log.json, else from a folder named seedS, else the folder name."""
     log = os.path.join(r["base"], "pretrain_log.json")
     s = json.load(open(log))["args"].get("seed") if os.path.exists(log) else None
+    if s is None and re.fullmatch(r"seed\d+", _name(r)):   # a --rescore file whose base folder is elsewhere
+        s = _name(r)[4:]
     return f"seed {s}" if s is not None else _name(r)
 
 
@@ -526,7 +537,7 @@ def result_rows(results, everyone, log):
     """Rows of the result file (eval/report.py format) for the Table-1 experiment: per-base
     accuracy and % of full per (arm, rho) for every base in `everyone`, and the pooled claims
     over `results` (the bases that passed the usability check). `log`: the log entry's link."""
-    from eval.metrics import bootstrap_ci, paired_bootstrap
+    from eval.metrics import bootstrap_ci
     rhos = results[0]["config"]["rhos"]
     pool = "+".join(_name(r) for r in results)
     rows = []
@@ -549,25 +560,27 @@ def result_rows(results, everyone, log):
         if not all(ka in r["arms"] and kb in r["arms"] and r["arms"][ka].get(field) is not None
                    and r["arms"][kb].get(field) is not None for r in results for ka, kb in keys):
             continue
-        ds = [paired_bootstrap(pooled(results, ka, field), pooled(results, kb, field)) for ka, kb in keys]
+        ds = [compare(results, ka, kb, field) for ka, kb in keys]
         rows.append({"kind": "claim", "method": "RoleMerge", "claim": label, "arm": b, "field": field,
                      "verdict": _summary([verdict(d) for d in ds], rhos),
                      "effect": "; ".join(f"{rho:g}".lstrip("0") + f": {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
                                          for rho, d in zip(rhos, ds)),
                      "per_seed": "; ".join(f"{rho:g}".lstrip("0") + ": " + " / ".join(
-                         f"{_acc(r, ka, field) - _acc(r, kb, field):+.3f}" for r in results)
-                                           for rho, (ka, kb) in zip(rhos, keys)),
-                     "seeds": len(results), "pool": pool, "log": log,
+                         f"{x:+.3f}" for x in d["per_seed"]) for rho, d in zip(rhos, ds)),
+                     "seeds": len(results), "bootstrap": ds[0]["bootstrap"], "pool": pool, "log": log,
                      "top": label.startswith(("H1a", "H1d", "H1g", "H2 ", "H3 ")),
                      "supported_at": sum(verdict(d) == "supported" for d in ds)})
     h1 = [r for r in rows if r["kind"] == "claim" and r["arm"] in PAPER_BASELINES and r["field"] == "correct"]
-    if h1:   # the registered rule: supported against every comparator at >= 2 of the rhos
-        fails = [r["claim"].split(" > ")[1].split(" (")[0] for r in h1 if r["supported_at"] < min(2, len(rhos))]
-        rows.append({"kind": "claim", "method": "RoleMerge", "claim": "H1 as registered: beats every comparator "
-                     f"({len(h1)}) at >= 2 of {len(rhos)} rho", "arm": None, "field": "correct",
-                     "verdict": "reproduced" if not fails else f"not reproduced (fails against {', '.join(fails)})",
-                     "effect": "the rows above", "per_seed": "", "seeds": len(results), "pool": pool, "log": log,
-                     "top": False})
+    if h1:   # the registered rule: supported against every comparator at >= 2 of the rhos; the main verdict, first
+        need = min(2, len(rhos))
+        fails = [r["claim"].split(" > ")[1].split(" (")[0] for r in h1 if r["supported_at"] < need]
+        rows.insert(rows.index(h1[0]), {
+            "kind": "claim", "method": "RoleMerge", "claim": "H1 as registered: beats every comparator "
+            f"({len(h1)}) at >= {need} of {len(rhos)} rho", "arm": None, "field": "correct",
+            "verdict": "reproduced" if not fails else f"not reproduced (fails against {', '.join(fails)})",
+            "effect": f"supported at >= {need} rho against {len(h1) - len(fails)} of {len(h1)} comparators",
+            "per_seed": "", "seeds": len(results), "bootstrap": h1[0]["bootstrap"], "pool": pool, "log": log,
+            "top": True})
     return rows
 
 
@@ -670,6 +683,10 @@ def parser():
                    help="--paper: also write the result rows (eval/report.py format: per-base accuracy, Table 1, "
                         "claims) to FILE")
     p.add_argument("--log", default="", help="--results: the experiment log entry the claim rows link to")
+    p.add_argument("--rescore", default="", metavar="FILES",
+                   help="comma-separated per-question result files of --paper (one {base}.json per base, e.g. "
+                        "eval/results/rolemerge/table1_per_question/moe32.json): recompute the verdicts, Table 1 and "
+                        "--results from them, without merging")
     return p
 
 
@@ -688,6 +705,35 @@ def retrain_bases(root, seeds, threads):
     return out
 
 
+def _write_results(path, argv, res, every, log):
+    data.atomic_write_text(path, json.dumps({
+        "experiment": "rolemerge_table1", "source": "python -m eval.toys.rolemerge " + " ".join(
+            argv if argv is not None else __import__("sys").argv[1:]),
+        "rows": result_rows(res, every, log)}, indent=1) + "\n")
+
+
+def rescore(p, a, argv):
+    """--rescore: the claim table, Table 1 and (--results) the result rows from finished per-base
+    result files of --paper; exit 2 naming a file that is missing or is not one."""
+    every = []
+    for f in (x for x in a.rescore.split(",") if x):
+        try:
+            r = json.load(open(f))
+            r["arms"]["full"]["correct"], r["config"]["rhos"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.exit(2, f"error: --rescore: {f} is not a per-base result file of --paper ({e}); pass the "
+                      f"{{base}}.json files --paper writes\n")
+        every.append(r)
+    names = [x for x in a.pool.split(",") if x]
+    unknown = [x for x in names if x not in [_name(r) for r in every]]
+    if unknown:
+        p.error(f"--pool names {unknown} are not among the --rescore bases {[_name(r) for r in every]}")
+    res = [r for r in every if not names or _name(r) in names]
+    if a.results:
+        _write_results(a.results, argv, res, every, a.log)
+    print(claim_table(res) + "\n\nTable 1 layout (pooled; per base in brackets):\n\n" + table1(res))
+
+
 def main(argv=None):
     from common.cli import set_threads
     p = parser()
@@ -696,8 +742,12 @@ def main(argv=None):
         seeds = [int(x) for x in a.seeds.split(",") if x]
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
-    if (a.pool or a.results or a.log) and not (a.paper or a.retrain_base):
+    if (a.pool or a.results or a.log) and not (a.paper or a.retrain_base or a.rescore):
         p.error("--pool, --results and --log belong to the --paper experiment; add --paper BASES")
+    if a.rescore:
+        if a.paper or a.retrain_base:
+            p.error("--rescore reads finished result files; leave out --paper and --retrain-base")
+        return rescore(p, a, argv)
     if a.retrain_base and a.paper:
         p.error("--retrain-base trains the bases it evaluates; leave out --paper")
     set_threads(a.threads, a.paper.split(",")[0] if a.paper else a.model)
@@ -740,10 +790,7 @@ def main(argv=None):
             md += "\n\nEvery base, exploratory:\n\n" + table1(every)
         table1_png(res, os.path.join(outp, "accuracy_vs_rho_table1.png"))
         if a.results:
-            data.atomic_write_text(a.results, json.dumps({
-                "experiment": "rolemerge_table1", "source": "python -m eval.toys.rolemerge " + " ".join(
-                    argv if argv is not None else __import__("sys").argv[1:]),
-                "rows": result_rows(res, every, a.log)}, indent=1) + "\n")
+            _write_results(a.results, argv, res, every, a.log)
         r0 = res[0]
         groups = {k.split("@")[0]: r0["arms"][k]["groups"][0] for k in r0["arms"]
                   if k.endswith(f"@{cfg['rhos'][0]}") and k.split("@")[0] in ("rolemerge", "no_phase_split", "msmoe", "hcsmoe")}
