@@ -12,7 +12,8 @@ import torch.nn as nn
 from common import shapes
 from common.backbone import build_tokenizer
 from mole.infer import generate
-from mole.model import (TEXT, ZSUM, ZVIS, ChatVLMAdapter, MoLE, MoLEConfig, cumulative_positions,
+from mole.adapters import ChatVLMAdapter, cumulative_positions
+from mole.model import (TEXT, ZSUM, ZVIS, MoLE, MoLEConfig,
                         embedding_output_scale, init_latents)
 
 GEMMA_TEMPLATE = (
@@ -84,7 +85,8 @@ def test_gemma3_adapter_layout():
     imgs, qs, ans = examples(2)
     qs[1] += " Answer carefully."  # different lengths -> padding
     b = mole.encode(imgs, qs, ans)
-    assert set(b) == {"input_ids", "attention_mask", "pixel_values", "labels"}
+    assert set(b) == {"input_ids", "attention_mask", "pixel_values", "labels", "token_type_ids"}
+    assert torch.equal(b["token_type_ids"], (b["input_ids"] == ad.image_token_id).long())  # Gemma3Processor's
     t = mole.token_types(b["input_ids"], b["attention_mask"])
     assert ((t == ZVIS).sum(1) == 4).all() and ((t == ZSUM).sum(1) == 4).all()
     assert ((b["input_ids"] == ad.image_token_id).sum(1) == 4).all()
@@ -214,7 +216,7 @@ def test_llava_next_through_the_repo_processor_bottleneck_and_cache():
     # the repo's VLProcessor protocol with a family that has no M-RoPE (LLaVA-NeXT: CLIP tiles,
     # Llama decoder): QwenVLAdapter falls back to 1-D positions, no mm_token_type_ids
     from common.backbone import build_tiny
-    from mole.qwen import QwenVLAdapter
+    from mole.adapters import QwenVLAdapter
     model, proc = build_tiny("llava_next", layers=1)
     mole = MoLE(model.eval(), proc, MoLEConfig())
     assert isinstance(mole.adapter, QwenVLAdapter)
