@@ -23,8 +23,9 @@ GEMMA_TEMPLATE = (
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
-def tiny_gemma3(layers=1, seed=0):
-    """Tiny random Gemma3 VLM (28 px images -> 4 image tokens) + a real Gemma3Processor."""
+def tiny_gemma3(layers=1, seed=0, sliding_window=128):
+    """Tiny random Gemma3 VLM (28 px images -> 4 image tokens; even layers slide over
+    `sliding_window` tokens) + a real Gemma3Processor."""
     from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
                               Gemma3Processor, PreTrainedTokenizerFast)
     base = build_tokenizer()
@@ -40,7 +41,7 @@ def tiny_gemma3(layers=1, seed=0):
     cfg = Gemma3Config(
         text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         sliding_window=128, pad_token_id=tok.pad_token_id, layer_types=types),
+                         sliding_window=sliding_window, pad_token_id=tok.pad_token_id, layer_types=types),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=7),
         mm_tokens_per_image=4, image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
