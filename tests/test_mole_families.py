@@ -154,15 +154,15 @@ def test_latent_intervention_on_a_sliding_window_cache():
 
 # ----------------------------------------------------------------------------- more families
 
-@pytest.mark.parametrize("build", [tv.idefics3, tv.smolvlm], ids=["idefics3", "smolvlm"])
+@pytest.mark.parametrize("build", [tv.idefics3, tv.smolvlm, tv.llava_next], ids=["idefics3", "smolvlm", "llava_next"])
 @torch.no_grad()
-def test_mole_runs_on_idefics3_layout(build):
-    # the decoder is model.model.text_model (not language_model); the vision inputs include
-    # pixel_attention_mask; 1-D positions (no position function of its own)
+def test_mole_runs_on_1d_position_families(build):
+    # Idefics3 / SmolVLM: the decoder is model.model.text_model (not language_model), the vision
+    # inputs include pixel_attention_mask; LLaVA-NeXT through its transformers processor (Vicuna
+    # template, image_sizes); 1-D positions (no position function of their own)
     model, proc = build()
     mole, b, res, refs, ks = check_prefix_is_the_untouched_model(model, proc)
-    assert text_model(model) is model.model.text_model and len(mole.routers) == 2
-    assert "pixel_attention_mask" in b
+    assert len(mole.routers) == 2 and set(refs[0]) - {"input_ids", "attention_mask"} <= set(b)
     assert torch.equal(res["positions"], model_positions(model, b["input_ids"], b["attention_mask"], b))
     assert res["positions"].dim() == 2
     imgs, qs = two_questions()

@@ -8,7 +8,8 @@ format). Qwen2.5-VL's processor is the real `Qwen2_5_VLProcessor` without its vi
 import torch
 from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
                           Idefics3Processor, InternVLConfig, InternVLForConditionalGeneration, Llama4Config,
-                          Llama4ForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config,
+                          Llama4ForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration,
+                          LlavaNextImageProcessorPil, LlavaNextProcessor, Mistral3Config,
                           Mistral3ForConditionalGeneration, PreTrainedTokenizerFast, ProcessorMixin,
                           Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, SmolVLMConfig,
                           SmolVLMForConditionalGeneration)
@@ -144,3 +145,28 @@ def llava(seed=0):
 def repo_tiny(arch):
     """A family the repo builds itself (`common.backbone.build_tiny`): model only."""
     return build_tiny(arch, hidden=64, layers=2)[0].eval()
+
+
+# LLaVA-NeXT's (Vicuna) chat template: "USER: <image>\n... ASSISTANT:"
+LLAVA_NEXT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if m['role'] == 'user' %} {% else %}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def llava_next(seed=0):
+    """Tiny LLaVA-NeXT (`common.backbone.build_tiny`: CLIP tower, Llama decoder, one 28 px tile)
+    + the real LlavaNextProcessor over a tokenizer with `<image>` and `</s>` and a Vicuna template."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer().backend_tokenizer, eos_token="</s>",
+                                  pad_token="<|endoftext|>", bos_token="<s>")
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "</s>", "<s>"]})
+    model = build_tiny("llava_next", hidden=64, layers=2, seed=seed)[0]
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.config.image_token_index = model.config.image_token_id = tok.convert_tokens_to_ids("<image>")
+    ip = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                    image_grid_pinpoints=[[28, 28]])
+    proc = LlavaNextProcessor(image_processor=ip, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
+                              vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+                              image_token="<image>", chat_template=LLAVA_NEXT_TEMPLATE)
+    return model.eval(), proc
