@@ -22,8 +22,8 @@ from transformers import DynamicCache
 from common import backbone as bb
 from common.answers import is_correct, score
 from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
-from mole.model import ZSUM, ZVIS, MoLE, column_mask, load_record_images
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, load_record_images
+from mole.model import ZSUM, ZVIS, MoLE, column_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
 

@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from common.routing import load_balance_loss, topk_gates, z_loss
 from mole.adapters import (adapter_for, check_served, model_positions, register_attention, sdpa_attention_forward,
                            text_model, token_type_inputs)
@@ -111,18 +112,6 @@ class MoLEConfig:
 
 
 PLAIN_LATENT = dict(router=False, esva=False, latent_mixing="causal")  # + n_vis = budget, n_sum = 0
-
-
-def record_images(rec):
-    """Image paths of a record: its "images" list (several images per question, LLaVA style)
-    or [its "image"]."""
-    return list(rec.get("images") or [rec["image"]])
-
-
-def load_record_images(rec):
-    """The record's images as a list of PIL images (`common.data.load_image`)."""
-    from common import data
-    return [data.load_image(p, rec["id"]) for p in record_images(rec)]
 
 
 # ----------------------------------------------------------------------------- latent embeddings
