@@ -16,7 +16,7 @@ From the model itself (its class and config, never from which processor built th
   * Attention: `register_attention(name, fn)` registers MoLE's attention function with a mask
     builder (`base_mask`) that always materialises the base's own boolean mask, so the function
     gets, per layer, exactly the mask the base would use (causal, padding, sliding window, Gemma3's
-    bidirectional image blocks, Llama4's chunks) and applies MoLE's topology on top of it.
+    bidirectional image blocks) and applies MoLE's topology on top of it.
     `sdpa_attention_forward` is transformers' SDPA kernel.
   * `check_served(model)`: ValueError naming a family that cannot be served (`UNSERVED`).
 
@@ -155,9 +155,8 @@ def register_attention(name, fn):
 # ----------------------------------------------------------------------------- prompt adapters (processor side)
 
 class VLMAdapter:
-    """The model-family-specific part of MoLE: how prompts are built around the images, where
-    the latents go, which id marks a visual token, and the decoder's position ids. `MoLE`
-    touches the processor / model family only through this interface.
+    """The processor side of MoLE: how prompts are built around the images, where the latents
+    go, which id marks a visual token. `MoLE` touches the processor only through this interface.
 
     Attributes: proc (the processor, kept as `MoLE.proc`), image_token_id (the id of every
     visual token in input_ids), pad_token_id, eos_token_id (ends an answer; labels include it).
@@ -173,7 +172,7 @@ class VLMAdapter:
         positions and the token types of `token_type_inputs`.
     Positions and token types come from the model (`model_positions`, `token_type_inputs`),
     never from the adapter: the same model gets the same positions from any processor.
-    Subclasses: `QwenVLAdapter` (the repo's VLProcessor, Qwen M-RoPE) and
+    Subclasses: `QwenVLAdapter` (the repo's VLProcessor: Qwen chat format) and
     `ChatVLMAdapter` (a transformers multimodal processor with a chat template)."""
 
     proc = None

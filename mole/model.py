@@ -33,7 +33,7 @@ How it plugs into transformers (the traps it avoids are named below):
     (`mole.adapters.register_attention`; without one transformers builds no mask and padding
     silently vanishes). The model gets the 2-D attention mask and its token types, so it builds
     its own boolean mask per layer kind: causal + padding, and per family a sliding window,
-    Gemma3's bidirectional image blocks (from `token_type_ids`), Llama4's chunks.
+    Gemma3's bidirectional image blocks (from `token_type_ids`).
     `mole_attention` puts the topology on top (`topology_mask(..., base=)`): rows that are not
     latents keep the base's attention minus the stage-1 bottleneck; latent rows follow the
     topology over the whole sequence. All rows go through the standard SDPA kernel; only the
@@ -148,7 +148,7 @@ def topology_mask(types, stage, cfg, base=None):
 
     types: [B, L] long (PAD/TEXT/VIS/ZVIS/ZSUM); stage: 1 (visual bottleneck) or 2;
     base: the base model's own mask of one layer, [B or 1, 1, L, L] bool (causal + padding, and
-    per family a sliding window, Gemma3's bidirectional image blocks, Llama4's chunks), or None
+    per family a sliding window or Gemma3's bidirectional image blocks), or None
     for causal over non-pad columns. Rows that are not latents keep the base's mask, minus the
     stage-1 bottleneck (text rows never see V); the latent rows (Z_vis, Z_sum) follow MoLE's
     topology over the whole sequence in every layer (causal, no window). Returns [B, 1, L, L]
@@ -222,7 +222,7 @@ def mole_attention(module, query, key, value, attention_mask, dropout=0.0, scali
 
     query [B,H,Q,D], key/value [B,Hkv,K,D] (GQA not repeated), attention_mask [B,1,Q,K] bool:
     the base's own mask of this layer (`mole.adapters.base_mask`: causal, padding and the
-    family's sliding window / image blocks / chunks). Returns (out [B,Q,H,D], None).
+    family's sliding window / image blocks). Returns (out [B,Q,H,D], None).
     With a `mole` kwarg (a MoLEPass: a full MoLE forward) the mask becomes `topology_mask` over
     the base's, every row goes through SDPA and the Z_vis rows are then replaced by
     `MoLE.latent_attention` (routed mask, prior, ESVA). With `mole_columns` ([B,Lk] bool: which

@@ -12,7 +12,7 @@ import torch
 import tiny_vlms as tv
 from mole.adapters import ChatVLMAdapter, check_served, model_positions, text_model
 from mole.infer import generate
-from mole.model import MoLE, MoLEConfig
+from mole.model import TEXT, VIS, ZSUM, ZVIS, MoLE, MoLEConfig, topology_mask
 from test_mole_vlm import examples, tiny_gemma3
 
 EPS = torch.finfo(torch.float32).eps
@@ -71,6 +71,39 @@ def check_prefix_is_the_untouched_model(model, proc):
     return mole, b, res, refs, ks
 
 
+# ----------------------------------------------------------------------------- the mask over the base's
+
+def test_topology_over_the_base_mask_hand_case():
+    # text, a 2-token image block, text, Z_vis, Z_sum, tail, answer; the base slides over 3 tokens and
+    # lets the image block attend bidirectionally (Gemma3's sliding layers)
+    types = torch.tensor([[TEXT, VIS, VIS, TEXT, ZVIS, ZSUM, TEXT, TEXT]])
+    base = torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0],
+                         [1, 1, 1, 0, 0, 0, 0, 0],
+                         [1, 1, 1, 0, 0, 0, 0, 0],
+                         [0, 1, 1, 1, 0, 0, 0, 0],
+                         [0, 0, 1, 1, 1, 0, 0, 0],
+                         [0, 0, 0, 1, 1, 1, 0, 0],
+                         [0, 0, 0, 0, 1, 1, 1, 0],
+                         [0, 0, 0, 0, 0, 1, 1, 1]], dtype=torch.bool)[None, None]
+    stage2 = [[1, 0, 0, 0, 0, 0, 0, 0],
+              [1, 1, 1, 0, 0, 0, 0, 0],  # the image block keeps its bidirectional attention
+              [1, 1, 1, 0, 0, 0, 0, 0],
+              [0, 1, 1, 1, 0, 0, 0, 0],  # text keeps the window
+              [1, 0, 0, 1, 1, 0, 0, 0],  # Z_vis: whole prompt text (no window), itself; V only when routed
+              [1, 1, 1, 1, 1, 1, 0, 0],  # Z_sum: causal over everything (no window)
+              [0, 0, 0, 0, 1, 1, 1, 0],  # tail and answer: the base's window
+              [0, 0, 0, 0, 0, 1, 1, 1]]
+    stage1 = [r[:] for r in stage2]
+    stage1[3] = [0, 0, 0, 1, 0, 0, 0, 0]  # the bottleneck: text and Z_sum rows never see V
+    stage1[5] = [1, 0, 0, 1, 1, 1, 0, 0]
+    for stage, want in ((2, stage2), (1, stage1)):
+        got = topology_mask(types, stage, MoLEConfig(), base)[0, 0]
+        assert got.long().tolist() == want, (stage, got.long().tolist())
+    # no base: today's causal topology (the base of a plain causal LM)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    assert torch.equal(topology_mask(types, 2, MoLEConfig(), causal), topology_mask(types, 2, MoLEConfig()))
+
+
 # ----------------------------------------------------------------------------- positions: Qwen2.5-VL
 
 def test_qwen25_vl_positions_are_the_models_own_from_its_processor():
@@ -93,6 +126,7 @@ def test_qwen25_vl_positions_are_the_models_own_from_its_processor():
 
 # ----------------------------------------------------------------------------- attention: Gemma3
 
+@torch.no_grad()
 def test_gemma3_logits_before_the_first_latent_are_the_untouched_models():
     # Gemma3's image tokens attend bidirectionally inside their block (token_type_ids): MoLE passes the
     # token types to the model, which builds that mask itself
@@ -102,8 +136,7 @@ def test_gemma3_logits_before_the_first_latent_are_the_untouched_models():
     # the check can fail: without token_type_ids the untouched model's image rows attend causally
     r = refs[0]
     causal = model(**{k: v for k, v in r.items() if k != "token_type_ids"}).logits[0]
-    with torch.no_grad():
-        assert float((causal - model(**r).logits[0]).abs().max()) > 100 * tolerance(model, causal)
+    assert float((causal - model(**r).logits[0]).abs().max()) > 100 * tolerance(model, causal)
 
 
 # ----------------------------------------------------------------------------- cached generation past a window
