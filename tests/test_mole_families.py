@@ -28,8 +28,8 @@ def tolerance(model, ref):
 def processor_inputs(proc, image, question):
     """The processor's own model inputs for one question about one image (chat template with the
     generation prompt)."""
-    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
-                                    add_generation_prompt=True, tokenize=False)
+    turn = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+    text = proc.apply_chat_template([turn], add_generation_prompt=True, tokenize=False)
     return proc(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
 
 

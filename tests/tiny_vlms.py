@@ -152,7 +152,8 @@ LLAVA_NEXT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{% if m['role'] == 'user' %} {% else %}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    "{% if m['role'] == 'user' %} {% else %}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
 
 def llava_next(seed=0):
