@@ -65,6 +65,8 @@ def check_prefix_is_the_untouched_model(model, proc):
         ids = b["input_ids"][i][am]
         k = int((ids >= mole.vocab).nonzero()[0])  # first latent
         assert k == r["input_ids"].shape[1] - T and torch.equal(ids[:k], r["input_ids"][0][:k])
+        for key in ("token_type_ids", "mm_token_type_ids"):  # rebuilt from the ids as the processor builds them
+            assert key not in r or torch.equal(b[key][i][am][:k], r[key][0][:k]), key
         err = float((res["logits"][i][am][:k] - ref[:k]).abs().max())
         assert err <= tolerance(model, ref), (i, err, tolerance(model, ref))
         ks.append(k)
