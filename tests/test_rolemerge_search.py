@@ -94,4 +94,21 @@ def test_plan_dispatches_the_search_variants_and_reports_scores():
             assert info[l]["J_greedy"] == pytest.approx(rm.partition_score(d, p[-1], base[l], info[l]["lambda"], tau))
             assert info[l]["J"] == pytest.approx(rm.partition_score(d, p[-1], want, info[l]["lambda"], tau))
             assert info[l]["J"] <= info[l]["J_greedy"] + 1e-12
+            if depth is None:                                       # a local optimum: no swap lowers it further
+                assert rm.swap_search(d, p[-1], groups[l], info[l]["lambda"], tau, None)[1] == 0
     assert "J" not in rm.plan(counts, 3, "rolemerge")[1][0]
+
+
+def test_equal_swaps_break_to_the_smallest_expert_pair():
+    # uniform p_ans: every pair has R = 1, so only the tree part changes. From [[0,1],[2],[3]] the swaps
+    # 0<->2 and 0<->3 both replace d01 = 1 by d12 = d13 = .2 (delta -.8); 1<->2 / 1<->3 give d02 = d03 = .6
+    d = torch.tensor([[0, 1, .6, .6], [1, 0, .2, .2], [.6, .2, 0, .5], [.6, .2, .5, 0]], dtype=torch.float64)
+    p = torch.full((4,), .25, dtype=torch.float64)
+    assert rm.partition_score(d, p, [[0, 1], [2], [3]], lam=1.0) == pytest.approx(2.0)
+    g, n = rm.swap_search(d, p, [[0, 1], [2], [3]], lam=1.0, max_swaps=None)
+    assert (g, n) == ([[0], [1, 2], [3]], 1)                 # (0, 2) before (0, 3); then no swap lowers 1.2
+    assert rm.partition_score(d, p, g, lam=1.0) == pytest.approx(1.2)
+
+
+def test_search_depths_of_the_two_variants():
+    assert rm.SEARCH == {"greedy_1swap": 1, "greedy_swapc": None}
