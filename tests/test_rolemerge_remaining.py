@@ -157,3 +157,19 @@ def test_parts_name_known_arms_with_the_paper_settings():
     assert toy.PAPER_ARMS["lambda01"][3] == {"lam": 0.01} and toy.PAPER_ARMS["lambda10"][3] == {"lam": 0.10}
     assert [toy.PAPER_ARMS[k][3].get("seed", 0) for k in toy.KMEANS_SEEDS] == [0, 1, 2, 3, 4]
     assert "greedy_1swap" not in toy.TABLE1_ARMS and "lambda01" not in toy.TABLE1_ARMS
+
+
+def test_audit_rows_of_the_source_subsets_without_new_calibration():
+    r = _res({}, rhos=(0.5, 0.625, 0.75))
+    r["audit_meta"] = {"source_rho": 0.625, "per_source": 24, "budget_matched": False}
+    r["audit"] = {"src5:all@0.625": {"correct": HALF}, "src1:a@0.625": {"correct": HALF},
+                  "src1:b@0.625": {"correct": HALF}, "src2:a+b@0.625": {"correct": ONES}}
+    rows = toy.audit_rows([r])
+    assert not [x for x in rows if x["kind"] == "cal_size"]                  # no size sweep in this mode
+    src = {(x["sources"], x["set"]): x for x in rows if x["kind"] == "cal_sources"}
+    assert src[("five sources", "all five")]["acc"] == 0.5 and src[("two sources", "a+b")]["acc"] == 1.0
+    claims = {x["claim"]: x for x in rows if x["kind"] == "claim"}
+    one = claims["F2 one source (mean of 2 sets) level with five sources, 24 per source (within +-.05)"]
+    assert one["verdict"] == "level" and one["effect"] == ".625: +0.000 [+0.000, +0.000]"
+    two = claims["F2 two sources (mean of 1 sets) level with five sources, 24 per source (within +-.05)"]
+    assert two["verdict"] == "not shown level" and two["per_seed"] == ".625: +0.500"

@@ -754,6 +754,46 @@ def subset_stats(stats, take, chunk):
     return dict(stats, sources=out)
 
 
+def run_source_audit(base, data_dir, out_dir, cfg=PAPER, rho=AUDIT["rho"]):
+    """The source-count audit without a new calibration: the per-source statistics that run_paper
+    saved (cfg["n_cal"] questions per family, one source per family) summed over one family
+    (`src1:{f}`) or two (`src2:{f}+{g}`), RoleMerge merged and evaluated at `rho`; the five-source
+    cell (`src5:all`) is run_paper's rolemerge arm on the same statistics. Not budget-matched: a
+    set of s sources holds s * n_cal questions. Results in res["audit"]; resumable per cell.
+    Raises ValueError if run_paper has not calibrated the base or run its rolemerge arm at rho."""
+    from itertools import combinations
+    from rolemerge import calibrate as cal
+    name = os.path.basename(base.rstrip("/"))
+    path = os.path.join(out_dir, f"{name}.json")
+    ck = os.path.join(out_dir, "ckpt", name)
+    stats_path = os.path.join(ck, "stats.safetensors")
+    if not os.path.exists(path) or not os.path.exists(stats_path) or \
+            f"rolemerge@{rho}" not in json.load(open(path))["arms"]:
+        raise ValueError(f"{name}: the source audit reuses run_paper's calibration and rolemerge arm at rho {rho}; "
+                         f"run --part sensitivity (or search) on it first")
+    res = json.load(open(path))
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    cfg = _base_cfg(base, cfg)
+    stats = cal.load_stats(stats_path)
+    fams = list(stats["sources"])
+    res["audit_meta"] = dict(res.get("audit_meta", {}), source_rho=rho, per_source=cfg["n_cal"], budget_matched=False)
+    aud = res.setdefault("audit", {})
+    aud[f"src5:all@{rho}"] = dict(res["arms"][f"rolemerge@{rho}"], examples={f: cfg["n_cal"] for f in fams})
+    cells = [(f"src1:{f}", (f,)) for f in fams] + [(f"src2:{f}+{g}", (f, g)) for f, g in combinations(fams, 2)]
+    for cell, keep in cells:
+        key = f"{cell}@{rho}"
+        if key in aud:
+            continue
+        sp = os.path.join(ck, "stats_" + cell.replace(":", "_").replace("+", "_") + ".safetensors")
+        if not os.path.exists(sp):
+            cal.save_stats(dict(stats, sources={f: stats["sources"][f] for f in keep}), sp)
+        aud[key] = dict(_cell(base, sp, os.path.join(ck, "audit"), rho, "rolemerge", "single", {}, test,
+                              cfg["max_new"], None, f"{name} audit {key}"), examples={f: cfg["n_cal"] for f in keep})
+        data.atomic_write_text(path, json.dumps(res))
+    data.atomic_write_text(path, json.dumps(res))
+    return res
+
+
 def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
     """App. F on one base: calibrate max(sizes, budget) validation questions per family once, in
     chunks of audit["chunk"] (no features: only RoleMerge is merged), then merge RoleMerge (the
@@ -970,7 +1010,7 @@ def audit_rows(results, log=""):
     +-.05); one-source and two-source means level with the five-source set."""
     import numpy as np
     from eval.metrics import paired_bootstrap
-    meta = results[0]["audit_meta"]
+    meta = dict(AUDIT, **results[0]["audit_meta"])
     rhos = results[0]["config"]["rhos"]
     seeds = "+".join(_name(r) for r in results)
     get = lambda key: sum((list(r["audit"][key]["correct"]) for r in results), [])
@@ -997,8 +1037,12 @@ def audit_rows(results, log=""):
                     for r in results]]
             rows.append(_claim(f"F1 calibration size {n} level with 24 per family (mean over rho, within +-.05)",
                                ["mean over rho"], [d], per, _level(d), results, log))
-    rho, B = meta["rho"], meta["budget"]
-    five = f"size{B // 5}@{rho}"
+    if meta.get("budget_matched", True):
+        rho, B = meta["rho"], meta["budget"]
+        five = f"size{B // 5}@{rho}"
+    else:                          # run_source_audit: s sources hold s * per_source questions
+        rho, B = meta["source_rho"], f"{meta['per_source']} per source"
+        five = f"src5:all@{rho}"
     sets = {"one source": [k for k in results[0]["audit"] if k.startswith("src1:") and k.endswith(f"@{rho}")],
             "two sources": [k for k in results[0]["audit"] if k.startswith("src2:") and k.endswith(f"@{rho}")],
             "five sources": [five] if have(five) else []}
@@ -1006,8 +1050,8 @@ def audit_rows(results, log=""):
         keys = [k for k in keys if have(k)]
         for k in keys:
             x = get(k)
-            rows.append({"kind": "cal_sources", "sources": count, "set": k.split("@")[0].split(":")[-1] if ":" in k
-                         else "all five", "examples": B, "rho": rho, "acc": sum(x) / len(x),
+            rows.append({"kind": "cal_sources", "sources": count, "set": k.split("@")[0].split(":")[-1]
+                         if k.startswith(("src1:", "src2:")) else "all five", "examples": B, "rho": rho, "acc": sum(x) / len(x),
                          "per_seed": " / ".join(f"{_acc_a(r, k):.3f}" for r in results), "seeds": seeds, "log": log})
         if keys:
             m = np.mean([get(k) for k in keys], 0)
@@ -1018,7 +1062,8 @@ def audit_rows(results, log=""):
             if count != "five sources" and have(five):
                 d = paired_bootstrap(m, get(five))
                 per = [[np.mean([_acc_a(r, k) for k in keys]) - _acc_a(r, five) for r in results]]
-                rows.append(_claim(f"F2 {count} (mean of {len(keys)} sets) level with five sources, budget {B} "
+                size = B if isinstance(B, str) else f"budget {B}"
+                rows.append(_claim(f"F2 {count} (mean of {len(keys)} sets) level with five sources, {size} "
                                    f"(within +-.05)", [_tag(rho)], [d], per, _level(d), results, log))
     return rows
 
@@ -1096,6 +1141,10 @@ def parser():
                         "calibration (App. F: calibration size, number of sources), bootstrap (App. D.2 per-task "
                         "equal-weight bootstrap of the Table-1 arms, from --from files; no runs)")
     p.add_argument("--arms", default="", help="--paper arms, comma-separated (default: the --part's arms)")
+    p.add_argument("--audit", default="chunked", choices=("chunked", "sources"),
+                   help="--part calibration: chunked (a new calibration of 60 questions per family in chunks of 6: "
+                        "size sweep and budget-matched source count) or sources (no new calibration: source subsets "
+                        "of the sensitivity / search run's statistics, not budget-matched)")
     p.add_argument("--reuse", default="", metavar="FILES",
                    help="--paper: comma-separated committed per-question files of the same bases (matched by the "
                         "base's folder name); their grouping arms are kept where the new calibration gives the "
@@ -1135,7 +1184,9 @@ def _rest_main(p, a, argv, bases, outp, cfg, arms, reuse):
     """--part sensitivity / search / calibration on every --paper base, then the part's rows."""
     src = "python -m eval.toys.rolemerge " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     try:
-        if a.part == "calibration":
+        if a.part == "calibration" and a.audit == "sources":
+            every = [run_source_audit(b, a.data, outp, cfg) for b in bases]
+        elif a.part == "calibration":
             every = [run_calibration_audit(b, a.data, outp, cfg) for b in bases]
         else:
             every = [run_paper(b, a.data, outp, cfg, arms, reuse.get(_name({"base": b}))) for b in bases]
