@@ -827,7 +827,8 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
         del model
         res.setdefault("audit_meta", {})["calibration_s"] = time.time() - t
     stats = cal.load_stats(chunk_path)
-    res.setdefault("audit_meta", {}).update(chunk=c, budget=audit["budget"], rho=audit["rho"], sizes=list(audit["sizes"]))
+    res.setdefault("audit_meta", {}).update(chunk=c, budget=audit["budget"], rho=audit["rho"], sizes=list(audit["sizes"]),
+                                            budget_matched=True)
     aud = res.setdefault("audit", {})
     for cell, take, rhos in audit_cells(fams, audit, cfg["rhos"]):
         sp = os.path.join(ck, "stats_" + cell.replace(":", "_").replace("+", "_") + ".safetensors")
