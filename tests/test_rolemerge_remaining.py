@@ -173,3 +173,17 @@ def test_audit_rows_of_the_source_subsets_without_new_calibration():
     assert one["verdict"] == "level" and one["effect"] == ".625: +0.000 [+0.000, +0.000]"
     two = claims["F2 two sources (mean of 1 sets) level with five sources, 24 per source (within +-.05)"]
     assert two["verdict"] == "not shown level" and two["per_seed"] == ".625: +0.500"
+
+
+def test_search_claims_t0_and_the_papers_reading():
+    r = _res({"rolemerge": HALF, "greedy_1swap": ONES, "greedy_swapc": HALF}, rhos=(0.5, 0.75))
+    for rho, (j1, jc) in zip((0.5, 0.75), ((3.0, 4.0), (2.0, 1.0))):
+        r["arms"][f"greedy_1swap@{rho}"].update(J_greedy=4.0, J=j1, swaps=1)
+        r["arms"][f"greedy_swapc@{rho}"].update(J_greedy=4.0, J=jc, swaps=1)
+    by = {x["claim"]: x for x in toy.search_rows([r]) if x["kind"] == "claim"}
+    assert by["T0 Greedy+1Swap lowers J"]["verdict"] == "holds at every rho"
+    assert by["T0 Greedy+1Swap lowers J"]["effect"] == ".5: Delta J -25.0%; .75: Delta J -50.0%"
+    assert by["T0 Greedy+SwapC lowers J"]["verdict"] == "fails at .5"
+    t2 = next(v for k, v in by.items() if k.startswith("T2"))
+    # Greedy+1Swap is ahead (+.5, CI above 0) at both rho: the paper's reading is not reproduced
+    assert t2["verdict"] == "not reproduced" and "Greedy+1Swap supported at 2 rho" in t2["effect"]
