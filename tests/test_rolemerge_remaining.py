@@ -64,11 +64,11 @@ def test_sensitivity_rows_hand_computed():
     # per question mean over seeds 3/5 = .6; seed accuracies 1, 1, 1, 0, 0 -> sample std sqrt(.3)
     assert k["acc_500"] == pytest.approx(0.6) and k["std_500"] == pytest.approx(0.3 ** 0.5)
     assert k["seed_accs_500"] == "1.000 / 1.000 / 1.000 / 0.000 / 0.000"
-    assert by["S1 lambda .03 > lambda 0 (Table 14: -2.55 at 0)"]["verdict"] == "supported at every rho"
+    assert by["S1 lambda .03 > 0"]["verdict"] == "supported at every rho"
     # lambda .01 identical to .03: CI [0, 0] inside +-.05 -> level; .10 is .5 behind -> not shown level
-    assert by["S2 lambda .03 level with .01 (within +-.05)"]["verdict"] == "level at every rho"
-    assert by["S2 lambda .03 level with .10 (within +-.05)"]["verdict"] == "not shown level at every rho"
-    s3 = by["S3 single link > k-means++, 5-seed mean (Table 14: -5.44)"]
+    assert by["S2 lambda .03 level with .01"]["verdict"] == "level at every rho"
+    assert by["S2 lambda .03 level with .10"]["verdict"] == "not shown level at every rho"
+    s3 = by["S3 single link > k-means++ (5 seeds)"]
     assert s3["effect"].startswith(".5: +0.400 [+0.400, +0.400]") and s3["per_seed"] == ".5: +0.400"
 
 
@@ -115,14 +115,14 @@ def test_audit_rows_hand_computed():
     size = {x["examples_per_family"]: x for x in rows if x["kind"] == "cal_size"}
     assert size[60]["mean"] == 0.5 and size[60]["acc_625"] == 0.5 and size[24]["per_seed"] == "1.000"
     claims = {x["claim"]: x for x in rows if x["kind"] == "claim"}
-    assert claims["F1 calibration size 12 level with 24 per family (mean over rho, within +-.05)"]["verdict"] == "level"
-    assert claims["F1 calibration size 60 level with 24 per family (mean over rho, within +-.05)"]["verdict"] == "not shown level"
+    assert claims["F1 size 12 level with 24 (mean over rho)"]["verdict"] == "level"
+    assert claims["F1 size 60 level with 24 (mean over rho)"]["verdict"] == "not shown level"
     src = {(x["sources"], x["set"]): x for x in rows if x["kind"] == "cal_sources"}
     # one source: a 1.0, b 0.0, mean .5; five sources = size12 at .625 = 1.0
     assert src[("one source", "mean of 2")]["acc"] == 0.5 and src[("five sources", "all five")]["acc"] == 1.0
-    one = claims["F2 one source (mean of 2 sets) level with five sources, budget 60 (within +-.05)"]
+    one = claims["F2 one source level with five (budget 60)"]
     assert one["effect"].startswith(".625: -0.500") and one["verdict"] == "not shown level"
-    assert claims["F2 two sources (mean of 1 sets) level with five sources, budget 60 (within +-.05)"]["verdict"] == "level"
+    assert claims["F2 two sources level with five (budget 60)"]["verdict"] == "level"
 
 
 def test_part_command_line_errors(tmp_path, capsys):
@@ -169,9 +169,9 @@ def test_audit_rows_of_the_source_subsets_without_new_calibration():
     src = {(x["sources"], x["set"]): x for x in rows if x["kind"] == "cal_sources"}
     assert src[("five sources", "all five")]["acc"] == 0.5 and src[("two sources", "a+b")]["acc"] == 1.0
     claims = {x["claim"]: x for x in rows if x["kind"] == "claim"}
-    one = claims["F2 one source (mean of 2 sets) level with five sources, 24 per source (within +-.05)"]
+    one = claims["F2 one source level with five (24 per source)"]
     assert one["verdict"] == "level" and one["effect"] == ".625: +0.000 [+0.000, +0.000]"
-    two = claims["F2 two sources (mean of 1 sets) level with five sources, 24 per source (within +-.05)"]
+    two = claims["F2 two sources level with five (24 per source)"]
     assert two["verdict"] == "not shown level" and two["per_seed"] == ".625: +0.500"
 
 
