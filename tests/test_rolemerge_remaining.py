@@ -187,3 +187,32 @@ def test_search_claims_t0_and_the_papers_reading():
     t2 = next(v for k, v in by.items() if k.startswith("T2"))
     # Greedy+1Swap is ahead (+.5, CI above 0) at both rho: the paper's reading is not reproduced
     assert t2["verdict"] == "not reproduced" and "Greedy+1Swap supported at 2 rho" in t2["effect"]
+
+
+def test_reuse_keeps_only_arms_whose_groups_replan_identically(tmp_path, monkeypatch):
+    from rolemerge import calibrate as cal
+    from rolemerge import model as rm
+    counts = torch.tensor([[[5., 3, 0, 1, 0, 2], [1, 0, 4, 2, 0, 1], [0, 2, 1, 0, 6, 1]]])   # [L=1, B=3, N=6]
+    monkeypatch.setattr(cal, "load_stats", lambda path: {"sources": {"a": {"counts": counts}}})
+    same, _ = rm.plan(counts, 3, "rolemerge")
+    other = [[[0, 1], [2, 3], [4, 5]]]
+    assert other != same
+    old = {"base": "x/b", "families": ["f"] * 2, "arms": {
+        "full": {"correct": [1, 0]}, "rolemerge@0.5": {"K": 3, "groups": same, "correct": [1, 1]},
+        "lambda0@0.5": {"K": 3, "groups": other, "correct": [0, 0]},
+        "msmoe@0.5": {"K": 3, "groups": other, "correct": [0, 1]}}}
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps(old))
+    res = {"arms": {}}
+    kept, dropped = toy._reuse(res, str(f), "stats", ("rolemerge", "lambda0", "msmoe"), (0.5,))
+    assert kept == ["rolemerge@0.5"] and dropped == ["lambda0@0.5"]           # msmoe: a feature method, never reused
+    assert res["arms"]["rolemerge@0.5"]["correct"] == [1, 1] and res["arms"]["full"]["correct"] == [1, 0]
+    assert res["families"] == ["f", "f"] and "lambda0@0.5" not in res["arms"]
+
+
+def test_reuse_flag_refuses_a_file_that_is_not_a_result_file(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        toy.main(["--part", "search", "--paper", "common/tiny/moe32", "--reuse", str(bad)])
+    assert e.value.code == 2 and "--reuse" in capsys.readouterr().err

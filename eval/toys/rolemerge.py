@@ -18,6 +18,11 @@ Per row: accuracy per family [95% bootstrap CI], macro average over families (MM
 paired-bootstrap difference vs the best baseline at the same rho, ACR (%), expert-phase MI
 retention, parameter count, checkpoint bytes, load time, time to first token, decode tok/s.
 Results are what this run measures; nothing is copied from the paper.
+
+On the paper-structure bases (--paper BASES, eval/logs/rolemerge.md), --part picks the experiment:
+table1 (Table 1 and its controls), sensitivity (Tables 3 / 14: lambda .01 / .10, five-seed
+k-means++, linkages), search (Table 15 A: Greedy+1Swap, Greedy+SwapC), calibration (App. F: size
+sweep and number of sources) and bootstrap (App. D.2 on committed per-question files, no runs).
 """
 import argparse
 import json
