@@ -30,7 +30,7 @@ def shapes(tmp_path_factory):
 
 def train_args(shapes, out, *extra):
     return ["--model", "tiny-dense", "--data", str(shapes / "train.json"), "--out", str(out), "--steps", "3", "--batch-size", "2",
-            "--warmup", "1", "--save-every", "1", *extra]
+            "--warmup-steps", "1", "--save-every", "1", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +378,7 @@ def test_short_run_default_warmup_reaches_the_peak_lr(shapes, tmp_path):
     assert [round(r["lr"], 6) for r in res["log"]] == [0.004, 0.004]           # peak from the first step
     state = json.loads((tmp_path / "r" / "ckpt" / "state.json").read_text())
     assert state["settings"]["warmup"] == 1
-    assert mtrain.main(args + ["--resume", "--warmup", "1"])["steps"] == 0      # the same run, spelled out
+    assert mtrain.main(args + ["--resume", "--warmup-steps", "1"])["steps"] == 0      # the same run, spelled out
 
 
 def test_a_wrong_adapter_path_is_refused_before_any_model_loads(shapes, tmp_path, capsys, monkeypatch):

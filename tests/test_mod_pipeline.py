@@ -126,7 +126,7 @@ def test_command_line_entry_points(tmp_path, capsys):
     shapes.generate_split(str(tmp_path / "d"), "test", 3)
     vsj = str(tmp_path / "vs.json")
     mdata.main(["--model", str(tmp_path / "base"), "--data", str(tmp_path / "d" / "train.json"), "--out", vsj,
-                "--k", "2", "--max-new-tokens", "8"])
+                "--num-return-sequences", "2", "--max-new-tokens", "8"])
     assert "T_pos" in capsys.readouterr().out
     train.main(["--model", str(tmp_path / "base"), "--data", vsj, "--out", str(tmp_path / "run"), "--steps", "2",
                 "--batch-size", "2", "--window", "4", "--granularity", "region"])
@@ -168,7 +168,7 @@ def test_resume_past_the_requested_steps_and_overwrite_after_checks(tmp_path, ca
     save_backbone(base, proc, str(tmp_path / "base"))
     shapes.generate_split(str(tmp_path / "d"), "train", 6)
     args = ["--model", str(tmp_path / "base"), "--data", str(tmp_path / "d" / "train.json"), "--out",
-            str(tmp_path / "run"), "--batch-size", "2", "--warmup", "20", "--save-every", "1"]
+            str(tmp_path / "run"), "--batch-size", "2", "--warmup-steps", "20", "--save-every", "1"]
     train.main(args + ["--steps", "4"])
     with pytest.raises(SystemExit) as e:
         train.main(args + ["--steps", "2", "--resume"])

@@ -63,7 +63,7 @@ def test_existing_checkpoint_needs_resume_or_overwrite(shapes, run, capsys):
     (["--lr", "0.001"], "lr: saved 0.002, now 0.001"),  # was silently accepted
     (["--batch-size", "4"], "batch_size: saved 2, now 4"),
     (["--method", "sft"], "method: saved 'mole', now 'sft'"),
-    (["--lora-r", "4"], "lora_r: saved 8, now 4"),
+    (["--r", "4"], "lora_r: saved 8, now 4"),
     (["--seed", "3"], "seed: saved 0, now 3"),
     (["--stage2-epochs", "1"], "stage2_epochs: saved 0.5, now 1.0"),
     (["--n-train", "6"], "data: saved '8 records, sha1"),
@@ -114,7 +114,7 @@ def test_truncated_checkpoint(shapes, run, tmp_path, capsys):
     ("train", ["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     ("train", ["--stage1-epochs", "-1"], "argument --stage1-epochs: must be >= 0, got -1"),
     ("train", ["--warmup-ratio", "2"], "--warmup-ratio is a fraction of all steps (0-1), got 2.0"),
-    ("train", ["--lora-r", "0"], "argument --lora-r: must be >= 1, got 0"),
+    ("train", ["--r", "0"], "argument --r: must be >= 1, got 0"),
     ("train", ["--max-steps", "-1"], "argument --max-steps: must be >= 0, got -1"),
     ("train", ["--method", "mle"], "argument --method: invalid choice: 'mle'"),
     ("train", ["--latent-mixing", "topo"], "argument --latent-mixing: invalid choice: 'topo'"),

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from eval.tools import pretrain
 
 TINY = ["--arch", "qwen3_vl", "--hidden", "32", "--layers", "1", "--batch-size", "4", "--steps", "4",
-        "--eval-every", "100", "--ckpt-every", "1"]
+        "--eval-every", "100", "--save-every", "1"]
 
 
 def _run(monkeypatch, *args):

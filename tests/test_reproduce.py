@@ -85,7 +85,7 @@ def test_mod_section(world, capsys):
     sqa = conv(r, "scienceqa", "--require-image")
     pope, mme, mmlu = conv(r, "pope"), conv(r, "mme"), conv(r, "mmlu")
     vs = str(r / "vs.json")
-    mdata.main(["--model", base, "--data", sqa, "--out", vs, "--k", "2", "--max-new-tokens", "8", "--threads", "1"])
+    mdata.main(["--model", base, "--data", sqa, "--out", vs, "--num-return-sequences", "2", "--max-new-tokens", "8", "--threads", "1"])
     from mod import params
     capsys.readouterr()
     params.main(["--model", "common/tiny/chat", "--flags"])   # MOELORA=$(python -m mod.params --model $BASE --flags)

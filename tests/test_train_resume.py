@@ -116,7 +116,7 @@ CASES = {  # name -> (module, where, signal, n-th hit); every run: 6 steps, chec
 
 def mod_args(d, out):
     return ["--data", os.path.join(d, "train.json"), "--out", out, "--steps", "6", "--batch-size", "2",
-            "--warmup", "1", "--save-every", "2", "--threads", "1"]
+            "--warmup-steps", "1", "--save-every", "2", "--threads", "1"]
 
 
 def mole_args(d, out):  # 8 records, batch 2: stage 1 = steps 0-2, stage 2 = steps 3-5
