@@ -52,6 +52,7 @@ ENTRY_POINTS = {
     "eval.tools.bench_mole": (lambda t, d, o: ["--out", o], "r.json"),
     "eval.tools.gpu_check": (lambda t, d, o: ["--out", o], "r.json"),
     "eval.tools.mole_params": (lambda t, d, o: ["--out", o], "r.json"),
+    "eval.tools.kmeans_check": (lambda t, d, o: ["--sklearn-python", NOWHERE, "--out", o], "r.json"),
 }
 # continue an earlier run by design (each has its own test) rather than refuse it:
 RESUMED = {"eval.quickstart": "reuses the stages an earlier run finished (test_quickstart_fresh)",
