@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from common.backbone import base_identity
 from common.checkpoint import save_train_state
-from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher  # noqa: F401  (mod.train.Batcher: the trainer's batches)
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher, atomic_write_text, name_path  # noqa: F401  (mod.train.Batcher: the trainer's batches)
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
                         step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
@@ -238,10 +238,7 @@ def prepare_out(out, resume, overwrite):
 # ----------------------------------------------------------------------------- loop
 
 def _write_log(path, rows):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))   # a failed write leaves no temp
 
 
 def accumulate(run, raw, batches, aux_coef=0.0, amp=None, world=1, reduction="mean"):
@@ -351,8 +348,11 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
                        "s": round(time.time() - t0, 2)}
                 log.append(rec)
                 if rank == 0 and logged(step):
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    try:
+                        with open(log_path, "a") as f:
+                            f.write(json.dumps(rec) + "\n")
+                    except OSError as e:  # a full disk: `error: ...` names the log
+                        raise name_path(e, log_path)
                     bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
                 if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
                     save_ckpt(ckpt, raw, opt, step + 1, settings, log)
@@ -451,7 +451,13 @@ def train(args):
         end_distributed()
         raise
     if rank == 0:
-        save_adapters(model, args.out)
+        try:   # safetensors' I/O error (a full disk) as an OSError naming the folder
+            save_adapters(model, args.out)
+        except Exception as e:
+            err = name_path(e, args.out)
+            if err is e:
+                raise
+            raise err from None
         print(f"done: loss {res['loss']:.4f} aux {res['aux']:.4f} ({res['wall_s']:.0f} s); adapters in {args.out}")
     if world > 1:
         end_distributed()  # after fit dropped its DDP wrapper and rank 0 wrote the adapters

@@ -130,3 +130,17 @@ def test_training_checkpoint_on_a_full_disk(tmp_path, monkeypatch, capsys):
                                  "--steps", "1", "--batch-size", "2", "--threads", "1"], capsys))
     assert "File too large" in msg and str(out / "ckpt") in msg and "write elsewhere" in msg, msg
     assert "ckpt.tmp" not in _left(out)
+
+
+def test_mod_adapters_on_a_full_disk(tmp_path, monkeypatch, capsys):
+    """The adapter files written after training (mod.model's safetensors writer): `error:` naming
+    the run folder, no temporary adapter file left."""
+    import mod.model as mm
+    from mod import train as mtrain
+    shapes.generate_split(str(tmp_path), "train", 4)
+    _safetensors_fails(monkeypatch, mm)
+    out = tmp_path / "run"
+    msg = last_error(error_of(mtrain.main, ["--model", "tiny-dense", "--data", str(tmp_path / "train.json"), "--out",
+                                            str(out), "--steps", "1", "--batch-size", "2", "--threads", "1"], capsys))
+    assert "File too large" in msg and str(out) in msg, msg
+    assert not [f for f in _left(out) if ".tmp" in f]
