@@ -125,25 +125,18 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
 
     def one(b):
         chunk = rows[b * batch_size:(b + 1) * batch_size]
-        uniq = [i for i in dict.fromkeys(i for i, _, _ in chunk) if records[i]["image"]]  # text-only: no pixels
-        where = {i: k for k, i in enumerate(uniq)}
-        ks = [where[i] for i, _, _ in chunk if i in where]
-        pixels = {}
-        if uniq:
-            pv, grid = proc.images(_images([records[i] for i in uniq]))
-            n_patch = grid.prod(-1)
-            start = torch.cumsum(n_patch, 0) - n_patch
-            pixels = {"pixel_values": torch.cat([pv[start[k]:start[k] + n_patch[k]] for k in ks]),
-                      "image_grid_thw": grid[ks]}
-        n_img = lambda i: int(n_patch[where[i]]) // proc.merge ** 2 if i in where else 0
-        ids = [proc.prompt_ids(records[i]["question"], n_img(i), records[i].get("history", [])) + c + o
-               for i, c, o in chunk]
-        T = max(map(len, ids))
-        input_ids = torch.tensor([x + [proc.pad_token_id] * (T - len(x)) for x in ids])
-        mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in ids])
-        out = model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
-                    mm_token_type_ids=((input_ids == proc.image_token_id).long() * mask).to(dev),
-                    **{k: v.to(dev) for k, v in pixels.items()})
+        shown = [i for i, _, _ in chunk if records[i]["image"]]  # text-only rows: no pixels
+        uniq = list(dict.fromkeys(shown))
+        decoded = dict(zip(uniq, _images([records[i] for i in uniq])))
+        # one image per row that has one, in row order (a record's image repeats for each option)
+        vis, counts = proc.vision([decoded[i] for i in shown]) if shown else ({}, [])
+        counts = iter(counts)
+        n_img = [next(counts) if records[i]["image"] else 0 for i, _, _ in chunk]
+        ids = [proc.prompt_ids(records[i]["question"], n_img[r], records[i].get("history", [])) + c + o
+               for r, (i, c, o) in enumerate(chunk)]
+        batch = proc.pad(ids, "right", vis)
+        out = model(**{k: v.to(dev) for k, v in batch.items()})
+        input_ids = batch["input_ids"]
         logp = torch.log_softmax(out.logits.float(), dim=-1)  # [R, T, V]
         got = []
         for row, (i, _, o) in enumerate(chunk):

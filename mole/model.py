@@ -169,6 +169,11 @@ class VLMAdapter:
     def decode(self, ids):
         raise NotImplementedError
 
+    def answer_ids(self, answer):
+        """The ids of an assistant answer, terminator included (labels); default: its text ids +
+        eos_token_id."""
+        return self.text_ids(answer) + [self.eos_token_id]
+
     def batch_extras(self, input_ids, attention_mask):
         return {}
 
@@ -513,7 +518,7 @@ class MoLE(nn.Module):
             assert p[-T:] == self.tail_ids, "prompt does not end with the assistant header"
             r = p[:-T] + self.latent_ids + self.tail_ids
             if answers is not None:
-                a = ad.text_ids(answers[i]) + [ad.eos_token_id]
+                a = ad.answer_ids(answers[i])
                 labels.append([-100] * len(r) + a)
                 r = r + a
             rows.append(r)

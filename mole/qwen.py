@@ -1,8 +1,9 @@
-"""MoLE's adapter for the repo's `common.backbone.VLProcessor` (Qwen chat format): Qwen2-VL /
-Qwen2.5-VL / Qwen3-VL(-MoE) with M-RoPE positions from `get_rope_index`, and LLaVA-NeXT
-(`LlavaNextVLProcessor`, same chat format, plain 1-D positions).
+"""MoLE's adapter for the repo's `common.backbone.VLProcessor` (every supported family, each in
+its own chat template): Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE) with M-RoPE positions from
+`get_rope_index`, and the 1-D-position families (LLaVA, LLaVA-NeXT, Gemma3). The latents go
+right before the template's tail (end of the user turn + assistant header, `VLProcessor.tail_ids`):
 
-    <|im_start|>user\\n<|vision_start|> V <|vision_end|> Q | latents | <|im_end|>\\n<|im_start|>assistant\\n Y
+    <|im_start|>user\\n<|vision_start|> V <|vision_end|> Q | latents | <|im_end|>\\n<|im_start|>assistant\\n Y   (Qwen)
 
 `MoLE(model, proc)` with such a processor picks `QwenVLAdapter` by itself; everything here
 is what `mole.model.MoLE` did for Qwen before the adapter interface existed (same ids, same
@@ -11,19 +12,17 @@ from mole.model import VLMAdapter, cumulative_positions
 
 
 class QwenVLAdapter(VLMAdapter):
-    """`VLMAdapter` over a `common.backbone.VLProcessor` (or subclass: `LlavaNextVLProcessor`,
+    """`VLMAdapter` over a `common.backbone.VLProcessor` (or its subclass
     `mole.checkpoint.PlaceholderProcessor`).
 
     model: the VLM; proc: its VLProcessor. Positions: M-RoPE ids [3,B,L] from the model's
     `get_rope_index` when it has one (Qwen-VL), else the cumulative attention mask [B,L]."""
 
-    TAIL = "<|im_end|>\n<|im_start|>assistant\n"
-
     def __init__(self, model, proc):
         self.model, self.proc = model, proc
         self.image_token_id = proc.image_token_id
         self.pad_token_id, self.eos_token_id = proc.pad_token_id, proc.eos_token_id
-        self._tail = proc.tokenizer(self.TAIL, add_special_tokens=False)["input_ids"]
+        self._tail = proc.tail_ids()
         self._rope = getattr(getattr(model, "model", None), "get_rope_index", None)
 
     def tail_ids(self):
@@ -34,6 +33,10 @@ class QwenVLAdapter(VLMAdapter):
 
     def decode(self, ids):
         return self.proc.decode(ids)
+
+    def answer_ids(self, answer):
+        """The answer's ids as the chat template writes them, terminator included."""
+        return self.proc.answer_tokens(answer)
 
     def prompts(self, images, questions, pixels=None, n_images=None):
         """Per question the prompt ids (one vision block per image, `_prompt_ids`) and the vision
@@ -60,36 +63,17 @@ class QwenVLAdapter(VLMAdapter):
         return rows, vis
 
     def _prompt_ids(self, question, n_tokens):
-        """Prompt ids with one vision block `<|vision_start|> pads <|vision_end|>` per image
-        (n_tokens: image tokens per image, in order).
-
-        One image: exactly `VLProcessor.prompt_ids`. Several images: a question that keeps one
-        "<image>" placeholder per image (what `common.data` readers give for a multi-image
-        record) gets each image's block at its placeholder (a newline right after a placeholder
-        is dropped, as for one image); a question without placeholders gets all blocks first,
-        then the question. So "<image>\\n<image>\\nQ" and "Q" give the same ids.
+        """Prompt ids with every image (n_tokens: visual tokens per image, in order) where the
+        chat template puts it (`VLProcessor.prompt_ids`): several images go at the question's
+        "<image>" placeholders (one per image; a newline right after one is dropped), or first
+        when it has none, so "<image>\\n<image>\\nQ" and "Q" give the same ids.
         Raises ValueError for a placeholder count that is neither 0 nor the image count."""
-        proc, tail = self.proc, self._tail
-        if len(n_tokens) == 1:
-            return proc.prompt_ids(question, n_tokens[0])
-        n_ph = question.count("<image>")
-        if n_ph not in (0, len(n_tokens)):
-            raise ValueError(f"a question with {len(n_tokens)} images has {n_ph} '<image>' placeholders; put one "
-                             f"per image, in order (or none: the images then come first)")
-        segs = question.replace("<image>\n", "<image>").split("<image>") if n_ph else [""] * len(n_tokens) + [question]
-        tok = proc.tokenizer.convert_tokens_to_ids
-        vs, ve = tok("<|vision_start|>"), tok("<|vision_end|>")
-        empty = proc.prompt_ids("", 0)  # <|im_start|>user\n + the assistant header
-        ids = empty[:len(empty) - len(tail)] + (proc.text_ids(segs[0]) if segs[0] else [])
-        for n, seg in zip(n_tokens, segs[1:]):
-            ids += [vs] + [proc.image_token_id] * n + [ve] + (proc.text_ids(seg) if seg else [])
-        return ids + tail
+        return self.proc.prompt_ids(question, list(n_tokens))
 
     def batch_extras(self, input_ids, attention_mask):
-        """mm_token_type_ids (1 at image tokens) for models that take them (Qwen-VL)."""
-        if not getattr(self.proc, "mm_token_types", True):
-            return {}
-        return {"mm_token_type_ids": (input_ids == self.image_token_id).long() * attention_mask}
+        """The family's token-type tensors (`VLProcessor.extras`: mm_token_type_ids for Qwen-VL,
+        token_type_ids for Gemma3; none for LLaVA)."""
+        return self.proc.extras(input_ids, attention_mask)
 
     def positions(self, input_ids, attention_mask, batch):
         """Explicit M-RoPE position ids [3,B,L] (needed with a 4D mask: transformers would
