@@ -285,10 +285,13 @@ class VLProcessor:
         return after[0] if after else self.stop_ids[0]
 
     def answer_span(self, msgs, n_tokens, k):
-        """(start, end) token indices of assistant turn `k` (0-based, counting only assistant
-        turns) in `_encode_chat(msgs, n_tokens, False)`: start where the conversation's ids leave
-        those of its generation prompt (the template decides, no marker is hard-coded), end right
-        after the first stop id (`stop_ids`) of the turn, else at the turn's end."""
+        """(start, end, extra) of assistant turn `k` (0-based, counting only assistant turns) in
+        `_encode_chat(msgs, n_tokens, False)`: start where the conversation's ids leave those of
+        its generation prompt (the template decides, no marker is hard-coded), end right after
+        the turn's first stop id (`stop_ids`), extra = []. A template that writes no end token
+        after an answer (llava-1.5-hf's and llava-v1.6-vicuna-hf's write "answer ") ends the span
+        at the answer's last non-blank token and gives extra = [eos_token_id], the terminator
+        that the original LLaVA training appends, so a trained model learns to stop."""
         at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"][k]
         full = self._encode_chat(msgs, n_tokens, False)
         head = self._encode_chat(msgs[:at], n_tokens, True)
@@ -296,7 +299,11 @@ class VLProcessor:
         start = _common(full, head)
         end = min(_common(full, turn), len(turn))
         stops = [i for i in range(start, end) if full[i] in self.stop_ids]
-        return start, (stops[0] + 1 if stops else end)
+        if stops:
+            return start, stops[0] + 1, []
+        while end > start and not self.tokenizer.decode(full[end - 1:end]).strip():
+            end -= 1
+        return start, end, [self.eos_token_id]
 
     def prompt_ids(self, question, n_image_tokens, history=()):
         """Prompt token ids: the chat template with the generation prompt, one image of
@@ -312,8 +319,8 @@ class VLProcessor:
         msgs = self.messages(question, len(n), history)
         ids = self._encode_chat(msgs, n, True)
         labels = [-100] * len(ids)
-        for k in range(len(history)):
-            s, e = self.answer_span(msgs, n, k)
+        for k in range(len(history)):  # (a history answer's appended terminator, if any, is not in the prompt)
+            s, e, _ = self.answer_span(msgs, n, k)
             full = self._encode_chat(msgs, n, False)
             if ids[s:e] == full[s:e]:
                 labels[s:e] = ids[s:e]
@@ -324,19 +331,19 @@ class VLProcessor:
         answer's tokens as the template writes them up to and including its terminator."""
         n = _counts(n_image_tokens)
         conv = self.messages(question, len(n), history, answer=answer)
-        s, e = self.answer_span(conv, n, len(history))
-        full = self._encode_chat(conv, n, False)
+        s, e, extra = self.answer_span(conv, n, len(history))
+        answer_ids = self._encode_chat(conv, n, False)[s:e] + extra
         ids, labels = self.prompt_and_labels(question, n_image_tokens, history)
         head = self._encode_chat(conv[:-1], n, True)
         cut = len(ids) - (len(head) - s)  # the prompt may carry more (placeholders) or merge one token
-        return ids[:cut] + full[s:e], labels[:cut] + full[s:e]
+        return ids[:cut] + answer_ids, labels[:cut] + answer_ids
 
     def answer_tokens(self, answer):
         """The ids of `answer` as the template writes an assistant answer after its generation
         prompt, up to and including its terminator (`answer_span` of a one-turn conversation)."""
         conv = self.messages("?", 0, answer=answer)
-        s, e = self.answer_span(conv, [], 0)
-        return self._encode_chat(conv, [], False)[s:e]
+        s, e, extra = self.answer_span(conv, [], 0)
+        return self._encode_chat(conv, [], False)[s:e] + extra
 
     def tail_ids(self):
         """The ids every prompt ends with after the user's text (end of the user turn + the
@@ -649,7 +656,11 @@ def load_processor(path, config, trust_remote_code=False):
         return processor_class(config.model_type).from_pretrained(path, trust_remote_code=trust_remote_code)
     tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     improc = transformers.AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return build_hf_processor(tok, improc, config)
+    template = None  # a processor-level template file wins over the tokenizer's, as in from_pretrained
+    if os.path.exists(os.path.join(path, "chat_template.json")):
+        with open(os.path.join(path, "chat_template.json")) as f:
+            template = json.load(f).get("chat_template")
+    return build_hf_processor(tok, improc, config, template)
 
 
 def save_backbone(model, proc, path):
