@@ -106,9 +106,9 @@ def _image_only(cls):
 
 # model_type -> the processor class that serves it: "image-only" ones are the Qwen-VL classes
 # without their video part (`_image_only`); the others load with AutoProcessor as they are.
-FAMILIES = {"qwen2_vl": ("Qwen2VLProcessor", True), "qwen2_5_vl": ("Qwen2_5_VLProcessor", True),
+FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLProcessor", True), "qwen2_vl": ("Qwen2VLProcessor", True),
             "qwen3_vl": ("Qwen3VLProcessor", True), "qwen3_vl_moe": ("Qwen3VLProcessor", True),
-            "llava": ("LlavaProcessor", False), "llava_next": ("LlavaNextProcessor", False),
+            "llava_next": ("LlavaNextProcessor", False), "llava": ("LlavaProcessor", False),
             "gemma3": ("Gemma3Processor", False)}
 SUPPORTED_VLMS = tuple(FAMILIES)
 
@@ -160,7 +160,9 @@ class VLProcessor:
     answer terminator: the first stop id the template writes after an assistant answer, e.g.
     <|im_end|>, </s>, <end_of_turn>; labels include it), pad_token_id (the tokenizer's pad,
     else generation_config's, else eos), model_input_keys (the token-type tensors the processor
-    returns, e.g. mm_token_type_ids for Qwen-VL, token_type_ids for Gemma3)."""
+    returns, e.g. mm_token_type_ids for Qwen-VL, token_type_ids for Gemma3), system (a system
+    turn to write, None: only what the template adds) and images_kwargs (image-processor
+    settings on top of the saved ones, e.g. lmms-eval's size bounds; see `eval.evaluate`)."""
 
     def __init__(self, processor, config, generation_config=None):
         self.processor, self.config = processor, config
@@ -174,7 +176,8 @@ class VLProcessor:
         self.stop_ids = _ids(getattr(gen, "eos_token_id", None)) or _ids(tok.eos_token_id)
         pad = tok.pad_token_id if tok.pad_token_id is not None else getattr(gen, "pad_token_id", None)
         self.merge = getattr(self.image_processor, "merge_size", 1)
-        self.images_kwargs = {}  # extra image-processor settings (e.g. max_pixels), see `vision`
+        self.images_kwargs = {}  # extra image-processor settings (e.g. size bounds), see `vision`
+        self.system = None  # a system turn to write (None: only what the template itself adds)
         self._cache = {}
         self.eos_token_id = self._terminator()
         self.pad_token_id = pad if pad is not None else self.eos_token_id
@@ -216,15 +219,16 @@ class VLProcessor:
             return p.full_image_sequence
         return p.image_token * n
 
-    def messages(self, question, n_images, history=(), answer=None, system=None):
-        """The conversation of one record in transformers' chat format: [system,] the first
+    def messages(self, question, n_images, history=(), answer=None):
+        """The conversation of one record in transformers' chat format: [system turn
+        (`self.system`, when set),] the first
         user turn holds the images ({"type": "image"} each), then earlier (question, answer)
         turns of `history`, the question, and the answer if given. Several images: a question
         with one "<image>" placeholder per image gets each image at its placeholder (a newline
         right after one is dropped), one without gets them first. Raises ValueError for a
         placeholder count that is neither 0 nor the image count."""
         turns = [(q, a) for q, a in history] + [(question, answer)]
-        msgs = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
+        msgs = [{"role": "system", "content": [{"type": "text", "text": self.system}]}] if self.system else []
         for k, (q, a) in enumerate(turns):
             content = self._content(q, n_images if k == 0 else 0)
             msgs.append({"role": "user", "content": content})

@@ -23,6 +23,12 @@ scene, then answer; scoring the letter right after the prompt would skip that lo
 and be off-distribution). When the output has no "Answer:", the letter is scored at the
 start of the assistant turn, as for an instruct model that replies with just the letter.
 Single-letter continuations make length normalisation (acc_norm) moot.
+
+Prompt settings (`--prompt-settings`): `lmms-eval` (default) applies lmms-eval's own settings
+for the families its model files ship (`LMMS_EVAL`: Qwen2.5-VL gets the system turn "You are a
+helpful assistant." and images between 256 * 28 * 28 and 1,605,632 pixels, as lmms-eval's
+`qwen2_5_vl` model); `checkpoint` keeps the checkpoint's own (its chat template and image
+processor as saved). Either way generation is greedy and stops at the checkpoint's stop ids.
 """
 import argparse
 import difflib
@@ -44,6 +50,21 @@ from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, form
                           option_letters, pope_prf, record_answer_type, short_answer)
 from eval.scores import SCORERS, benchmark_scores, format_scores
 from eval.readers import parse_options
+
+# lmms-eval's settings per model_type (its lmms_eval/models/simple/<family>.py defaults): the system
+# turn it writes and the image processor's pixel bounds. Families absent here run as the checkpoint says.
+LMMS_EVAL = {"qwen2_5_vl": {"system": "You are a helpful assistant.",
+                            "images_kwargs": {"size": {"shortest_edge": 256 * 28 * 28, "longest_edge": 1605632}}}}
+
+
+def apply_prompt_settings(model, proc, which):
+    """Set `proc` (a VLProcessor) to lmms-eval's settings for the model's family (`LMMS_EVAL`)
+    when which == "lmms-eval"; "checkpoint" leaves the checkpoint's own. Returns the settings
+    applied ({} for none)."""
+    s = LMMS_EVAL.get(model.config.model_type, {}) if which == "lmms-eval" else {}
+    proc.system = s.get("system")
+    proc.images_kwargs = dict(s.get("images_kwargs", {}))
+    return s
 
 
 def _images(batch):
@@ -266,6 +287,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="model dtype (auto: the checkpoint's own)")
+    p.add_argument("--prompt-settings", default="lmms-eval", choices=["lmms-eval", "checkpoint"],
+                   help="lmms-eval: lmms-eval's system turn and image size bounds for the families it ships "
+                        "(Qwen2.5-VL); checkpoint: the checkpoint's own chat template and image processor as saved")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow checkpoint-shipped code (off by default: it executes code from the checkpoint)")
     p.add_argument("--out", default=None, help="output JSON (default out/eval/<model>_<data>.json)")
@@ -313,6 +337,7 @@ def main(argv=None):
               f"text (normalised exact match)" + (f"; did you mean {near[0]!r}?" if near else ""))
     name = os.path.basename(os.path.normpath(a.model))
     fp = fingerprint(records, model=model_digest(a.model), batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                     prompt_settings=a.prompt_settings,
                      loglik=a.loglik, dtype=a.dtype, device=a.device)
     with PredictionLog(out, fp, a.resume) as log:  # each finished batch kept in OUT.partial; refusals before loading
         rows, loglik, results, extra = _run(a, records, name, log)
@@ -328,6 +353,7 @@ def _run(a, records, name, log):
     t0 = time.time()
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
+    settings = apply_prompt_settings(model, proc, a.prompt_settings)
     results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}", log=log)
     rows = family_rows(name, results)
     ref = a.reference or reference_split(a.data)
@@ -358,7 +384,8 @@ def _run(a, records, name, log):
         print(f"ANLS {fam}: {v:.3f}")
     if bench:
         print("\nbenchmark scores (each benchmark's own definition, eval.scores):\n" + format_scores(bench))
-    return rows, loglik, results, {"pope": pope, "anls": soft, "benchmarks": bench}
+    return rows, loglik, results, {"pope": pope, "anls": soft, "benchmarks": bench,
+                                   "prompt_settings": {"name": a.prompt_settings, **settings}}
 
 
 if __name__ == "__main__":

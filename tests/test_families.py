@@ -14,6 +14,7 @@ import string
 import pytest
 import torch
 import transformers
+from PIL import Image
 
 from common import backbone as bb
 from common import shapes
@@ -344,3 +345,25 @@ def test_a_family_outside_the_list_is_refused_by_name_before_loading(entry, tmp_
     err = error_of(lambda argv: run_cli(main, argv), ["--model", str(ck), *args[entry]], capsys)
     assert "error: " in err and "'idefics3' is not supported" in err
     assert all(f in err for f in ("qwen2_5_vl", "llava_next", "gemma3")), err
+
+
+def test_evaluation_uses_lmms_evals_settings_for_qwen2_5_vl_unless_asked_otherwise(tmp_path_factory, tmp_path):
+    """Qwen2.5-VL in eval.evaluate: lmms-eval's system turn and pixel bounds by default (a
+    2800x2100 photo: at most 1,605,632 px = 2,048 visual tokens; an 84 px image: at least
+    256 * 28 * 28 px = 256 tokens), the checkpoint's own with --prompt-settings checkpoint."""
+    ck = save_family("qwen2_5_vl", str(tmp_path_factory.mktemp("q25") / "ckpt"))
+    model, proc = bb.load_backbone(ck)
+    big, small = Image.new("RGB", (2800, 2100), (9, 9, 9)), Image.new("RGB", (84, 84), (9, 9, 9))
+    assert evaluate.apply_prompt_settings(model, proc, "checkpoint") == {}
+    own = proc.vision([big])[1] + proc.vision([small])[1]
+    assert evaluate.apply_prompt_settings(model, proc, "lmms-eval")["system"] == "You are a helpful assistant."
+    assert proc.vision([big])[1] == [2028] and proc.vision([small])[1] == [256] and own == [12, 9]  # the tiny processor keeps <= 112x112 px
+    ids = proc.prompt_ids("Q?", 0)
+    text = proc.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+    assert text.count("<|im_start|>system") == 1  # the template's default system turn is not added twice
+    path = tmp_path / "d"
+    shapes.generate_split(str(path), "test", 2)
+    evaluate.main(["--model", ck, "--data", str(path / "test.json"), "--out", str(tmp_path / "e.json"),
+                   "--max-new-tokens", "2", "--prompt-settings", "checkpoint"])
+    assert json.load(open(tmp_path / "e.json"))["prompt_settings"] == {"name": "checkpoint"}
