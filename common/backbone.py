@@ -111,6 +111,8 @@ FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLProcessor", True), "qwen2_vl": ("Qwen2VLPr
             "llava_next": ("LlavaNextProcessor", False), "llava": ("LlavaProcessor", False),
             "gemma3": ("Gemma3Processor", False)}
 SUPPORTED_VLMS = tuple(FAMILIES)
+# the text MoEs RoleMerge merges, which `eval.evaluate` also scores (`load_backbone(..., text_lms=True)`)
+TEXT_LMS = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3")
 
 
 def processor_class(model_type):
@@ -166,12 +168,12 @@ class VLProcessor:
 
     def __init__(self, processor, config, generation_config=None):
         self.processor, self.config = processor, config
-        self.tokenizer, self.image_processor = processor.tokenizer, processor.image_processor
-        tok = self.tokenizer
+        self.tokenizer = tok = getattr(processor, "tokenizer", processor)  # a text LM: its tokenizer alone
+        self.image_processor = getattr(processor, "image_processor", None)
         self.image_token_id = getattr(config, "image_token_id", None)
         if self.image_token_id is None:
-            self.image_token_id = config.image_token_index
-        self.image_token = tok.convert_ids_to_tokens(self.image_token_id)
+            self.image_token_id = getattr(config, "image_token_index", None)
+        self.image_token = None if self.image_token_id is None else tok.convert_ids_to_tokens(self.image_token_id)
         gen = generation_config
         self.stop_ids = _ids(getattr(gen, "eos_token_id", None)) or _ids(tok.eos_token_id)
         pad = tok.pad_token_id if tok.pad_token_id is not None else getattr(gen, "pad_token_id", None)
@@ -181,8 +183,8 @@ class VLProcessor:
         self._cache = {}
         self.eos_token_id = self._terminator()
         self.pad_token_id = pad if pad is not None else self.eos_token_id
-        probe = processor(text=["x"], return_tensors="pt")  # which token-type tensors the family takes
-        self.model_input_keys = [k for k in ("mm_token_type_ids", "token_type_ids") if k in probe]
+        probe = processor(text=["x"], return_tensors="pt") if self.image_processor is not None else {}
+        self.model_input_keys = [k for k in ("mm_token_type_ids", "token_type_ids") if k in probe]  # the family's
 
     # ------------------------------------------------------------------ text
 
@@ -228,12 +230,13 @@ class VLProcessor:
         right after one is dropped), one without gets them first. Raises ValueError for a
         placeholder count that is neither 0 nor the image count."""
         turns = [(q, a) for q, a in history] + [(question, answer)]
-        msgs = [{"role": "system", "content": [{"type": "text", "text": self.system}]}] if self.system else []
-        for k, (q, a) in enumerate(turns):
-            content = self._content(q, n_images if k == 0 else 0)
+        text = (lambda t: t) if self.image_processor is None else (lambda t: [{"type": "text", "text": t}])
+        msgs = [{"role": "system", "content": text(self.system)}] if self.system else []
+        for k, (q, a) in enumerate(turns):  # a text LM's template reads string contents
+            content = text(q) if self.image_processor is None else self._content(q, n_images if k == 0 else 0)
             msgs.append({"role": "user", "content": content})
             if a is not None:
-                msgs.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+                msgs.append({"role": "assistant", "content": text(a)})
         return msgs
 
     @staticmethod
@@ -254,6 +257,10 @@ class VLProcessor:
         """The chat template's text of `msgs` (the checkpoint's `apply_chat_template`)."""
         return self.processor.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False)
 
+    @property
+    def chat_template(self):
+        return self.processor.chat_template
+
     def _encode_chat(self, msgs, n_tokens, add_generation_prompt):
         """Token ids of a conversation exactly as the processor's `apply_chat_template(...,
         tokenize=True)` gives them: the template's text, each image placeholder expanded to
@@ -265,10 +272,11 @@ class VLProcessor:
         if key in self._cache:
             return self._cache[key]
         tok, p = self.tokenizer, self.processor
-        texts = [c.get("text", "") for m in msgs for c in m["content"]]
-        marked = any(control_re(tok, p.chat_template).search(t) for t in texts)
+        texts = [c if isinstance(c, str) else c.get("text", "") for m in msgs for c in
+                 ([m["content"]] if isinstance(m["content"], str) else m["content"])]
+        marked = any(control_re(tok, self.chat_template).search(t) for t in texts)
         if marked:
-            msgs = mark_control_tokens(msgs, control_re(tok, p.chat_template))
+            msgs = mark_control_tokens(msgs, control_re(tok, self.chat_template))
         text = self.render(msgs, add_generation_prompt)
         if n_tokens:
             text = p.get_text_with_replacements([text], [self.image_text(n) for n in n_tokens])[0][0]
@@ -415,6 +423,8 @@ class VLProcessor:
     def extras(self, input_ids, attention_mask):
         """The token-type tensors the family's processor returns (`model_input_keys`), from the
         ids: the processor's own `create_mm_token_type_ids` (1 at image tokens), 0 on padding."""
+        if not self.model_input_keys:
+            return {}
         types = torch.tensor(self.processor.create_mm_token_type_ids(input_ids.tolist())) * attention_mask
         return {k: types for k in self.model_input_keys}
 
@@ -445,6 +455,9 @@ class VLProcessor:
         and the family's token-type tensors (`extras`). Raises ValueError if all labels would
         be masked (empty answers)."""
         has = [True] * len(questions) if images is None else [im is not None for im in images]
+        if any(has) and self.image_processor is None:
+            raise ValueError(f"{self.config.model_type} is a text model: it takes no images (the records with an "
+                             f"image need a VLM)")
         shown = None if images is None else [im for im in images if im is not None]
         vis, counts = self.vision(shown, pixels) if any(has) else ({}, [])
         counts = iter(counts)
@@ -465,6 +478,8 @@ class VLProcessor:
         """Tokenizer (with the chat template), image processor and, for families whose
         processor loads with AutoProcessor, its processor_config.json."""
         self.tokenizer.save_pretrained(path)
+        if self.image_processor is None:
+            return
         self.image_processor.save_pretrained(path)
         if not FAMILIES[self.config.model_type][1]:
             self.processor.save_pretrained(path)
@@ -588,13 +603,15 @@ def resolve(path):
     return TINY.get(path, path)
 
 
-def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, device_map=None):
+def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, device_map=None, text_lms=False):
     """Load a VLM + VLProcessor from a local directory (or hub id, where the hub is reachable).
 
     path: directory holding config.json + *.safetensors + tokenizer + preprocessor config,
     or "tiny-dense" / "tiny-moe" / "tiny-chat" for the committed defaults.
     dtype: torch dtype or None (the checkpoint's own); device: "cpu", "cuda", ...;
     trust_remote_code: off unless the user asks (it executes code shipped with the checkpoint).
+    text_lms: also load the text MoEs of `TEXT_LMS` (a causal LM + a VLProcessor over its
+    tokenizer and chat template; records without images only).
     A missing `path` whose `{path}.old` holds config.json (a save_backbone killed between its
     renames) loads `{path}.old`, with a note on stderr.
     Raises BackboneError for a missing directory, a directory without config.json or with an
@@ -632,16 +649,24 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
         raise BackboneError(f"{path}: cannot read its config.json ({why}). Supported VLMs: "
                             f"{', '.join(SUPPORTED_VLMS)}; checkpoints with their own code need "
                             f"--trust-remote-code (it runs that code)") from None
-    if config.model_type not in SUPPORTED_VLMS and not trust_remote_code:
+    text_lm = text_lms and config.model_type in TEXT_LMS
+    if config.model_type not in SUPPORTED_VLMS and not text_lm and not trust_remote_code:
+        also = f"; text MoEs: {', '.join(TEXT_LMS)}" if text_lms else ""
         raise BackboneError(f"{path}: architecture {config.model_type!r} is not supported; supported VLMs: "
-                            f"{', '.join(SUPPORTED_VLMS)}")
+                            f"{', '.join(SUPPORTED_VLMS)}{also}")
     if os.path.isdir(path):
         try:  # headers only: a truncated shard is named here, not by a raw safetensors error mid-load
             checked_weights(path)
         except CheckpointError as e:
             raise BackboneError(str(e)) from None
-    processor = load_processor(path, config, trust_remote_code)  # before the weights: a bad one fails fast
-    model = AutoModelForImageTextToText.from_pretrained(
+    if text_lm:
+        processor = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if not processor.chat_template:
+            raise BackboneError(f"{path}: its tokenizer has no chat template; prompts are built with the "
+                                f"checkpoint's own template (use an instruct / chat checkpoint)")
+    else:
+        processor = load_processor(path, config, trust_remote_code)  # before the weights: a bad one fails fast
+    model = (transformers.AutoModelForCausalLM if text_lm else AutoModelForImageTextToText).from_pretrained(
         path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, use_safetensors=True)
     if device_map is None:
         model.to(device)

@@ -352,7 +352,11 @@ def _run(a, records, name, log):
     """The model part of `main`: (report rows, loglik results, results, {pope, anls, benchmarks})."""
     t0 = time.time()
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
-    model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
+    model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code,
+                                text_lms=True)
+    if proc.image_processor is None and any(r["image"] for r in records):
+        raise DataError(f"{a.model} is a text model ({model.config.model_type}); "
+                        f"{sum(bool(r['image']) for r in records)} record(s) have an image: evaluate text-only records")
     settings = apply_prompt_settings(model, proc, a.prompt_settings)
     results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}", log=log)
     rows = family_rows(name, results)

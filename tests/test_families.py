@@ -367,3 +367,29 @@ def test_evaluation_uses_lmms_evals_settings_for_qwen2_5_vl_unless_asked_otherwi
     evaluate.main(["--model", ck, "--data", str(path / "test.json"), "--out", str(tmp_path / "e.json"),
                    "--max-new-tokens", "2", "--prompt-settings", "checkpoint"])
     assert json.load(open(tmp_path / "e.json"))["prompt_settings"] == {"name": "checkpoint"}
+
+
+def test_evaluate_scores_a_text_moe_through_its_chat_template(tmp_path, capsys):
+    """eval.evaluate on a text MoE RoleMerge merges (a tiny Qwen3-MoE with a ChatML template):
+    prompts from its template, stops at its end token; records with images are refused."""
+    tok = bb.build_tokenizer()
+    cfg = transformers.Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, pad_token_id=tok.pad_token_id,
+                                      eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    ck = str(tmp_path / "moe")
+    model.save_pretrained(ck)
+    tok.save_pretrained(ck)
+    model, proc = bb.load_backbone(ck, text_lms=True)
+    assert proc.tokenizer.decode(proc.prompt_ids("Hi?", 0)) == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
+    assert proc.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") and proc.extras(torch.ones(1, 2).long(),
+                                                                                       torch.ones(1, 2).long()) == {}
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Is {i} even?", "answer": "yes",
+                                        "family": "existence"}) + "\n" for i in range(3)))
+    evaluate.main(["--model", ck, "--data", str(data), "--out", str(tmp_path / "e.json"), "--max-new-tokens", "3"])
+    assert len(json.load(open(tmp_path / "e.json"))["results"]) == 3
+    with pytest.raises(bb.BackboneError, match="'qwen3_moe' is not supported; supported VLMs"):
+        bb.load_backbone(ck)  # the VLM entry points do not take it
