@@ -1,11 +1,13 @@
-"""Backbones: load a real Qwen-VL checkpoint, or build the embedded tiny default.
+"""Backbones: load a real checkpoint of a supported VLM family (`FAMILIES`: Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL(-MoE), LLaVA-1.5, LLaVA-NeXT, Gemma3), or build the embedded tiny default.
 
-Both paths end in the same objects: a `transformers` model and a `VLProcessor`
-(tokenizer + image processor + the token ids the model needs). Scripts never care which.
+Both paths end in the same objects: a `transformers` model and a `VLProcessor`, a thin wrapper
+over the checkpoint's own transformers processor (its chat template, image processor and
+image-token expansion, stop tokens from its generation config). Scripts never care which.
 
     model, proc = load_backbone("/path/to/Qwen2.5-VL-3B-Instruct")   # real checkpoint
     model, proc = load_backbone("tiny-dense")                        # committed tiny default
-    batch = proc.encode(examples, train=True)                        # labels on the answer only
+    batch = proc.encode(images, questions, answers)                  # labels on the answers only
     out = model(**batch)
 
 The tiny defaults are real `transformers` architectures (Qwen3-VL dense, Qwen3-VL-MoE),
@@ -33,7 +35,7 @@ from common.tiny import TINY, TINY_DIR  # noqa: F401  (bb.TINY: the tiny bases b
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # the tiny bases' own template (saved with them): Qwen's ChatML, no system turn
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
@@ -76,7 +78,6 @@ def build_tokenizer(vocab_size=400, seed=0):
 def build_image_processor(image_size=84, patch_size=14, merge_size=2):
     """Qwen2-VL image processor with patch `patch_size` / merge `merge_size` that keeps
     `image_size` images as they are (image tokens = (image_size / (patch_size * merge_size))^2)."""
-    from transformers import Qwen2VLImageProcessorPil
     return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": max(image_size, 112) ** 2},
                                     patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size)
 
@@ -153,7 +154,8 @@ class VLProcessor:
     and image-token expansion (`replace_image_token`), its token-type ids. Nothing here writes
     a family's format by hand.
 
-    processor: the family's `ProcessorMixin` (`processor_class` / `build_hf_processor`);
+    processor: the family's `ProcessorMixin` (`processor_class` / `build_hf_processor`), or
+    for a text LM (`TEXT_LMS`) its tokenizer alone (string contents, no images, no token types);
     config: the model config (`image_token_id` / `image_token_index`: the id of every visual
     token in input_ids); generation_config: the checkpoint's (its `eos_token_id`: the stop ids).
 
