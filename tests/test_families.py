@@ -287,13 +287,16 @@ def test_generation_stops_at_the_familys_end_token(family):
     main LLaVA-NeXT's stop token was <unk> and all max_new_tokens were generated)."""
     name, _, model, proc = family
     end = proc.tokenizer.convert_tokens_to_ids(TERMINATOR[name])
-    hook = model.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([end]), 1e4))
+    calls = []
+    hook = model.lm_head.register_forward_hook(
+        lambda m, i, out: calls.append(1) or out.index_fill(-1, torch.tensor([end]), 1e4))
     try:
         ims, qs, _ = examples()
         texts, n = bb.generate(model, proc, ims, qs, max_new_tokens=24)
     finally:
         hook.remove()
     assert n == [1, 1, 1] and texts == ["", "", ""], name
+    assert len(calls) == 1, name  # the model ran once: generation itself stopped, not only the count
 
 
 @pytest.fixture(scope="module")
