@@ -675,6 +675,16 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     return model.eval(), VLProcessor(processor, model.config, model.generation_config)
 
 
+def checkpoint_model_type(path):
+    """The model_type in a checkpoint directory's config.json (tiny names resolved), None when
+    there is none to read (a hub id, a missing or unreadable file): a cheap look before loading."""
+    try:
+        with open(os.path.join(resolve(path), "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_processor(path, config, trust_remote_code=False):
     """The family's real transformers processor of a checkpoint (`FAMILIES`): with its
     processor_config.json (or a hub id) the class's own `from_pretrained`; without one (the

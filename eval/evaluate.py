@@ -40,7 +40,7 @@ from collections import Counter
 
 import torch
 
-from common.backbone import generate, load_backbone
+from common.backbone import TEXT_LMS, checkpoint_model_type, generate, load_backbone
 from common.cli import Deprecated, RunError, add_limit, add_threads, check_out_file, number, run_cli, set_threads
 from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
                          check_support, expand_turns, load_image, read_any)
@@ -326,6 +326,10 @@ def main(argv=None):
     else:          # --skip-bad: the first N usable items (every image decoded)
         records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad))[:a.limit or None]
     check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
+    shown = sum(bool(r["image"]) for r in records)
+    if shown and checkpoint_model_type(a.model) in TEXT_LMS:
+        raise DataError(f"{a.model} is a text model ({checkpoint_model_type(a.model)}); {shown} record(s) of {a.data} "
+                        f"have an image: evaluate text-only records, or a VLM")
     bad = sorted({r["benchmark"] for r in records if r.get("benchmark")} - set(SCORERS))
     if bad:  # before the model loads, not after the whole evaluation
         raise DataError(f"{a.data}: unknown benchmark(s) {bad}; eval.scores scores {', '.join(SCORERS)}")
@@ -354,9 +358,6 @@ def _run(a, records, name, log):
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
     model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code,
                                 text_lms=True)
-    if proc.image_processor is None and any(r["image"] for r in records):
-        raise DataError(f"{a.model} is a text model ({model.config.model_type}); "
-                        f"{sum(bool(r['image']) for r in records)} record(s) have an image: evaluate text-only records")
     settings = apply_prompt_settings(model, proc, a.prompt_settings)
     results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}", log=log)
     rows = family_rows(name, results)

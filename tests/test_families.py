@@ -372,7 +372,7 @@ def test_evaluation_uses_lmms_evals_settings_for_qwen2_5_vl_unless_asked_otherwi
     assert json.load(open(tmp_path / "e.json"))["prompt_settings"] == {"name": "checkpoint"}
 
 
-def test_evaluate_scores_a_text_moe_through_its_chat_template(tmp_path, capsys):
+def test_evaluate_scores_a_text_moe_through_its_chat_template(tmp_path, capsys, monkeypatch):
     """eval.evaluate on a text MoE RoleMerge merges (a tiny Qwen3-MoE with a ChatML template):
     prompts from its template, stops at its end token; records with images are refused."""
     tok = bb.build_tokenizer()
@@ -396,3 +396,8 @@ def test_evaluate_scores_a_text_moe_through_its_chat_template(tmp_path, capsys):
     assert len(json.load(open(tmp_path / "e.json"))["results"]) == 3
     with pytest.raises(bb.BackboneError, match="'qwen3_moe' is not supported; supported VLMs"):
         bb.load_backbone(ck)  # the VLM entry points do not take it
+    shapes.generate_split(str(tmp_path / "img"), "test", 1)
+    monkeypatch.setattr(evaluate, "load_backbone", lambda *a, **k: pytest.fail("the model loaded"))
+    err = error_of(lambda argv: run_cli(evaluate.main, argv), ["--model", ck, "--data", str(tmp_path / "img" / "test.json"),
+                                                              "--out", str(tmp_path / "i.json")], capsys)
+    assert "error: " in err and "is a text model (qwen3_moe); 1 record(s)" in err
