@@ -166,7 +166,8 @@ class VLProcessor:
     else generation_config's, else eos), model_input_keys (the token-type tensors the processor
     returns, e.g. mm_token_type_ids for Qwen-VL, token_type_ids for Gemma3), system (a system
     turn to write, None: only what the template adds) and images_kwargs (image-processor
-    settings on top of the saved ones, e.g. lmms-eval's size bounds; see `eval.evaluate`)."""
+    settings on top of the saved ones, e.g. lmms-eval's size bounds; see `eval.evaluate`).
+    Raises BackboneError when the processor has no chat template."""
 
     def __init__(self, processor, config, generation_config=None):
         self.processor, self.config = processor, config
@@ -183,6 +184,10 @@ class VLProcessor:
         self.images_kwargs = {}  # extra image-processor settings (e.g. size bounds), see `vision`
         self.system = None  # a system turn to write (None: only what the template itself adds)
         self._cache = {}
+        if not self.chat_template:
+            raise BackboneError(f"{config.model_type}: the checkpoint's processor has no chat template; prompts are "
+                                f"built with the checkpoint's own template (use an instruct / chat checkpoint, or "
+                                f"save one as chat_template.jinja next to it)")
         self.eos_token_id = self._terminator()
         self.pad_token_id = pad if pad is not None else self.eos_token_id
         probe = processor(text=["x"], return_tensors="pt") if self.image_processor is not None else {}
@@ -668,6 +673,9 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
                                 f"checkpoint's own template (use an instruct / chat checkpoint)")
     else:
         processor = load_processor(path, config, trust_remote_code)  # before the weights: a bad one fails fast
+        if not processor.chat_template:
+            raise BackboneError(f"{path}: its processor has no chat template; prompts are built with the "
+                                f"checkpoint's own template (use an instruct / chat checkpoint)")
     model = (transformers.AutoModelForCausalLM if text_lm else AutoModelForImageTextToText).from_pretrained(
         path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, use_safetensors=True)
     if device_map is None:

@@ -401,3 +401,22 @@ def test_evaluate_scores_a_text_moe_through_its_chat_template(tmp_path, capsys, 
     err = error_of(lambda argv: run_cli(evaluate.main, argv), ["--model", ck, "--data", str(tmp_path / "img" / "test.json"),
                                                               "--out", str(tmp_path / "i.json")], capsys)
     assert "error: " in err and "is a text model (qwen3_moe); 1 record(s)" in err
+
+
+def test_a_checkpoint_without_a_chat_template_is_refused_by_name(tmp_path, monkeypatch):
+    """No chat template (a base, not an instruct, checkpoint): `error:` naming it, exit 2; no
+    prompt format is made up for it."""
+    ck = save_family("llava_next_vicuna", str(tmp_path / "ck"))
+    for f in ("chat_template.jinja", "chat_template.json"):
+        if os.path.exists(os.path.join(ck, f)):
+            os.remove(os.path.join(ck, f))
+    cfg = json.load(open(os.path.join(ck, "processor_config.json")))
+    cfg.pop("chat_template", None)
+    json.dump(cfg, open(os.path.join(ck, "processor_config.json"), "w"))
+    tc = json.load(open(os.path.join(ck, "tokenizer_config.json")))
+    tc.pop("chat_template", None)
+    json.dump(tc, open(os.path.join(ck, "tokenizer_config.json"), "w"))
+    monkeypatch.setattr(transformers.AutoModelForImageTextToText, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the weights loaded"))
+    with pytest.raises(bb.BackboneError, match="its processor has no chat template"):
+        bb.load_backbone(ck)
