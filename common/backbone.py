@@ -200,7 +200,8 @@ class VLProcessor:
         "<|image_pad|>" as the characters they are made of."""
         key = ("tok", text, escape)
         if key not in self._cache:
-            self._remember(key, self.tokenizer(text, add_special_tokens=False, split_special_tokens=escape)["input_ids"])
+            ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=escape)["input_ids"]
+            self._remember(key, ids)
         return self._cache[key]
 
     def _remember(self, key, value):
@@ -767,9 +768,21 @@ def identity_mismatch(saved, now):
 
 
 def text_model(model):
-    """The decoder of a VLM (`model.model.language_model`) or of a causal LM (`model.model`)."""
-    inner = model.model
-    return getattr(inner, "language_model", inner)
+    """The decoder stack of a transformers VLM or causal LM: the module whose `layers` are the
+    decoder layers. Looked up as `model.model.language_model` (Qwen-VL, LLaVA(-NeXT), Gemma3,
+    Mistral3, InternVL), `model.model.text_model` (Idefics3, SmolVLM), `model.language_model`
+    (Llama4: a causal LM, whose `.model` is taken), `model.model` (causal LMs); never a vision
+    tower. Raises ValueError naming the class when none holds a `layers` torch.nn.ModuleList.
+    (`mod.model` and `mole.adapters` keep copies, so each copies on its own; tested equal.)"""
+    inner = getattr(model, "model", None)
+    for found in (getattr(inner, "language_model", None), getattr(inner, "text_model", None),
+                  getattr(model, "language_model", None), getattr(model, "text_model", None), inner, model):
+        for m in (found, getattr(found, "model", None)):  # a causal LM wraps its decoder in `.model`
+            if isinstance(getattr(m, "layers", None), torch.nn.ModuleList):
+                return m
+    raise ValueError(f"{type(model).__name__}: no decoder stack found (looked for model.language_model, "
+                     f"model.text_model, language_model, model with a `layers` ModuleList); this family is "
+                     f"not supported")
 
 
 @torch.no_grad()

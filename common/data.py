@@ -500,6 +500,17 @@ def check_record_images(records, path="data", skip_bad=False, workers=None, prog
     return kept
 
 
+def record_images(rec):
+    """Image paths of a record: its "images" list (several images per question, LLaVA style)
+    or [its "image"]."""
+    return list(rec.get("images") or [rec["image"]])
+
+
+def load_record_images(rec):
+    """The record's images as a list of PIL images (`load_image`)."""
+    return [load_image(p, rec["id"]) for p in record_images(rec)]
+
+
 def load_image(path, rid="?"):
     """Open an image as 8-bit RGB; raises DataError naming the record when unreadable, too
     large or too elongated (`check_image`).

@@ -15,7 +15,7 @@ beside it but is not the paper's number). Text3 = the mean of the three `acc`, x
 
 lm-eval is not one of our requirements: run this from a venv that has it, e.g. the one
 `python -m eval.tools.lm_harness_check` builds (requirements.txt + lm-eval[hf]==0.4.13 with
-our pins held; `/work/venv-lmeval/bin/python -m eval.lm_harness ...`). The harness downloads the
+our pins held; `out/venv-lmeval/bin/python -m eval.lm_harness ...`). The harness downloads the
 three datasets from the hub on first use (`allenai/ai2_arc`, `baber/piqa`,
 `allenai/winogrande`); offline, fill the HF datasets cache elsewhere first.
 
@@ -53,8 +53,8 @@ TEXT3 = ("arc_easy", "piqa", "winogrande")
 METRICS = {"arc_easy": ("acc", "acc_norm"), "piqa": ("acc", "acc_norm"), "winogrande": ("acc",)}
 PAPER_METRIC = "acc"          # Table 5: "Accuracy x 100" for all three
 DEFAULT_LIMIT = 1000          # Table 5: n = 1,000 per task
-VENV_HINT = ("python -m eval.tools.lm_harness_check (builds /work/venv-lmeval with lm-eval[hf]==0.4.13 beside our "
-             "pins; then run /work/venv-lmeval/bin/python -m eval.lm_harness ...), or pip install 'lm-eval[hf]==0.4.13' "
+VENV_HINT = ("python -m eval.tools.lm_harness_check (builds out/venv-lmeval with lm-eval[hf]==0.4.13 beside our "
+             "pins; then run out/venv-lmeval/bin/python -m eval.lm_harness ...), or pip install 'lm-eval[hf]==0.4.13' "
              "in a venv of its own")
 
 

@@ -1,10 +1,18 @@
-"""Metrics: accuracy, POPE precision/recall/F1, ANLS, paired bootstrap CIs, per-family tables.
+"""Metrics: accuracy, POPE precision/recall/F1, ANLS, paired bootstrap CIs, verdicts, per-family tables.
 
 Pure functions over strings and 0/1 vectors; no model code. Answer extraction lives in
 `common.answers` (methods use it too) and is re-exported here for the evaluation library.
 
     bootstrap_ci([1, 0, 1, 1])                             -> (lo, hi)   95% percentile CI
     paired_bootstrap(correct_a, correct_b)                 -> {"diff", "ci_low", "ci_high", "n"}
+    two_level_bootstrap(seeds_a, seeds_b)                  -> same + {"seeds", "per_seed", "bootstrap"}
+    verdict(two_level_bootstrap(...), sign=+1)             -> "supported" / "contradicted" / "inconclusive"
+
+The verdict rule of every toy (eval/toys/*.py): a comparison over seeds is resampled at two
+levels (seeds with replacement, then questions within each drawn seed, the same questions for
+both arms), and "supported" / "contradicted" need that CI to exclude 0 AND every seed's own
+effect to share its sign. With one seed the bootstrap is the one-level (questions only) one and
+the result says so.
 """
 import numpy as np
 
@@ -79,9 +87,10 @@ def anls(preds, golds, threshold=0.5):
 
 def _resampled_means(x, n_resamples, seed, chunk_elems=4_000_000):
     """Means of `n_resamples` bootstrap resamples (rows drawn with replacement) of x [n].
-    Vectorised in chunks of resamples so memory stays ~chunk_elems indices. -> [n_resamples]."""
+    seed: an int or a numpy Generator (used as is). Vectorised in chunks of resamples so memory
+    stays ~chunk_elems indices. -> [n_resamples]."""
     n = len(x)
-    rng = np.random.default_rng(seed)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
     per = max(1, chunk_elems // max(n, 1))
     out = []
     for start in range(0, n_resamples, per):
@@ -119,6 +128,75 @@ def paired_bootstrap(correct_a, correct_b, n_resamples=10_000, seed=0, level=0.9
     d = a - b
     lo, hi = bootstrap_ci(d, n_resamples, seed, level)
     return {"diff": float(d.mean()) if len(d) else 0.0, "ci_low": lo, "ci_high": hi, "n": len(d)}
+
+
+def two_level_bootstrap(seeds_a, seeds_b, n_resamples=10_000, seed=0, level=0.95):
+    """Two-level paired bootstrap of arm A minus arm B over seeds and questions.
+
+    seeds_a, seeds_b: one sequence of per-question scores (0/1 or real) per seed, [S][n_s];
+    seeds_a[s][i] and seeds_b[s][i] are question i under seed s (the pairing). The effect is
+        diff = (1/S) sum_s mean_i (a_si - b_si)          (every seed weighs the same)
+    Each of n_resamples resamples draws S seeds with replacement, then, for every drawn seed,
+    n_s questions with replacement (the same question indices for A and B: paired), and takes
+    the same mean; the CI is the (1-level)/2, (1+level)/2 percentile pair of these means. So it
+    carries the seed-to-seed spread as well as the question noise, which a bootstrap of the
+    pooled questions ignores.
+    With one seed there is no seed level: the result is `paired_bootstrap` (questions only) of
+    that seed, and "bootstrap" says so.
+    Returns dict(diff, ci_low, ci_high, n = questions over all seeds, seeds = S, per_seed =
+    [mean_i(a_si - b_si)], bootstrap = the level(s) resampled, in words).
+    Raises ValueError when there is no seed, the arms have different seed counts, a seed has no
+    question, or A and B differ in length within a seed."""
+    if len(seeds_a) != len(seeds_b):
+        raise ValueError(f"two_level_bootstrap: {len(seeds_a)} seeds for A vs {len(seeds_b)} for B; "
+                         "pass the same seeds for both arms")
+    if not len(seeds_a):
+        raise ValueError("two_level_bootstrap: no seed; pass one list of per-question scores per seed")
+    ds = []
+    for s, (a, b) in enumerate(zip(seeds_a, seeds_b)):
+        a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        if a.shape != b.shape or not len(a):
+            raise ValueError(f"two_level_bootstrap: seed {s} has {a.shape} vs {b.shape} scores; both arms must "
+                             "score the same, non-empty list of questions in every seed")
+        ds.append(a - b)
+    per_seed = [float(d.mean()) for d in ds]
+    S = len(ds)
+    if S == 1:
+        out = paired_bootstrap(seeds_a[0], seeds_b[0], n_resamples, seed, level)
+        return dict(out, seeds=1, per_seed=per_seed, bootstrap="one-level (1 seed: questions only)")
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, S, size=(n_resamples, S))       # [B, S] the seeds each resample draws
+    total = np.zeros(n_resamples)
+    for s, d in enumerate(ds):
+        rows = np.nonzero(pick == s)[0]                     # one entry per time seed s was drawn
+        np.add.at(total, rows, _resampled_means(d, len(rows), rng))   # its own question resample each time
+    means = total / S
+    a = (1 - level) / 2 * 100
+    return {"diff": float(np.mean(per_seed)), "ci_low": float(np.percentile(means, a)),
+            "ci_high": float(np.percentile(means, 100 - a)), "n": int(sum(len(d) for d in ds)), "seeds": S,
+            "per_seed": per_seed, "bootstrap": f"two-level ({S} seeds, then questions)"}
+
+
+def verdict(result, sign=1):
+    """The verdict rule of every toy on a comparison `result` ({"ci_low", "ci_high", "per_seed"},
+    e.g. from `two_level_bootstrap`) of the claim "sign * (A - B) > 0":
+        "supported"     sign * CI entirely above 0 AND sign * every seed's effect > 0
+        "contradicted"  sign * CI entirely below 0 AND sign * every seed's effect < 0
+        "inconclusive"  otherwise (a seed at exactly 0 shares no sign)
+    `per_seed` missing or empty: the CI alone decides."""
+    lo, hi = sorted((sign * result["ci_low"], sign * result["ci_high"]))
+    per = [sign * x for x in result.get("per_seed") or []]
+    if lo > 0 and all(x > 0 for x in per):
+        return "supported"
+    if hi < 0 and all(x < 0 for x in per):
+        return "contradicted"
+    return "inconclusive"
+
+
+def verdict_text(result, sign=1):
+    """`verdict` for a table cell: with one seed it adds that only questions were resampled."""
+    v = verdict(result, sign)
+    return v + " (1 seed: questions-only bootstrap)" if result.get("seeds") == 1 else v
 
 
 # ----------------------------------------------------------------------------- per-family tables

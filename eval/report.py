@@ -26,12 +26,19 @@ A figure is `{"path": "mod/x.png", "kind": "bar", "file", "where", "label": temp
 "title", "ylabel"}` (bars of `value` with `ci_low`/`ci_high`) or `"kind": "line"` with
 `"series": template, "x": field` (points of `value`); paths are relative to `eval/results/`.
 Figures without a spec (routing heatmaps, grouping maps) are the toys' own PNGs, committed as drawn.
+
+Verdicts. A selected record that carries a verdict word ("supported" / "contradicted" /
+"inconclusive"), a numeric `ci_low` / `ci_high` and a `per_seed` list must agree with the one rule of
+every toy (`eval.metrics.verdict`, direction `sign`, default +1): a table never says more than its CI
+and its seeds.
 """
 import json
 import re
 import string
 import sys
 from pathlib import Path
+
+from eval.metrics import verdict as verdict_rule
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
@@ -61,7 +68,23 @@ def _rows(spec, cache):
             keep.append(r)
     if not keep:
         raise ReportError(f"{spec.get('name', spec.get('path'))}: no record of {spec['file']} matches {spec.get('where')}")
+    for r in keep:
+        check_verdict(r, spec.get("name", spec.get("path")))
     return keep
+
+
+def check_verdict(record, where=""):
+    """ReportError when `record` states a verdict word that its own CI and per-seed effects do not
+    give under eval.metrics.verdict (records without a verdict word, a numeric CI or a per_seed
+    list are not checked)."""
+    v, per = record.get("verdict"), record.get("per_seed")
+    if v not in ("supported", "contradicted", "inconclusive") or not isinstance(per, list) \
+            or not all(isinstance(record.get(k), (int, float)) for k in ("ci_low", "ci_high")):
+        return
+    want = verdict_rule(record, record.get("sign", 1))
+    if v != want:
+        raise ReportError(f"{where}: a record says {v!r}, but its CI [{record['ci_low']}, {record['ci_high']}] and "
+                          f"per-seed effects {per} give {want!r} (eval.metrics.verdict); fix the result file")
 
 
 def cell(template, record):

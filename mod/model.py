@@ -501,19 +501,21 @@ class MoDLinear(nn.Module):
 # ----------------------------------------------------------------------------- decoder stack
 
 def text_model(model):
-    """The decoder stack of a transformers VLM or causal LM: `model.model.language_model`
-    (Qwen-VL, LLaVA, Gemma3 VLM), `model.language_model`, `model.model` (Llama, Gemma3,
-    Qwen causal LMs), else the first submodule holding a `layers` nn.ModuleList. Raises
-    ValueError when none is found."""
+    """The decoder stack of a transformers VLM or causal LM: the module whose `layers` are the
+    decoder layers. Looked up as `model.model.language_model` (Qwen-VL, LLaVA(-NeXT), Gemma3,
+    Mistral3, InternVL), `model.model.text_model` (Idefics3, SmolVLM), `model.language_model`
+    (Llama4: a causal LM, whose `.model` is taken), `model.model` (causal LMs); never a vision
+    tower. Raises ValueError naming the class when none holds a `layers` nn.ModuleList.
+    (Same function as `common.backbone.text_model`, kept here so this file copies on its own; tested equal.)"""
     inner = getattr(model, "model", None)
-    for m in (getattr(inner, "language_model", None), getattr(model, "language_model", None), inner):
-        if isinstance(m, nn.Module):
-            return m
-    for m in model.modules():
-        if isinstance(getattr(m, "layers", None), nn.ModuleList):
-            return m
-    raise ValueError(f"{type(model).__name__}: no decoder stack found (no .model, .language_model or "
-                     f"submodule with a `layers` ModuleList)")
+    for found in (getattr(inner, "language_model", None), getattr(inner, "text_model", None),
+                  getattr(model, "language_model", None), getattr(model, "text_model", None), inner, model):
+        for m in (found, getattr(found, "model", None)):  # a causal LM wraps its decoder in `.model`
+            if isinstance(getattr(m, "layers", None), nn.ModuleList):
+                return m
+    raise ValueError(f"{type(model).__name__}: no decoder stack found (looked for model.language_model, "
+                     f"model.text_model, language_model, model with a `layers` ModuleList); this family is "
+                     f"not supported")
 
 
 # ----------------------------------------------------------------------------- base identity / atomic files

@@ -21,7 +21,8 @@ import torch
 
 from common import data
 from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from mole.model import ZSUM, ZVIS, load_record_images
+from common.data import load_record_images
+from mole.model import ZSUM, ZVIS
 
 
 def pairwise_sq_cos(h):

@@ -6,8 +6,11 @@ latent interventions (random / shuffled latent values, latent KV masked from the
 Prefill runs in two parts: (1) image + question + Z_vis + Z_sum through the MoLE path
 (routing, ESVA, topology), (2) the assistant header as ordinary text rows. Between the two
 the latents' cached keys/values can be intervened on. Decoding then feeds one answer token
-at a time through plain SDPA with an explicit boolean mask (stage 1: no visual columns)
-and explicit M-RoPE positions (last position + 1). Tested equal to one uncached forward.
+at a time through plain SDPA: the model builds its own mask (causal, padding, sliding window)
+from the 2-D attention mask and the cache, restricted to the columns the stage allows
+(`mole_columns`; stage 1: no visual columns), with the model's own positions (last + 1).
+The cache is the model's own (`DynamicCache(config=...)`: a sliding-window layer keeps only its
+window). Tested equal to one uncached forward, also past a sliding window.
 """
 import argparse
 import json
@@ -19,20 +22,26 @@ from transformers import DynamicCache
 from common import backbone as bb
 from common.answers import is_correct, score
 from common.cli import Deprecated, add_limit, add_threads, check_out_file, number, run_cli, set_threads
-from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
-from mole.model import ZSUM, ZVIS, MoLE, column_mask, load_record_images, topology_mask
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, load_record_images
+from mole.model import ZSUM, ZVIS, MoLE, column_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
 
 
-def _intervene(cache, cols, kind, gen):
-    """Replace the cached K and V of the latent columns `cols` (list of ints) in every layer.
+def _intervene(cache, cols, length, kind, gen):
+    """Replace the cached K and V of the latent columns `cols` (list of ints, positions in a
+    sequence of `length` tokens) in every layer; a sliding-window layer holds only the newest
+    of them, so a column maps to its place among those (and is skipped if dropped already).
     random: Gaussian with the latents' own per-layer mean/std; shuffle: permute the entries
     within each latent vector (heads x head_dim flattened), a fresh permutation per vector."""
     for layer in cache.layers:
+        held = layer.keys.shape[2]  # the last `held` of the `length` columns
+        here = [c - (length - held) for c in cols if c >= length - held]
+        if not here:
+            continue
         for name in ("keys", "values"):
             t = getattr(layer, name)  # [B,Hkv,L,D]
-            z = t[:, :, cols].transpose(1, 2)  # [B,n,Hkv,D]
+            z = t[:, :, here].transpose(1, 2)  # [B,n,Hkv,D]
             B, n, Hk, D = z.shape
             flat = z.reshape(B, n, Hk * D)
             if kind == "random":
@@ -41,7 +50,7 @@ def _intervene(cache, cols, kind, gen):
                 perm = torch.rand(B, n, Hk * D, generator=gen).argsort(-1).to(flat.device)
                 new = flat.gather(-1, perm)
             t = t.clone()
-            t[:, :, cols] = new.view(B, n, Hk, D).transpose(1, 2)
+            t[:, :, here] = new.view(B, n, Hk, D).transpose(1, 2)
             setattr(layer, name, t)
 
 
@@ -74,17 +83,15 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
     mole(head, stage, cache=cache)
     if intervention in ("random", "shuffle"):
         cols = latent[0].nonzero().flatten().tolist()  # same columns in every row (left padding)
-        _intervene(cache, cols, intervention, torch.Generator().manual_seed(seed))
+        _intervene(cache, cols, cut, intervention, torch.Generator().manual_seed(seed))
 
-    # 2. the assistant header, then one token at a time: plain text rows
+    # 2. the assistant header, then one token at a time: plain text rows under the model's own mask
+    # (causal, padding, sliding window), restricted to the columns text rows may read
     keep = column_mask(types, stage)  # [B,L] columns later text rows may read
     if intervention == "mask":
         keep &= ~latent
-    mask = topology_mask(types, stage, mole.cfg)[:, :, cut:]  # [B,1,T,L]
-    if intervention == "mask":
-        mask = mask & ~latent[:, None, None]
-    out = mole.model(input_ids=ids[:, cut:], attention_mask=mask, position_ids=pos[..., cut:], cache=cache,
-                     use_cache=True)
+    out = mole.model(input_ids=ids[:, cut:], attention_mask=am, position_ids=pos[..., cut:], cache=cache,
+                     use_cache=True, mole_columns=keep)
     last = pos[..., -1:]  # [3,B,1] (M-RoPE) or [B,1]
     steps, tokens = [], []
     done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -97,9 +104,10 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
         if (stop_at_eos and bool(done.all())) or t == max_new_tokens - 1:
             break
         keep = torch.cat([keep, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
+        am = torch.cat([am, torch.ones(B, 1, dtype=am.dtype, device=dev)], 1)
         last = last + 1
-        out = mole.model(input_ids=nxt[:, None], attention_mask=keep[:, None, None], position_ids=last,
-                         cache=cache, use_cache=True)
+        out = mole.model(input_ids=nxt[:, None], attention_mask=am, position_ids=last, cache=cache, use_cache=True,
+                         mole_columns=keep)
     new = torch.stack(tokens, 1)
     texts, lens = [], []
     for row in new.tolist():

@@ -4,11 +4,14 @@ The decoder input becomes (paper: [V; Q; Z_vis; Z_sum; Y]; Qwen chat shown)
 
     <|im_start|>user\\n<|vision_start|> V <|vision_end|> Q | Z_vis (E) | Z_sum (S) | <|im_end|>\\n<|im_start|>assistant\\n Y
 
-The model family enters only through a `VLMAdapter`: prompt ids and vision tensors, the tail
-(assistant header) the latents are inserted before, the image token id, the position ids.
-`mole.qwen.QwenVLAdapter` (the repo's `VLProcessor`: Qwen-VL with M-RoPE, LLaVA-NeXT) and
-`ChatVLMAdapter` (any transformers processor with a chat template, plain 1-D positions:
-Gemma3, LLaVA) are picked by `adapter_for` from what is passed as `proc`.
+The model family enters only through `mole.adapters`, the one module below this file (this
+file imports the standard library, torch, `common.routing` and `mole.adapters`; it copies into
+another project with those two). From the model itself: the decoder stack, the position ids
+(M-RoPE `get_rope_index` on Qwen-VL, else 1-D), the token types the forward takes and, per
+layer, the base's own attention mask. From the processor: a `VLMAdapter` builds the prompt ids
+and vision tensors and names the tail (assistant header) the latents are inserted before
+(`QwenVLAdapter` for the repo's `VLProcessor`, `ChatVLMAdapter` for a transformers processor
+with a chat template; `adapter_for` picks one).
 
 Z_vis are E latent *visual experts*, Z_sum S latent *summary experts*: new special tokens
 whose embeddings are trainable parameters here (ids past the embedding table, so the LM
@@ -26,18 +29,22 @@ head can never emit them). At every decoder layer l:
     lifts that block.
 
 How it plugs into transformers (the traps it avoids are named below):
-  * `mole_attention` is registered with `AttentionInterface` (and `sdpa_mask` with
-    `AttentionMaskInterface`, else padding masks silently vanish) under the name "mole".
-    All rows go through the standard SDPA kernel with the boolean 4D topology mask; only
-    the E Z_vis rows are then recomputed (routed mask + prior + ESVA values) and written over.
-  * The per-forward context (`MoLEPass`: token types, Z_vis positions, routing, aux losses)
-    travels through the model's **kwargs as `mole=...`: transformers hands unknown kwargs
-    to every decoder layer and attention call.
+  * `mole_attention` is registered under the name "mole" together with a mask builder
+    (`mole.adapters.register_attention`; without one transformers builds no mask and padding
+    silently vanishes). The model gets the 2-D attention mask and its token types, so it builds
+    its own boolean mask per layer kind: causal + padding, and per family a sliding window,
+    Gemma3's bidirectional image blocks (from `token_type_ids`).
+    `mole_attention` puts the topology on top (`topology_mask(..., base=)`): rows that are not
+    latents keep the base's attention minus the stage-1 bottleneck; latent rows follow the
+    topology over the whole sequence. All rows go through the standard SDPA kernel; only the
+    E Z_vis rows are then recomputed (routed mask + prior + ESVA values) and written over.
+  * The per-forward context (`MoLEPass`: token types, stage, Z_vis positions, routing, aux
+    losses) travels through the model's **kwargs as `mole=...`: transformers hands unknown
+    kwargs to every decoder layer and attention call.
   * Routing runs in a forward pre-hook on each decoder layer (it needs the hidden state
     *entering* the layer, which the attention function never sees).
-  * With a 4D mask, position ids must be passed explicitly (the adapter's `positions`: M-RoPE
-    via `get_rope_index` for Qwen, the cumulative attention mask otherwise). The same 4D mask
-    goes to every layer: a sliding-window layer (Gemma3) then attends over the whole sequence.
+  * Position ids are passed explicitly (the model gets embeddings, and Qwen-VL would index a
+    custom mask as 2-D inside `get_rope_index`): the model's own (`mole.adapters.model_positions`).
   * The latents bypass the embedding module, so they start at the scale of its output
     (`init_latents`: Gemma's module multiplies rows by sqrt(d)).
 
@@ -51,11 +58,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
 from common.routing import load_balance_loss, topk_gates, z_loss
+from mole.adapters import (adapter_for, check_served, model_positions, register_attention, sdpa_attention_forward,
+                           text_model, token_type_inputs)
 
 # token types
 PAD, TEXT, VIS, ZVIS, ZSUM = 0, 1, 2, 3, 4
@@ -108,181 +114,7 @@ class MoLEConfig:
 PLAIN_LATENT = dict(router=False, esva=False, latent_mixing="causal")  # + n_vis = budget, n_sum = 0
 
 
-def record_images(rec):
-    """Image paths of a record: its "images" list (several images per question, LLaVA style)
-    or [its "image"]."""
-    return list(rec.get("images") or [rec["image"]])
-
-
-def load_record_images(rec):
-    """The record's images as a list of PIL images (`common.data.load_image`)."""
-    from common import data
-    return [data.load_image(p, rec["id"]) for p in record_images(rec)]
-
-
-# ----------------------------------------------------------------------------- model-family adapters
-
-TEXT_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
-
-
-def cumulative_positions(attention_mask):
-    """Plain 1-D position ids [B,L] of a padded batch: cumulative attention mask - 1 (0 on
-    left pads), so every row counts from 0 at its first real token."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-class VLMAdapter:
-    """The model-family-specific part of MoLE: how prompts are built around the images, where
-    the latents go, which id marks a visual token, and the decoder's position ids. `MoLE`
-    touches the processor / model family only through this interface.
-
-    Attributes: proc (the processor, kept as `MoLE.proc`), image_token_id (the id of every
-    visual token in input_ids), pad_token_id, eos_token_id (ends an answer; labels include it).
-    Methods:
-      tail_ids() -> list[int]: the ids every prompt ends with (the assistant header); the
-        latents are inserted right before them;
-      prompts(images, questions, pixels=None, n_images=None) -> (rows, vision): per question
-        its prompt ids (image tokens expanded, ending with tail_ids()) and the vision tensors
-        of the batch as a dict (what the model takes besides ids, e.g. pixel_values);
-      text_ids(text) -> ids of user text (answers); decode(ids) -> str;
-      batch_extras(input_ids, attention_mask) -> dict of extra [B,L] batch tensors (default {});
-      model_inputs(batch) -> the batch entries the VLM's forward gets next to inputs_embeds,
-        the 4D mask and positions (default: every entry that is not ids / masks / labels /
-        token types, i.e. the vision tensors);
-      positions(input_ids, attention_mask, batch) -> position ids ([B,L], or [3,B,L] for
-        M-RoPE); the default is `cumulative_positions` (Gemma3, LLaVA: plain 1-D RoPE).
-    Subclasses: `mole.qwen.QwenVLAdapter` (the repo's VLProcessor, Qwen M-RoPE) and
-    `ChatVLMAdapter` (a transformers multimodal processor with a chat template)."""
-
-    proc = None
-    image_token_id = pad_token_id = eos_token_id = None
-
-    def tail_ids(self):
-        raise NotImplementedError
-
-    def prompts(self, images, questions, pixels=None, n_images=None):
-        raise NotImplementedError
-
-    def text_ids(self, text):
-        raise NotImplementedError
-
-    def decode(self, ids):
-        raise NotImplementedError
-
-    def answer_ids(self, answer):
-        """The ids of an assistant answer, terminator included (labels); default: its text ids +
-        eos_token_id."""
-        return self.text_ids(answer) + [self.eos_token_id]
-
-    def batch_extras(self, input_ids, attention_mask):
-        return {}
-
-    def model_inputs(self, batch):
-        return {k: v for k, v in batch.items() if k not in TEXT_KEYS}
-
-    def positions(self, input_ids, attention_mask, batch):
-        return cumulative_positions(attention_mask)
-
-
-class ChatVLMAdapter(VLMAdapter):
-    """Generic `VLMAdapter` for a transformers multimodal processor (`ProcessorMixin`: a
-    tokenizer with a chat template + an image processor; Gemma3Processor, LlavaProcessor, ...)
-    and a VLM with plain 1-D positions (`cumulative_positions`).
-
-    model: the VLM (its config's image_token_id / image_token_index marks visual tokens);
-    processor: its processor. Prompts are the chat template's user turn (one {"type": "image"}
-    entry per image, at the question's "<image>" placeholders if it has one per image, else
-    first) + generation prompt; the processor expands the image tokens. The tail (assistant
-    header) is what the template puts after the user text; the answer terminator
-    (eos_token_id) is the first token the template puts after an assistant answer (e.g.
-    Gemma's <end_of_turn>), else the tokenizer's eos. Unlike `QwenVLAdapter`, user text is not
-    escaped (special-token strings in a question stay special); pixels= is not supported."""
-
-    _Q, _A = "\x00MoLE-question\x00", "\x00MoLE-answer\x00"
-
-    def __init__(self, model, processor):
-        self.model, self.proc = model, processor
-        tok = self.tok = getattr(processor, "tokenizer", processor)
-        cfg = model.config
-        self.image_token_id = getattr(cfg, "image_token_id", None)
-        if self.image_token_id is None:
-            self.image_token_id = getattr(cfg, "image_token_index", None)
-        if self.image_token_id is None:
-            raise ValueError(f"{type(model).__name__}: its config names no image_token_id / image_token_index; "
-                             f"pass a VLMAdapter that sets image_token_id")
-        user = [{"role": "user", "content": [{"type": "text", "text": self._Q}]}]
-        head = processor.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-        self._tail = tok(head.split(self._Q, 1)[1], add_special_tokens=False)["input_ids"]
-        if not self._tail:
-            raise ValueError("the chat template puts nothing after the user text: no place for the latents")
-        eos = None
-        try:
-            chat = processor.apply_chat_template(
-                user + [{"role": "assistant", "content": [{"type": "text", "text": self._A}]}], tokenize=False)
-            after = tok(chat.split(self._A, 1)[1], add_special_tokens=False)["input_ids"] if self._A in chat else []
-            eos = after[0] if after else None
-        except Exception:  # a template without an assistant turn: fall back to the tokenizer's eos
-            pass
-        self.eos_token_id = eos if eos is not None else tok.eos_token_id
-        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_id
-
-    def tail_ids(self):
-        return list(self._tail)
-
-    def text_ids(self, text):
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, ids):
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def _content(self, question, k):
-        n_ph = question.count("<image>")
-        if n_ph not in (0, k):
-            raise ValueError(f"a question with {k} images has {n_ph} '<image>' placeholders; put one "
-                             f"per image, in order (or none: the images then come first)")
-        segs = question.replace("<image>\n", "<image>").split("<image>") if n_ph else [""] * k + [question]
-        content = [{"type": "text", "text": segs[0]}] if segs[0] else []
-        for seg in segs[1:]:
-            content.append({"type": "image"})
-            if seg:
-                content.append({"type": "text", "text": seg})
-        return content
-
-    def prompts(self, images, questions, pixels=None, n_images=None):
-        """Per question the processor's prompt ids and the batch's vision tensors (every output
-        of the processor but ids, mask and token types). Raises ValueError with pixels= or a
-        question without an image."""
-        if pixels is not None:
-            raise ValueError("ChatVLMAdapter takes PIL images (images=...), not pre-made pixels")
-        per_q = [list(im) if isinstance(im, (list, tuple)) else [im] for im in images]
-        if len(per_q) != len(questions) or any(not x or any(im is None for im in x) for x in per_q):
-            raise ValueError(f"{len(questions)} questions need one or more images each")
-        texts = [self.proc.apply_chat_template([{"role": "user", "content": self._content(q, len(x))}],
-                                               add_generation_prompt=True, tokenize=False)
-                 for q, x in zip(questions, per_q)]
-        out = self.proc(text=texts, images=per_q, return_tensors="pt", padding=True, add_special_tokens=False)
-        am = out["attention_mask"].bool()
-        rows = [out["input_ids"][i][am[i]].tolist() for i in range(len(texts))]
-        return rows, {k: v for k, v in out.items() if k not in TEXT_KEYS}
-
-
-def adapter_for(model, proc):
-    """The `VLMAdapter` of (model, proc): proc itself if it is one; `mole.qwen.QwenVLAdapter`
-    for the repo's `VLProcessor` (anything with `prompt_and_labels`); else `ChatVLMAdapter`
-    (a transformers processor with a chat template)."""
-    if isinstance(proc, VLMAdapter):
-        return proc
-    if hasattr(proc, "prompt_and_labels"):
-        from mole.qwen import QwenVLAdapter
-        return QwenVLAdapter(model, proc)
-    return ChatVLMAdapter(model, proc)
-
-
-def text_model(model):
-    """The decoder of a VLM (`model.model.language_model`) or of a causal LM (`model.model`)."""
-    inner = model.model
-    return getattr(inner, "language_model", inner)
-
+# ----------------------------------------------------------------------------- latent embeddings
 
 @torch.no_grad()
 def embedding_output_scale(table, chunk=8192):
@@ -311,19 +143,26 @@ def init_latents(table, n, generator=None):
 
 # ----------------------------------------------------------------------------- masks
 
-def topology_mask(types, stage, cfg):
+def topology_mask(types, stage, cfg, base=None):
     """Boolean attention mask of the MoLE sequence (True = may attend).
 
-    types: [B, L] long (PAD/TEXT/VIS/ZVIS/ZSUM); stage: 1 (visual bottleneck) or 2.
-    Returns [B, 1, L, L] bool. Z_vis -> V edges are left False when the router is on: the
-    attention function adds the routed ones per layer. Every row may attend to itself, so
-    pad rows never produce NaN. Raises ValueError for another stage."""
+    types: [B, L] long (PAD/TEXT/VIS/ZVIS/ZSUM); stage: 1 (visual bottleneck) or 2;
+    base: the base model's own mask of one layer, [B or 1, 1, L, L] bool (causal + padding, and
+    per family a sliding window or Gemma3's bidirectional image blocks), or None
+    for causal over non-pad columns. Rows that are not latents keep the base's mask, minus the
+    stage-1 bottleneck (text rows never see V); the latent rows (Z_vis, Z_sum) follow MoLE's
+    topology over the whole sequence in every layer (causal, no window). Returns [B, 1, L, L]
+    bool. Z_vis -> V edges are left False when the router is on: the attention function adds the
+    routed ones per layer. Every row may attend to itself, so pad rows never produce NaN.
+    Raises ValueError for another stage."""
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage}")
     B, L = types.shape
     row, col = types[:, :, None], types[:, None, :]  # [B,L,1], [B,1,L]
     eye = torch.eye(L, dtype=torch.bool, device=types.device)[None]
     allowed = torch.ones(L, L, dtype=torch.bool, device=types.device).tril()[None] & (col != PAD)
+    if base is not None:  # the base's own attention outside the latent rows
+        allowed = torch.where((row == ZVIS) | (row == ZSUM), allowed, base[:, 0].to(torch.bool))
     if cfg.router:
         allowed &= ~((row == ZVIS) & (col == VIS))  # only routed edges, added per layer
     if cfg.latent_mixing == "topological":
@@ -347,13 +186,14 @@ def column_mask(types, stage):
 class MoLEPass:
     """What one forward pass of MoLE hands to the routing hooks and the attention function.
 
-    types [B,L], zpos [B,E] (position of each Z_vis token), is_vis [B,L];
+    types [B,L], zpos [B,E] (position of each Z_vis token), stage (1 or 2: the mask the
+    attention function builds, `mask`), is_vis [B,L];
     route[layer] = (sel [B,L,E] bool, prior [B,L,E] fp32); per-layer aux losses;
     record: keep each layer's Z_vis attention probs [B,H,E,L] in `attn` (diagnostics);
     reduce: `mole.reduce` in training (the global-batch counts of a data-parallel run), else None."""
 
-    def __init__(self, mole, types, zpos, record=False):
-        self.mole, self.types, self.zpos, self.record = mole, types, zpos, record
+    def __init__(self, mole, types, zpos, stage=2, record=False):
+        self.mole, self.types, self.zpos, self.stage, self.record = mole, types, zpos, stage, record
         self.reduce = mole.reduce if mole.training else None
         self.is_vis = types == VIS
         # visual positions packed per row: vis_idx [B,Nv] (padded), vis_ok [B,Nv]; ESVA runs on these only
@@ -363,16 +203,41 @@ class MoLEPass:
         self.vis_ok = torch.arange(nv, device=types.device)[None] < n[:, None]
         self.route, self.attn = {}, {}
         self.balance, self.z, self.div = [], [], []
+        self._masks = []  # (base mask, MoLE mask): one per layer kind (full / sliding / chunked)
+
+    def mask(self, base):
+        """`topology_mask` over the base's own mask of a layer ([B,1,L,L] bool, or None: causal),
+        computed once per distinct base mask (transformers hands the same tensor to every layer
+        of a kind)."""
+        for b, m in self._masks:
+            if b is base:
+                return m
+        m = topology_mask(self.types, self.stage, self.mole.cfg, base)
+        self._masks.append((base, m))
+        return m
 
 
 def mole_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention function registered as "mole".
 
-    query [B,H,Q,D], key/value [B,Hkv,K,D] (GQA not repeated), attention_mask [B,1,Q,K] bool.
-    Returns (out [B,Q,H,D], None). Without a `mole` kwarg (plain calls, cached decoding of
-    answer tokens) this is exactly SDPA. With one, every row goes through SDPA and the
-    Z_vis rows are then replaced by `MoLE.latent_attention` (routed mask, prior, ESVA)."""
+    query [B,H,Q,D], key/value [B,Hkv,K,D] (GQA not repeated), attention_mask [B,1,Q,K] bool:
+    the base's own mask of this layer (`mole.adapters.base_mask`: causal, padding and the
+    family's sliding window / image blocks). Returns (out [B,Q,H,D], None).
+    With a `mole` kwarg (a MoLEPass: a full MoLE forward) the mask becomes `topology_mask` over
+    the base's, every row goes through SDPA and the Z_vis rows are then replaced by
+    `MoLE.latent_attention` (routed mask, prior, ESVA). With `mole_columns` ([B,Lk] bool: which
+    of the sequence's columns text rows may read; cached decoding) the base's mask is restricted
+    to them (its last K columns: a sliding-window cache holds only the newest keys). With
+    neither, exactly SDPA."""
     st = kwargs.pop("mole", None)
+    cols = kwargs.pop("mole_columns", None)
+    if attention_mask is None and (st is not None or cols is not None):  # no mask built: plain causal
+        Q, K = query.shape[2], key.shape[2]
+        attention_mask = torch.ones(Q, K, dtype=torch.bool, device=query.device).tril(K - Q)[None, None]
+    if st is not None:
+        attention_mask = st.mask(attention_mask)
+    elif cols is not None:
+        attention_mask = attention_mask & cols[:, None, None, -key.shape[2]:]
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                     scaling=scaling, **kwargs)
     if st is None or not (st.mole.cfg.special or st.record):
@@ -386,8 +251,7 @@ def mole_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     return out, None
 
 
-AttentionInterface.register("mole", mole_attention)
-AttentionMaskInterface.register("mole", sdpa_mask)
+register_attention("mole", mole_attention)  # with a mask builder that hands over the base's own mask
 
 
 # ----------------------------------------------------------------------------- modules
@@ -456,11 +320,14 @@ class MoLE(nn.Module):
     the trainer). Registers "mole" attention on the text model and one routing pre-hook per
     decoder layer.
 
-    model: a transformers VLM; proc: a `VLMAdapter` (the model-family interface), or a
-    processor from which `adapter_for` picks one (the repo's `VLProcessor` -> the Qwen adapter
-    of `mole.qwen`, a transformers processor with a chat template -> `ChatVLMAdapter`).
+    model: a transformers VLM; proc: a `VLMAdapter` (the prompt format), or a processor from
+    which `adapter_for` picks one (the repo's `VLProcessor` -> `QwenVLAdapter`, a transformers
+    processor with a chat template -> `ChatVLMAdapter`). Positions, token types and attention
+    come from the model (`mole.adapters`), whichever adapter builds the prompts.
     `self.adapter` is the adapter, `self.proc` its processor. The latent rows start at the
-    scale of the embedding module's output (`init_latents`)."""
+    scale of the embedding module's output (`init_latents`).
+    Raises ValueError for a family MoLE cannot serve (`check_served`) or whose decoder stack
+    `text_model` does not find, naming it."""
 
     def __init__(self, model, proc, cfg=None):
         super().__init__()
@@ -468,10 +335,11 @@ class MoLE(nn.Module):
         # data-parallel training sets this to common.routing.rank_mean: the aux losses then average
         # over the global batch (what one process computes on it), not over this rank's share
         self.reduce = None
+        check_served(model)
+        layers = text_model(model).layers
         self.adapter = adapter = adapter_for(model, proc)
         self.model, self.proc = model, adapter.proc
         tcfg = model.config.get_text_config()
-        layers = text_model(model).layers
         d, E, n_lat = tcfg.hidden_size, cfg.n_vis, cfg.n_vis + cfg.n_sum
         head_dim = getattr(tcfg, "head_dim", None) or d // tcfg.num_attention_heads
         d_v = tcfg.num_key_value_heads * head_dim
@@ -527,7 +395,7 @@ class MoLE(nn.Module):
         pad = lambda r, v: (r + [v] * (L - len(r))) if side == "right" else ([v] * (L - len(r)) + r)
         input_ids = torch.tensor([pad(r, ad.pad_token_id) for r in rows])
         mask = torch.tensor([pad([1] * len(r), 0) for r in rows])
-        batch = {"input_ids": input_ids, "attention_mask": mask, **ad.batch_extras(input_ids, mask), **vision}
+        batch = {"input_ids": input_ids, "attention_mask": mask, **token_type_inputs(self.model, input_ids), **vision}
         if answers is not None:
             batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
         return batch
@@ -561,9 +429,10 @@ class MoLE(nn.Module):
         return torch.where(lat[..., None], self.latent.to(x.dtype)[j], x)
 
     def positions(self, batch):
-        """Explicit position ids (needed with a 4D mask), from the adapter: Qwen M-RoPE [3,B,L]
-        (`get_rope_index`, latents counted as text tokens) or plain 1-D [B,L]."""
-        return self.adapter.positions(batch["input_ids"], batch["attention_mask"], batch)
+        """Explicit position ids (MoLE passes embeddings), the model's own (`model_positions`):
+        M-RoPE [3,B,L] from `get_rope_index` on Qwen-VL (latents counted as text tokens), else
+        1-D [B,L] from the attention mask."""
+        return model_positions(self.model, batch["input_ids"], batch["attention_mask"], batch)
 
     # ------------------------------------------------------------------ routing
 
@@ -645,11 +514,15 @@ class MoLE(nn.Module):
         loss = ce + lambda_balance*balance + lambda_z*z + lambda_div*div, plus each term)."""
         ids, am = batch["input_ids"], batch["attention_mask"]
         types = self.token_types(ids, am)
-        st = MoLEPass(self, types, self.zvis_positions(ids), record=record)
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage}")
+        st = MoLEPass(self, types, self.zvis_positions(ids), stage, record=record)
         pos = self.positions(batch)
-        out = self.model(inputs_embeds=self.embed(ids), attention_mask=topology_mask(types, stage, self.cfg),
-                         position_ids=pos, **self.adapter.model_inputs(batch), cache=cache, use_cache=cache is not None,
-                         output_hidden_states=hidden, mole=st)
+        # the 2-D mask and the token types let the model build its own per-layer masks (causal, padding,
+        # sliding window, image blocks); mole_attention applies the topology on top of them
+        inputs = {**self.adapter.model_inputs(batch), **token_type_inputs(self.model, ids)}
+        out = self.model(inputs_embeds=self.embed(ids), attention_mask=am, position_ids=pos, **inputs, cache=cache,
+                         use_cache=cache is not None, output_hidden_states=hidden, mole=st)
         res = {"logits": out.logits, "types": types, "positions": pos, "pass": st}
         if hidden:
             res["hidden"] = out.hidden_states[-1]

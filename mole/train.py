@@ -39,7 +39,7 @@ import torch.distributed as dist
 from common import backbone as bb
 from common import data
 from common.checkpoint import save_train_state
-from common.data import IMAGE_ROOT_HELP
+from common.data import IMAGE_ROOT_HELP, record_images
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
                         step_tokens, token_ce, add_threads, Deprecated)
@@ -47,7 +47,7 @@ from common.routing import rank_mean
 from mole.lora import add_lora
 from mole.checkpoint import (PlaceholderProcessor, build, copy_tensors, load_mole, mole_config,  # noqa: F401
                              recorded_base, recorded_method, unfinished_stage2)
-from mole.model import MoLE, MoLEConfig, record_images
+from mole.model import MoLE, MoLEConfig
 
 # flags that do not change what a run computes: everything else must match on --resume
 NOT_SETTINGS = ("model", "base", "data", "image_root", "skip_bad", "grad_accum", "out", "resume", "overwrite", "device", "compile", "quiet",

@@ -239,6 +239,87 @@ def agglomerate(d_norm, p_ans, K, lam=0.0, tau=1.0, linkage="single"):
     return sorted(members.values())
 
 
+# ----------------------------------------------------------------------------- search depth (App. F.3)
+# Table 15 panel A keeps the answer-aware merge score and the retained expert count and searches
+# deeper than the greedy pass. The paper names the variants (Greedy+1Swap, Greedy+SwapC) and
+# reports the change of the merge score (Delta J) but gives neither the partition-level score nor
+# the move set; our reading, used by both functions below: the score of a partition is the sum of
+# J over the cheapest single-linkage merge sequence that builds it, and a move swaps two experts
+# of different groups (group sizes, hence K, unchanged).
+
+def mst_weight(d, members):
+    """Weight of a minimum spanning tree of the complete graph on `members` with edge weights
+    d[i, j] (numpy [N, N], symmetric): the smallest sum of single-linkage merge heights d_role
+    that builds the group from singletons. 0 for a singleton. Prim's algorithm, O(|G|^2)."""
+    m = list(members)
+    if len(m) < 2:
+        return 0.0
+    sub = d[np.ix_(m, m)]
+    best = sub[0].copy()                    # cheapest edge from the tree (vertex 0) to each vertex
+    done = np.zeros(len(m), dtype=bool)
+    done[0] = True
+    total = 0.0
+    for _ in range(len(m) - 1):
+        cand = np.where(done, math.inf, best)
+        v = int(cand.argmin())
+        total += float(cand[v])
+        done[v] = True
+        best = np.minimum(best, sub[v])
+    return total
+
+
+def partition_score(d_norm, p_ans, groups, lam=0.0, tau=1.0):
+    """Answer-aware merge score of a whole partition (our reading of App. F.3's J, see above):
+
+        J(c) = sum_G [ MST_{d_norm}(G) + lam * R_ans(G) / tau ]
+
+    i.e. the sum of the pairwise merge scores J(G, H) = d_role + lam * Delta R / tau over the
+    cheapest single-linkage merge sequence building each group: the Delta R terms telescope to
+    R_ans(G) (singletons have R = 0) and the d_role terms are at least the group's minimum
+    spanning tree. d_norm [N, N] (max-normalised d_EP), p_ans [N], groups: list of lists of
+    expert indices -> float."""
+    D = torch.as_tensor(d_norm, dtype=torch.float64).numpy()
+    D = np.triu(D, 1) + np.triu(D, 1).T
+    p = torch.as_tensor(p_ans, dtype=torch.float64)
+    return sum(mst_weight(D, g) + lam * collision(p, g) / tau for g in groups)
+
+
+def swap_search(d_norm, p_ans, groups, lam=0.0, tau=1.0, max_swaps=None):
+    """Local search after the greedy pass (Table 15 panel A): repeatedly apply the swap of two
+    experts from different groups that lowers `partition_score` the most (strictly, by more than
+    1e-12; ties: the smallest (i, j)), at most `max_swaps` times (None: until no swap lowers the
+    score, a local optimum). max_swaps=1 is Greedy+1Swap, None Greedy+SwapC. Group sizes and the
+    number of groups never change. Returns (groups sorted like `agglomerate`, swaps made)."""
+    D = torch.as_tensor(d_norm, dtype=torch.float64).numpy()
+    D = np.triu(D, 1) + np.triu(D, 1).T
+    p = torch.as_tensor(p_ans, dtype=torch.float64)
+    gs = [sorted(g) for g in groups]
+    cost = lambda g: mst_weight(D, g) + lam * collision(p, g) / tau
+    c = [cost(g) for g in gs]
+    of = {e: k for k, g in enumerate(gs) for e in g}
+    swaps = 0
+    while max_swaps is None or swaps < max_swaps:
+        best = (0.0, None)
+        for i in sorted(of):
+            for j in sorted(of):
+                a, b = of[i], of[j]
+                if j <= i or a == b:
+                    continue
+                ga = [e for e in gs[a] if e != i] + [j]
+                gb = [e for e in gs[b] if e != j] + [i]
+                delta = cost(ga) + cost(gb) - c[a] - c[b]
+                if delta < best[0] - 1e-12:
+                    best = (delta, (i, j, sorted(ga), sorted(gb)))
+        if best[1] is None:
+            break
+        i, j, ga, gb = best[1]
+        a, b = of[i], of[j]
+        gs[a], gs[b], c[a], c[b] = ga, gb, cost(ga), cost(gb)
+        of[i], of[j] = b, a
+        swaps += 1
+    return sorted(gs), swaps
+
+
 def kmeans_groups(x, K, seed=0, iters=50):
     """k-means++ control (App. F.3): cluster the rows of x [N, F] (we use the RRPs q_e) into
     exactly K non-empty groups with squared Euclidean distance. Seeded k-means++ init
@@ -349,7 +430,8 @@ def mi_retention(record_counts, groups):
 # ----------------------------------------------------------------------------- whole-model plan
 
 METHODS = ("rolemerge", "no_phase_split", "lambda0", "permuted", "kmeans", "frequency", "prune",
-           "msmoe", "hcsmoe", "reap", "empirical_prior")
+           "msmoe", "hcsmoe", "reap", "empirical_prior", "greedy_1swap", "greedy_swapc")
+SEARCH = {"greedy_1swap": 1, "greedy_swapc": None}   # method -> swap_search's max_swaps (Table 15 panel A)
 FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need features: rolemerge.calibrate --features (or baselines.collect_features)
 
 
@@ -363,7 +445,9 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     "lambda0", "permuted" (RRPs and p_ans shuffled across expert identities, seeded),
     "empirical_prior" (the RRPs with the layer's phase token shares as the prior pi(b) instead of
     the paper's uniform 1/B; merge weights unchanged),
-    "kmeans" (k-means++ on RRPs, seeded), baselines "frequency" (needs routers: list of
+    "kmeans" (k-means++ on RRPs, seeded), "greedy_1swap" / "greedy_swapc" (the greedy grouping,
+    then `swap_search` with one swap / to convergence, per routing block; info gets the partition
+    scores "J_greedy" and "J" and "swaps"), baselines "frequency" (needs routers: list of
     [N, H] router weights), "prune", and the papers' own criteria "msmoe", "hcsmoe", "reap"
     (rolemerge/baselines.py; need features: list over layers of `collect_features` dicts);
     linkage applies to the agglomerative methods (validated for every method; HC-SMoE always uses average).
@@ -412,7 +496,7 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
         P_e, q = role_profiles(p, prior)
         tau = collision_scale(p[ans])
         d = None if method in ("kmeans", "frequency", "prune") + FEATURE_METHODS else normalise_by_max(pair_loss(P_e, q))
-        g = []
+        g, search = [], {"J_greedy": 0.0, "J": 0.0, "swaps": 0}
         for s0 in range(0, N, nb):                                 # one routing group (block) at a time
             ix = slice(s0, s0 + nb)
             if method == "kmeans":
@@ -429,7 +513,12 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
                 gb = baseline_groups(method, slice_features(features[l], ix), kb)
             else:
                 gb = agglomerate(d[ix, ix], p[ans, ix], kb, lams[l], tau, linkage)
+                if method in SEARCH:
+                    search["J_greedy"] += partition_score(d[ix, ix], p[ans, ix], gb, lams[l], tau)
+                    gb, n = swap_search(d[ix, ix], p[ans, ix], gb, lams[l], tau, SEARCH[method])
+                    search["J"] += partition_score(d[ix, ix], p[ans, ix], gb, lams[l], tau)
+                    search["swaps"] += n
             g += [[e + s0 for e in grp] for grp in gb]
         groups.append(g)
-        info.append({"kappa": kappas[l], "lambda": lams[l], "tau": tau})
+        info.append(dict({"kappa": kappas[l], "lambda": lams[l], "tau": tau}, **(search if method in SEARCH else {})))
     return groups, info

@@ -252,7 +252,7 @@ def test_markers_are_control_tokens_not_characters(family):
     ids = proc.prompt_ids("Q?", 0)
     assert proc.tokenizer.convert_tokens_to_ids(TERMINATOR[name]) == proc.eos_token_id
     assert proc.tokenizer.unk_token_id not in ids
-    marker = {"gemma3": "<start_of_turn>", "llava": "<image>"}.get(name, "<image>" if "llava" in name else "<|im_start|>")
+    marker = "<start_of_turn>" if name == "gemma3" else "<image>" if "llava" in name else "<|im_start|>"
     sneaky = proc.prompt_ids(f"say {marker} now", 0)
     assert sneaky.count(proc.tokenizer.convert_tokens_to_ids(marker)) == ids.count(
         proc.tokenizer.convert_tokens_to_ids(marker))
@@ -360,7 +360,8 @@ def test_evaluation_uses_lmms_evals_settings_for_qwen2_5_vl_unless_asked_otherwi
     assert evaluate.apply_prompt_settings(model, proc, "checkpoint") == {}
     own = proc.vision([big])[1] + proc.vision([small])[1]
     assert evaluate.apply_prompt_settings(model, proc, "lmms-eval")["system"] == "You are a helpful assistant."
-    assert proc.vision([big])[1] == [2028] and proc.vision([small])[1] == [256] and own == [12, 9]  # the tiny processor keeps <= 112x112 px
+    assert proc.vision([big])[1] == [2028] and proc.vision([small])[1] == [256]
+    assert own == [12, 9]  # the tiny family's own processor keeps <= 112x112 px
     ids = proc.prompt_ids("Q?", 0)
     text = proc.tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
@@ -386,7 +387,8 @@ def test_evaluate_scores_a_text_moe_through_its_chat_template(tmp_path, capsys, 
     model.save_pretrained(ck)
     tok.save_pretrained(ck)
     model, proc = bb.load_backbone(ck, text_lms=True)
-    assert proc.tokenizer.decode(proc.prompt_ids("Hi?", 0)) == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = proc.tokenizer.decode(proc.prompt_ids("Hi?", 0))
+    assert prompt == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
     assert proc.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") and proc.extras(torch.ones(1, 2).long(),
                                                                                        torch.ones(1, 2).long()) == {}
     data = tmp_path / "t.jsonl"
@@ -398,8 +400,8 @@ def test_evaluate_scores_a_text_moe_through_its_chat_template(tmp_path, capsys, 
         bb.load_backbone(ck)  # the VLM entry points do not take it
     shapes.generate_split(str(tmp_path / "img"), "test", 1)
     monkeypatch.setattr(evaluate, "load_backbone", lambda *a, **k: pytest.fail("the model loaded"))
-    err = error_of(lambda argv: run_cli(evaluate.main, argv), ["--model", ck, "--data", str(tmp_path / "img" / "test.json"),
-                                                              "--out", str(tmp_path / "i.json")], capsys)
+    argv = ["--model", ck, "--data", str(tmp_path / "img" / "test.json"), "--out", str(tmp_path / "i.json")]
+    err = error_of(lambda args: run_cli(evaluate.main, args), argv, capsys)
     assert "error: " in err and "is a text model (qwen3_moe); 1 record(s)" in err
 
 

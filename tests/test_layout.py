@@ -101,7 +101,7 @@ NARRATION = [
     (r"\bissue item\b", "an issue item"),
     (r"\bpaper[ _-]?00\d\b", "the internal paper numbering"),
     (r"\bload (average )?(of )?~?\d", "the machine's load"),
-    (r"\b(was|were|is) (not )?lent\b|\bno GPU was\b|\bengineers' jobs\b|\bbusy with other jobs\b", "machine availability"),
+    (r"\b(was|were|is) (not )?lent\b|\bno GPU was\b|\bengineers' jobs\b|\bbusy with other jobs\b", "machine availability"),    (r"(?<![\w./])(/work/|/root/|/home/[\w-]+/)", "a path of one machine (defaults belong under out/)"),
 ]
 TEXT = (".py", ".md", ".sh", ".txt")
 
@@ -127,9 +127,10 @@ def narration(text):
 
 def test_narration_patterns_can_fail():
     for s in ("pre-registered 10:35 UTC", "session 4 results", "stop 21", "issue 13", "MoD issue item 7",
-              "paper 002", "load average 2.8", "no GPU was lent to this task", "six engineers' jobs"):
+              "paper 002", "load average 2.8", "no GPU was lent to this task", "six engineers' jobs",
+              "default /work/venv-lmms", "see /root/x", "(/home/ana/data)"):
         assert narration(s), s
-    for s in ("--stop-at HH:MM (UTC)", "top-4 routing over 32 experts", "paper's Table 1", "a 7B model"):
+    for s in ("--stop-at HH:MM (UTC)", "top-4 routing over 32 experts", "paper's Table 1", "a 7B model", "out/venv-lmms", "cp ~/Pictures/a.jpg mine/"):
         assert not narration(s), s
 
 

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from eval.metrics import (accuracy, anls, anls_score, bootstrap_ci, by_family, extract, format_table, is_correct,
-                          levenshtein, normalize, paired_bootstrap, pope_prf)
+                          levenshtein, normalize, paired_bootstrap, pope_prf, two_level_bootstrap, verdict,
+                          verdict_text)
 
 
 @pytest.mark.parametrize("text,answer_type,want", [
@@ -99,6 +100,81 @@ def test_paired_bootstrap():
     assert r2["ci_low"] < r2["diff"] < r2["ci_high"]
     with pytest.raises(ValueError):
         paired_bootstrap([1, 0], [1])
+
+
+def test_two_level_bootstrap_seeds_disagree():
+    # per-seed effects +0.64 / -0.10 / +0.02, every question of a seed with the same difference, so the
+    # question level adds nothing and a resample's mean is the mean of 3 seeds drawn with replacement:
+    # 27 equally likely draws, all three = -0.10 has probability 1/27 = 3.7 % > 2.5 % (and all three
+    # = +0.64 likewise), so the 95 % CI is exactly [-0.10, +0.64]; the effect is (0.64 - 0.10 + 0.02) / 3
+    a = [[0.64] * 20, [-0.10] * 20, [0.02] * 20]
+    b = [[0.0] * 20] * 3
+    r = two_level_bootstrap(a, b)
+    assert r["diff"] == pytest.approx(0.56 / 3) and r["per_seed"] == pytest.approx([0.64, -0.10, 0.02])
+    assert r["ci_low"] == pytest.approx(-0.10) and r["ci_high"] == pytest.approx(0.64)
+    assert r["seeds"] == 3 and r["n"] == 60 and r["bootstrap"] == "two-level (3 seeds, then questions)"
+    assert verdict(r) == "inconclusive"
+    # the question-only bootstrap of the same 60 pooled differences: 0.187 +- 1.96 * 0.32 / sqrt(60),
+    # entirely above 0, i.e. the old rule's "supported"
+    old = paired_bootstrap(sum(a, []), sum(b, []))
+    assert 0.08 < old["ci_low"] < 0.14 and verdict(old) == "supported"
+
+
+def test_two_level_bootstrap_resamples_questions_within_seeds():
+    # two seeds, each with differences +1 / -1 alternating (mean 0): the seed level alone would give
+    # [0, 0]; with the question level each drawn seed's mean has variance 1/20, their average 1/40,
+    # so the CI is about 0 +- 1.96 * sqrt(1/40) = +-0.31
+    a = [[1, 0] * 10, [1, 0] * 10]
+    b = [[0, 1] * 10, [0, 1] * 10]
+    r = two_level_bootstrap(a, b)
+    assert r["diff"] == 0.0 and -0.40 < r["ci_low"] < -0.22 and 0.22 < r["ci_high"] < 0.40
+    # paired: the same resampled questions for both arms, so equal arms give exactly [0, 0] however
+    # much each arm's scores vary (independent resampling of A and B would not)
+    x = [[1, 0, 0, 1, 1] * 8, [0, 1, 1, 0, 1] * 8, [1, 1, 0, 0, 0] * 8]
+    same = two_level_bootstrap(x, x)
+    assert same["ci_low"] == 0.0 and same["ci_high"] == 0.0 and verdict(same) == "inconclusive"
+    assert two_level_bootstrap(a, b, seed=3) == two_level_bootstrap(a, b, seed=3)          # seeded
+
+
+def test_two_level_bootstrap_one_seed_is_the_one_level_one():
+    rng = np.random.default_rng(2)
+    a, b = (rng.random(100) < 0.8).astype(int), (rng.random(100) < 0.5).astype(int)
+    r = two_level_bootstrap([a], [b])
+    p = paired_bootstrap(a, b)
+    assert (r["diff"], r["ci_low"], r["ci_high"], r["n"]) == (p["diff"], p["ci_low"], p["ci_high"], p["n"])
+    assert r["seeds"] == 1 and r["bootstrap"] == "one-level (1 seed: questions only)"
+    assert verdict(r) == "supported" and verdict_text(r) == "supported (1 seed: questions-only bootstrap)"
+    assert verdict_text(two_level_bootstrap([a, a], [b, b])) == "supported"
+
+
+def test_two_level_bootstrap_bad_input():
+    with pytest.raises(ValueError, match="2 seeds for A vs 1"):
+        two_level_bootstrap([[1], [0]], [[1]])
+    with pytest.raises(ValueError, match="seed 1 has"):
+        two_level_bootstrap([[1], [0, 1]], [[1], [0]])
+    with pytest.raises(ValueError, match="no seed"):
+        two_level_bootstrap([], [])
+    with pytest.raises(ValueError, match="seed 0 has"):
+        two_level_bootstrap([[]], [[]])
+
+
+def test_verdict_needs_the_ci_and_every_seed_to_agree():
+    cmp = lambda lo, hi, per: {"ci_low": lo, "ci_high": hi, "per_seed": per}
+    assert verdict(cmp(0.01, 0.2, [0.1, 0.2, 0.01])) == "supported"
+    assert verdict(cmp(0.01, 0.2, [0.1, 0.2, -0.01])) == "inconclusive"      # CI excludes 0, one seed disagrees
+    assert verdict(cmp(0.01, 0.2, [0.1, 0.2, 0.0])) == "inconclusive"        # a seed at 0 shares no sign
+    assert verdict(cmp(-0.01, 0.2, [0.1, 0.2, 0.1])) == "inconclusive"       # seeds agree, CI covers 0
+    assert verdict(cmp(-0.2, -0.01, [-0.1, -0.2, -0.01])) == "contradicted"
+    assert verdict(cmp(-0.2, -0.01, [-0.1, -0.2, 0.01])) == "inconclusive"
+    # sign -1: the claim is "B - A > 0" (e.g. an error rate, lower is better)
+    assert verdict(cmp(-0.2, -0.01, [-0.1, -0.2, -0.01]), sign=-1) == "supported"
+    assert verdict(cmp(0.01, 0.2, [0.1, 0.2, 0.01]), sign=-1) == "contradicted"
+    assert verdict({"ci_low": 0.01, "ci_high": 0.2}) == "supported"           # no per-seed effects: the CI alone
+    # ten seeds, nine at +0.3 and one at -0.01: the two-level CI excludes 0 (the 2.5 % resample draws the
+    # negative seed 3 times: (7 * 0.3 - 3 * 0.01) / 10 = 0.207 > 0), yet one seed disagrees: inconclusive
+    r = two_level_bootstrap([[0.3] * 5] * 9 + [[-0.01] * 5], [[0.0] * 5] * 10)
+    assert r["ci_low"] > 0.15 and verdict(r) == "inconclusive"
+    assert verdict(dict(r, per_seed=[0.3] * 10)) == "supported"
 
 
 def test_format_table():

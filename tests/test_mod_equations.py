@@ -234,12 +234,12 @@ def test_debate_lr_pick_and_verdict():
     assert pick_lr(grid) == 5e-3
     with pytest.raises(ValueError):
         pick_lr({})
-    pb = lambda lo, hi, agree: {"ci_low": lo, "ci_high": hi, "seeds_agree": agree}
-    assert verdict(pb(0.01, 0.05, True)) == "supported"
-    assert verdict(pb(-0.05, -0.01, True)) == "contradicted"
-    assert verdict(pb(0.01, 0.05, False)) == "inconclusive"    # the CI alone is not enough
-    assert verdict(pb(-0.01, 0.05, True)) == "inconclusive"
-    assert verdict(pb(-0.05, -0.01, True), sign=-1) == "supported"
+    pb = lambda lo, hi, per: {"ci_low": lo, "ci_high": hi, "per_seed": per}   # eval.metrics.verdict's rule
+    assert verdict(pb(0.01, 0.05, [0.02, 0.03, 0.04])) == "supported"
+    assert verdict(pb(-0.05, -0.01, [-0.02, -0.03, -0.04])) == "contradicted"
+    assert verdict(pb(0.01, 0.05, [0.02, 0.03, -0.01])) == "inconclusive"    # the CI alone is not enough
+    assert verdict(pb(-0.01, 0.05, [0.02, 0.03, 0.04])) == "inconclusive"
+    assert verdict(pb(-0.05, -0.01, [-0.02, -0.03, -0.04]), sign=-1) == "supported"
 
 
 def test_debate_prep_made_for_fewer_test_questions_is_refused(tmp_path):
@@ -288,7 +288,12 @@ def test_debate_lr_other_arms_are_compared_with_mod_and_moelora():
     per["MoE-LoRA token"]["single"] = {s: r(1, 1, 1, 1) for s in (0, 1, 2)}
     assert compare_arms(per)["X"]["single"]["vs_MoE-LoRA token"]["verdict"] == "lower"
     per["MoD"]["single"] = {s: r(0, 0, 0, 0) for s in (0, 1, 2)}
-    assert compare_arms(per)["X"]["single"]["vs_MoD"]["verdict"] == "contradicted"   # MoD minus X: -0.25 each seed
+    # MoD minus X: -0.25 each seed, but one item in four: a two-level resample draws none of the three
+    # seeds' wrong items with probability (3/4)^12 = 3.2 % > 2.5 %, so the CI reaches 0: inconclusive
+    low = compare_arms(per)["X"]["single"]["vs_MoD"]
+    assert low["per_seed"] == [-0.25] * 3 and low["ci_high"] == 0.0 and low["verdict"] == "inconclusive"
+    per["X"]["single"] = {s: r(1, 1, 0, 0) for s in (0, 1, 2)}       # -0.5 each seed: (1/2)^12 < 2.5 %
+    assert compare_arms(per)["X"]["single"]["vs_MoD"]["verdict"] == "contradicted"
     y = out["Y"]["single"]["vs_MoD"]
     assert y["seeds"] == [0] and y["diff"] == pytest.approx(0.5) and y["verdict"] == "partial (1 seed)"
     assert ARMS["LoRA r=4 (rank r)"] == ("LoRA_r4", {"method": "lora", "r": 4, "lora_alpha": 8.0})

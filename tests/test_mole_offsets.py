@@ -1,4 +1,4 @@
-"""MoLE (Mixture of Latent Experts, the paper in /work/shared/papers/002*): per-question image
+"""MoLE (Mixture of Latent Experts, the paper "MoLE: Mixture of Latent Experts for Complementary Visual Reasoning"): per-question image
 offsets in a batch that mixes image sizes, and the load-balance loss over visual tokens only.
 
 test_mixed_image_sizes_layout_matches_each_question_alone catches `mole.qwen.QwenVLAdapter.prompts`

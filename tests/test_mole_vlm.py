@@ -12,7 +12,8 @@ import torch.nn as nn
 from common import shapes
 from common.backbone import build_tokenizer
 from mole.infer import generate
-from mole.model import (TEXT, ZSUM, ZVIS, ChatVLMAdapter, MoLE, MoLEConfig, cumulative_positions,
+from mole.adapters import ChatVLMAdapter, cumulative_positions
+from mole.model import (TEXT, ZSUM, ZVIS, MoLE, MoLEConfig,
                         embedding_output_scale, init_latents)
 
 GEMMA_TEMPLATE = (
@@ -22,8 +23,9 @@ GEMMA_TEMPLATE = (
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
-def tiny_gemma3(layers=1, seed=0):
-    """Tiny random Gemma3 VLM (28 px images -> 4 image tokens) + a real Gemma3Processor."""
+def tiny_gemma3(layers=1, seed=0, sliding_window=128):
+    """Tiny random Gemma3 VLM (28 px images -> 4 image tokens; even layers slide over
+    `sliding_window` tokens) + a real Gemma3Processor."""
     from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
                               Gemma3Processor, PreTrainedTokenizerFast)
     base = build_tokenizer()
@@ -39,7 +41,7 @@ def tiny_gemma3(layers=1, seed=0):
     cfg = Gemma3Config(
         text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         sliding_window=128, pad_token_id=tok.pad_token_id, layer_types=types),
+                         sliding_window=sliding_window, pad_token_id=tok.pad_token_id, layer_types=types),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=7),
         mm_tokens_per_image=4, image_token_index=tok.image_token_id, boi_token_index=tok.boi_token_id,
@@ -84,7 +86,8 @@ def test_gemma3_adapter_layout():
     imgs, qs, ans = examples(2)
     qs[1] += " Answer carefully."  # different lengths -> padding
     b = mole.encode(imgs, qs, ans)
-    assert set(b) == {"input_ids", "attention_mask", "pixel_values", "labels"}
+    assert set(b) == {"input_ids", "attention_mask", "pixel_values", "labels", "token_type_ids"}
+    assert torch.equal(b["token_type_ids"], (b["input_ids"] == ad.image_token_id).long())  # Gemma3Processor's
     t = mole.token_types(b["input_ids"], b["attention_mask"])
     assert ((t == ZVIS).sum(1) == 4).all() and ((t == ZSUM).sum(1) == 4).all()
     assert ((b["input_ids"] == ad.image_token_id).sum(1) == 4).all()
@@ -214,7 +217,7 @@ def test_llava_next_through_the_repo_processor_bottleneck_and_cache():
     # the repo's VLProcessor protocol with a family that has no M-RoPE (LLaVA-NeXT: CLIP tiles,
     # Llama decoder): QwenVLAdapter falls back to 1-D positions, no mm_token_type_ids
     from common.backbone import build_tiny
-    from mole.qwen import QwenVLAdapter
+    from mole.adapters import QwenVLAdapter
     model, proc = build_tiny("llava_next", layers=1)
     mole = MoLE(model.eval(), proc, MoLEConfig())
     assert isinstance(mole.adapter, QwenVLAdapter)

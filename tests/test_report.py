@@ -37,6 +37,21 @@ def test_columns_and_pivot_by_hand(tmp_path, monkeypatch):
         report.render_table({**cols, "where": {"metric": "none"}})
 
 
+def test_a_verdict_that_says_more_than_its_ci_and_seeds_is_refused(tmp_path, monkeypatch):
+    """A record whose verdict word disagrees with eval.metrics.verdict on its own CI and per-seed
+    effects stops the render; records without per-seed effects or numeric CIs are not checked."""
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    rows = [{"claim": "a", "verdict": "supported", "ci_low": 0.01, "ci_high": 0.1, "per_seed": [0.05, 0.02]},
+            {"claim": "b", "verdict": "supported", "ci_low": 0.01, "ci_high": 0.1, "per_seed": [0.09, -0.01]},
+            {"claim": "c", "verdict": "supported", "ci_low": -0.2, "ci_high": -0.01, "per_seed": [-0.1], "sign": -1},
+            {"claim": "d", "verdict": "supported at every rho", "effect": "+0.1 [+0.01, +0.2]"}]
+    (tmp_path / "r.json").write_text(json.dumps({"source": "hand", "rows": rows}))
+    spec = lambda claims: {"name": "v", "file": "r.json", "where": {"claim": claims}, "columns": [["v", "{verdict}"]]}
+    assert report.render_table(spec(["a", "c", "d"])).count("supported") == 3
+    with pytest.raises(report.ReportError, match=r"v: a record says 'supported'.*give 'inconclusive'"):
+        report.render_table(spec(["b"]))                 # one seed goes the other way
+
+
 def test_marker_rewrite_and_missing_marker(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path / "res")
     monkeypatch.setattr(report, "ROOT", tmp_path)

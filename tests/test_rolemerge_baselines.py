@@ -1,6 +1,8 @@
 """RoleMerge's comparison criteria (rolemerge/baselines.py), the planted-structure mechanism test,
 oracle routing and the API checks of plan(), against hand-computed values."""
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -400,12 +402,19 @@ def test_table1_and_result_rows_hand_computed():
     rows = result_rows(res, res, "log#x")
     claim = next(r for r in rows if r["kind"] == "claim" and r["arm"] == "reap")
     assert claim["effect"].startswith(".5: +0.250 [") and claim["per_seed"] == ".5: +0.500 / +0.000"
-    acc = next(r for r in rows if r["kind"] == "accuracy" and r["arm"] == "reap" and r["seed"] == "seed1")
-    assert acc["value"] == 0.5 and acc["retained"] == 1.0
+    assert claim["verdict"] == "inconclusive at every rho"   # base 1's difference is 0: the seeds share no sign
+    acc = next(r for r in rows if r["kind"] == "accuracy" and r["arm"] == "reap" and r["seed"] == "seed 1")
+    assert acc["value"] == 0.5 and acc["retained"] == 1.0   # no pretrain_log.json: the seed from the folder name
     t1 = next(r for r in rows if r["kind"] == "table1" and r["arm"] == "rolemerge")
     assert t1["acc_500"] == 0.75 and t1["ret_500"] == 1.0 and t1["per_seed_500"] == "1.000 / 0.500"
     h1 = next(r for r in rows if r.get("claim", "").startswith("H1 as registered"))
-    assert h1["verdict"] == "reproduced"              # +0.25 over REAP and +0.75 over M-SMoE, both CIs above 0
+    assert h1["verdict"] == "not reproduced (fails against REAP)" and h1["top"]
+    assert rows.index(h1) < rows.index(claim)          # the main verdict before the claims it sums up
+    res[1]["arms"]["reap@0.5"]["correct"] = [1] * 5 + [0] * 15   # base 1: REAP 0.25, RoleMerge 0.5 ahead
+    rows = result_rows(res, res, "log#x")
+    h1 = next(r for r in rows if r.get("claim", "").startswith("H1 as registered"))
+    assert h1["verdict"] == "reproduced"              # +0.5 / +0.25 over REAP, +1 / +0.5 over M-SMoE: CIs above 0
+    assert h1["effect"] == "supported at >= 1 rho against 2 of 2 comparators"
     for r in res:
         r["arms"]["reap@0.5"]["correct"] = ones       # REAP now ahead on both bases
     h1 = next(r for r in result_rows(res, res, "") if r.get("claim", "").startswith("H1 as registered"))
@@ -413,6 +422,37 @@ def test_table1_and_result_rows_hand_computed():
     assert _summary(["supported"] * 3, (0.5, 0.625, 0.75)) == "supported at every rho"
     assert _summary(["supported", "inconclusive", "supported"], (0.5, 0.625, 0.75)) == \
         "partial: supported at .5 and .75, inconclusive at .625"
+
+
+def test_rescore_recomputes_the_result_rows_from_per_base_files(tmp_path, capsys):
+    """--rescore FILES: the result rows from finished per-base files of --paper, no merging; a file
+    that is not one: exit 2 naming it. Seeds disagree (+0.75 / -0.10 over REAP): inconclusive, though
+    the 40 pooled examples alone would put the CI above 0."""
+    from eval.metrics import paired_bootstrap
+    from eval.toys import rolemerge as toy
+    res = _claim_results([{"rolemerge": [1] * 16 + [0] * 4, "reap": [0] * 20},
+                          {"rolemerge": [1] * 18 + [0] * 2, "reap": [1] * 20}])
+    files = []
+    for r in res:
+        r["arms"]["full"] = {"correct": [1] * 20}
+        for k in list(r["arms"]):
+            r["arms"][k]["K"] = 2
+        files.append(tmp_path / f"{os.path.basename(r['base'])}.json")
+        files[-1].write_text(json.dumps(r))
+    out = tmp_path / "t1.json"
+    toy.main(["--rescore", ",".join(map(str, files)), "--results", str(out), "--log", "log#x"])
+    rows = json.loads(out.read_text())["rows"]
+    reap = next(r for r in rows if r["kind"] == "claim" and r["arm"] == "reap")
+    assert reap["per_seed"] == ".5: +0.800 / -0.100" and reap["verdict"] == "inconclusive at every rho"
+    assert reap["bootstrap"] == "two-level (2 seeds, then questions)"
+    pooled = paired_bootstrap(toy.pooled(res, "rolemerge@0.5"), toy.pooled(res, "reap@0.5"))
+    assert pooled["ci_low"] > 0                                   # the examples-only CI would have said supported
+    assert "--rescore" in json.loads(out.read_text())["source"]
+    assert "| H1g RoleMerge > REAP (pruning) | inconclusive (+0.350 [" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        toy.main(["--rescore", str(tmp_path / "bad.json")])
+    assert e.value.code == 2 and "bad.json is not a per-base result file" in capsys.readouterr().err
 
 
 def test_committed_paper_structure_base_is_the_recipe():

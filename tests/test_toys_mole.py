@@ -131,18 +131,21 @@ def test_phases_of_the_other_part_are_refused(capsys):
     assert "is for --part bottleneck" in err and "is for the full table" in err and "HH:MM" in err
 
 
-def test_verdict_follows_the_preregistered_criterion():
+def test_verdict_follows_the_one_rule():
+    """eval.toys.mole.verdict is eval.metrics.verdict on the seed-averaged two-level CI and the
+    per-seed differences (no longer each seed's own CI, the pre-registered rule before 2026-12-02)."""
     from eval.toys.mole import verdict
     d = lambda x, lo, hi: {"diff": x, "ci_low": lo, "ci_high": hi}
     cmp = lambda per, mean: {"per_seed": {str(i): p for i, p in enumerate(per)}, "mean": mean,
                              "seeds": list(range(len(per)))}
-    up, down, zero = d(0.1, 0.05, 0.15), d(-0.1, -0.15, -0.05), d(0.02, -0.01, 0.05)
+    up, down, small, neg = d(0.1, 0.05, 0.15), d(-0.1, -0.15, -0.05), d(0.02, -0.01, 0.05), d(-0.01, -0.04, 0.02)
     assert verdict(cmp([up, up, up], up)) == "supported"
-    assert verdict(cmp([up, zero, up], up)) == "not supported"      # one seed's CI reaches 0
-    assert verdict(cmp([up, up], zero)) == "not supported"          # the seed average's does
-    assert verdict(cmp([down, down], down)) == "reversed"
+    assert verdict(cmp([up, small, up], up)) == "supported"      # a seed's own CI may reach 0; its sign agrees
+    assert verdict(cmp([up, neg, up], up)) == "inconclusive"     # one seed's difference has the other sign
+    assert verdict(cmp([up, up], small)) == "inconclusive"       # the seed-level CI reaches 0
+    assert verdict(cmp([down, down], down)) == "contradicted"
     assert verdict(cmp([down, down], down), sign=-1) == "supported"  # "MoLE minus the ablation > 0"
-    assert verdict(cmp([up], up)) == "one seed"
+    assert verdict(cmp([up], up)) == "supported (1 seed: questions-only bootstrap)"
 
 
 def test_phase_data_prepares_data_and_base_and_trains_nothing(monkeypatch, tmp_path, capsys):

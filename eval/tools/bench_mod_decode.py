@@ -15,7 +15,7 @@ Measures, in one run, side by side, rounds interleaved over the variants (median
 
 peft is not a dependency: run from a venv that has it, else our LoRA is the reference (printed):
 
-    /work/venv-peft/bin/python -m eval.tools.bench_mod_decode --threads 1 --out eval/results/mod/bench_decode.json
+    out/venv-peft/bin/python -m eval.tools.bench_mod_decode --threads 1 --out eval/results/mod/bench_decode.json
 """
 import copy
 import json

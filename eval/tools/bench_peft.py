@@ -1,7 +1,7 @@
 """Cross-check of MoD's LoRA baseline against peft's own loader and saver (not a test; peft
 is not a dependency of this repository: run it from a venv that has peft).
 
-    /work/venv-scale/bin/python -m eval.tools.bench_peft      # any venv with torch, transformers, peft
+    out/venv-peft/bin/python -m eval.tools.bench_peft      # any venv with torch, transformers, peft
 
 1. ours -> peft: attach our LoRA (random A and B) to the tiny Qwen2.5-VL, `mod.model.save_peft`,
    then `peft.PeftModel.from_pretrained(fresh base, dir)`; logits must equal ours.
@@ -41,8 +41,8 @@ def main():
         import peft
     except ImportError:
         print("error: peft is not installed in this venv (it is not a dependency of this repository); run this "
-              "from a venv with peft: python -m venv --system-site-packages ~/venv-peft && "
-              "~/venv-peft/bin/pip install peft", file=sys.stderr)
+              "from a venv with peft: python -m venv --system-site-packages out/venv-peft && "
+              "out/venv-peft/bin/pip install peft", file=sys.stderr)
         raise SystemExit(2)
     torch.manual_seed(0)
     res = {}

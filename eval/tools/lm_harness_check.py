@@ -2,7 +2,7 @@
 (`eval.lm_harness.score_docs`) give the same per-item log-likelihoods and accuracies on
 Text3's three tasks, on our tiny checkpoints.
 
-    python -m eval.tools.lm_harness_check --threads 1        # venv /work/venv-lmeval, work in out/lm_harness_check
+    python -m eval.tools.lm_harness_check --threads 1        # venv out/venv-lmeval, work in out/lm_harness_check
     python -m eval.tools.lm_harness_check --result eval/results/rolemerge/lm_harness_check.json
 
 Needs only the standard library to start: it
@@ -57,6 +57,7 @@ def run(cmd, env, what, check=True):
 def ensure_venv(venv, version, env):
     """The venv's python (made on first use: requirements.txt, then lm-eval[hf]==version with
     our pins as constraints) and a line of the versions it holds."""
+    venv = os.path.abspath(venv)  # a relative --venv (the default, under out/) stays valid in every subprocess
     py = os.path.join(venv, "bin", "python")
     pins = lmms_check.our_pins()
     have = os.path.exists(py) and subprocess.run([py, "-c", f"import lm_eval, lm_eval.models.huggingface, sys; sys.exit("
@@ -149,7 +150,7 @@ def drive(model_path, name, stock, tasks_dir, batch_size, tol, out_file):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m eval.tools.lm_harness_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--venv", default="/work/venv-lmeval", help="venv for lm-eval (made if missing)")
+    p.add_argument("--venv", default="out/venv-lmeval", help="venv for lm-eval (made if missing)")
     p.add_argument("--lm-eval-version", default="0.4.13", help="lm-eval version to install (default 0.4.13)")
     p.add_argument("--out", default="out/lm_harness_check", help="working folder (default out/lm_harness_check)")
     p.add_argument("--n", type=int, default=12, help="synthetic documents per task (default 12)")

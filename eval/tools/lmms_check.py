@@ -1,7 +1,7 @@
 """Integration check (not CI): lmms-eval runs our models and scores them as we do.
 
-    python -m eval.tools.lmms_check                       # venv /work/venv-lmms, results in out/lmms_check
-    python -m eval.tools.lmms_check --venv ~/venv-lmms --n 100 --lmms-eval-version 0.7.3
+    python -m eval.tools.lmms_check                       # venv out/venv-lmms, results in out/lmms_check
+    python -m eval.tools.lmms_check --venv out/venv-lmms --n 100 --lmms-eval-version 0.7.3
 
 Needs only the standard library to start: it
 1. makes its own venv (--venv) with requirements.txt + lmms-eval, our pins held as pip
@@ -72,6 +72,7 @@ def venv_with_pins(venv, env, pins, tool="lmms_check"):
     """Make `venv` unless it has a python already and write our pins as its constraints.txt,
     which every later install passes with -c (eval.tools.lm_harness_check uses this too).
     Returns (the venv's python, the constraints file)."""
+    venv = os.path.abspath(venv)  # a relative --venv (the default, under out/) stays valid in every subprocess
     py = os.path.join(venv, "bin", "python")
     if not os.path.exists(py):
         run([sys.executable, "-m", "venv", venv], env, "make venv", tool=tool)
@@ -168,7 +169,7 @@ def compare(rows, name, ref, got):
 def main(argv=None):
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
-    p.add_argument("--venv", default="/work/venv-lmms", help="venv for lmms-eval (made if missing)")
+    p.add_argument("--venv", default="out/venv-lmms", help="venv for lmms-eval (made if missing)")
     p.add_argument("--lmms-eval-version", default="0.7.3", help="lmms-eval version to install")
     p.add_argument("--out", default="out/lmms_check", help="working folder (data, checkpoints, results)")
     p.add_argument("--n", type=int, default=60, help="test records in the task")

@@ -2,7 +2,7 @@
 on the built models (tiny dense base) and analytically at the paper's backbone (Qwen2.5-VL-7B,
 from its config numbers: no weights) -> eval/results/mole/param_counts.json.
 
-Mixture of Latent Experts (the paper in /work/shared/papers/002*) compares MoLE with plain latents
+Mixture of Latent Experts (the paper "MoLE: Mixture of Latent Experts for Complementary Visual Reasoning") compares MoLE with plain latents
 "at an equal budget": in this repository that is an equal number of latent tokens (8), not equal
 trainable parameters; this tool gives the counts behind that sentence.
 

@@ -42,7 +42,8 @@ import torch
 from common.backbone import load_backbone
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
-from eval.metrics import paired_bootstrap
+from eval.metrics import paired_bootstrap, two_level_bootstrap
+from eval.metrics import verdict as verdict_rule
 from mod import data as vs
 from mod.infer import misled, mod_debate, plain, run_rounds, _results, summarize
 from mod.model import AdapterConfig, attach, load_adapters, num_trainable, save_adapters
@@ -265,15 +266,12 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTING
 
 
 def _paired(a, b, seeds):
-    """Seed-averaged paired comparison of two arms' per-seed result lists (same items, in the
-    same order) over `seeds`: diff [95% CI] of the seed-averaged item correctness, per-seed
-    differences and whether every seed has the sign of the mean (and none is 0)."""
-    import numpy as np
-    ca = np.mean([[x["correct"] for x in a[s]] for s in seeds], axis=0)
-    cb = np.mean([[x["correct"] for x in b[s]] for s in seeds], axis=0)
-    pb = paired_bootstrap(ca, cb)
-    per = [float(np.mean([x["correct"] for x in a[s]]) - np.mean([x["correct"] for x in b[s]])) for s in seeds]
-    pb.update(seeds=list(seeds), per_seed=per, seeds_agree=all(d * pb["diff"] > 0 for d in per))
+    """Paired comparison of two arms' per-seed result lists (same items, in the same order) over
+    `seeds`: eval.metrics.two_level_bootstrap (seeds, then items, resampled): diff [95% CI] of the
+    seed mean, n items per seed, the per-seed differences and whether every seed has the sign of
+    the mean (and none is 0)."""
+    pb = two_level_bootstrap([[x["correct"] for x in a[s]] for s in seeds], [[x["correct"] for x in b[s]] for s in seeds])
+    pb.update(n=len(a[seeds[0]]), seeds=list(seeds), seeds_agree=all(d * pb["diff"] > 0 for d in pb["per_seed"]))
     return pb
 
 
@@ -410,13 +408,11 @@ def pick_lr(grid, metrics=LR_SETTINGS["select"]):
 
 
 def verdict(pb, sign=1):
-    """The 3-seed criterion of H-e1 / H-e2: "supported" when the paired CI of the seed-averaged
-    difference excludes 0 in the predicted direction (`sign` +1 / -1) and every seed has that
-    sign; "contradicted" when both hold in the other direction; else "inconclusive"."""
-    lo, hi = pb["ci_low"] * sign, pb["ci_high"] * sign
-    if (lo > 0 or hi < 0) and pb["seeds_agree"]:
-        return "supported" if lo > 0 else "contradicted"
-    return "inconclusive"
+    """The verdict rule of every toy (eval.metrics.verdict) on a `_paired` comparison: "supported"
+    when its two-level CI excludes 0 in the predicted direction (`sign` +1 / -1) and every seed's
+    difference has that sign; "contradicted" when both hold in the other direction; else
+    "inconclusive"."""
+    return verdict_rule(pb, sign)
 
 
 def verdict_over(pb, min_seeds=3):

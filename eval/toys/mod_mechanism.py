@@ -21,8 +21,8 @@ token's type t, with an A/B *pairing* (a(t), b(t)) out of E x E:
 Metric: normalised squared error ||y_hat - y||^2 / mean ||delta||^2 per test token (the frozen
 base scores 1.0). Per arm: learning rate picked from LRS on a validation split (seed 0), then
 `seeds` seeds (task, init and data all drawn from the seed), mean over seeds; 95% CI by
-bootstrap over test items of the seed-averaged item error; paired bootstrap vs the reference
-arm. Switch rate: fraction of adjacent test tokens whose top-1 router-A expert differs.
+bootstrap over test items of the seed-averaged item error; difference vs the reference arm by
+the two-level paired bootstrap (seeds, then items; eval.metrics.two_level_bootstrap). Switch rate: fraction of adjacent test tokens whose top-1 router-A expert differs.
 
     python -m eval.toys.mod --part mechanism --threads 1      # ~minutes on one CPU thread
 """
@@ -36,7 +36,7 @@ import torch
 
 from common.data import atomic_write_text
 from common.routing import switch_rate
-from eval.metrics import bootstrap_ci, paired_bootstrap
+from eval.metrics import bootstrap_ci, two_level_bootstrap
 from mod.model import AdapterConfig, MoDLinear, RoutingContext
 from mod.train import lr_at
 
@@ -193,18 +193,20 @@ def run_part(kind, arms, out_dir, seeds=3, S=SETTINGS, log=print):
                     "err_by_seed": [t["err"] for t in tests], "params": tests[0]["params"],
                     "switch_rate": (float(np.mean([t["switch_rate"] for t in tests]))
                                     if tests[0]["switch_rate"] is not None else None),
-                    "switch_rate_by_seed": [t["switch_rate"] for t in tests], "_items": items}
+                    "switch_rate_by_seed": [t["switch_rate"] for t in tests], "_items": items,
+                    "_seed_items": [t["item_err"] for t in tests]}
     ref = next(iter(arms))
     for arm, r in out.items():
         if arm == ref:
             continue
-        pb = paired_bootstrap(r["_items"], out[ref]["_items"])
+        pb = two_level_bootstrap(r["_seed_items"], out[ref]["_seed_items"])   # seeds, then items
         signs = [np.sign(a - b) for a, b in zip(r["err_by_seed"], out[ref]["err_by_seed"])]
         r["diff_vs_ref"] = {"ref": ref, "diff": pb["diff"], "ci_low": pb["ci_low"], "ci_high": pb["ci_high"],
+                            "per_seed": pb["per_seed"], "bootstrap": pb["bootstrap"],
                             "same_sign_all_seeds": bool(len(set(signs)) == 1 and signs[0] != 0),
                             "sd_item_diff": float(np.std(r["_items"] - out[ref]["_items"]))}
     for r in out.values():
-        r.pop("_items")
+        r.pop("_items"), r.pop("_seed_items")
     return out
 
 

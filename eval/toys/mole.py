@@ -32,7 +32,7 @@ from common import backbone as bb
 from common import data
 from common import shapes as world
 from common.cli import Deprecated, add_threads, set_threads
-from eval.metrics import accuracy
+from eval.metrics import accuracy, two_level_bootstrap, verdict_text
 
 MAIN = {  # name -> extra mole.train flags
     "sft": ["--method", "sft"],
@@ -226,10 +226,11 @@ def _summary_rows(res):
     """Rows of a two-stage-table summary from result files res {(row, seed): result} (seed None
     for the base): per row the accuracy per seed with its bootstrap CI, per-family accuracy,
     the mean over seeds with the bootstrap CI over items of the per-item seed mean, and for
-    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and of the
-    seed-averaged difference (seeds both rows have; "sd" = sd of the per-item difference of
-    the seed means, "mdd" = 2.8 sd / sqrt(n), the difference detectable at alpha 0.05 two-sided
-    with power 0.8). Training CE points (`_ce_points`)."""
+    each reference row in TABLE_REFS the paired bootstrap of the difference per seed and the
+    two-level bootstrap (seeds, then items) of the seed-averaged difference (seeds both rows
+    have; "sd" = sd of the per-item difference of the seed means, "mdd" = 2.8 sd / sqrt(n), the
+    difference an items-only test detects at alpha 0.05 two-sided with power 0.8; the two-level
+    rule needs more, eval/logs/mole.md). Training CE points (`_ce_points`)."""
     from eval.metrics import bootstrap_ci, by_family, paired_bootstrap
     corr = lambda r: [float(x["correct"]) for x in r["items"]]
     rows = []
@@ -260,7 +261,7 @@ def _summary_rows(res):
             per = {str(sd): paired_bootstrap(corr(res[(name, sd)]), corr(res[(ref, sd)])) for sd in both}
             a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in both))]
             b = [sum(v) / len(v) for v in zip(*(corr(res[(ref, sd)]) for sd in both))]
-            m = paired_bootstrap(a, b)
+            m = two_level_bootstrap([corr(res[(name, sd)]) for sd in both], [corr(res[(ref, sd)]) for sd in both])
             d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
             m["sd"] = float(d.std())
             m["mdd"] = 2.8 * m["sd"] / len(a) ** 0.5
@@ -521,21 +522,14 @@ def summarise_lr(out_dir, data_dir=None):
 
 
 def verdict(cmp, sign=1):
-    """The pre-registered verdict of one comparison `cmp` ({"per_seed": {seed: {diff, ci_low,
-    ci_high}}, "mean": {...}, "seeds": [...]}, a row's "vs_<ref>" entry: row minus ref) for the
-    claim "sign * (row - ref) > 0": "supported" if every seed's and the seed-averaged 95 % CI
-    lie above 0 (after the sign), "reversed" if they all lie below, "one seed" with fewer than
-    two seeds, else "not supported"."""
-    if len(cmp["seeds"]) < 2:
-        return "one seed"
-    ds = list(cmp["per_seed"].values()) + [cmp["mean"]]
-    lo = [min(sign * d["ci_low"], sign * d["ci_high"]) for d in ds]
-    hi = [max(sign * d["ci_low"], sign * d["ci_high"]) for d in ds]
-    if all(x > 0 for x in lo):
-        return "supported"
-    if all(x < 0 for x in hi):
-        return "reversed"
-    return "not supported"
+    """The verdict rule of every toy (eval.metrics.verdict) on one comparison `cmp` ({"per_seed":
+    {seed: {diff, ...}}, "mean": the two-level bootstrap over the seeds, "seeds": [...]}, a row's
+    "vs_<ref>" entry: row minus ref) for the claim "sign * (row - ref) > 0": "supported" /
+    "contradicted" when the mean's 95 % CI lies above / below 0 (after the sign) and every seed's
+    difference has that sign, else "inconclusive"; with one seed the verdict says that only the
+    items were resampled."""
+    m = dict(cmp["mean"], per_seed=[d["diff"] for d in cmp["per_seed"].values()], seeds=len(cmp["seeds"]))
+    return verdict_text(m, sign)
 
 
 # the pre-registered claims of the per-row-lr table: (label, row, ref, sign of row - ref)

@@ -18,10 +18,16 @@ Per row: accuracy per family [95% bootstrap CI], macro average over families (MM
 paired-bootstrap difference vs the best baseline at the same rho, ACR (%), expert-phase MI
 retention, parameter count, checkpoint bytes, load time, time to first token, decode tok/s.
 Results are what this run measures; nothing is copied from the paper.
+
+On the paper-structure bases (--paper BASES, eval/logs/rolemerge.md), --part picks the experiment:
+table1 (Table 1 and its controls), sensitivity (Tables 3 / 14: lambda .01 / .10, five-seed
+k-means++, linkages), search (Table 15 A: Greedy+1Swap, Greedy+SwapC), calibration (App. F: size
+sweep and number of sources) and bootstrap (App. D.2 on committed per-question files, no runs).
 """
 import argparse
 import json
 import os
+import re
 import shutil
 import time
 
@@ -30,6 +36,8 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes
+from eval.metrics import two_level_bootstrap
+from eval.metrics import verdict as verdict_rule
 
 VARIANTS = {  # name -> (method, linkage)
     "rolemerge": ("rolemerge", "single"),
@@ -196,6 +204,7 @@ except ImportError:
     _comparators = None
 if hasattr(_comparators, "COMPARATORS") and hasattr(_comparators, "merge_layer"):
     PAPER_ARMS.update({c: (c, "single", False, {}) for c in _comparators.COMPARATORS})
+TABLE1_ARMS = tuple(PAPER_ARMS)   # the Table-1 experiment's arms (--part table1); the later parts add theirs below
 BOUND_IS_ORACLE = True     # tests/test_rolemerge_comparators_cli.py: bound router == oracle routing of the merge
 # H1 of the Table-1 pre-registration (eval/logs/rolemerge.md): RoleMerge against every comparator
 PAPER_BASELINES = ("submoe", "namex", "msmoe", "hcsmoe", "mergemoe", "ream", "reap")
@@ -268,13 +277,13 @@ def _eval_acc(model, proc, test, max_new, desc):
     return [bool(r["correct"]) for r in res], [r["family"] for r in res]
 
 
-def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
+def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=TABLE1_ARMS, reuse=None):
     """One base: calibrate, collect baseline features, merge every (rho, arm), evaluate with the
     merged router and (merging arms) with oracle routing. Resumable: results are written to
-    {out_dir}/{base name}.json after every arm and arms already there are skipped."""
+    {out_dir}/{base name}.json after every arm and arms already there are skipped. reuse: a
+    committed per-question file of this base whose grouping arms are kept where the calibration
+    reproduces their groups (`_reuse`)."""
     from rolemerge import calibrate as cal
-    from rolemerge import infer
-    from rolemerge import merge as mg
     name = os.path.basename(base.rstrip("/"))
     path = os.path.join(out_dir, f"{name}.json")
     res = json.load(open(path)) if os.path.exists(path) else {"base": base, "config": dict(cfg), "arms": {}}
@@ -301,6 +310,10 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
         res["calibration_s"] = time.time() - t
     res["premise"] = premise(cal.load_stats(stats_path))
     print(f"[paper] {name}: token shares {res['premise']['token_share']} kappa {res['premise']['kappa']}", flush=True)
+    if reuse:
+        kept, dropped = _reuse(res, reuse, stats_path, arms, cfg["rhos"])
+        print(f"[paper] {name}: reused {len(kept)} arms of {reuse} (same groups); rerunning {dropped or 'none'}",
+              flush=True)
     routers = [b.gate.weight.detach().clone() for _, b in cal.moe_blocks(model)]
     if "full" not in res["arms"]:
         acc, fam = _eval_acc(model, proc, test, cfg["max_new"], "full")
@@ -312,25 +325,36 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=tuple(PAPER_ARMS)):
             if key in res["arms"]:
                 continue
             method, linkage, oracle, opts = PAPER_ARMS[arm]
-            out = os.path.join(ck, key)
-            rep = mg.run_merge(base, stats_path, out, rho=rho, method=method, linkage=linkage, force=True, **opts)
-            m, p, _ = infer.load_timed(out)
-            row = {"K": rep["K"], "acr": rep["acr_mean"], "mi_retention": rep["mi_retention"], "groups": rep["groups"]}
-            row["correct"], _ = _eval_acc(m, p, test, cfg["max_new"], key)
-            row["router"] = rep["router"]
-            if oracle:
-                with infer.oracle_routing(m, routers, rep["groups"]):
-                    row["oracle_correct"], _ = _eval_acc(m, p, test, cfg["max_new"], key + " oracle")
-            elif rep["router"] == "bound" and BOUND_IS_ORACLE:
-                row["oracle_correct"] = row["correct"]
-            res["arms"][key] = row
-            shutil.rmtree(out, ignore_errors=True)
-            print(f"[paper] {name} {key}: acc {sum(row['correct']) / len(test):.3f}" +
-                  (f" oracle {sum(row['oracle_correct']) / len(test):.3f}" if oracle else "") +
-                  f" ACR {row['acr']:.3f}", flush=True)
+            res["arms"][key] = _cell(base, stats_path, os.path.join(ck, key), rho, method, linkage, opts, test,
+                                     cfg["max_new"], routers if oracle else None, f"{name} {key}")
             data.atomic_write_text(path, json.dumps(res))
     data.atomic_write_text(path, json.dumps(res))
     return res
+
+
+def _cell(base, stats_path, out, rho, method, linkage, opts, test, max_new, routers=None, label=""):
+    """Merge `base` with one (method, rho) into `out`, evaluate it on `test` (and, given the base's
+    `routers`, with oracle routing), delete the checkpoint; returns the arm's result row (K, ACR,
+    MI retention, groups, per-question correct, router; the search methods' partition scores)."""
+    from rolemerge import infer
+    from rolemerge import merge as mg
+    rep = mg.run_merge(base, stats_path, out, rho=rho, method=method, linkage=linkage, force=True, **opts)
+    m, p, _ = infer.load_timed(out)
+    row = {"K": rep["K"], "acr": rep["acr_mean"], "mi_retention": rep["mi_retention"], "groups": rep["groups"]}
+    row["correct"], _ = _eval_acc(m, p, test, max_new, label)
+    row["router"] = rep["router"]
+    if routers is not None:
+        with infer.oracle_routing(m, routers, rep["groups"]):
+            row["oracle_correct"], _ = _eval_acc(m, p, test, max_new, label + " oracle")
+    elif rep["router"] == "bound" and BOUND_IS_ORACLE:
+        row["oracle_correct"] = row["correct"]
+    if "J" in rep["layers"][0]:          # greedy_1swap / greedy_swapc: the merge score before / after the search
+        row.update({k: sum(x[k] for x in rep["layers"]) for k in ("J_greedy", "J", "swaps")})
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"[paper] {label}: acc {sum(row['correct']) / len(test):.3f}" +
+          (f" oracle {sum(row['oracle_correct']) / len(test):.3f}" if routers is not None else "") +
+          f" ACR {row['acr']:.3f}", flush=True)
+    return row
 
 
 def pooled(results, key, field="correct"):
@@ -338,10 +362,17 @@ def pooled(results, key, field="correct"):
     return sum((list(r["arms"][key][field]) for r in results), [])
 
 
+def compare(results, ka, kb, field="correct"):
+    """Arm `ka` minus arm `kb` over the bases in `results` (each base one seed): the two-level paired
+    bootstrap of eval.metrics (bases with replacement, then examples within each base), with the
+    per-base differences; one base: the examples-only bootstrap, and the result says so."""
+    return two_level_bootstrap([r["arms"][ka][field] for r in results], [r["arms"][kb][field] for r in results])
+
+
 def paper_report(results, out_dir):
     """Markdown tables + PNG figures from the per-base result dicts (pooled over bases: the
     examples of every base are concatenated, paired by (base, example))."""
-    from eval.metrics import bootstrap_ci, paired_bootstrap
+    from eval.metrics import bootstrap_ci
     rhos = results[0]["config"]["rhos"]
     arms = [a for a in PAPER_ARMS if all(f"{a}@{rhos[0]}" in r["arms"] for r in results)]
     fams = list(dict.fromkeys(f for r in results for f in r["families"]))
@@ -373,7 +404,7 @@ def paper_report(results, out_dir):
             macro = sum(sum(v) / len(v) for v in fam_acc.values()) / len(fam_acc)
             orc = results[0]["arms"][key].get("oracle_correct")
             orc = f"{sum(cat(key, 'oracle_correct')) / len(c):.3f}" if orc is not None else ""
-            d = paired_bootstrap(cat(f"rolemerge@{rho}"), c) if a != "rolemerge" else None
+            d = compare(results, f"rolemerge@{rho}", key) if a != "rolemerge" else None
             ds = f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
             mi = [r["arms"][key]["mi_retention"] for r in results]
             mis = f"{sum(mi) / len(mi):.3f}" if None not in mi else "n/a"
@@ -396,24 +427,24 @@ def paper_report(results, out_dir):
 
 
 def verdict(d):
-    """The pre-registered criterion on a paired difference dict (eval.metrics.paired_bootstrap):
-    CI entirely above 0 -> "supported", entirely below -> "contradicted", else "inconclusive"."""
-    return "supported" if d["ci_low"] > 0 else "contradicted" if d["ci_high"] < 0 else "inconclusive"
+    """The verdict rule of every toy (eval.metrics.verdict) on a comparison dict (`compare`): the CI
+    entirely above 0 and every base's difference > 0 -> "supported", both below -> "contradicted",
+    else "inconclusive"."""
+    return verdict_rule(d)
 
 
 def claim_table(results):
-    """Markdown verdict table of CLAIMS x rho, pooled over the bases in `results` (examples
-    concatenated, paired by (base, example), 10,000 resamples), then each base's own difference
-    (last brackets, in the order of `results`) so a reader sees whether the seeds agree in sign.
+    """Markdown verdict table of CLAIMS x rho over the bases in `results` (`compare`: bases, then
+    examples resampled, 10,000 resamples; `verdict`), then each base's own difference (last
+    brackets, in the order of `results`), whose signs the verdict also requires to agree.
     Rows whose arms are missing are left out; "same groups" marks a cell where both arms chose
     identical groups on every base (for arms that differ only in grouping, e.g. lambda0 or the
     phase prior, the difference is then 0 by construction, not a finding). H1 counts as
     reproduced if supported against every baseline at >= 2 rhos (all rhos when fewer than 2)."""
-    from eval.metrics import paired_bootstrap
     rhos = results[0]["config"]["rhos"]
     names = [os.path.basename(r["base"].rstrip("/")) for r in results]
-    lines = [f"Verdicts (RoleMerge side minus arm; pooled over {', '.join(names)}; per base in the "
-             "last brackets):", "", "| claim | " + " | ".join(f"rho {rho}" for rho in rhos) + " |",
+    lines = [f"Verdicts (RoleMerge side minus arm; two-level bootstrap over {', '.join(names)}; per base in "
+             "the last brackets):", "", "| claim | " + " | ".join(f"rho {rho}" for rho in rhos) + " |",
              "|---" * (len(rhos) + 1) + "|"]
     found = {}   # (arm, field, rho) -> pooled verdict, for the H1 rule below
     for label, a, b, field in CLAIMS:
@@ -423,10 +454,9 @@ def claim_table(results):
             continue
         cells = []
         for rho, (ka, kb) in zip(rhos, keys):
-            d = paired_bootstrap(pooled(results, ka, field), pooled(results, kb, field))
+            d = compare(results, ka, kb, field)
             found[(b, field, rho)] = verdict(d)
-            per = [sum(r["arms"][ka][field]) / len(r["arms"][ka][field])
-                   - sum(r["arms"][kb][field]) / len(r["arms"][kb][field]) for r in results]
+            per = d["per_seed"]
             same = results[0]["arms"][ka].get("groups") is not None \
                 and all(r["arms"][ka]["groups"] == r["arms"][kb].get("groups") for r in results)
             cells.append(f"{verdict(d)} ({d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
@@ -445,9 +475,11 @@ def _name(r):
 
 
 def _seed(r):
-    """'seed S (name)' from the base's pretrain_log.json, else the folder name."""
+    """'seed S' from the base's pretrain_log.json, else from a folder named seedS, else the folder name."""
     log = os.path.join(r["base"], "pretrain_log.json")
     s = json.load(open(log))["args"].get("seed") if os.path.exists(log) else None
+    if s is None and re.fullmatch(r"seed\d+", _name(r)):   # a --rescore file whose base folder is elsewhere
+        s = _name(r)[4:]
     return f"seed {s}" if s is not None else _name(r)
 
 
@@ -526,7 +558,7 @@ def result_rows(results, everyone, log):
     """Rows of the result file (eval/report.py format) for the Table-1 experiment: per-base
     accuracy and % of full per (arm, rho) for every base in `everyone`, and the pooled claims
     over `results` (the bases that passed the usability check). `log`: the log entry's link."""
-    from eval.metrics import bootstrap_ci, paired_bootstrap
+    from eval.metrics import bootstrap_ci
     rhos = results[0]["config"]["rhos"]
     pool = "+".join(_name(r) for r in results)
     rows = []
@@ -549,25 +581,27 @@ def result_rows(results, everyone, log):
         if not all(ka in r["arms"] and kb in r["arms"] and r["arms"][ka].get(field) is not None
                    and r["arms"][kb].get(field) is not None for r in results for ka, kb in keys):
             continue
-        ds = [paired_bootstrap(pooled(results, ka, field), pooled(results, kb, field)) for ka, kb in keys]
+        ds = [compare(results, ka, kb, field) for ka, kb in keys]
         rows.append({"kind": "claim", "method": "RoleMerge", "claim": label, "arm": b, "field": field,
                      "verdict": _summary([verdict(d) for d in ds], rhos),
                      "effect": "; ".join(f"{rho:g}".lstrip("0") + f": {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
                                          for rho, d in zip(rhos, ds)),
                      "per_seed": "; ".join(f"{rho:g}".lstrip("0") + ": " + " / ".join(
-                         f"{_acc(r, ka, field) - _acc(r, kb, field):+.3f}" for r in results)
-                                           for rho, (ka, kb) in zip(rhos, keys)),
-                     "seeds": len(results), "pool": pool, "log": log,
+                         f"{x:+.3f}" for x in d["per_seed"]) for rho, d in zip(rhos, ds)),
+                     "seeds": len(results), "bootstrap": ds[0]["bootstrap"], "pool": pool, "log": log,
                      "top": label.startswith(("H1a", "H1d", "H1g", "H2 ", "H3 ")),
                      "supported_at": sum(verdict(d) == "supported" for d in ds)})
     h1 = [r for r in rows if r["kind"] == "claim" and r["arm"] in PAPER_BASELINES and r["field"] == "correct"]
-    if h1:   # the registered rule: supported against every comparator at >= 2 of the rhos
-        fails = [r["claim"].split(" > ")[1].split(" (")[0] for r in h1 if r["supported_at"] < min(2, len(rhos))]
-        rows.append({"kind": "claim", "method": "RoleMerge", "claim": "H1 as registered: beats every comparator "
-                     f"({len(h1)}) at >= 2 of {len(rhos)} rho", "arm": None, "field": "correct",
-                     "verdict": "reproduced" if not fails else f"not reproduced (fails against {', '.join(fails)})",
-                     "effect": "the rows above", "per_seed": "", "seeds": len(results), "pool": pool, "log": log,
-                     "top": False})
+    if h1:   # the registered rule: supported against every comparator at >= 2 of the rhos; the main verdict, first
+        need = min(2, len(rhos))
+        fails = [r["claim"].split(" > ")[1].split(" (")[0] for r in h1 if r["supported_at"] < need]
+        rows.insert(rows.index(h1[0]), {
+            "kind": "claim", "method": "RoleMerge", "claim": "H1 as registered: beats every comparator "
+            f"({len(h1)}) at >= {need} of {len(rhos)} rho", "arm": None, "field": "correct",
+            "verdict": "reproduced" if not fails else f"not reproduced (fails against {', '.join(fails)})",
+            "effect": f"supported at >= {need} rho against {len(h1) - len(fails)} of {len(h1)} comparators",
+            "per_seed": "", "seeds": len(results), "bootstrap": h1[0]["bootstrap"], "pool": pool, "log": log,
+            "top": True})
     return rows
 
 
@@ -638,6 +672,493 @@ def grouping_png(stats_path, groups_by_arm, layer, path):
     os.replace(path + ".tmp.png", path)
 
 
+# ----------------------------------------------------------------------------- the remaining rows
+# Tables 3 / 14 (collision weight, grouping rule, five-seed k-means++), Table 15 panel A (search
+# depth), App. F (calibration size, number of sources) and App. D.2 (per-task equal-weight paired
+# bootstrap), on the paper-structure bases; pre-registered in eval/logs/rolemerge.md.
+
+PAPER_ARMS.update({
+    "lambda01": ("rolemerge", "single", False, {"lam": 0.01}),
+    "lambda10": ("rolemerge", "single", False, {"lam": 0.10}),
+    **{f"kmeans_s{s}": ("kmeans", "single", False, {"seed": s}) for s in range(1, 5)},
+    "greedy_1swap": ("greedy_1swap", "single", False, {}),
+    "greedy_swapc": ("greedy_swapc", "single", False, {}),
+})
+KMEANS_SEEDS = ("kmeans",) + tuple(f"kmeans_s{s}" for s in range(1, 5))   # k-means++ seeds 0-4
+# Table 14's rows: (label, arm); the reference is single link, lambda = .03 (the rolemerge arm)
+SENSITIVITY = [("lambda = 0", "lambda0"), ("lambda = .01", "lambda01"), ("lambda = .03 (ours)", "rolemerge"),
+               ("lambda = .10", "lambda10"), ("average link", "average_link"), ("complete link", "complete_link"),
+               ("k-means++ (5 seeds)", KMEANS_SEEDS), ("single link (ours)", "rolemerge")]
+SEARCH_ROWS = [("Greedy", "rolemerge"), ("Greedy+1Swap", "greedy_1swap"), ("Greedy+SwapC", "greedy_swapc")]
+PARTS = {  # --part -> the arms run on each base, most important first
+    "table1": TABLE1_ARMS,
+    "sensitivity": ("rolemerge", "lambda01", "lambda10") + KMEANS_SEEDS + ("lambda0", "average_link", "complete_link"),
+    "search": ("rolemerge", "greedy_1swap", "greedy_swapc"),
+    "calibration": (),     # run_calibration_audit
+    "bootstrap": (),       # no runs: task_equal_bootstrap over committed per-question files (--from)
+}
+# App. F on our scale: 60 validation questions per family calibrated once in chunks of 6 (one
+# source per chunk), so every size and every source subset is a sum of chunks of one decode.
+AUDIT = dict(chunk=6, sizes=(6, 12, 24, 60), budget=60, rho=0.625)
+EQUIV = 0.05   # the pre-registered margin of the "level" claims: the 95% CI inside [-.05, +.05]
+
+
+def _reuse(res, reuse, stats_path, arms, rhos):
+    """Copy into `res` the arms of `reuse` (a committed per-question file of the same base) that
+    the current calibration reproduces: for each requested grouping arm (rolemerge.model methods
+    without features), the groups are planned again from `stats_path` and the row is kept only if
+    they are identical (same groups -> same checkpoint -> same greedy answers); the full model's
+    row is kept with them. Returns (kept keys, dropped keys)."""
+    from rolemerge import calibrate as cal
+    from rolemerge import model as rm
+    old = json.load(open(reuse))
+    counts = cal.total_counts(cal.load_stats(stats_path)).double()
+    kept, dropped = [], []
+    for arm in arms:
+        method, linkage, _, opts = PAPER_ARMS[arm]
+        if method in rm.FEATURE_METHODS or method in ("frequency",) or method not in rm.METHODS:
+            continue
+        for rho in rhos:
+            key = f"{arm}@{rho}"
+            row = old["arms"].get(key)
+            if key in res["arms"] or row is None:
+                continue
+            groups, _ = rm.plan(counts, row["K"], method, opts.get("lam", 0.03), linkage, opts.get("seed", 0))
+            if groups == row["groups"]:
+                res["arms"][key] = row
+                kept.append(key)
+            else:
+                dropped.append(key)
+    if kept and "full" not in res["arms"]:
+        res["arms"]["full"], res["families"] = old["arms"]["full"], old["families"]
+    return kept, dropped
+
+
+def _base_cfg(base, cfg):
+    """cfg with the base's look step and its max new tokens (run_paper's rule)."""
+    log = os.path.join(base, "pretrain_log.json")
+    look = json.load(open(log))["args"].get("look", True) if os.path.exists(log) else True
+    look = {True: "full", False: "none"}.get(look, look)
+    return dict(cfg, max_new=MAX_NEW_BY_LOOK[look], look=look)
+
+
+def audit_cells(families, audit=AUDIT, rhos=PAPER["rhos"]):
+    """The calibration audit's cells, in run order: (key, {family: examples}, rhos). Size sweep:
+    `size{n}` = n examples of every family, every rho (App. F Table 11); source count at a fixed
+    budget of audit["budget"] examples, at audit["rho"] only (App. F.2): `src1:{f}` (all from one
+    family), `src2:{f}+{g}` (half each); the five-source set is `size{budget / 5}`."""
+    from itertools import combinations
+    B = audit["budget"]
+    cells = [(f"size{n}", {f: n for f in families}, tuple(rhos)) for n in audit["sizes"]]
+    cells += [(f"src1:{f}", {f: B}, (audit["rho"],)) for f in families]
+    cells += [(f"src2:{f}+{g}", {f: B // 2, g: B // 2}, (audit["rho"],)) for f, g in combinations(families, 2)]
+    return cells
+
+
+def subset_stats(stats, take, chunk):
+    """Stats of the first take[f] examples of each family f from chunked stats (sources
+    "{family}#{i}", `chunk` examples each): one source per family, counts and tokens summed over
+    its first take[f] / chunk chunks. Raises ValueError if a count is not a multiple of `chunk`
+    or needs more chunks than were calibrated."""
+    out = {}
+    for f, n in take.items():
+        if n % chunk:
+            raise ValueError(f"{n} examples of {f!r} is not a multiple of the chunk size {chunk}")
+        parts = [stats["sources"].get(f"{f}#{i}") for i in range(n // chunk)]
+        if None in parts:
+            raise ValueError(f"{n} examples of {f!r} need {n // chunk} chunks; the stats have fewer")
+        out[f] = {"counts": sum(p["counts"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
+                  "examples": sum(p["examples"] for p in parts)}
+    return dict(stats, sources=out)
+
+
+def run_source_audit(base, data_dir, out_dir, cfg=PAPER, rho=AUDIT["rho"]):
+    """The source-count audit without a new calibration: the per-source statistics that run_paper
+    saved (cfg["n_cal"] questions per family, one source per family) summed over one family
+    (`src1:{f}`) or two (`src2:{f}+{g}`), RoleMerge merged and evaluated at `rho`; the five-source
+    cell (`src5:all`) is run_paper's rolemerge arm on the same statistics. Not budget-matched: a
+    set of s sources holds s * n_cal questions. Results in res["audit"]; resumable per cell.
+    Raises ValueError if run_paper has not calibrated the base or run its rolemerge arm at rho."""
+    from itertools import combinations
+    from rolemerge import calibrate as cal
+    name = os.path.basename(base.rstrip("/"))
+    path = os.path.join(out_dir, f"{name}.json")
+    ck = os.path.join(out_dir, "ckpt", name)
+    stats_path = os.path.join(ck, "stats.safetensors")
+    if not os.path.exists(path) or not os.path.exists(stats_path) or \
+            f"rolemerge@{rho}" not in json.load(open(path))["arms"]:
+        raise ValueError(f"{name}: the source audit reuses run_paper's calibration and rolemerge arm at rho {rho}; "
+                         f"run --part sensitivity (or search) on it first")
+    res = json.load(open(path))
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    cfg = _base_cfg(base, cfg)
+    stats = cal.load_stats(stats_path)
+    fams = list(stats["sources"])
+    res["audit_meta"] = dict(res.get("audit_meta", {}), source_rho=rho, per_source=cfg["n_cal"], budget_matched=False)
+    aud = res.setdefault("audit", {})
+    aud[f"src5:all@{rho}"] = dict(res["arms"][f"rolemerge@{rho}"], examples={f: cfg["n_cal"] for f in fams})
+    cells = [(f"src1:{f}", (f,)) for f in fams] + [(f"src2:{f}+{g}", (f, g)) for f, g in combinations(fams, 2)]
+    for cell, keep in cells:
+        key = f"{cell}@{rho}"
+        if key in aud:
+            continue
+        sp = os.path.join(ck, "stats_" + cell.replace(":", "_").replace("+", "_") + ".safetensors")
+        if not os.path.exists(sp):
+            cal.save_stats(dict(stats, sources={f: stats["sources"][f] for f in keep}), sp)
+        aud[key] = dict(_cell(base, sp, os.path.join(ck, "audit"), rho, "rolemerge", "single", {}, test,
+                              cfg["max_new"], None, f"{name} audit {key}"), examples={f: cfg["n_cal"] for f in keep})
+        data.atomic_write_text(path, json.dumps(res))
+    data.atomic_write_text(path, json.dumps(res))
+    return res
+
+
+def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
+    """App. F on one base: calibrate max(sizes, budget) validation questions per family once, in
+    chunks of audit["chunk"] (no features: only RoleMerge is merged), then merge RoleMerge (the
+    paper's settings) with the statistics of every `audit_cells` cell and evaluate it on the test
+    split. Results go to res["audit"][f"{cell}@{rho}"] of the base's run_paper file; resumable
+    per cell."""
+    from rolemerge import calibrate as cal
+    name = os.path.basename(base.rstrip("/"))
+    path = os.path.join(out_dir, f"{name}.json")
+    res = json.load(open(path)) if os.path.exists(path) else {"base": base, "config": dict(cfg), "arms": {}}
+    _ensure_data(data_dir, 500, cfg["n_test"])
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))
+    cfg = _base_cfg(base, cfg)
+    c, n_max = audit["chunk"], max(max(audit["sizes"]), audit["budget"])
+    fams = shapes.FAMILIES
+    short = {f: len([r for r in val if r["family"] == f]) for f in fams}
+    short = {f: n for f, n in short.items() if n < n_max}
+    if short:
+        raise ValueError(f"the calibration audit needs {n_max} validation questions per family; {data_dir}/val.json "
+                         f"has {short}: generate a larger val split")
+    ck = os.path.join(out_dir, "ckpt", name)
+    chunk_path = os.path.join(ck, "stats_chunks.safetensors")
+    if not os.path.exists(chunk_path):
+        t = time.time()
+        sources = {f"{f}#{i}": [r for r in val if r["family"] == f][i * c:(i + 1) * c]
+                   for f in fams for i in range(n_max // c)}
+        model, proc = cal.load_model(base)
+        cal.save_stats(cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"],
+                                     model_id=base), chunk_path)
+        del model
+        res.setdefault("audit_meta", {})["calibration_s"] = time.time() - t
+    stats = cal.load_stats(chunk_path)
+    res.setdefault("audit_meta", {}).update(chunk=c, budget=audit["budget"], rho=audit["rho"], sizes=list(audit["sizes"]),
+                                            budget_matched=True)
+    aud = res.setdefault("audit", {})
+    for cell, take, rhos in audit_cells(fams, audit, cfg["rhos"]):
+        sp = os.path.join(ck, "stats_" + cell.replace(":", "_").replace("+", "_") + ".safetensors")
+        for rho in rhos:
+            key = f"{cell}@{rho}"
+            if key in aud:
+                continue
+            if not os.path.exists(sp):
+                cal.save_stats(subset_stats(stats, take, c), sp)
+            aud[key] = dict(_cell(base, sp, os.path.join(ck, "audit"), rho, "rolemerge", "single", {}, test,
+                                  cfg["max_new"], None, f"{name} audit {key}"), examples=take)
+            data.atomic_write_text(path, json.dumps(res))
+    if "full" not in res["arms"]:
+        model, proc = cal.load_model(base)
+        acc, fam = _eval_acc(model, proc, test, cfg["max_new"], "full")
+        res["arms"]["full"], res["families"] = {"correct": acc}, fam
+    data.atomic_write_text(path, json.dumps(res))
+    return res
+
+
+def task_equal_bootstrap(a, b, tasks, n_resamples=10_000, seed=0, level=0.95):
+    """Paired uncertainty of App. D.2: the difference of the equal-weight mean of per-task
+    accuracies, A minus B. a, b: per-item scores (same items, same order); tasks: each item's
+    task. Point estimate: mean over tasks of (mean a - mean b within the task). One replicate
+    resamples each task's items with replacement, the same indices for A and B, and averages
+    the task means with equal weight (so a large task gets no more weight); the CI is the
+    percentile interval over `n_resamples` replicates (numpy, seeded).
+    Returns dict(diff, ci_low, ci_high, n, tasks). Raises ValueError on a length mismatch."""
+    import numpy as np
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if not (a.shape == b.shape == (len(tasks),)):
+        raise ValueError(f"task_equal_bootstrap: {a.shape}, {b.shape} and {len(tasks)} tasks must agree")
+    d = a - b
+    rng = np.random.default_rng(seed)
+    names = list(dict.fromkeys(tasks))
+    point, reps = 0.0, np.zeros(n_resamples)
+    for t in names:
+        x = d[[i for i, u in enumerate(tasks) if u == t]]
+        point += x.mean() / len(names)
+        reps += x[rng.integers(0, len(x), (n_resamples, len(x)))].mean(1) / len(names)
+    q = (1 - level) / 2 * 100
+    return {"diff": float(point), "ci_low": float(np.percentile(reps, q)), "ci_high": float(np.percentile(reps, 100 - q)),
+            "n": len(d), "tasks": len(names)}
+
+
+def _pooled_tasks(results, key_a, key_b):
+    """Per-question scores of two arms and their tasks, concatenated over the bases; a task is
+    (family) pooled over bases, items are (base, question)."""
+    a = pooled(results, key_a)
+    b = pooled(results, key_b)
+    return a, b, sum((list(r["families"]) for r in results), [])
+
+
+def _level(d, margin=EQUIV):
+    """The pre-registered equivalence reading: "level" if the 95% CI lies inside [-margin, +margin]."""
+    return "level" if -margin < d["ci_low"] and d["ci_high"] < margin else "not shown level"
+
+
+def _kmeans_mean(r, rho):
+    """Per question: mean correctness over the five k-means++ seeds of one base."""
+    vals = [r["arms"][f"{k}@{rho}"]["correct"] for k in KMEANS_SEEDS]
+    return [sum(v) / len(v) for v in zip(*vals)]
+
+
+def _arm_values(r, arm, rho):
+    return _kmeans_mean(r, rho) if arm == KMEANS_SEEDS else list(r["arms"][f"{arm}@{rho}"]["correct"])
+
+
+def _has(r, arm, rho):
+    arms = arm if isinstance(arm, tuple) else (arm,)
+    return all(f"{a}@{rho}" in r["arms"] for a in arms)
+
+
+def sensitivity_rows(results, log=""):
+    """Rows of Tables 3 / 14 at every rho (pooled over `results`; per base): accuracy of each
+    setting, its difference to the reference (single link, lambda .03) with the paired bootstrap
+    (pooled questions) and each base's difference; k-means++ as the mean over its five seeds
+    (per question) with the std of the five seeds' pooled accuracies."""
+    import statistics
+    from eval.metrics import paired_bootstrap
+    rhos = results[0]["config"]["rhos"]
+    full = pooled(results, "full")
+    f = sum(full) / len(full)
+    rows, seeds = [], "+".join(_name(r) for r in results)
+    for label, arm in SENSITIVITY:
+        if not all(_has(r, arm, rho) and _has(r, "rolemerge", rho) for r in results for rho in rhos):
+            continue
+        row = {"kind": "sensitivity", "setting": label, "arm": "+".join(arm) if isinstance(arm, tuple) else arm,
+               "seeds": seeds, "n": len(full), "log": log}
+        for rho in rhos:
+            k = round(1000 * rho)
+            x = sum((_arm_values(r, arm, rho) for r in results), [])
+            ref = pooled(results, f"rolemerge@{rho}")
+            row[f"acc_{k}"], row[f"ret_{k}"] = sum(x) / len(x), sum(x) / len(x) / f
+            d = paired_bootstrap(x, ref)
+            row[f"delta_{k}"], row[f"lo_{k}"], row[f"hi_{k}"] = d["diff"], d["ci_low"], d["ci_high"]
+            row[f"per_seed_{k}"] = " / ".join(f"{sum(v) / len(v):.3f}" for v in (_arm_values(r, arm, rho) for r in results))
+            if arm == KMEANS_SEEDS:
+                accs = [sum(pooled(results, f"{s}@{rho}")) / len(x) for s in KMEANS_SEEDS]
+                row[f"std_{k}"] = statistics.stdev(accs)
+                row[f"seed_accs_{k}"] = " / ".join(f"{v:.3f}" for v in accs)
+        rows.append(row)
+    rows += _sens_claims(results, rhos, log)
+    return rows
+
+
+def _tag(rho):
+    return f"{rho:g}".lstrip("0")
+
+
+def _claim(label, tags, ds, per_seed, reading, results, log):
+    """A claim row: effects "tag: diff [lo, hi]; ..." and per-base differences "tag: a / b; ..."."""
+    return {"kind": "claim", "method": "RoleMerge", "claim": label, "verdict": reading,
+            "effect": "; ".join(f"{t}: {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" for t, d in zip(tags, ds)),
+            "per_seed": "; ".join(f"{t}: " + " / ".join(f"{v:+.3f}" for v in ps) for t, ps in zip(tags, per_seed)),
+            "seeds": len(results), "pool": "+".join(_name(r) for r in results), "log": log}
+
+
+def _diff_claim(results, rhos, a, b, label, log, rule):
+    """Claim row for arm a minus arm b (paired bootstrap, pooled questions) read by `rule`
+    ("greater": verdict; "level": _level) at every rho."""
+    from eval.metrics import paired_bootstrap
+    if not all(_has(r, x, rho) for r in results for rho in rhos for x in (a, b)):
+        return []
+    ds, per = [], []
+    for rho in rhos:
+        xa = sum((_arm_values(r, a, rho) for r in results), [])
+        xb = sum((_arm_values(r, b, rho) for r in results), [])
+        ds.append(paired_bootstrap(xa, xb))
+        per.append([sum(_arm_values(r, a, rho)) / len(r["families"]) - sum(_arm_values(r, b, rho)) / len(r["families"])
+                    for r in results])
+    words = [verdict(d) if rule == "greater" else _level(d) for d in ds]
+    return [_claim(label, [_tag(rho) for rho in rhos], ds, per, _summary(words, rhos), results, log)]
+
+
+def _sens_claims(results, rhos, log):
+    rows = _diff_claim(results, rhos, "rolemerge", "lambda0", "S1 lambda .03 > 0", log, "greater")
+    rows += _diff_claim(results, rhos, "rolemerge", "lambda01", "S2 lambda .03 level with .01", log, "level")
+    rows += _diff_claim(results, rhos, "rolemerge", "lambda10", "S2 lambda .03 level with .10", log, "level")
+    rows += _diff_claim(results, rhos, "rolemerge", KMEANS_SEEDS, "S3 single link > k-means++ (5 seeds)",
+                        log, "greater")
+    return rows
+
+
+def search_rows(results, log=""):
+    """Table 15 panel A at every rho: accuracy of Greedy, Greedy+1Swap, Greedy+SwapC (pooled; per
+    base), the change of the partition merge score Delta J = J / J_greedy - 1 summed over layers
+    and bases, swaps made, and each variant minus Greedy (paired bootstrap, pooled questions)."""
+    from eval.metrics import paired_bootstrap
+    rhos = results[0]["config"]["rhos"]
+    rows = []
+    for label, arm in SEARCH_ROWS:
+        if not all(_has(r, arm, rho) for r in results for rho in rhos):
+            continue
+        row = {"kind": "search", "method": label, "arm": arm, "seeds": "+".join(_name(r) for r in results), "log": log}
+        for rho in rhos:
+            k, key = round(1000 * rho), f"{arm}@{rho}"
+            x = pooled(results, key)
+            row[f"acc_{k}"] = sum(x) / len(x)
+            row[f"per_seed_{k}"] = " / ".join(f"{_acc(r, key):.3f}" for r in results)
+            if arm != "rolemerge":
+                d = paired_bootstrap(x, pooled(results, f"rolemerge@{rho}"))
+                row[f"delta_{k}"], row[f"lo_{k}"], row[f"hi_{k}"] = d["diff"], d["ci_low"], d["ci_high"]
+                jg = sum(r["arms"][key]["J_greedy"] for r in results)
+                row[f"dJ_{k}"] = sum(r["arms"][key]["J"] for r in results) / jg - 1 if jg > 0 else 0.0
+                row[f"swaps_{k}"] = sum(r["arms"][key]["swaps"] for r in results)
+            else:
+                row[f"dJ_{k}"], row[f"swaps_{k}"] = 0.0, 0
+        rows.append(row)
+    found = {r["arm"]: r for r in rows}
+    for a in ("greedy_1swap", "greedy_swapc"):
+        if a in found:                      # T0: the search lowers the partition score at every rho
+            dj = [found[a][f"dJ_{round(1000 * rho)}"] for rho in rhos]
+            rows.append({"kind": "claim", "method": "RoleMerge", "claim": f"T0 {found[a]['method']} lowers J",
+                         "verdict": "holds at every rho" if all(x < 0 for x in dj) else
+                         f"fails at {', '.join(_tag(rho) for rho, x in zip(rhos, dj) if x >= 0)}",
+                         "effect": "; ".join(f"{_tag(rho)}: Delta J {x:+.1%}" for rho, x in zip(rhos, dj)),
+                         "per_seed": "", "seeds": len(results), "pool": "+".join(_name(r) for r in results), "log": log})
+    t1 = []
+    for a in ("greedy_1swap", "greedy_swapc"):
+        t1 += _diff_claim(results, rhos, a, "rolemerge", f"T1 {dict((b, l) for l, b in SEARCH_ROWS)[a]} > Greedy",
+                          log, "greater")
+    rows += t1
+    if len(t1) == 2:                        # the paper's reading of Table 15 A
+        from eval.metrics import paired_bootstrap as pb
+        wins = {a: sum(verdict(pb(pooled(results, f"{a}@{rho}"), pooled(results, f"rolemerge@{rho}"))) == "supported"
+                       for rho in rhos) for a in ("greedy_1swap", "greedy_swapc")}
+        rows.append({"kind": "claim", "method": "RoleMerge", "claim": f"T2 no search variant ahead at >= 2 of {len(rhos)} rho",
+                     "verdict": "reproduced" if all(w < min(2, len(rhos)) for w in wins.values()) else "not reproduced",
+                     "effect": "; ".join(f"{dict((b, l) for l, b in SEARCH_ROWS)[a]} supported at {w} rho"
+                                         for a, w in wins.items()),
+                     "per_seed": "", "seeds": len(results), "pool": "+".join(_name(r) for r in results), "log": log})
+    return rows
+
+
+def audit_rows(results, log=""):
+    """App. F rows: the size sweep (accuracy per rho and the mean over rho, pooled; per base) and
+    the fixed-budget source-count audit at one rho (each source set; the one- and two-source
+    means), with the pre-registered claims: sizes 12 and 60 level with 24 (mean over rho, within
+    +-.05); one-source and two-source means level with the five-source set."""
+    import numpy as np
+    from eval.metrics import paired_bootstrap
+    meta = dict(AUDIT, **results[0]["audit_meta"])
+    rhos = results[0]["config"]["rhos"]
+    seeds = "+".join(_name(r) for r in results)
+    get = lambda key: sum((list(r["audit"][key]["correct"]) for r in results), [])
+    have = lambda key: all(key in r.get("audit", {}) for r in results)
+    rows = []
+    for n in meta["sizes"]:
+        keys = [f"size{n}@{rho}" for rho in rhos]
+        if not all(have(k) for k in keys):
+            continue
+        row = {"kind": "cal_size", "examples_per_family": n, "seeds": seeds, "log": log}
+        for rho, key in zip(rhos, keys):
+            x = get(key)
+            row[f"acc_{round(1000 * rho)}"] = sum(x) / len(x)
+        mean = np.mean([get(k) for k in keys], 0)                     # per question, mean over rho
+        row["mean"] = float(mean.mean())
+        row["per_seed"] = " / ".join(f"{np.mean([r['audit'][k]['correct'] for k in keys]):.3f}" for r in results)
+        rows.append(row)
+    ref = [f"size24@{rho}" for rho in rhos]
+    for n in (12, 60):
+        keys = [f"size{n}@{rho}" for rho in rhos]
+        if all(have(k) for k in keys + ref):
+            d = paired_bootstrap(np.mean([get(k) for k in keys], 0), np.mean([get(k) for k in ref], 0))
+            per = [[np.mean([r["audit"][k]["correct"] for k in keys]) - np.mean([r["audit"][k]["correct"] for k in ref])
+                    for r in results]]
+            rows.append(_claim(f"F1 size {n} level with 24 (mean over rho)",
+                               ["mean over rho"], [d], per, _level(d), results, log))
+    if meta.get("budget_matched", True):
+        rho, B = meta["rho"], meta["budget"]
+        five = f"size{B // 5}@{rho}"
+    else:                          # run_source_audit: s sources hold s * per_source questions
+        rho, B = meta["source_rho"], f"{meta['per_source']} per source"
+        five = f"src5:all@{rho}"
+    sets = {"one source": [k for k in results[0]["audit"] if k.startswith("src1:") and k.endswith(f"@{rho}")],
+            "two sources": [k for k in results[0]["audit"] if k.startswith("src2:") and k.endswith(f"@{rho}")],
+            "five sources": [five] if have(five) else []}
+    for count, keys in sets.items():
+        keys = [k for k in keys if have(k)]
+        for k in keys:
+            x = get(k)
+            rows.append({"kind": "cal_sources", "sources": count, "set": k.split("@")[0].split(":")[-1]
+                         if k.startswith(("src1:", "src2:")) else "all five", "examples": B, "rho": rho, "acc": sum(x) / len(x),
+                         "per_seed": " / ".join(f"{_acc_a(r, k):.3f}" for r in results), "seeds": seeds, "log": log})
+        if keys:
+            m = np.mean([get(k) for k in keys], 0)
+        if len(keys) > 1:
+            rows.append({"kind": "cal_sources", "sources": count, "set": f"mean of {len(keys)}", "examples": B,
+                         "rho": rho, "acc": float(m.mean()),
+                         "per_seed": " / ".join(f"{np.mean([_acc_a(r, k) for k in keys]):.3f}" for r in results),
+                         "seeds": seeds, "log": log})
+        if keys and count != "five sources" and have(five):
+                d = paired_bootstrap(m, get(five))
+                per = [[np.mean([_acc_a(r, k) for k in keys]) - _acc_a(r, five) for r in results]]
+                size = B if isinstance(B, str) else f"budget {B}"
+                rows.append(_claim(f"F2 {count} level with five ({size})", [_tag(rho)], [d], per, _level(d),
+                                   results, log))
+    return rows
+
+
+def _acc_a(r, key):
+    v = r["audit"][key]["correct"]
+    return sum(v) / len(v)
+
+
+def bootstrap_rows(results, log=""):
+    """App. D.2 on the Table-1 arms: RoleMerge minus each comparator with the per-task
+    equal-weight paired bootstrap (tasks = the five families, items pooled over bases), beside
+    the pooled example-level paired bootstrap of the Table-1 verdicts."""
+    from eval.metrics import paired_bootstrap
+    rhos = results[0]["config"]["rhos"]
+    rows = []
+    for label, arm in TABLE1:
+        if arm == "rolemerge" or not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos):
+            continue
+        for rho in rhos:
+            a, b, tasks = _pooled_tasks(results, f"rolemerge@{rho}", f"{arm}@{rho}")
+            d, e = task_equal_bootstrap(a, b, tasks), paired_bootstrap(a, b)
+            rows.append({"kind": "task_equal", "comparison": f"RoleMerge - {label}", "arm": arm, "rho": rho,
+                         "diff": d["diff"], "ci_low": d["ci_low"], "ci_high": d["ci_high"], "verdict": verdict(d),
+                         "example_diff": e["diff"], "example_ci_low": e["ci_low"], "example_ci_high": e["ci_high"],
+                         "example_verdict": verdict(e), "n": d["n"], "tasks": d["tasks"],
+                         "seeds": "+".join(_name(r) for r in results), "log": log})
+    return rows
+
+
+PART_ROWS = {"sensitivity": sensitivity_rows, "search": search_rows, "calibration": audit_rows,
+             "bootstrap": bootstrap_rows}
+
+
+def per_question_file(res, source):
+    """A base's result dict as a committed per-question file (eval/report format: rows = each
+    arm's and audit cell's accuracy)."""
+    rows = [{"arm": k, "accuracy": sum(v["correct"]) / len(v["correct"]), "n": len(v["correct"])}
+            for k, v in list(res["arms"].items()) + [(f"audit {k}", v) for k, v in res.get("audit", {}).items()]]
+    return dict({"experiment": f"rolemerge remaining rows on {res['base']}: per-question correctness in 'arms' "
+                 "and 'audit' (run_paper's result dict)", "source": source, "rows": rows}, **res)
+
+
+def rest_markdown(rows):
+    """Plain markdown of a part's result rows (one table per kind), for the log."""
+    out, kinds = [], list(dict.fromkeys(r["kind"] for r in rows))
+    for k in kinds:
+        sel = [r for r in rows if r["kind"] == k]
+        cols = [c for c in dict.fromkeys(c for r in sel for c in r) if c not in ("kind", "log", "seeds", "pool")]
+        fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+        out += [f"{k}:", "", "| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+        out += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in sel] + [""]
+    return "\n".join(out)
+
+
 def parser():
     """The command line (also used by the tests)."""
     from common.cli import Deprecated, add_threads
@@ -654,7 +1175,25 @@ def parser():
                    help="comma-separated base directories with the paper's structure (eval.tools.pretrain "
                         "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --no-look): run the pre-registered "
                         "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
-    p.add_argument("--arms", default=",".join(PAPER_ARMS), help="--paper arms, comma-separated")
+    p.add_argument("--part", default="table1", choices=list(PARTS),
+                   help="--paper experiment: table1 (Table 1 and its controls), sensitivity (Tables 3 / 14: lambda "
+                        ".01 / .10, five-seed k-means++, linkages), search (Table 15 A: Greedy+1Swap, Greedy+SwapC), "
+                        "calibration (App. F: calibration size, number of sources), bootstrap (App. D.2 per-task "
+                        "equal-weight bootstrap of the Table-1 arms, from --from files; no runs)")
+    p.add_argument("--arms", default="", help="--paper arms, comma-separated (default: the --part's arms)")
+    p.add_argument("--audit", default="chunked", choices=("chunked", "sources"),
+                   help="--part calibration: chunked (a new calibration of 60 questions per family in chunks of 6: "
+                        "size sweep and budget-matched source count) or sources (no new calibration: source subsets "
+                        "of the sensitivity / search run's statistics, not budget-matched)")
+    p.add_argument("--reuse", default="", metavar="FILES",
+                   help="--paper: comma-separated committed per-question files of the same bases (matched by the "
+                        "base's folder name); their grouping arms are kept where the new calibration gives the "
+                        "same groups, instead of being merged and evaluated again")
+    p.add_argument("--from", dest="from_files", default="", metavar="FILES",
+                   help="--part bootstrap: comma-separated per-question files (one per base seed)")
+    p.add_argument("--per-question", default="", metavar="DIR",
+                   help="--part sensitivity / search / calibration: also write each base's per-question results "
+                        "to DIR/{base}.json")
     p.add_argument("--limit", type=int, default=0,
                    help="--paper smoke runs: at most this many test examples and calibration records per family "
                         "(0: the pre-registered sizes)")
@@ -670,7 +1209,67 @@ def parser():
                    help="--paper: also write the result rows (eval/report.py format: per-base accuracy, Table 1, "
                         "claims) to FILE")
     p.add_argument("--log", default="", help="--results: the experiment log entry the claim rows link to")
+    p.add_argument("--rescore", default="", metavar="FILES",
+                   help="comma-separated per-question result files of --paper (one {base}.json per base, e.g. "
+                        "eval/results/rolemerge/table1_per_question/moe32.json): recompute the verdicts, Table 1 and "
+                        "--results from them, without merging")
     return p
+
+
+def _write_rows(a, argv, experiment, rows):
+    """--results: the part's result rows (eval/report format), source = this command."""
+    if a.results:
+        data.atomic_write_text(a.results, json.dumps({
+            "experiment": experiment, "source": "python -m eval.toys.rolemerge " + " ".join(
+                argv if argv is not None else __import__("sys").argv[1:]), "rows": rows}, indent=1) + "\n")
+
+
+def _rest_main(p, a, argv, bases, outp, cfg, arms, reuse):
+    """--part sensitivity / search / calibration on every --paper base, then the part's rows."""
+    src = "python -m eval.toys.rolemerge " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    try:
+        if a.part == "calibration" and a.audit == "sources":
+            every = [run_source_audit(b, a.data, outp, cfg) for b in bases]
+        elif a.part == "calibration":
+            every = [run_calibration_audit(b, a.data, outp, cfg) for b in bases]
+        else:
+            every = [run_paper(b, a.data, outp, cfg, arms, reuse.get(_name({"base": b}))) for b in bases]
+    except (ValueError, OSError) as e:
+        p.exit(2, f"error: {e}\n")
+    names = [x for x in a.pool.split(",") if x]
+    res = [r for r in every if not names or _name(r) in names]
+    if a.per_question:
+        os.makedirs(a.per_question, exist_ok=True)
+        for r in every:
+            data.atomic_write_text(os.path.join(a.per_question, f"{_name(r)}.json"),
+                                   json.dumps(per_question_file(r, src)) + "\n")
+    rows = PART_ROWS[a.part](res, a.log)
+    _write_rows(a, argv, f"rolemerge_{a.part}", rows)
+    md = rest_markdown(rows)
+    data.atomic_write_text(os.path.join(outp, f"report_{a.part}.md"), md + "\n")
+    print(md)
+
+
+def _bootstrap_main(p, a, argv):
+    """--part bootstrap: App. D.2 rows from committed per-question files (no runs)."""
+    files = [x for x in a.from_files.split(",") if x]
+    if not files:
+        p.error("--part bootstrap reads the per-question files of the bases: --from FILE,FILE,...")
+    if a.paper or a.retrain_base:
+        p.error("--part bootstrap runs nothing; leave out --paper / --retrain-base and pass --from")
+    results = []
+    for f in files:
+        try:
+            r = json.load(open(f))
+            r["arms"], r["families"], r["config"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--from {f}: not a per-question result file with arms, families and config ({e})")
+        results.append(r)
+    rows = bootstrap_rows(results, a.log)
+    if not rows:
+        p.error(f"--from files hold no Table-1 comparator at every rho of {results[0]['config']['rhos']}")
+    _write_rows(a, argv, "rolemerge_task_equal_bootstrap", rows)
+    print(rest_markdown(rows))
 
 
 def retrain_bases(root, seeds, threads):
@@ -688,6 +1287,35 @@ def retrain_bases(root, seeds, threads):
     return out
 
 
+def _write_results(path, argv, res, every, log):
+    data.atomic_write_text(path, json.dumps({
+        "experiment": "rolemerge_table1", "source": "python -m eval.toys.rolemerge " + " ".join(
+            argv if argv is not None else __import__("sys").argv[1:]),
+        "rows": result_rows(res, every, log)}, indent=1) + "\n")
+
+
+def rescore(p, a, argv):
+    """--rescore: the claim table, Table 1 and (--results) the result rows from finished per-base
+    result files of --paper; exit 2 naming a file that is missing or is not one."""
+    every = []
+    for f in (x for x in a.rescore.split(",") if x):
+        try:
+            r = json.load(open(f))
+            r["arms"]["full"]["correct"], r["config"]["rhos"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.exit(2, f"error: --rescore: {f} is not a per-base result file of --paper ({e}); pass the "
+                      f"{{base}}.json files --paper writes\n")
+        every.append(r)
+    names = [x for x in a.pool.split(",") if x]
+    unknown = [x for x in names if x not in [_name(r) for r in every]]
+    if unknown:
+        p.error(f"--pool names {unknown} are not among the --rescore bases {[_name(r) for r in every]}")
+    res = [r for r in every if not names or _name(r) in names]
+    if a.results:
+        _write_results(a.results, argv, res, every, a.log)
+    print(claim_table(res) + "\n\nTable 1 layout (pooled; per base in brackets):\n\n" + table1(res))
+
+
 def main(argv=None):
     from common.cli import set_threads
     p = parser()
@@ -696,8 +1324,18 @@ def main(argv=None):
         seeds = [int(x) for x in a.seeds.split(",") if x]
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
-    if (a.pool or a.results or a.log) and not (a.paper or a.retrain_base):
+    if a.part == "bootstrap":
+        return _bootstrap_main(p, a, argv)
+    if a.from_files:
+        p.error("--from belongs to --part bootstrap")
+    if a.part != "table1" and not a.paper:
+        p.error(f"--part {a.part} runs on the --paper bases; add --paper BASES")
+    if (a.pool or a.results or a.log) and not (a.paper or a.retrain_base or a.rescore):
         p.error("--pool, --results and --log belong to the --paper experiment; add --paper BASES")
+    if a.rescore:
+        if a.paper or a.retrain_base:
+            p.error("--rescore reads finished result files; leave out --paper and --retrain-base")
+        return rescore(p, a, argv)
     if a.retrain_base and a.paper:
         p.error("--retrain-base trains the bases it evaluates; leave out --paper")
     set_threads(a.threads, a.paper.split(",")[0] if a.paper else a.model)
@@ -705,7 +1343,7 @@ def main(argv=None):
         a.paper = ",".join(retrain_bases(a.retrain_base, seeds, a.threads))
     if a.paper:
         outp = os.path.join(a.out, "paper")
-        arms = tuple(x for x in a.arms.split(",") if x)
+        arms = tuple(x for x in a.arms.split(",") if x) or PARTS[a.part]
         bad = [x for x in arms if x not in PAPER_ARMS]
         if bad:
             p.error(f"unknown arms {bad}; choose from {list(PAPER_ARMS)}")
@@ -730,8 +1368,16 @@ def main(argv=None):
         unknown = [x for x in names if x not in have]
         if unknown:   # before hours of merging, not after
             p.error(f"--pool names {unknown} are not among the --paper bases {have}")
+        reuse = {}
+        for f in (x for x in a.reuse.split(",") if x):
+            try:
+                reuse[_name(json.load(open(f)))] = f
+            except (OSError, ValueError, KeyError) as e:
+                p.error(f"--reuse {f}: not a per-question result file ({e})")
+        if a.part != "table1":
+            return _rest_main(p, a, argv, bases, outp, cfg, arms, reuse)
         try:
-            every = [run_paper(b, a.data, outp, cfg, arms) for b in bases]
+            every = [run_paper(b, a.data, outp, cfg, arms, reuse.get(_name({"base": b}))) for b in bases]
         except (ValueError, OSError) as e:   # e.g. a base without MoE layers: the library's message, no traceback
             p.exit(2, f"error: {e}\n")
         res = [r for r in every if not names or _name(r) in names]
@@ -740,10 +1386,7 @@ def main(argv=None):
             md += "\n\nEvery base, exploratory:\n\n" + table1(every)
         table1_png(res, os.path.join(outp, "accuracy_vs_rho_table1.png"))
         if a.results:
-            data.atomic_write_text(a.results, json.dumps({
-                "experiment": "rolemerge_table1", "source": "python -m eval.toys.rolemerge " + " ".join(
-                    argv if argv is not None else __import__("sys").argv[1:]),
-                "rows": result_rows(res, every, a.log)}, indent=1) + "\n")
+            _write_results(a.results, argv, res, every, a.log)
         r0 = res[0]
         groups = {k.split("@")[0]: r0["arms"][k]["groups"][0] for k in r0["arms"]
                   if k.endswith(f"@{cfg['rhos'][0]}") and k.split("@")[0] in ("rolemerge", "no_phase_split", "msmoe", "hcsmoe")}
