@@ -323,8 +323,7 @@ def test_every_entry_point_runs_on_the_family(family, shapes_data, tmp_path):
                  "--max-new-tokens", "3"])
     otrain.main(["--model", ck, "--data", str(shapes_data), "--out", out + "/mole", "--batch-size", "2",
                  "--stage1-epochs", "0.5", "--stage2-epochs", "0.5", "--quiet", "--device", "cpu"])
-    if name != "gemma3":  # MoLE's cached decoding past Gemma3's sliding window: MoLE's own attention code
-        oinfer.main(["--ckpt", out + "/mole", "--data", test, "--max-new-tokens", "3", "--device", "cpu"])
+    oinfer.main(["--ckpt", out + "/mole", "--data", test, "--max-new-tokens", "3", "--device", "cpu"])
     odiag.main(["--ckpt", out + "/mole", "--data", test, "--device", "cpu"])
     if name == "qwen3_vl_moe":
         calibrate.main(["--model", ck, "--data", test, "--out", out + "/stats.safetensors", "--max-new-tokens", "3"])
