@@ -13,6 +13,7 @@ present (resumable).
 
     python -m eval.toys.mod --part mad-rounds --mad-rounds 1,2,3 --debate-test 200 --threads 1
 """
+import copy
 import json
 import os
 import sys
@@ -20,10 +21,12 @@ import time
 
 import torch
 
+from common.cli import add_threads, number, set_threads
 from common.data import atomic_write_text
 from eval.metrics import bootstrap_ci
-from mod.infer import mod_debate, multi_agent_debate, summarize
-from mod.model import load_adapters
+from mod.infer import liang_debate, mod_debate, multi_agent_debate, summarize
+from mod.model import AdapterConfig, attach, load_adapters, save_adapters
+from mod.train import fit
 
 DEFAULT_ADAPTER = os.path.join("debate", "lr", "MoD_lr0.01_steps500_s0")   # the main setting's MoD, seed 0
 
@@ -100,6 +103,85 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=20
     return out
 
 
+# ---- MoD-Multi against both MAD protocols (eval/logs/mod.md, "MoD-Multi against MAD as Liang et al.'s ...") ----
+
+PROTOCOL_STEPS, PROTOCOL_LR = 500, 1e-2   # the main setting's MoD: lr 1e-2, 500 steps, warm-up 50, batch 8
+# interleaved per (seed, batch): MAD Liang is greedy (no seed enters it), so it runs at the first seed only
+PROTOCOL_ARMS = ("mod_single", "mad_du", "mod_multi1", "mad_liang")
+PROTOCOL_NAMES = {"mod_single": "MoD-Single", "mod_multi1": "MoD-Multi (paper: 1 debate round)",
+                  "mad_du": "MAD, Du-style (2 sampled debaters, 1 round, judge)",
+                  "mad_liang": "MAD, Liang et al. (affirmative, negative, moderator, <= 3 rounds, judge)"}
+PAPER_RATIOS = {"tokens": 0.13, "wall": 1 / 3.7}   # MoD over MAD: 87 % fewer tokens, 3.7x lower latency
+
+
+def train_mod(root, base, proc, prep, seed, log=print):
+    """The MoD adapter of `seed` at the main setting's settings (`PROTOCOL_LR`, `PROTOCOL_STEPS`,
+    batch 8, warm-up a tenth of the steps) on prep.json's 1:1:1 mix, in
+    root/MoD_lr<LR>_steps<N>_s<seed> (resumable from its checkpoints; kept when finished).
+    Returns (folder, {"loss", "wall_s", "step0_loss"})."""
+    from eval.toys.mod_debate import arm_records
+    d = os.path.join(root, f"MoD_lr{PROTOCOL_LR:g}_steps{PROTOCOL_STEPS}_s{seed}")
+    info_f = os.path.join(d, "train.json")
+    if os.path.exists(info_f) and os.path.exists(os.path.join(d, "adapter_model.safetensors")):
+        with open(info_f) as fh:
+            return d, json.load(fh)
+    model = copy.deepcopy(base)
+    torch.manual_seed(seed)
+    attach(model, AdapterConfig(method="mod"))
+    tr = fit(model, proc, arm_records(root, prep, "MoD"), d, steps=PROTOCOL_STEPS, batch_size=8, lr=PROTOCOL_LR,
+             warmup=max(1, PROTOCOL_STEPS // 10), seed=seed, desc=f"train {d}", quiet=True, save_every=100, resume=True)
+    save_adapters(model, d)
+    info = {"loss": tr["loss"], "wall_s": tr["wall_s"], "step0_loss": tr["log"][0]["loss"]}
+    atomic_write_text(info_f, json.dumps(info))
+    log(f"  trained {d}: loss {info['loss']:.4f} (step 0 {info['step0_loss']:.7f}), {info['wall_s']:.0f} s")
+    return d, info
+
+
+def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=64, seeds=(0, 1, 2),
+                  batch_sizes=(64, 1), train_only=False, log=print):
+    """MoD-Single / MoD-Multi (rounds=1) of each seed's MoD adapter (trained when missing, `train_mod`)
+    and MAD Du (seed s) / MAD Liang on the frozen base, on the first `n_test` shapes test questions,
+    at every batch size of `batch_sizes`, interleaved (`PROTOCOL_ARMS`). Each finished (arm, batch,
+    seed) is written to OUT/protocols/runs/<arm>_b<batch>[_s<seed>].json at once and skipped when
+    present (resumable): {"arm", "seed", "batch_size", "n", "wall_s", "threads", "results"}.
+    train_only: train the missing adapters of `seeds`, measure nothing."""
+    from eval.toys.mod_debate import SETTINGS, load_data, prepare
+    S = dict(SETTINGS, n_test=n_test)
+    train, test, base, proc = load_data(data_dir, base_name, S)
+    root = os.path.join(out_dir, "protocols")
+    runs = os.path.join(root, "runs")
+    os.makedirs(runs, exist_ok=True)
+    prep = prepare(root, base, proc, train, test, S, log)   # the main setting's data (its training part)
+    for seed in seeds:
+        d, _ = train_mod(root, base, proc, prep, seed, log)
+        if train_only:
+            continue
+        tuned = None
+        for b in batch_sizes:
+            for arm in PROTOCOL_ARMS:
+                f = os.path.join(runs, f"{arm}_b{b}.json" if arm == "mad_liang" else f"{arm}_b{b}_s{seed}.json")
+                if os.path.exists(f):
+                    continue
+                if arm.startswith("mod") and tuned is None:
+                    tuned = copy.deepcopy(base)
+                    load_adapters(tuned, d)
+                    tuned.eval()
+                with torch.inference_mode():
+                    if arm == "mod_single":
+                        res, wall = mod_debate(tuned, proc, test, 0, b)
+                    elif arm == "mod_multi1":
+                        res, wall = mod_debate(tuned, proc, test, 1, b)
+                    elif arm == "mad_du":
+                        res, wall = multi_agent_debate(base, proc, test, 1, batch_size=b, seed=seed)
+                    else:
+                        res, wall = liang_debate(base, proc, test, batch_size=b)
+                s = summarize(arm, res, wall)
+                atomic_write_text(f, json.dumps({"arm": arm, "seed": seed, "batch_size": b, "n": len(res), "wall_s": wall,
+                                                 "threads": torch.get_num_threads(), "results": res}))
+                log(f"  seed {seed} batch {b:2d} {arm:10s} acc {s['accuracy']:.3f} tokens/q {s['tokens_per_q']:6.1f} "
+                    f"wall/q {wall / len(res):.3f} s")
+
+
 # ---- result files for eval/results/mod/ (the report format of eval/report.py) ----
 
 NAMES = {"single": "MoD-Single", "multi1": "MoD-Multi (paper: 1 debate round)", "multi2": "MoD-Multi 2 debate rounds",
@@ -174,7 +256,28 @@ def main(argv=None):
                                             "OUT/mad_rounds.json exists) from the runs of eval/toys/mod_paper_rounds.sh.")
     p.add_argument("--out", default="out/mod", help="the toy's output directory")
     p.add_argument("--results", default="eval/results/mod", help="where the result files go (rewritten)")
+    p.add_argument("--protocols", action="store_true", help="measure MoD-Single / MoD-Multi against MAD Liang and MAD "
+                   "Du (`run_protocols`, -> OUT/protocols/runs/; resumable; trains a missing MoD adapter first) "
+                   "instead of writing result files")
+    p.add_argument("--train-only", action="store_true", help="with --protocols: train the missing adapters only")
+    p.add_argument("--seeds", default="0,1,2", help="with --protocols: MoD adapter / MAD Du seeds, comma separated")
+    p.add_argument("--n-test", type=number(min=1), default=64, help="with --protocols: the first N shapes test questions")
+    p.add_argument("--batch-sizes", default="64,1", help="with --protocols: generation batch sizes, comma separated")
+    p.add_argument("--data", default="out/data", help="with --protocols: the shapes data folder (made when missing)")
+    p.add_argument("--model", default="tiny-chat", help="with --protocols: the frozen base")
+    add_threads(p)
     a = p.parse_args(argv)
+    if a.protocols:
+        try:
+            seeds = tuple(int(x) for x in a.seeds.split(",") if x.strip())
+            sizes = tuple(int(x) for x in a.batch_sizes.split(",") if x.strip())
+        except ValueError:
+            p.error("--seeds and --batch-sizes take comma-separated integers, e.g. 0,1,2 and 64,1")
+        if not seeds or not sizes or min(sizes) < 1 or min(seeds) < 0:
+            p.error("--seeds needs seeds >= 0 and --batch-sizes sizes >= 1, at least one each")
+        set_threads(a.threads, a.model)
+        run_protocols(a.data, a.out, a.model, a.n_test, seeds, sizes, a.train_only)
+        return
     src = ("bash eval/toys/mod_paper_rounds.sh (eval/logs/mod.md, 'MoD-Multi as the paper defines it'): MoD at lr 1e-2, "
            "500 steps, the main setting's data (step-0 losses below), the first 600 shapes test questions, one thread; "
            "pooled = the seed-averaged item correctness with its 95% bootstrap CI; compare = paired bootstrap of the "
