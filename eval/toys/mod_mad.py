@@ -138,13 +138,14 @@ def train_mod(root, base, proc, prep, seed, log=print):
 
 
 def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=64, seeds=(0, 1, 2),
-                  batch_sizes=(64, 1), train_only=False, log=print):
+                  batch_sizes=(64, 1), train_only=False, batch1_test=None, log=print):
     """MoD-Single / MoD-Multi (rounds=1) of each seed's MoD adapter (trained when missing, `train_mod`)
     and MAD Du (seed s) / MAD Liang on the frozen base, on the first `n_test` shapes test questions,
     at every batch size of `batch_sizes`, interleaved (`PROTOCOL_ARMS`). Each finished (arm, batch,
     seed) is written to OUT/protocols/runs/<arm>_b<batch>[_s<seed>].json at once and skipped when
     present (resumable): {"arm", "seed", "batch_size", "n", "wall_s", "threads", "results"}.
-    train_only: train the missing adapters of `seeds`, measure nothing."""
+    train_only: train the missing adapters of `seeds`, measure nothing. batch1_test: at batch 1
+    only the first `batch1_test` of the questions (per-question cost; None = all)."""
     from eval.toys.mod_debate import SETTINGS, load_data, prepare
     S = dict(SETTINGS, n_test=n_test)
     train, test, base, proc = load_data(data_dir, base_name, S)
@@ -158,6 +159,7 @@ def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat",
             continue
         tuned = None
         for b in batch_sizes:
+            qs = test[:batch1_test] if b == 1 and batch1_test else test
             for arm in PROTOCOL_ARMS:
                 f = os.path.join(runs, f"{arm}_b{b}.json" if arm == "mad_liang" else f"{arm}_b{b}_s{seed}.json")
                 if os.path.exists(f):
@@ -168,13 +170,13 @@ def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat",
                     tuned.eval()
                 with torch.inference_mode():
                     if arm == "mod_single":
-                        res, wall = mod_debate(tuned, proc, test, 0, b)
+                        res, wall = mod_debate(tuned, proc, qs, 0, b)
                     elif arm == "mod_multi1":
-                        res, wall = mod_debate(tuned, proc, test, 1, b)
+                        res, wall = mod_debate(tuned, proc, qs, 1, b)
                     elif arm == "mad_du":
-                        res, wall = multi_agent_debate(base, proc, test, 1, batch_size=b, seed=seed)
+                        res, wall = multi_agent_debate(base, proc, qs, 1, batch_size=b, seed=seed)
                     else:
-                        res, wall = liang_debate(base, proc, test, batch_size=b)
+                        res, wall = liang_debate(base, proc, qs, batch_size=b)
                 s = summarize(arm, res, wall)
                 atomic_write_text(f, json.dumps({"arm": arm, "seed": seed, "batch_size": b, "n": len(res), "wall_s": wall,
                                                  "threads": torch.get_num_threads(), "results": res}))
@@ -249,6 +251,88 @@ def mad_rows(out_dir="out/mod"):
             for m, v in d["methods"].items()], d["settings"]
 
 
+def ratio_reading(ratios, paper):
+    """The pre-registered reading of MoD-Multi / MAD ratios (one per seed) against the paper's
+    ratio: "reproduced" if every ratio <= paper, "direction only" if every ratio < 1, else
+    "not reproduced". Raises ValueError on no ratios."""
+    if not ratios:
+        raise ValueError("no ratio to read")
+    if all(r <= paper for r in ratios):
+        return "reproduced"
+    return "direction only" if all(r < 1 for r in ratios) else "not reproduced"
+
+
+def protocol_rows(out_dir="out/mod"):
+    """Rows of eval/results/mod/mad_protocols.json from OUT/protocols/runs/ (`run_protocols`):
+    per (arm, batch) the seed-averaged accuracy [95% bootstrap CI] and the mean tokens / wall
+    seconds per question over the seeds run (Liang: one greedy run, paired with every seed; its
+    rounds used, the shares the moderator ended and the judge decided); per (MAD protocol,
+    batch) MoD-Multi / MAD token and wall ratios per seed with `ratio_reading` against the
+    paper's; per MAD protocol the paired accuracy difference MoD-Multi minus MAD (batch 64, the
+    toy's `verdict_over`). Returns (rows, settings); raises FileNotFoundError when nothing ran."""
+    import glob
+    import numpy as np
+    from eval.toys.mod_debate import _paired, verdict_over
+    runs = {}
+    for f in sorted(glob.glob(os.path.join(out_dir, "protocols", "runs", "*.json"))):
+        with open(f) as fh:
+            d = json.load(fh)
+        runs[(d["arm"], d["batch_size"], None if d["arm"] == "mad_liang" else d["seed"])] = d
+    if not runs:
+        raise FileNotFoundError(f"{out_dir}/protocols/runs holds no run: python -m eval.toys.mod_mad --protocols first")
+    seeds = sorted({s for (a, _, s) in runs if a == "mod_multi1"})
+    sizes = sorted({b for (_, b, _) in runs}, reverse=True)
+    get = lambda arm, b, s: runs.get((arm, b, None if arm == "mad_liang" else s))
+    per_q = lambda d, key: float(np.mean([r[key] for r in d["results"]]))
+    rows = []
+    for b in sizes:
+        for arm in PROTOCOL_ARMS:
+            got = {s: get(arm, b, s) for s in seeds if get(arm, b, s)}
+            if not got:
+                continue
+            uniq = list({id(d): d for d in got.values()}.values())   # Liang: one run for every seed
+            corr = np.mean([[r["correct"] for r in d["results"]] for d in uniq], axis=0)
+            lo, hi = bootstrap_ci(corr)
+            row = {"kind": "protocol_arm", "arm": PROTOCOL_NAMES[arm], "key": arm, "batch_size": b,
+                   "seeds": "greedy, no seed" if arm == "mad_liang" else ",".join(map(str, got)),
+                   "n": len(corr), "value": round(float(corr.mean()), 3), "ci_low": round(lo, 3), "ci_high": round(hi, 3),
+                   "tokens_per_q": round(float(np.mean([per_q(d, "n_tokens") for d in uniq])), 1),
+                   "wall_per_q_s": round(float(np.mean([d["wall_s"] / d["n"] for d in uniq])), 3)}
+            if arm == "mad_liang":
+                res = uniq[0]["results"]
+                row.update(rounds_mean=round(per_q(uniq[0], "rounds"), 2),
+                           moderator_share=round(float(np.mean([r["decided_by"] == "moderator" for r in res])), 3),
+                           judged_share=round(float(np.mean([r["decided_by"] == "judge" for r in res])), 3))
+            rows.append(row)
+        for mad in ("mad_liang", "mad_du"):
+            pairs = [(s, get("mod_multi1", b, s), get(mad, b, s)) for s in seeds]
+            pairs = [(s, m, x) for s, m, x in pairs if m and x]
+            if not pairs:
+                continue
+            rt = [per_q(m, "n_tokens") / per_q(x, "n_tokens") for _, m, x in pairs]
+            rw = [(m["wall_s"] / m["n"]) / (x["wall_s"] / x["n"]) for _, m, x in pairs]
+            for what, rs in (("tokens", rt), ("wall", rw)):
+                rows.append({"kind": "protocol_ratio", "mad": PROTOCOL_NAMES[mad], "key": mad, "batch_size": b,
+                             "what": what, "seeds": ",".join(str(s) for s, _, _ in pairs),
+                             "per_seed": [round(r, 3) for r in rs], "value": round(float(np.mean(rs)), 3),
+                             "min": round(min(rs), 3), "max": round(max(rs), 3),
+                             "paper": round(PAPER_RATIOS[what], 3), "reading": ratio_reading(rs, PAPER_RATIOS[what])})
+    b = max(sizes)
+    for mad in ("mad_liang", "mad_du"):
+        common = [s for s in seeds if get("mod_multi1", b, s) and get(mad, b, s)]
+        if not common:
+            continue
+        pb = _paired({s: get("mod_multi1", b, s)["results"] for s in common},
+                     {s: get(mad, b, s)["results"] for s in common}, common)
+        rows.append({"kind": "protocol_accuracy", "hypothesis": f"MoD-Multi > {PROTOCOL_NAMES[mad]}", "key": mad,
+                     "batch_size": b, "value": round(pb["diff"], 3), "ci_low": round(pb["ci_low"], 3),
+                     "ci_high": round(pb["ci_high"], 3), "n": len(get(mad, b, common[0])["results"]),
+                     "seeds": ",".join(map(str, common)), "per_seed": [round(x, 3) for x in pb["per_seed"]],
+                     "verdict": verdict_over(pb)})
+    threads = sorted({d.get("threads") for d in runs.values()})
+    return rows, {"seeds": seeds, "batch_sizes": sizes, "threads": threads}
+
+
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(prog="python -m eval.toys.mod_mad",
@@ -263,6 +347,8 @@ def main(argv=None):
     p.add_argument("--seeds", default="0,1,2", help="with --protocols: MoD adapter / MAD Du seeds, comma separated")
     p.add_argument("--n-test", type=number(min=1), default=64, help="with --protocols: the first N shapes test questions")
     p.add_argument("--batch-sizes", default="64,1", help="with --protocols: generation batch sizes, comma separated")
+    p.add_argument("--batch1-test", type=number(min=1), default=None, help="with --protocols: at batch 1 only the first "
+                   "N of the --n-test questions (per-question cost; default: all)")
     p.add_argument("--data", default="out/data", help="with --protocols: the shapes data folder (made when missing)")
     p.add_argument("--model", default="tiny-chat", help="with --protocols: the frozen base")
     add_threads(p)
@@ -276,7 +362,7 @@ def main(argv=None):
         if not seeds or not sizes or min(sizes) < 1 or min(seeds) < 0:
             p.error("--seeds needs seeds >= 0 and --batch-sizes sizes >= 1, at least one each")
         set_threads(a.threads, a.model)
-        run_protocols(a.data, a.out, a.model, a.n_test, seeds, sizes, a.train_only)
+        run_protocols(a.data, a.out, a.model, a.n_test, seeds, sizes, a.train_only, a.batch1_test)
         return
     src = ("bash eval/toys/mod_paper_rounds.sh (eval/logs/mod.md, 'MoD-Multi as the paper defines it'): MoD at lr 1e-2, "
            "500 steps, the main setting's data (step-0 losses below), the first 600 shapes test questions, one thread; "
@@ -304,6 +390,18 @@ def main(argv=None):
              "interleaved; wall time per question is load-dependent, tokens per question are not", "rows": rows},
             indent=1) + "\n")
         print(f"wrote {a.results}/mad_rounds.json")
+    if os.path.isdir(os.path.join(a.out, "protocols", "runs")):
+        rows, st = protocol_rows(a.out)
+        atomic_write_text(os.path.join(a.results, "mad_protocols.json"), json.dumps(
+            {"experiment": "mod_mad_protocols", "source": "python -m eval.toys.mod_mad --protocols --seeds "
+             f"{','.join(map(str, st['seeds']))} --threads 1, then python -m eval.toys.mod_mad (eval/logs/mod.md, "
+             "'MoD-Multi against MAD as Liang et al.'s official protocol'): MoD adapters lr 1e-2, 500 steps, the main "
+             "setting's data; the frozen tiny-chat base for MAD; the first 64 shapes test questions, batch sizes "
+             f"{st['batch_sizes']}, threads {st['threads']}, one process, arms interleaved; accuracy = seed-averaged "
+             "item correctness with its 95% bootstrap CI; ratios = MoD-Multi / MAD per seed (paper: 0.13 tokens, "
+             "0.27 wall); wall time per question is load-dependent, tokens per question are not", "rows": rows},
+            indent=1) + "\n")
+        print(f"wrote {a.results}/mad_protocols.json")
 
 
 if __name__ == "__main__":
