@@ -239,7 +239,7 @@ def mad_rows(out_dir="out/mod"):
     with open(os.path.join(out_dir, "mad_rounds.json")) as fh:
         d = json.load(fh)
     mad1 = d["methods"].get("mad1")
-    label = lambda m: (f"MAD, {m[3:]} debate round{'s' if m[3:] != '1' else ''} (2 debaters + judge)"
+    label = lambda m: (f"MAD Du-style, {m[3:]} debate round{'s' if m[3:] != '1' else ''} (2 debaters + judge)"
                        if m.startswith("mad") else NAMES["single" if m == "mod_single" else m[4:]])
     return [{"kind": "mad_rounds", "method": label(m), "key": m, "n": v["n"], "value": round(v["accuracy"], 3),
              "ci_low": round(v["ci_low"], 3), "ci_high": round(v["ci_high"], 3),
