@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from common import data, shapes
+from common.backbone import build_tiny
 from mod import infer
 from mod.infer import liang_debate, multi_agent_debate
 from mod.prompts import LIANG_PROMPTS, liang_decision, liang_prompt
@@ -234,3 +236,16 @@ def test_a_stopped_debate_resumes_to_the_same_result(monkeypatch, tmp_path):
         got, _ = liang_debate(None, None, records(3), batch_size=2, log=log)
     assert asked == 8 and got == ref
     assert len(stub.calls) == len(ref_calls)   # both parts together asked what one run asks: nothing twice
+
+
+def test_on_a_tiny_vlm_with_images(tmp_path):
+    """The real generation path: images in every agent's first turn, the conversations passed as
+    history; batch size changes nothing; a base that writes no moderator JSON debates 3 rounds
+    and is judged (11 replies per question, each within the cap)."""
+    shapes.generate_split(str(tmp_path), "train", 3)
+    recs = data.read_llava_json(str(tmp_path / "train.json"))
+    base, proc = build_tiny("qwen2_5_vl", hidden=64, layers=2)
+    one, _ = liang_debate(base.eval(), proc, recs, batch_size=1, max_new_tokens=3)
+    many, _ = liang_debate(base, proc, recs, batch_size=3, max_new_tokens=3)
+    assert [(r["pred"], r["n_tokens"]) for r in one] == [(r["pred"], r["n_tokens"]) for r in many]
+    assert all(r["rounds"] == 3 and r["decided_by"] == "judge" and 11 <= r["n_tokens"] <= 33 for r in one)
