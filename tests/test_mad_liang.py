@@ -249,3 +249,41 @@ def test_on_a_tiny_vlm_with_images(tmp_path):
     many, _ = liang_debate(base, proc, recs, batch_size=3, max_new_tokens=3)
     assert [(r["pred"], r["n_tokens"]) for r in one] == [(r["pred"], r["n_tokens"]) for r in many]
     assert all(r["rounds"] == 3 and r["decided_by"] == "judge" and 11 <= r["n_tokens"] <= 33 for r in one)
+
+
+@pytest.mark.parametrize("ratios, want", [([0.10, 0.13], "reproduced"), ([0.10, 0.5], "direction only"),
+                                          ([0.5, 1.0], "not reproduced")])
+def test_ratio_reading(ratios, want):
+    from eval.toys.mod_mad import ratio_reading
+    assert ratio_reading(ratios, 0.13) == want
+
+
+def test_protocol_rows_hand_computed(tmp_path):
+    """Two seeds, two questions: MoD-Multi 10 tokens and 1 s per question, Liang (one greedy run
+    for both seeds) 100 tokens and 4 s, Du 20 / 25 tokens and 2 s: ratios 0.1 (reproduced
+    against 0.13) and 0.5 / 0.4 (direction only); walls 0.25 and 0.5."""
+    from eval.toys.mod_mad import protocol_rows
+    runs = tmp_path / "protocols" / "runs"
+    runs.mkdir(parents=True)
+
+    def put(arm, seed, toks, wall, correct, extra=None):
+        res = [dict({"correct": c, "n_tokens": toks}, **(extra or {})) for c in correct]
+        name = f"{arm}_b64.json" if arm == "mad_liang" else f"{arm}_b64_s{seed}.json"
+        (runs / name).write_text(json.dumps({"arm": arm, "seed": seed, "batch_size": 64, "n": len(res), "wall_s": wall,
+                                             "threads": 1, "results": res}))
+    for s in (0, 1):
+        put("mod_multi1", s, 10, 2.0, [True, True])
+        put("mad_du", s, 20 + 5 * (s == 0), 4.0, [True, False])
+    put("mad_liang", 0, 100, 8.0, [False, False], {"rounds": 3, "decided_by": "judge"})
+    rows, st = protocol_rows(str(tmp_path))
+    ratio = {(r["key"], r["what"]): r for r in rows if r["kind"] == "protocol_ratio"}
+    assert ratio[("mad_liang", "tokens")]["per_seed"] == [0.1, 0.1] and ratio[("mad_liang", "tokens")]["reading"] == "reproduced"
+    assert ratio[("mad_liang", "wall")]["value"] == 0.25 and ratio[("mad_liang", "wall")]["reading"] == "reproduced"
+    assert ratio[("mad_du", "tokens")]["per_seed"] == [0.4, 0.5] and ratio[("mad_du", "tokens")]["reading"] == "direction only"
+    assert ratio[("mad_du", "wall")]["value"] == 0.5
+    arm = {r["key"]: r for r in rows if r["kind"] == "protocol_arm"}
+    assert arm["mad_liang"]["tokens_per_q"] == 100 and arm["mad_liang"]["judged_share"] == 1.0
+    assert arm["mad_du"]["tokens_per_q"] == 22.5 and arm["mad_du"]["value"] == 0.5
+    acc = {r["key"]: r for r in rows if r["kind"] == "protocol_accuracy"}
+    assert acc["mad_liang"]["value"] == 1.0 and acc["mad_liang"]["per_seed"] == [1.0, 1.0]
+    assert acc["mad_liang"]["verdict"] == "partial (2 seeds)" and st["seeds"] == [0, 1]
