@@ -277,9 +277,9 @@ def test_protocol_rows_hand_computed(tmp_path):
     put("mad_liang", 0, 100, 8.0, [False, False], {"rounds": 3, "decided_by": "judge"})
     rows, st = protocol_rows(str(tmp_path))
     ratio = {(r["key"], r["what"]): r for r in rows if r["kind"] == "protocol_ratio"}
-    assert ratio[("mad_liang", "tokens")]["per_seed"] == [0.1, 0.1] and ratio[("mad_liang", "tokens")]["reading"] == "reproduced"
-    assert ratio[("mad_liang", "wall")]["value"] == 0.25 and ratio[("mad_liang", "wall")]["reading"] == "reproduced"
-    assert ratio[("mad_du", "tokens")]["per_seed"] == [0.4, 0.5] and ratio[("mad_du", "tokens")]["reading"] == "direction only"
+    assert ratio[("mad_liang", "tokens")]["per_seed"] == [0.1, 0.1] and ratio[("mad_liang", "tokens")]["reading"] == "reproduced (2 seeds of 3)"
+    assert ratio[("mad_liang", "wall")]["value"] == 0.25 and ratio[("mad_liang", "wall")]["reading"] == "reproduced (2 seeds of 3)"
+    assert ratio[("mad_du", "tokens")]["per_seed"] == [0.4, 0.5] and ratio[("mad_du", "tokens")]["reading"] == "direction only (2 seeds of 3)"
     assert ratio[("mad_du", "wall")]["value"] == 0.5
     arm = {r["key"]: r for r in rows if r["kind"] == "protocol_arm"}
     assert arm["mad_liang"]["tokens_per_q"] == 100 and arm["mad_liang"]["judged_share"] == 1.0

@@ -316,7 +316,9 @@ def protocol_rows(out_dir="out/mod"):
                              "what": what, "seeds": ",".join(str(s) for s, _, _ in pairs),
                              "per_seed": [round(r, 3) for r in rs], "value": round(float(np.mean(rs)), 3),
                              "min": round(min(rs), 3), "max": round(max(rs), 3),
-                             "paper": round(PAPER_RATIOS[what], 3), "reading": ratio_reading(rs, PAPER_RATIOS[what])})
+                             "paper": round(PAPER_RATIOS[what], 3),
+                             "reading": ratio_reading(rs, PAPER_RATIOS[what]) + (
+                                 f" ({len(rs)} seed{'s' if len(rs) > 1 else ''} of 3)" if len(rs) < 3 else "")})
     b = max(sizes)
     for mad in ("mad_liang", "mad_du"):
         common = [s for s in seeds if get("mod_multi1", b, s) and get(mad, b, s)]
