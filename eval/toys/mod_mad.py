@@ -1,10 +1,20 @@
-"""MAD by debate rounds beside MoD-Single / MoD-Multi: accuracy, generated tokens and wall time
-per question on the same test questions (design in eval/logs/mod.md, "MoD-Multi as the paper
-defines it").
+"""MAD beside MoD-Single / MoD-Multi: accuracy, generated tokens and wall time per question on
+the same test questions, in two parts (designs in eval/logs/mod.md).
 
-The paper (Mixture of Debaters, arXiv 2606.29425, §4) compares MoD's latency and tokens with a
-MAD of two debaters and a judge "for structured argumentation over multiple rounds"; our MAD
-(`mod.infer.multi_agent_debate`) runs `rounds` debate rounds: 2 + 2 rounds + 1 generations per
+The paper (Mixture of Debaters, arXiv 2606.29425, §4, App. B.4) compares MoD's latency and
+tokens with Liang et al.'s MAD ("two debaters and one judge ... over multiple rounds").
+
+**Both protocols** (`run_protocols`, "MoD-Multi against MAD as Liang et al.'s official
+protocol"): each seed's MoD adapter (trained here when missing, the main setting's settings)
+gives MoD-Single and MoD-Multi (1 debate round); MAD Du-style (`multi_agent_debate`, seed s) and
+MAD Liang (`liang_debate`, greedy: one run for all seeds) run on the frozen base; every arm at
+batch 64 and batch 1 -> OUT/protocols/runs/, then `protocol_rows` -> mad_protocols.json:
+
+    python -m eval.toys.mod_mad --protocols --seeds 0,1,2 --batch1-test 16 --threads 1
+    python -m eval.toys.mod_mad
+
+**Du-style MAD by debate rounds** (`run`, "MoD-Multi as the paper defines it"):
+`mod.infer.multi_agent_debate` runs `rounds` debate rounds: 2 + 2 rounds + 1 generations per
 question. This part scores MAD for each of `rounds` on the frozen base and, on the same
 questions in the same process (one thread, batch 64), MoD-Single and MoD-Multi with 1 and 2
 debate rounds from one saved MoD adapter, interleaved (Single, MAD 1, Multi 1, MAD 2, Multi 2,
