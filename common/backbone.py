@@ -1,11 +1,13 @@
-"""Backbones: load a real Qwen-VL checkpoint, or build the embedded tiny default.
+"""Backbones: load a real checkpoint of a supported VLM family (`FAMILIES`: Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL(-MoE), LLaVA-1.5, LLaVA-NeXT, Gemma3), or build the embedded tiny default.
 
-Both paths end in the same objects: a `transformers` model and a `VLProcessor`
-(tokenizer + image processor + the token ids the model needs). Scripts never care which.
+Both paths end in the same objects: a `transformers` model and a `VLProcessor`, a thin wrapper
+over the checkpoint's own transformers processor (its chat template, image processor and
+image-token expansion, stop tokens from its generation config). Scripts never care which.
 
     model, proc = load_backbone("/path/to/Qwen2.5-VL-3B-Instruct")   # real checkpoint
     model, proc = load_backbone("tiny-dense")                        # committed tiny default
-    batch = proc.encode(examples, train=True)                        # labels on the answer only
+    batch = proc.encode(images, questions, answers)                  # labels on the answers only
     out = model(**batch)
 
 The tiny defaults are real `transformers` architectures (Qwen3-VL dense, Qwen3-VL-MoE),
@@ -18,7 +20,13 @@ import os
 import random
 import sys
 
+import numpy as np
 import torch
+import transformers
+from transformers import ProcessorMixin
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+from transformers.utils.chat_template_utils import (_get_control_token_patterns, encode_marked_chat,
+                                                    mark_control_tokens)
 
 from common import shapes
 from common.checkpoint import CheckpointError, checked_weights
@@ -27,12 +35,11 @@ from common.tiny import TINY, TINY_DIR  # noqa: F401  (bb.TINY: the tiny bases b
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # the tiny bases' own template (saved with them): Qwen's ChatML, no system turn
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SUPPORTED_VLMS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "llava_next")
 
 
 class BackboneError(ValueError):
@@ -71,79 +78,346 @@ def build_tokenizer(vocab_size=400, seed=0):
 def build_image_processor(image_size=84, patch_size=14, merge_size=2):
     """Qwen2-VL image processor with patch `patch_size` / merge `merge_size` that keeps
     `image_size` images as they are (image tokens = (image_size / (patch_size * merge_size))^2)."""
-    from transformers import Qwen2VLImageProcessorPil
     return Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": max(image_size, 112) ** 2},
                                     patch_size=patch_size, temporal_patch_size=2, merge_size=merge_size)
 
 
 # ----------------------------------------------------------------------------- processor
 
+def _image_only(cls):
+    """`cls` (a Qwen-VL processor class) without its video part: the real class (its chat
+    template, image-token expansion, mm_token_type_ids), built from an image processor and a
+    tokenizer only, because its video processor needs torchvision (not installed beside this torch)."""
+
+    class ImageOnly(cls):
+        @classmethod
+        def get_attributes(klass):
+            return ["image_processor", "tokenizer"]
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__
+    return ImageOnly
+
+
+# model_type -> the processor class that serves it: "image-only" ones are the Qwen-VL classes
+# without their video part (`_image_only`); the others load with AutoProcessor as they are.
+FAMILIES = {"qwen2_5_vl": ("Qwen2_5_VLProcessor", True), "qwen2_vl": ("Qwen2VLProcessor", True),
+            "qwen3_vl": ("Qwen3VLProcessor", True), "qwen3_vl_moe": ("Qwen3VLProcessor", True),
+            "llava_next": ("LlavaNextProcessor", False), "llava": ("LlavaProcessor", False),
+            "gemma3": ("Gemma3Processor", False)}
+SUPPORTED_VLMS = tuple(FAMILIES)
+# the text MoEs RoleMerge merges, which `eval.evaluate` also scores (`load_backbone(..., text_lms=True)`)
+TEXT_LMS = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3")
+
+
+def processor_class(model_type):
+    """The transformers processor class serving `model_type` (a key of FAMILIES)."""
+    name, image_only = FAMILIES[model_type]
+    cls = getattr(transformers, name)
+    return _image_only(cls) if image_only else cls
+
+
+def build_hf_processor(tokenizer, image_processor, config, chat_template=None):
+    """The family's real transformers processor from its parts (tokenizer, image processor,
+    model config), for checkpoints that ship no processor_config.json (the tiny bases, test
+    models). LLaVA(-NeXT) take the vision tower's patch size and feature strategy from the
+    config (CLIP's CLS token counts as one additional image token, which the "default" strategy
+    drops again); Gemma3 its tokens per image. Raises KeyError for a model_type outside FAMILIES."""
+    cls = processor_class(config.model_type)
+    template = chat_template or tokenizer.chat_template
+    if config.model_type in ("llava", "llava_next"):
+        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                   patch_size=config.vision_config.patch_size, num_additional_image_tokens=1,
+                   vision_feature_select_strategy=config.vision_feature_select_strategy,
+                   image_token=tokenizer.convert_ids_to_tokens(config.image_token_index))
+    if config.model_type == "gemma3":
+        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                   image_seq_length=config.mm_tokens_per_image)
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+
+
+def _ids(x):
+    """An int / list of ints / None as a list."""
+    return [] if x is None else [int(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
+
+
 class VLProcessor:
-    """Tokenizer + image processor + the model's special-token ids, and the one place that
-    turns (image, question[, answer]) examples into model inputs.
+    """The one place that turns (image, question[, answer]) examples into model inputs, for
+    every supported family, through the checkpoint's own transformers processor (`processor`):
+    its chat template (`apply_chat_template` with the generation prompt), its image processor
+    and image-token expansion (`replace_image_token`), its token-type ids. Nothing here writes
+    a family's format by hand.
 
-    Prompt format (Qwen chat, no system turn):
-        <|im_start|>user\\n<|vision_start|><|image_pad|>*n<|vision_end|>{question}<|im_end|>\\n
-        <|im_start|>assistant\\n{answer}<|im_end|>
-    """
-    mm_token_types = True  # Qwen-VL takes mm_token_type_ids; `patchify` gives its pixel layout
+    processor: the family's `ProcessorMixin` (`processor_class` / `build_hf_processor`), or
+    for a text LM (`TEXT_LMS`) its tokenizer alone (string contents, no images, no token types);
+    config: the model config (`image_token_id` / `image_token_index`: the id of every visual
+    token in input_ids); generation_config: the checkpoint's (its `eos_token_id`: the stop ids).
 
-    def __init__(self, tokenizer, image_processor, config):
-        self.tokenizer, self.image_processor = tokenizer, image_processor
-        self.image_token_id = config.image_token_id
-        self.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
-        self.merge = getattr(image_processor, "merge_size", 1)
-        self._ids = {}
+    Attributes: tokenizer, image_processor, image_token_id, stop_ids (every id that ends
+    generation: generation_config's eos ids, else the tokenizer's eos), eos_token_id (the
+    answer terminator: the first stop id the template writes after an assistant answer, e.g.
+    <|im_end|>, </s>, <end_of_turn>; labels include it), pad_token_id (the tokenizer's pad,
+    else generation_config's, else eos), model_input_keys (the token-type tensors the processor
+    returns, e.g. mm_token_type_ids for Qwen-VL, token_type_ids for Gemma3), system (a system
+    turn to write, None: only what the template adds) and images_kwargs (image-processor
+    settings on top of the saved ones, e.g. lmms-eval's size bounds; see `eval.evaluate`).
+    Raises BackboneError when the processor has no chat template."""
+
+    def __init__(self, processor, config, generation_config=None):
+        self.processor, self.config = processor, config
+        self.tokenizer = tok = getattr(processor, "tokenizer", processor)  # a text LM: its tokenizer alone
+        self.image_processor = getattr(processor, "image_processor", None)
+        self.image_token_id = getattr(config, "image_token_id", None)
+        if self.image_token_id is None:
+            self.image_token_id = getattr(config, "image_token_index", None)
+        self.image_token = None if self.image_token_id is None else tok.convert_ids_to_tokens(self.image_token_id)
+        gen = generation_config
+        self.stop_ids = _ids(getattr(gen, "eos_token_id", None)) or _ids(tok.eos_token_id)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else getattr(gen, "pad_token_id", None)
+        self.merge = getattr(self.image_processor, "merge_size", 1)
+        self.images_kwargs = {}  # extra image-processor settings (e.g. size bounds), see `vision`
+        self.system = None  # a system turn to write (None: only what the template itself adds)
+        self._cache = {}
+        if not self.chat_template:
+            raise BackboneError(f"{config.model_type}: the checkpoint's processor has no chat template; prompts are "
+                                f"built with the checkpoint's own template (use an instruct / chat checkpoint, or "
+                                f"save one as chat_template.jinja next to it)")
+        self.eos_token_id = self._terminator()
+        self.pad_token_id = pad if pad is not None else self.eos_token_id
+        probe = processor(text=["x"], return_tensors="pt") if self.image_processor is not None else {}
+        self.model_input_keys = [k for k in ("mm_token_type_ids", "token_type_ids") if k in probe]  # the family's
+
+    # ------------------------------------------------------------------ text
 
     def _tok(self, text, escape=False):
-        """Token ids of `text`; escape=True (user text: questions, answers) tokenizes
-        special-token strings such as "<|image_pad|>" as the characters they are made of, so a
-        question can never inject an image / turn marker (template text keeps them special)."""
-        key = (text, escape)
-        if key not in self._ids:  # prompts/templates repeat: cache their ids
+        """Token ids of `text` with no BOS; escape=True tokenizes special-token strings such as
+        "<|image_pad|>" as the characters they are made of."""
+        key = ("tok", text, escape)
+        if key not in self._cache:
             ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=escape)["input_ids"]
-            if len(self._ids) > 100_000:
-                self._ids.clear()
-            self._ids[key] = ids
-        return self._ids[key]
+            self._remember(key, ids)
+        return self._cache[key]
+
+    def _remember(self, key, value):
+        if len(self._cache) > 100_000:  # prompts repeat across epochs: keep their ids, bounded
+            self._cache.clear()
+        self._cache[key] = value
 
     def text_ids(self, text):
-        """Token ids of user text (a question, an answer, an option letter): special-token
-        strings escaped (`_tok`). Every entry point tokenizes user text through here."""
+        """Token ids of user text (an option letter, a continuation): special-token strings
+        escaped. Every entry point tokenizes loose user text through here."""
         return self._tok(text, escape=True)
 
-    def images(self, images):
-        """list of PIL images -> (pixel_values [sum patches, C*T*p*p], image_grid_thw [N,3]).
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-        The one image path of every entry point: the image processor's own resize rules
-        (min / max pixels, sides a multiple of patch * merge) decide each image's grid. When all
-        images share one size that the processor keeps as it is (e.g. the shapes world's 84x84),
-        the pixels are patchified in torch (`patchify`, equal to the processor's output) instead
-        of by PIL, which is much faster; any other size (a 2800x2100 photo, mixed sizes) goes
-        through the processor, so an image gives the same visual tokens whatever file or batch
-        it comes in."""
-        ip = self.image_processor
-        if images and self._keeps_size(images[0].size) and len({im.size for im in images}) == 1:
-            import numpy as np
-            return patchify(torch.from_numpy(np.stack([np.asarray(im.convert("RGB")) for im in images])),
-                            patch=ip.patch_size, temporal=ip.temporal_patch_size, merge=ip.merge_size,
-                            mean=tuple(ip.image_mean), std=tuple(ip.image_std))
-        out = ip(images=images, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+    def image_text(self, n):
+        """The text one image of `n` visual tokens takes in a prompt, as the processor expands
+        it: Gemma3 `\\n\\n<start_of_image>` + n soft tokens + `<end_of_image>\\n\\n` (n fixed),
+        the others n copies of the image token. Raises ValueError for a Gemma3 count that is
+        not its tokens per image."""
+        p = self.processor
+        if hasattr(p, "full_image_sequence"):
+            if n != p.image_seq_length:
+                raise ValueError(f"{type(p).__name__} gives every image {p.image_seq_length} tokens, not {n}")
+            return p.full_image_sequence
+        return p.image_token * n
+
+    def messages(self, question, n_images, history=(), answer=None):
+        """The conversation of one record in transformers' chat format: [system turn
+        (`self.system`, when set),] the first
+        user turn holds the images ({"type": "image"} each), then earlier (question, answer)
+        turns of `history`, the question, and the answer if given. Several images: a question
+        with one "<image>" placeholder per image gets each image at its placeholder (a newline
+        right after one is dropped), one without gets them first. Raises ValueError for a
+        placeholder count that is neither 0 nor the image count."""
+        turns = [(q, a) for q, a in history] + [(question, answer)]
+        text = (lambda t: t) if self.image_processor is None else (lambda t: [{"type": "text", "text": t}])
+        msgs = [{"role": "system", "content": text(self.system)}] if self.system else []
+        for k, (q, a) in enumerate(turns):  # a text LM's template reads string contents
+            content = text(q) if self.image_processor is None else self._content(q, n_images if k == 0 else 0)
+            msgs.append({"role": "user", "content": content})
+            if a is not None:
+                msgs.append({"role": "assistant", "content": text(a)})
+        return msgs
+
+    @staticmethod
+    def _content(question, k):
+        n_ph = question.count("<image>") if k > 1 else 0
+        if k > 1 and n_ph not in (0, k):
+            raise ValueError(f"a question with {k} images has {n_ph} '<image>' placeholders; put one "
+                             f"per image, in order (or none: the images then come first)")
+        segs = question.replace("<image>\n", "<image>").split("<image>") if n_ph else [""] * k + [question]
+        content = [{"type": "text", "text": segs[0]}] if segs[0] else []
+        for seg in segs[1:]:
+            content.append({"type": "image"})
+            if seg:
+                content.append({"type": "text", "text": seg})
+        return content or [{"type": "text", "text": ""}]
+
+    def render(self, msgs, add_generation_prompt):
+        """The chat template's text of `msgs` (the checkpoint's `apply_chat_template`)."""
+        return self.processor.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    @property
+    def chat_template(self):
+        return self.processor.chat_template
+
+    def _encode_chat(self, msgs, n_tokens, add_generation_prompt):
+        """Token ids of a conversation exactly as the processor's `apply_chat_template(...,
+        tokenize=True)` gives them: the template's text, each image placeholder expanded to
+        `image_text(n)` (n_tokens: visual tokens per image, in order), a BOS only where the
+        tokenizer adds one and the template does not write it. Special-token strings in user
+        text (questions, answers) are encoded as text, never as control tokens
+        (`sanitize_control_tokens`), so a question can never inject an image or a turn marker."""
+        key = ("chat", json.dumps(msgs), tuple(n_tokens), add_generation_prompt)
+        if key in self._cache:
+            return self._cache[key]
+        tok, p = self.tokenizer, self.processor
+        texts = [c if isinstance(c, str) else c.get("text", "") for m in msgs for c in
+                 ([m["content"]] if isinstance(m["content"], str) else m["content"])]
+        marked = any(control_re(tok, self.chat_template).search(t) for t in texts)
+        if marked:
+            msgs = mark_control_tokens(msgs, control_re(tok, self.chat_template))
+        text = self.render(msgs, add_generation_prompt)
+        if n_tokens:
+            text = p.get_text_with_replacements([text], [self.image_text(n) for n in n_tokens])[0][0]
+        add = not (tok.bos_token is not None and text.startswith(tok.bos_token))
+        if marked:
+            ids = (tok("", add_special_tokens=True)["input_ids"] if add else []) + encode_marked_chat(tok, text)
+        else:
+            ids = tok(text, add_special_tokens=add)["input_ids"]
+        self._remember(key, ids)
+        return ids
+
+    def _terminator(self):
+        """The stop id the template writes right after an assistant answer (e.g. <|im_end|>),
+        else the first stop id."""
+        msgs = self.messages("q", 0, answer="a")
+        full, head = self._encode_chat(msgs, [], False), self._encode_chat(msgs[:-1], [], True)
+        after = [t for t in full[_common(full, head):] if t in self.stop_ids]
+        return after[0] if after else self.stop_ids[0]
+
+    def answer_span(self, msgs, n_tokens, k):
+        """(start, end, extra) of assistant turn `k` (0-based, counting only assistant turns) in
+        `_encode_chat(msgs, n_tokens, False)`: start where the conversation's ids leave those of
+        its generation prompt (the template decides, no marker is hard-coded), end right after
+        the turn's first stop id (`stop_ids`), extra = []. A template that writes no end token
+        after an answer (llava-1.5-hf's and llava-v1.6-vicuna-hf's write "answer ") ends the span
+        at the answer's last non-blank token and gives extra = [eos_token_id], the terminator
+        that the original LLaVA training appends, so a trained model learns to stop."""
+        at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"][k]
+        full = self._encode_chat(msgs, n_tokens, False)
+        head = self._encode_chat(msgs[:at], n_tokens, True)
+        turn = self._encode_chat(msgs[:at + 1], n_tokens, False)
+        start = _common(full, head)
+        end = min(_common(full, turn), len(turn))
+        stops = [i for i in range(start, end) if full[i] in self.stop_ids]
+        if stops:
+            return start, stops[0] + 1, []
+        while end > start and not self.tokenizer.decode(full[end - 1:end]).strip():
+            end -= 1
+        return start, end, [self.eos_token_id]
+
+    def prompt_ids(self, question, n_image_tokens, history=()):
+        """Prompt token ids: the chat template with the generation prompt, one image of
+        `n_image_tokens` tokens (an int; a list for several images; 0 / [] for a text-only
+        record), earlier (question, answer) turns of `history` if any."""
+        return self.prompt_and_labels(question, n_image_tokens, history)[0]
+
+    def prompt_and_labels(self, question, n_image_tokens, history=()):
+        """(ids, labels) of `prompt_ids`; labels are -100 except on the answers of `history`
+        (each answer's span as `answer_span` finds it): a multi-turn record trains on every
+        assistant turn."""
+        n = _counts(n_image_tokens)
+        msgs = self.messages(question, len(n), history)
+        ids = self._encode_chat(msgs, n, True)
+        labels = [-100] * len(ids)
+        for k in range(len(history)):  # (a history answer's appended terminator, if any, is not in the prompt)
+            s, e, _ = self.answer_span(msgs, n, k)
+            full = self._encode_chat(msgs, n, False)
+            if ids[s:e] == full[s:e]:
+                labels[s:e] = ids[s:e]
+        return ids, labels
+
+    def answer_ids(self, question, n_image_tokens, answer, history=()):
+        """(ids, labels) of prompt + answer: the prompt of `prompt_and_labels`, then the
+        answer's tokens as the template writes them up to and including its terminator."""
+        n = _counts(n_image_tokens)
+        conv = self.messages(question, len(n), history, answer=answer)
+        s, e, extra = self.answer_span(conv, n, len(history))
+        answer_ids = self._encode_chat(conv, n, False)[s:e] + extra
+        ids, labels = self.prompt_and_labels(question, n_image_tokens, history)
+        head = self._encode_chat(conv[:-1], n, True)
+        cut = len(ids) - (len(head) - s)  # the prompt may carry more (placeholders) or merge one token
+        return ids[:cut] + answer_ids, labels[:cut] + answer_ids
+
+    def answer_tokens(self, answer):
+        """The ids of `answer` as the template writes an assistant answer after its generation
+        prompt, up to and including its terminator (`answer_span` of a one-turn conversation)."""
+        conv = self.messages("?", 0, answer=answer)
+        s, e, extra = self.answer_span(conv, [], 0)
+        return self._encode_chat(conv, [], False)[s:e] + extra
+
+    def tail_ids(self):
+        """The ids every prompt ends with after the user's text (end of the user turn + the
+        generation prompt: the assistant header), found as the common end of two prompts."""
+        if "tail" not in self._cache:
+            a, b = (self._encode_chat(self.messages(q, 0), [], True) for q in ("x?", "y."))
+            n = 0
+            while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+                n += 1
+            self._cache["tail"] = a[len(a) - n:]
+        return list(self._cache["tail"])
+
+    # ------------------------------------------------------------------ images
+
+    def images(self, images):
+        """list of PIL images -> (pixel_values [sum patches, C*T*p*p], image_grid_thw [N,3]),
+        for the Qwen-VL families (`vision` is the one image path for every family).
+
+        The image processor's own resize rules (min / max pixels, sides a multiple of patch *
+        merge) decide each image's grid. When all images share one size that the processor
+        keeps as it is (e.g. the shapes world's 84x84), the pixels are patchified in torch
+        (`patchify`, equal to the processor's output: tested) instead of by PIL, which is much
+        faster."""
+        vis, _ = self.vision(images)
+        return vis["pixel_values"], vis["image_grid_thw"]
 
     def vision(self, images=None, pixels=None):
-        """Vision inputs of N images (PIL list via `images`, or `pixels` = (pixel_values,
-        image_grid_thw) already made, e.g. by `images` or `patchify`) -> ({tensor name: tensor}
-        for the model, [image tokens per image]). Subclasses for other families (LLaVA-NeXT)
-        override this one method."""
-        pixel_values, grid = pixels if pixels is not None else self.images(images)
-        return {"pixel_values": pixel_values, "image_grid_thw": grid}, (grid.prod(-1) // self.merge ** 2).tolist()
+        """Vision inputs of N images -> ({tensor name: tensor} for the model, [visual tokens per
+        image]).
+
+        images: PIL list, through the processor's image processor (its own kwargs, plus
+        `images_kwargs`) and its `replace_image_token` for the counts; or pixels: what
+        `vision` returned already (a (dict, counts) pair), or for Qwen-VL (pixel_values,
+        image_grid_thw). Tensors the processor only uses to count tokens (Gemma3's num_crops)
+        are left out."""
+        if pixels is not None:
+            if isinstance(pixels[0], dict):
+                return pixels
+            pv, grid = pixels
+            return {"pixel_values": pv, "image_grid_thw": grid}, (grid.prod(-1) // self.merge ** 2).tolist()
+        p, ip = self.processor, self.image_processor
+        if not self.images_kwargs and self._keeps_size(images[0].size) and len({im.size for im in images}) == 1:
+            pv, grid = patchify(torch.from_numpy(np.stack([np.asarray(im.convert("RGB")) for im in images])),
+                                patch=ip.patch_size, temporal=ip.temporal_patch_size, merge=ip.merge_size,
+                                mean=tuple(ip.image_mean), std=tuple(ip.image_std))
+            return self.vision(pixels=(pv, grid))
+        kw = p._merge_kwargs(tokenizer_init_kwargs=self.tokenizer.init_kwargs, return_tensors="pt",
+                             **self.images_kwargs)["images_kwargs"]
+        vis, repl = p._process_images(images, **kw)
+        counts = [r.count(self.image_token) for r in repl]
+        return {k: v for k, v in vis.items() if k not in p.unused_input_names}, counts
 
     def _keeps_size(self, size):
         """True if the (PIL) Qwen2-VL image processor leaves a (width, height) image unresized."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (Qwen2VLImageProcessorPil,
-                                                                                smart_resize)
         ip = self.image_processor
         if type(ip) is not Qwen2VLImageProcessorPil or ip.do_resize is False:
             return False
@@ -152,106 +426,94 @@ class VLProcessor:
             return False
         return smart_resize(h, w, ip.patch_size * ip.merge_size, ip.size.shortest_edge, ip.size.longest_edge) == (h, w)
 
-    def prompt_ids(self, question, n_image_tokens, history=()):
-        """Prompt token ids (Qwen chat): the user turn with `n_image_tokens` image pads (none
-        and no vision markers when 0: a text-only record), earlier (question, answer) turns of
-        `history` if any, then the assistant header."""
-        return self.prompt_and_labels(question, n_image_tokens, history)[0]
+    # ------------------------------------------------------------------ batches
 
-    def prompt_and_labels(self, question, n_image_tokens, history=()):
-        """(ids, labels) of `prompt_ids`; labels are -100 except on the answers of `history`
-        (+ their <|im_end|>): a multi-turn record trains on every gpt turn."""
-        ids = self._tok("<|im_start|>user\n")
-        if n_image_tokens:
-            ids = ids + self._tok("<|vision_start|>") + [self.image_token_id] * n_image_tokens + \
-                self._tok("<|vision_end|>")
-        labels = [-100] * len(ids)
-        head = self._tok("<|im_end|>\n<|im_start|>assistant\n")
-        for q, a in history:
-            ask, ans, nxt = self.text_ids(q) + head, self.text_ids(a) + [self.eos_token_id], \
-                self._tok("\n<|im_start|>user\n")
-            ids = ids + ask + ans + nxt
-            labels = labels + [-100] * len(ask) + ans + [-100] * len(nxt)
-        ask = self.text_ids(question) + head
-        return ids + ask, labels + [-100] * len(ask)
+    def extras(self, input_ids, attention_mask):
+        """The token-type tensors the family's processor returns (`model_input_keys`), from the
+        ids: the processor's own `create_mm_token_type_ids` (1 at image tokens), 0 on padding."""
+        if not self.model_input_keys:
+            return {}
+        types = torch.tensor(self.processor.create_mm_token_type_ids(input_ids.tolist())) * attention_mask
+        return {k: types for k in self.model_input_keys}
+
+    def pad(self, rows, side, vis=None, labels=None):
+        """A padded batch of id rows: input_ids, attention_mask, token types (`extras`), the
+        vision tensors `vis`, and labels (-100 on padding) when given."""
+        L = max(map(len, rows))
+        pad = lambda r, v: (r + [v] * (L - len(r))) if side == "right" else ([v] * (L - len(r)) + r)
+        input_ids = torch.tensor([pad(r, self.pad_token_id) for r in rows])
+        mask = torch.tensor([pad([1] * len(r), 0) for r in rows])
+        batch = {"input_ids": input_ids, "attention_mask": mask, **(vis or {}), **self.extras(input_ids, mask)}
+        if labels is not None:
+            batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
+        return batch
 
     def encode(self, images, questions, answers=None, padding_side=None, pixels=None, history=None):
         """Batch inputs for the model.
 
         images: list of PIL images, one per row, None for a text-only row (or images=None with
-        `pixels=(pixel_values, image_grid_thw)` given for every row; with both, `pixels` holds the
-        rows whose image is not None, in order); questions: list[str]; answers: list[str] or
-        None; history: None or per row a list of earlier (question, answer) turns (multi-turn
-        records).
+        `pixels` given for every row; with both, `pixels` holds the rows whose image is not None,
+        in order: a `vision` result, or Qwen-VL's (pixel_values, image_grid_thw)); questions:
+        list[str]; answers: list[str] or None; history: None or per row a list of earlier
+        (question, answer) turns (multi-turn records).
         With answers (training): right padding, `labels` = -100 except on every answer turn
-        (history answers included) + its <|im_end|>.
+        (history answers included) up to and including its terminator (`answer_span`).
         Without (generation): left padding, so every row's last token is its prompt's end.
-        Returns input_ids, attention_mask, the vision tensors of `vision` (none when no row has
-        an image) and, for Qwen-VL (`mm_token_types`), mm_token_type_ids (1 at image tokens; the
-        model silently falls back to 1-D positions without it). User text is escaped (`text_ids`).
-        Raises ValueError if all labels would be masked (empty answers)."""
+        Returns input_ids, attention_mask, the vision tensors (none when no row has an image)
+        and the family's token-type tensors (`extras`). Raises ValueError if all labels would
+        be masked (empty answers)."""
         has = [True] * len(questions) if images is None else [im is not None for im in images]
+        if any(has) and self.image_processor is None:
+            raise ValueError(f"{self.config.model_type} is a text model: it takes no images (the records with an "
+                             f"image need a VLM)")
         shown = None if images is None else [im for im in images if im is not None]
         vis, counts = self.vision(shown, pixels) if any(has) else ({}, [])
         counts = iter(counts)
         n_img = [next(counts) if h else 0 for h in has]
         rows, labels = [], []
         for i, q in enumerate(questions):
-            p, lab = self.prompt_and_labels(q, n_img[i], history[i] if history else ())
+            h = history[i] if history else ()
             if answers is None:
-                rows.append(p)
-                continue
-            a = self.text_ids(answers[i]) + [self.eos_token_id]
-            rows.append(p + a)
-            labels.append(lab + a)
+                rows.append(self.prompt_ids(q, n_img[i], h))
+            else:
+                r, lab = self.answer_ids(q, n_img[i], answers[i], h)
+                rows.append(r)
+                labels.append(lab)
         side = padding_side or ("right" if answers is not None else "left")
-        L = max(map(len, rows))
-        pad = lambda r, v: (r + [v] * (L - len(r))) if side == "right" else ([v] * (L - len(r)) + r)
-        input_ids = torch.tensor([pad(r, self.pad_token_id) for r in rows])
-        mask = torch.tensor([pad([1] * len(r), 0) for r in rows])
-        batch = {"input_ids": input_ids, "attention_mask": mask, **vis}
-        if self.mm_token_types:
-            batch["mm_token_type_ids"] = (input_ids == self.image_token_id).long() * mask
-        if answers is not None:
-            batch["labels"] = torch.tensor([pad(r, -100) for r in labels])
-        return batch
-
-    def decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.pad(rows, side, vis, labels if answers is not None else None)
 
     def save_pretrained(self, path):
+        """Tokenizer (with the chat template), image processor and, for families whose
+        processor loads with AutoProcessor, its processor_config.json."""
         self.tokenizer.save_pretrained(path)
+        if self.image_processor is None:
+            return
         self.image_processor.save_pretrained(path)
+        if not FAMILIES[self.config.model_type][1]:
+            self.processor.save_pretrained(path)
 
 
-class LlavaNextVLProcessor(VLProcessor):
-    """`VLProcessor` for LLaVA-NeXT (any-resolution tiles + a newline token per row): the same
-    prompt format, but `vision` returns pixel_values [N, tiles, 3, h, w] and image_sizes [N, 2]
-    and counts each image's tokens with transformers' `LlavaNextProcessor` rule (base tile + the
-    unpadded high-resolution tiles + one newline per row). No mm_token_type_ids."""
-    mm_token_types = False
-
-    def __init__(self, tokenizer, image_processor, config):
-        from transformers import LlavaNextProcessor
-        super().__init__(tokenizer, image_processor, config)
-        # CLIP's CLS token counts as an additional image token, which the "default" strategy drops again
-        self.counter = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                          patch_size=config.vision_config.patch_size, num_additional_image_tokens=1,
-                                          vision_feature_select_strategy=config.vision_feature_select_strategy,
-                                          image_token=tokenizer.convert_ids_to_tokens(config.image_token_id))
-
-    def vision(self, images=None, pixels=None):
-        if pixels is not None:
-            raise ValueError("LLaVA-NeXT images go through its image processor, not `patchify` pixels")
-        out = self.image_processor(images=images, return_tensors="pt")
-        n = self.counter._get_num_multimodal_tokens(image_sizes=out["image_sizes"].tolist())["num_image_tokens"]
-        return {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}, list(n)
+def _counts(n):
+    """Visual tokens per image as a list: an int n -> [n] (0 -> [], no image)."""
+    return list(n) if isinstance(n, (list, tuple)) else ([n] if n else [])
 
 
-def make_processor(tokenizer, image_processor, config):
-    """The `VLProcessor` (subclass) for a model config."""
-    cls = LlavaNextVLProcessor if config.model_type == "llava_next" else VLProcessor
-    return cls(tokenizer, image_processor, config)
+def _common(a, b):
+    """Length of the common prefix of two id lists."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def control_re(tokenizer, chat_template):
+    """Regex of the control tokens `sanitize_control_tokens` encodes as text in user input."""
+    return _get_control_token_patterns(tokenizer._get_control_tokens(chat_template))[0]
+
+
+def make_processor(tokenizer, image_processor, config, generation_config=None):
+    """The `VLProcessor` of a model config from a tokenizer and an image processor."""
+    return VLProcessor(build_hf_processor(tokenizer, image_processor, config), config, generation_config)
 
 
 def patchify(images_uint8, patch=14, temporal=2, merge=2, mean=(0.48145466, 0.4578275, 0.40821073),
@@ -337,9 +599,9 @@ def build_tiny(arch="qwen3_vl", seed=0, **kw):
         from transformers import LlavaNextImageProcessorPil
         improc = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
                                             image_grid_pinpoints=[[28, 28]])
-        return model, LlavaNextVLProcessor(tok, improc, model.config)
-    improc = build_image_processor(patch_size=kw.get("patch_size", 14), merge_size=kw.get("merge_size", 2))
-    return model, VLProcessor(tok, improc, model.config)
+    else:
+        improc = build_image_processor(patch_size=kw.get("patch_size", 14), merge_size=kw.get("merge_size", 2))
+    return model, make_processor(tok, improc, model.config, model.generation_config)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -349,20 +611,22 @@ def resolve(path):
     return TINY.get(path, path)
 
 
-def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, device_map=None):
+def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, device_map=None, text_lms=False):
     """Load a VLM + VLProcessor from a local directory (or hub id, where the hub is reachable).
 
     path: directory holding config.json + *.safetensors + tokenizer + preprocessor config,
     or "tiny-dense" / "tiny-moe" / "tiny-chat" for the committed defaults.
     dtype: torch dtype or None (the checkpoint's own); device: "cpu", "cuda", ...;
     trust_remote_code: off unless the user asks (it executes code shipped with the checkpoint).
+    text_lms: also load the text MoEs of `TEXT_LMS` (a causal LM + a VLProcessor over its
+    tokenizer and chat template; records without images only).
     A missing `path` whose `{path}.old` holds config.json (a save_backbone killed between its
     renames) loads `{path}.old`, with a note on stderr.
     Raises BackboneError for a missing directory, a directory without config.json or with an
     unreadable one, an architecture outside SUPPORTED_VLMS (or one that needs
     trust_remote_code), weights only in pickle files (pytorch_model.bin: pickles can run code,
     so they are never loaded), and a truncated / corrupt safetensors file (named)."""
-    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForImageTextToText
     path = resolve(path)
     old = path.rstrip("/") + ".old"
     if not os.path.exists(path) and os.path.exists(os.path.join(old, "config.json")):  # see save_backbone
@@ -399,21 +663,60 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
         raise BackboneError(f"{path}: cannot read its config.json ({why}). Supported VLMs: "
                             f"{', '.join(SUPPORTED_VLMS)}; checkpoints with their own code need "
                             f"--trust-remote-code (it runs that code)") from None
-    if config.model_type not in SUPPORTED_VLMS and not trust_remote_code:
+    text_lm = text_lms and config.model_type in TEXT_LMS
+    if config.model_type not in SUPPORTED_VLMS and not text_lm and not trust_remote_code:
+        also = f"; text MoEs: {', '.join(TEXT_LMS)}" if text_lms else ""
         raise BackboneError(f"{path}: architecture {config.model_type!r} is not supported; supported VLMs: "
-                            f"{', '.join(SUPPORTED_VLMS)}")
+                            f"{', '.join(SUPPORTED_VLMS)}{also}")
     if os.path.isdir(path):
         try:  # headers only: a truncated shard is named here, not by a raw safetensors error mid-load
             checked_weights(path)
         except CheckpointError as e:
             raise BackboneError(str(e)) from None
-    model = AutoModelForImageTextToText.from_pretrained(
+    if text_lm:
+        processor = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if not processor.chat_template:
+            raise BackboneError(f"{path}: its tokenizer has no chat template; prompts are built with the "
+                                f"checkpoint's own template (use an instruct / chat checkpoint)")
+    else:
+        processor = load_processor(path, config, trust_remote_code)  # before the weights: a bad one fails fast
+        if not processor.chat_template:
+            raise BackboneError(f"{path}: its processor has no chat template; prompts are built with the "
+                                f"checkpoint's own template (use an instruct / chat checkpoint)")
+    model = (transformers.AutoModelForCausalLM if text_lm else AutoModelForImageTextToText).from_pretrained(
         path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code, use_safetensors=True)
     if device_map is None:
         model.to(device)
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    improc = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model.eval(), make_processor(tok, improc, model.config)
+    return model.eval(), VLProcessor(processor, model.config, model.generation_config)
+
+
+def checkpoint_model_type(path):
+    """The model_type in a checkpoint directory's config.json (tiny names resolved), None when
+    there is none to read (a hub id, a missing or unreadable file): a cheap look before loading."""
+    try:
+        with open(os.path.join(resolve(path), "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_processor(path, config, trust_remote_code=False):
+    """The family's real transformers processor of a checkpoint (`FAMILIES`): with its
+    processor_config.json (or a hub id) the class's own `from_pretrained`; without one (the
+    tiny bases, test checkpoints) built from the checkpoint's tokenizer, image processor and
+    chat template (`build_hf_processor`). A model_type outside FAMILIES (trust_remote_code
+    only) loads with AutoProcessor."""
+    if config.model_type not in FAMILIES:
+        return transformers.AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "processor_config.json")):
+        return processor_class(config.model_type).from_pretrained(path, trust_remote_code=trust_remote_code)
+    tok = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    improc = transformers.AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    template = None  # a processor-level template file wins over the tokenizer's, as in from_pretrained
+    if os.path.exists(os.path.join(path, "chat_template.json")):
+        with open(os.path.join(path, "chat_template.json")) as f:
+            template = json.load(f).get("chat_template")
+    return build_hf_processor(tok, improc, config, template)
 
 
 def save_backbone(model, proc, path):
@@ -492,17 +795,19 @@ def text_model(model):
 def generate(model, proc, images, questions, max_new_tokens=48, pixels=None, history=None, **gen_kw):
     """Batched greedy generation (left padding). Returns (texts, n_generated_tokens list).
     images: PIL images, None for a text-only row; history: per row earlier (question, answer)
-    turns or None (`VLProcessor.encode`). Bounded by `max_new_tokens` even if the model never
-    emits <|im_end|>."""
+    turns or None (`VLProcessor.encode`). Stops at any of the checkpoint's stop ids
+    (`VLProcessor.stop_ids`, e.g. LLaVA-NeXT's </s>, Gemma3's <end_of_turn>); a row's text and
+    count end at its first one (counted). Bounded by `max_new_tokens` even if the model never
+    emits one."""
     batch = proc.encode(images, questions, pixels=pixels, history=history)
     batch = {k: v.to(model.device) for k, v in batch.items()}
     gen_kw.setdefault("do_sample", False)
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=proc.eos_token_id,
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=proc.stop_ids,
                          pad_token_id=proc.pad_token_id, **gen_kw)
     new = out[:, batch["input_ids"].shape[1]:]
     texts, lens = [], []
     for row in new.tolist():
-        n = row.index(proc.eos_token_id) + 1 if proc.eos_token_id in row else len(row)
+        n = next((i + 1 for i, t in enumerate(row) if t in proc.stop_ids), len(row))
         texts.append(proc.decode(row[:n]))
         lens.append(n)
     return texts, lens

@@ -456,7 +456,7 @@ def check_support(records, entry, text_only=False, multi_image=False, multi_turn
 
 def check_training_records(records, path):
     """What training needs per record: a non-empty answer (an empty gpt turn would train only
-    <|im_end|>). Raises DataError naming up to three bad records."""
+    the end token). Raises DataError naming up to three bad records."""
     bad = [r["id"] for r in records if not str(r["target"]).strip()]
     bad += [f"{r['id']} (turn {k + 1})" for r in records for k, (_, t) in enumerate(r.get("history", []))
             if not str(t).strip()]

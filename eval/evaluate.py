@@ -23,6 +23,12 @@ scene, then answer; scoring the letter right after the prompt would skip that lo
 and be off-distribution). When the output has no "Answer:", the letter is scored at the
 start of the assistant turn, as for an instruct model that replies with just the letter.
 Single-letter continuations make length normalisation (acc_norm) moot.
+
+Prompt settings (`--prompt-settings`): `lmms-eval` (default) applies lmms-eval's own settings
+for the families its model files ship (`LMMS_EVAL`: Qwen2.5-VL gets the system turn "You are a
+helpful assistant." and images between 256 * 28 * 28 and 1,605,632 pixels, as lmms-eval's
+`qwen2_5_vl` model); `checkpoint` keeps the checkpoint's own (its chat template and image
+processor as saved). Either way generation is greedy and stops at the checkpoint's stop ids.
 """
 import argparse
 import difflib
@@ -34,7 +40,7 @@ from collections import Counter
 
 import torch
 
-from common.backbone import generate, load_backbone
+from common.backbone import TEXT_LMS, checkpoint_model_type, generate, load_backbone
 from common.cli import (Deprecated, RunError, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number,
                         run_cli, set_threads)
 from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
@@ -45,6 +51,21 @@ from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, form
                           option_letters, pope_prf, record_answer_type, short_answer)
 from eval.scores import SCORERS, benchmark_scores, format_scores
 from eval.readers import parse_options
+
+# lmms-eval's settings per model_type (its lmms_eval/models/simple/<family>.py defaults): the system
+# turn it writes and the image processor's pixel bounds. Families absent here run as the checkpoint says.
+LMMS_EVAL = {"qwen2_5_vl": {"system": "You are a helpful assistant.",
+                            "images_kwargs": {"size": {"shortest_edge": 256 * 28 * 28, "longest_edge": 1605632}}}}
+
+
+def apply_prompt_settings(model, proc, which):
+    """Set `proc` (a VLProcessor) to lmms-eval's settings for the model's family (`LMMS_EVAL`)
+    when which == "lmms-eval"; "checkpoint" leaves the checkpoint's own. Returns the settings
+    applied ({} for none)."""
+    s = LMMS_EVAL.get(model.config.model_type, {}) if which == "lmms-eval" else {}
+    proc.system = s.get("system")
+    proc.images_kwargs = dict(s.get("images_kwargs", {}))
+    return s
 
 
 def _images(batch):
@@ -126,25 +147,18 @@ def score_options(model, proc, records, prefixes=None, batch_size=32, desc="opti
 
     def one(b):
         chunk = rows[b * batch_size:(b + 1) * batch_size]
-        uniq = [i for i in dict.fromkeys(i for i, _, _ in chunk) if records[i]["image"]]  # text-only: no pixels
-        where = {i: k for k, i in enumerate(uniq)}
-        ks = [where[i] for i, _, _ in chunk if i in where]
-        pixels = {}
-        if uniq:
-            pv, grid = proc.images(_images([records[i] for i in uniq]))
-            n_patch = grid.prod(-1)
-            start = torch.cumsum(n_patch, 0) - n_patch
-            pixels = {"pixel_values": torch.cat([pv[start[k]:start[k] + n_patch[k]] for k in ks]),
-                      "image_grid_thw": grid[ks]}
-        n_img = lambda i: int(n_patch[where[i]]) // proc.merge ** 2 if i in where else 0
-        ids = [proc.prompt_ids(records[i]["question"], n_img(i), records[i].get("history", [])) + c + o
-               for i, c, o in chunk]
-        T = max(map(len, ids))
-        input_ids = torch.tensor([x + [proc.pad_token_id] * (T - len(x)) for x in ids])
-        mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in ids])
-        out = model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
-                    mm_token_type_ids=((input_ids == proc.image_token_id).long() * mask).to(dev),
-                    **{k: v.to(dev) for k, v in pixels.items()})
+        shown = [i for i, _, _ in chunk if records[i]["image"]]  # text-only rows: no pixels
+        uniq = list(dict.fromkeys(shown))
+        decoded = dict(zip(uniq, _images([records[i] for i in uniq])))
+        # one image per row that has one, in row order (a record's image repeats for each option)
+        vis, counts = proc.vision([decoded[i] for i in shown]) if shown else ({}, [])
+        counts = iter(counts)
+        n_img = [next(counts) if records[i]["image"] else 0 for i, _, _ in chunk]
+        ids = [proc.prompt_ids(records[i]["question"], n_img[r], records[i].get("history", [])) + c + o
+               for r, (i, c, o) in enumerate(chunk)]
+        batch = proc.pad(ids, "right", vis)
+        out = model(**{k: v.to(dev) for k, v in batch.items()})
+        input_ids = batch["input_ids"]
         logp = torch.log_softmax(out.logits.float(), dim=-1)  # [R, T, V]
         got = []
         for row, (i, _, o) in enumerate(chunk):
@@ -274,6 +288,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="model dtype (auto: the checkpoint's own)")
+    p.add_argument("--prompt-settings", default="lmms-eval", choices=["lmms-eval", "checkpoint"],
+                   help="lmms-eval: lmms-eval's system turn and image size bounds for the families it ships "
+                        "(Qwen2.5-VL); checkpoint: the checkpoint's own chat template and image processor as saved")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow checkpoint-shipped code (off by default: it executes code from the checkpoint)")
     p.add_argument("--out", default=None, help="output JSON (default out/eval/<model>_<data>.json)")
@@ -312,6 +329,10 @@ def main(argv=None):
     else:          # --skip-bad: the first N usable items (every image decoded)
         records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad))[:a.limit or None]
     check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
+    shown = sum(bool(r["image"]) for r in records)
+    if shown and checkpoint_model_type(a.model) in TEXT_LMS:
+        raise DataError(f"{a.model} is a text model ({checkpoint_model_type(a.model)}); {shown} record(s) of {a.data} "
+                        f"have an image: evaluate text-only records, or a VLM")
     bad = sorted({r["benchmark"] for r in records if r.get("benchmark")} - set(SCORERS))
     if bad:  # before the model loads, not after the whole evaluation
         raise DataError(f"{a.data}: unknown benchmark(s) {bad}; eval.scores scores {', '.join(SCORERS)}")
@@ -323,6 +344,7 @@ def main(argv=None):
               f"text (normalised exact match)" + (f"; did you mean {near[0]!r}?" if near else ""))
     name = os.path.basename(os.path.normpath(a.model))
     fp = fingerprint(records, model=model_digest(a.model), batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                     prompt_settings=a.prompt_settings,
                      loglik=a.loglik, dtype=a.dtype, device=a.device)
     with PredictionLog(out, fp, a.resume) as log:  # each finished batch kept in OUT.partial; refusals before loading
         rows, loglik, results, extra = _run(a, records, name, log)
@@ -337,7 +359,9 @@ def _run(a, records, name, log):
     """The model part of `main`: (report rows, loglik results, results, {pope, anls, benchmarks})."""
     t0 = time.time()
     dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
-    model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
+    model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code,
+                                text_lms=True)
+    settings = apply_prompt_settings(model, proc, a.prompt_settings)
     results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}", log=log)
     rows = family_rows(name, results)
     ref = a.reference or reference_split(a.data)
@@ -368,7 +392,8 @@ def _run(a, records, name, log):
         print(f"ANLS {fam}: {v:.3f}")
     if bench:
         print("\nbenchmark scores (each benchmark's own definition, eval.scores):\n" + format_scores(bench))
-    return rows, loglik, results, {"pope": pope, "anls": soft, "benchmarks": bench}
+    return rows, loglik, results, {"pope": pope, "anls": soft, "benchmarks": bench,
+                                   "prompt_settings": {"name": a.prompt_settings, **settings}}
 
 
 if __name__ == "__main__":

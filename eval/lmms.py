@@ -208,13 +208,9 @@ def loglik_plain(model, proc, rows, batch_size=32):
     for s in range(0, len(rows), batch_size):
         chunk = rows[s:s + batch_size]
         imgs = [im for im, _, _ in chunk if im is not None]
-        pixels = {}
-        n_img = [0] * len(chunk)
-        if imgs:
-            pv, grid = proc.images(imgs)
-            counts = iter((grid.prod(-1) // proc.merge ** 2).tolist())
-            n_img = [next(counts) if im is not None else 0 for im, _, _ in chunk]
-            pixels = {"pixel_values": pv.to(dev), "image_grid_thw": grid.to(dev)}
+        vis, counts = proc.vision(imgs) if imgs else ({}, [])
+        counts = iter(counts)
+        n_img = [next(counts) if im is not None else 0 for im, _, _ in chunk]
         ids, conts = [], []
         for (im, ctx, cont), n in zip(chunk, n_img):
             c = proc.text_ids(cont)
@@ -222,13 +218,10 @@ def loglik_plain(model, proc, rows, batch_size=32):
                 raise ValueError(f"empty continuation {cont!r} after context {ctx[:60]!r}")
             ids.append(proc.prompt_ids(ctx, n) + c)
             conts.append(len(c))
-        T = max(map(len, ids))
-        input_ids = torch.tensor([x + [proc.pad_token_id] * (T - len(x)) for x in ids])
-        mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in ids])
+        batch = proc.pad(ids, "right", vis)
+        input_ids = batch["input_ids"]
         with torch.no_grad():
-            logits = model(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
-                           mm_token_type_ids=((input_ids == proc.image_token_id).long() * mask).to(dev),
-                           **pixels).logits.float()
+            logits = model(**{k: v.to(dev) for k, v in batch.items()}).logits.float()
         for row, (x, n) in enumerate(zip(ids, conts)):
             pos = torch.arange(len(x) - n, len(x), device=logits.device)  # continuation positions t
             tgt = input_ids[row, len(x) - n:len(x)].to(logits.device)

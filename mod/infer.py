@@ -6,10 +6,14 @@
     MoD-Single   one round: question + JSON instruction
     MoD-Multi    K debate rounds: round k sees the question, the debate prompt and the
                  model's own responses of rounds 0..k-1 (Alg. 2), final answer = last round
-    MAD          multi-agent debate on the base model: 2 debaters (sampled) answer, then
-                 see each other's latest response for `rounds` rounds (--mad-rounds, default
-                 --rounds); a judge (greedy)
-                 reads both and decides (Liang et al. 2024 style, B.4)
+    MAD          multi-agent debate on the base model, two protocols (--mad):
+      liang      Liang et al.'s official protocol (the paper's MAD, B.4; the default): an
+                 affirmative and a negative debater, a moderator after every round that can end
+                 the debate, at most 3 rounds (--mad-rounds), temperature 0, every agent keeps
+                 its whole conversation, a two-step judge when the moderator never decides
+      du         Du-style debate: 2 sampled debaters (T = 0.7) answer, then see each other's
+                 latest response for `rounds` rounds (--mad-rounds, default --rounds); a greedy
+                 judge reads both final responses and decides
     SC           self-correction on the base model: answer, then review the own answer
 
 Every method returns per-question results {id, family, pred, correct, n_tokens} and the
@@ -28,7 +32,9 @@ import torch
 from common.backbone import generate
 from common.cli import add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher
+from common.predictions import PredictionLog
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
+from mod.prompts import ROUND_NAMES, liang_decision, liang_prompt
 
 
 def _generate(model, proc, batcher, recs, questions, max_new_tokens, **kw):
@@ -129,8 +135,9 @@ def self_correction(model, proc, records, batch_size=64, max_new_tokens=96, log=
 @torch.no_grad()
 def multi_agent_debate(model, proc, records, rounds=1, temperature=0.7, batch_size=64, max_new_tokens=96, seed=0,
                        log=None):
-    """MAD: debaters 1 and 2 (temperature sampling) answer; for `rounds` rounds each sees the
-    other's latest response with the debate prompt; a greedy judge reads both final responses.
+    """MAD, Du-style (`--mad du`): debaters 1 and 2 (temperature sampling) answer; for `rounds`
+    rounds each sees the other's latest response with the debate prompt; a greedy judge reads
+    both final responses. Not Liang et al.'s protocol (`liang_debate`, the paper's MAD).
     History layout: [d1_0, d2_0, d1_1, d2_1, ..., judge]. Returns (results, wall_s)."""
     t0 = time.time()
     torch.manual_seed(seed)
@@ -143,6 +150,100 @@ def multi_agent_debate(model, proc, records, rounds=1, temperature=0.7, batch_si
     kw = [sample] * (len(fns) - 1) + [{}]
     hist, toks = run_rounds(model, proc, records, fns, batch_size, max_new_tokens, kw, log=log)
     return _results(records, [h[-1] for h in hist], toks), time.time() - t0
+
+
+def _opening(meta, event):
+    """An agent's first user turn: its meta prompt (a system message in the official code; the
+    generation helper has no system turn, so it leads the first user turn), then the event."""
+    return f"{meta}\n\n{event}"
+
+
+@torch.no_grad()
+def liang_debate(model, proc, records, max_rounds=3, batch_size=64, max_new_tokens=96, log=None):
+    """MAD as Liang et al.'s official code runs it (github Skytliang/Multi-Agents-Debate,
+    `interactive.py`, prompts `mod.prompts.LIANG_PROMPTS`), batched across questions.
+
+    Agents are conversations on the same frozen model, each kept whole (full memory: every
+    earlier turn is passed as `history`, the image in the first user turn of each):
+      round 1      affirmative: meta + the question; negative: meta + the affirmative's answer +
+                   "You disagree with my answer. Provide your answer and reasons."; moderator:
+                   meta + both answers, asked for {"Whether there is a preference", "Supported
+                   Side", "Reason", "debate_answer"}
+      rounds 2..   affirmative reads the negative's last answer, then the negative reads the
+                   affirmative's new one ("Do you agree with my perspective?"), then the moderator
+      stop         a question leaves the debate once its moderator gives a non-empty
+                   `debate_answer` (`liang_decision`); the others go on, at most `max_rounds`
+      judge        questions still undecided: a new agent (the moderator's meta prompt) reads
+                   both sides' **first-round** answers (as the official code does) and lists the
+                   candidates, then, in the same conversation, answers in JSON; its
+                   `debate_answer` is final (its raw reply when it wrote no JSON)
+    Greedy decoding (temperature 0), at most `max_new_tokens` per reply. Returns (results, wall_s);
+    each result also has "rounds" (rounds run) and "decided_by" ("moderator" / "judge");
+    n_tokens sums every reply of every agent for that question. log: as in `run_rounds` (a
+    resumed run rebuilds the same active questions from the stored replies)."""
+    if max_rounds < 1:
+        raise ValueError(f"liang_debate needs max_rounds >= 1 (round 1 is the debaters' first answers), got {max_rounds}")
+    t0 = time.time()
+    log = log or PredictionLog(None, None)
+    n = len(records)
+    topic = [r["question"] for r in records]
+    conv = {a: [[] for _ in records] for a in ("affirmative", "negative", "moderator", "judge")}
+    toks = [0] * n
+
+    def ask(phase, agent, idx, users):
+        """One batched turn of `agent` for the questions `idx`; users[i] = question i's new user
+        turn. Appends (turn, reply) to each conversation; returns {i: reply}."""
+        def one(b):
+            sel = idx[b * batch_size:(b + 1) * batch_size]
+            recs = [records[i] for i in sel]
+            texts, lens = _generate(model, proc, Batcher(proc, recs), recs, [users[i] for i in sel], max_new_tokens,
+                                    history=[list(conv[agent][i]) for i in sel], do_sample=False)
+            return [[t, k] for t, k in zip(texts, lens)]
+        outs = log.run(phase, -(-len(idx) // batch_size), one, desc=f"liang {phase}")
+        for i, (t, k) in zip(idx, outs):
+            conv[agent][i].append((users[i], t))
+            toks[i] += k
+        return {i: t for i, (t, _) in zip(idx, outs)}
+
+    player_meta = {i: liang_prompt("player_meta_prompt", debate_topic=topic[i]) for i in range(n)}
+    mod_meta = {i: liang_prompt("moderator_meta_prompt", debate_topic=topic[i]) for i in range(n)}
+    active, final, rounds, first = list(range(n)), [None] * n, [0] * n, {}
+    aff, neg = {}, {}
+    for k in range(max_rounds):
+        if k == 0:
+            aff = ask("r1/affirmative", "affirmative", active, {i: _opening(
+                player_meta[i], liang_prompt("affirmative_prompt", debate_topic=topic[i])) for i in active})
+            neg = ask("r1/negative", "negative", active, {i: _opening(
+                player_meta[i], liang_prompt("negative_prompt", aff_ans=aff[i])) for i in active})
+            first = {i: (aff[i], neg[i]) for i in active}
+        else:
+            aff = ask(f"r{k + 1}/affirmative", "affirmative", active,
+                      {i: liang_prompt("debate_prompt", oppo_ans=neg[i]) for i in active})
+            neg = ask(f"r{k + 1}/negative", "negative", active,
+                      {i: liang_prompt("debate_prompt", oppo_ans=aff[i]) for i in active})
+        turn = {i: liang_prompt("moderator_prompt", round=ROUND_NAMES[k], aff_ans=aff[i], neg_ans=neg[i])
+                for i in active}
+        said = ask(f"r{k + 1}/moderator", "moderator", active,
+                   {i: _opening(mod_meta[i], turn[i]) if k == 0 else turn[i] for i in active})
+        for i in active:
+            rounds[i] = k + 1
+            final[i] = liang_decision(said[i]) or None   # "" = no preference: the debate goes on
+        active = [i for i in active if final[i] is None]
+        if not active:
+            break
+    if active:   # the two-step judge on the first round's answers
+        ask("judge/candidates", "judge", active, {i: _opening(mod_meta[i], liang_prompt(
+            "judge_prompt_last1", aff_ans=first[i][0], neg_ans=first[i][1])) for i in active})
+        said = ask("judge/answer", "judge", active,
+                   {i: liang_prompt("judge_prompt_last2", debate_topic=topic[i]) for i in active})
+        for i in active:
+            got = liang_decision(said[i])
+            final[i] = said[i] if got is None else got
+    judged = set(active)
+    res = _results(records, final, toks)
+    for i, r in enumerate(res):
+        r.update(rounds=rounds[i], decided_by="judge" if i in judged else "moderator")
+    return res, time.time() - t0
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -241,6 +342,8 @@ def summarize(name, results, wall_s):
 
 
 METHODS = ("base", "base-json", "single", "multi", "mad", "sc", "base-misled", "misled")
+MAD_PROTOCOLS = ("liang", "du")
+LIANG_MAX_ROUNDS = 3   # the official code's max_round
 
 
 def main(argv=None):
@@ -257,8 +360,13 @@ def main(argv=None):
                    "debate round whose only prior response is wrong")
     p.add_argument("--rounds", type=number(min=0), default=1, help="debate rounds of MoD-Multi (paper: 1; and of MAD "
                    "unless --mad-rounds)")
-    p.add_argument("--mad-rounds", type=number(min=0), default=None, help="debate rounds of MAD (2 debaters + judge; "
-                   "default: --rounds; the paper's MAD debates 'over multiple rounds', the count is not given)")
+    p.add_argument("--mad", choices=MAD_PROTOCOLS, default="liang",
+                   help="the protocol of method mad: liang = Liang et al.'s official one (the paper's MAD: affirmative "
+                   "and negative debaters, a moderator that can end the debate after each round, a two-step judge when "
+                   "it never does, greedy, full memory); du = Du-style (2 sampled debaters, a judge)")
+    p.add_argument("--mad-rounds", type=number(min=0), default=None, help="debate rounds of MAD: with --mad liang the "
+                   "most rounds, the first included (default 3, the official code's); with --mad du the exchanges after "
+                   "the first answers (default: --rounds)")
     add_limit(p, what="questions")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=96, help="cap per generated response")
@@ -276,14 +384,20 @@ def main(argv=None):
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:  # before any model loads or runs
         p.error(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    if args.mad == "liang" and args.mad_rounds == 0:
+        p.error("--mad liang needs --mad-rounds >= 1 (its first round is the affirmative's and negative's answers); "
+                "leave it out for the official 3")
     if not args.adapter and ({"single", "multi", "misled"} & set(methods) or args.heatmap):
         p.error("single / multi / misled and --heatmap need --adapter (train one with mod.train)")
     return run_cli(run, args, methods)  # DataError, BackboneError, adapter on the wrong base, files: error: ...
 
 
 def _mad_rounds(args):
-    """MAD's debate rounds: --mad-rounds, else --rounds."""
-    return args.rounds if getattr(args, "mad_rounds", None) is None else args.mad_rounds
+    """MAD's debate rounds: --mad-rounds, else 3 for --mad liang (the official code's max_round)
+    and --rounds for --mad du."""
+    if getattr(args, "mad_rounds", None) is not None:
+        return args.mad_rounds
+    return LIANG_MAX_ROUNDS if getattr(args, "mad", "liang") == "liang" else args.rounds
 
 
 def run(args, methods):
@@ -308,7 +422,7 @@ def run(args, methods):
                                     f"mod.train or peft)")
     from common.predictions import PredictionLog, fingerprint, model_digest
     fp = fingerprint(records, model=model_digest(args.model), adapter=model_digest(args.adapter), methods=methods,
-                     rounds=args.rounds, mad_rounds=_mad_rounds(args), batch_size=args.batch_size,
+                     rounds=args.rounds, mad=getattr(args, "mad", "liang"), mad_rounds=_mad_rounds(args), batch_size=args.batch_size,
                      max_new_tokens=args.max_new_tokens,
                      device=args.device)
     with PredictionLog(args.out or None, fp, args.resume) as log:  # refusals before any model loads
@@ -331,8 +445,10 @@ def _run_methods(args, methods, records, log):
                "base-json": lambda log: plain(base, proc, records, bs, mnt, json_prompt=True, log=log),
                "single": lambda log: mod_debate(tuned, proc, records, 0, bs, mnt, log=log),
                "multi": lambda log: mod_debate(tuned, proc, records, args.rounds, bs, mnt, log=log),
-               "mad": lambda log: multi_agent_debate(base, proc, records, _mad_rounds(args), batch_size=bs,
-                                                     max_new_tokens=mnt, log=log),
+               "mad": (lambda log: liang_debate(base, proc, records, _mad_rounds(args), bs, mnt, log=log))
+               if getattr(args, "mad", "liang") == "liang" else
+               (lambda log: multi_agent_debate(base, proc, records, _mad_rounds(args), batch_size=bs,
+                                               max_new_tokens=mnt, log=log)),
                "sc": lambda log: self_correction(base, proc, records, bs, mnt, log=log),
                "base-misled": lambda log: misled(base, proc, records, bs, mnt, log=log),
                "misled": lambda log: misled(tuned, proc, records, bs, mnt, log=log)}

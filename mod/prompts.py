@@ -4,7 +4,9 @@ Debaters: Learn to Debate at Architectural Level in Multi-Agent Reasoning" (arXi
 §3.2, Alg. 2, App. B), self-correction and multi-agent-debate turns, and the shapes world's
 wrong responses used as misleading priors.
 """
+import ast
 import json
+import re
 
 from common.data import DataError
 from common.shapes import sample_scene, target_text
@@ -75,3 +77,70 @@ def wrong_response(rng, question, answer, family):
     scene = sample_scene(rng)
     wrong = rng.choice([w for w in ANSWER_SPACE[family] if w != str(answer)])
     return target_text(scene, wrong, question)
+
+
+# Multi-agent debate as Liang et al. run it (EMNLP 2024; official code github.com/Skytliang/
+# Multi-Agents-Debate, `interactive.py` with `code/utils/config4all.json`): the prompt texts of
+# that config, verbatim, with its ##placeholders##; the debate topic is the record's question.
+# `mod.infer.liang_debate` fills them (`liang_prompt`); every text of the protocol is here.
+LIANG_PROMPTS = {
+    "player_meta_prompt": "You are a debater. Hello and welcome to the debate. It's not necessary to fully agree "
+                          "with each other's perspectives, as our objective is to find the correct answer.\n"
+                          "The debate topic is stated as follows:\n##debate_topic##",
+    "moderator_meta_prompt": "You are a moderator. There will be two debaters involved in a debate. They will present "
+                             "their answers and discuss their perspectives on the following topic: "
+                             "\"##debate_topic##\"\nAt the end of each round, you will evaluate answers and decide "
+                             "which is correct.",
+    "affirmative_prompt": "##debate_topic##",
+    "negative_prompt": "##aff_ans##\n\nYou disagree with my answer. Provide your answer and reasons.",
+    "moderator_prompt": "Now the ##round## round of debate for both sides has ended.\n\nAffirmative side arguing:\n"
+                        "##aff_ans##\n\nNegative side arguing: ##neg_ans##\n\nYou, as the moderator, will evaluate "
+                        "both sides' answers and determine if there is a clear preference for an answer candidate. "
+                        "If so, please summarize your reasons for supporting affirmative/negative side and give the "
+                        "final answer that you think is correct, and the debate will conclude. If not, the debate "
+                        "will continue to the next round. Now please output your answer in json format, with the "
+                        "format as follows: {\"Whether there is a preference\": \"Yes or No\", \"Supported Side\": "
+                        "\"Affirmative or Negative\", \"Reason\": \"\", \"debate_answer\": \"\"}. Please strictly "
+                        "output in JSON format, do not output irrelevant content.",
+    "judge_prompt_last1": "Affirmative side arguing: ##aff_ans##\n\nNegative side arguing: ##neg_ans##\n\nNow, what "
+                          "answer candidates do we have? Present them without reasons.",
+    "judge_prompt_last2": "Therefore, ##debate_topic##\nPlease summarize your reasons and give the final answer that "
+                          "you think is correct. Now please output your answer in json format, with the format as "
+                          "follows: {\"Reason\": \"\", \"debate_answer\": \"\"}. Please strictly output in JSON "
+                          "format, do not output irrelevant content.",
+    "debate_prompt": "##oppo_ans##\n\nDo you agree with my perspective? Please provide your reasons and answer.",
+}
+ROUND_NAMES = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
+
+
+def liang_prompt(key, **fill):
+    """LIANG_PROMPTS[key] with each ##name## replaced by fill[name] (e.g. debate_topic, aff_ans,
+    neg_ans, oppo_ans, round). Raises KeyError for a placeholder left unfilled."""
+    text = LIANG_PROMPTS[key]
+    missing = [n for n in re.findall(r"##(\w+)##", text) if n not in fill]
+    if missing:
+        raise KeyError(f"liang_prompt({key!r}): placeholder ##{missing[0]}## not filled")
+    for name, value in fill.items():
+        text = text.replace(f"##{name}##", str(value))
+    return text
+
+
+def liang_decision(text):
+    """The `debate_answer` of a moderator's or judge's JSON reply, stripped; None when the reply
+    holds no such JSON object. The object is the text from its first "{" to its last "}" (a
+    ```json fence or a sentence around it is ignored), read as JSON, else as a Python literal
+    (the official code reads it with `eval`). "" (an empty answer) means "no preference"."""
+    lo, hi = text.find("{"), text.rfind("}")
+    if lo < 0 or hi < lo:
+        return None
+    body = text[lo:hi + 1]
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        try:
+            obj = ast.literal_eval(body)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return None
+    if not isinstance(obj, dict) or "debate_answer" not in obj:
+        return None
+    return str(obj["debate_answer"]).strip()

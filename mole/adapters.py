@@ -23,7 +23,7 @@ From the model itself (its class and config, never from which processor built th
 From the processor (how prompts are built around the images, where the latents go): a
 `VLMAdapter`. `ChatVLMAdapter` takes any transformers multimodal processor with a chat template
 (Gemma3, Qwen2.5-VL, LLaVA(-NeXT), Idefics3, ...); `QwenVLAdapter` the repo's `VLProcessor`
-(`common.backbone`: Qwen chat format for Qwen-VL and LLaVA-NeXT). `adapter_for` picks one."""
+(`common.backbone`: every supported family in its own chat template). `adapter_for` picks one."""
 import inspect
 
 import torch
@@ -166,13 +166,14 @@ class VLMAdapter:
       prompts(images, questions, pixels=None, n_images=None) -> (rows, vision): per question
         its prompt ids (image tokens expanded, ending with tail_ids()) and the vision tensors
         of the batch as a dict (what the model takes besides ids, e.g. pixel_values);
-      text_ids(text) -> ids of user text (answers); decode(ids) -> str;
+      text_ids(text) -> ids of user text; answer_ids(text) -> an answer's ids, terminator
+        included (the labelled span); decode(ids) -> str;
       model_inputs(batch) -> the batch's vision tensors (every entry but ids, mask, labels and
         token types), which the VLM's forward gets next to inputs_embeds, the attention mask,
         positions and the token types of `token_type_inputs`.
     Positions and token types come from the model (`model_positions`, `token_type_inputs`),
     never from the adapter: the same model gets the same positions from any processor.
-    Subclasses: `QwenVLAdapter` (the repo's VLProcessor: Qwen chat format) and
+    Subclasses: `QwenVLAdapter` (the repo's VLProcessor: the checkpoint's chat template) and
     `ChatVLMAdapter` (a transformers multimodal processor with a chat template)."""
 
     proc = None
@@ -189,6 +190,11 @@ class VLMAdapter:
 
     def decode(self, ids):
         raise NotImplementedError
+
+    def answer_ids(self, answer):
+        """The ids of an assistant answer, terminator included (labels); default: its text ids +
+        eos_token_id."""
+        return self.text_ids(answer) + [self.eos_token_id]
 
     def model_inputs(self, batch):
         return {k: v for k, v in batch.items() if k not in TEXT_KEYS}
@@ -274,19 +280,19 @@ class ChatVLMAdapter(VLMAdapter):
 
 
 class QwenVLAdapter(VLMAdapter):
-    """`VLMAdapter` over a `common.backbone.VLProcessor` (or subclass: `LlavaNextVLProcessor`,
-    `mole.checkpoint.PlaceholderProcessor`).
+    """`VLMAdapter` over a `common.backbone.VLProcessor` (or its subclass
+    `mole.checkpoint.PlaceholderProcessor`): every supported family in its own chat template;
+    the latents go right before the template's tail (end of the user turn + assistant header,
+    `VLProcessor.tail_ids`).
 
     model: the VLM; proc: its VLProcessor (its prompt format; positions and token types come
     from the model, as for every adapter)."""
-
-    TAIL = "<|im_end|>\n<|im_start|>assistant\n"
 
     def __init__(self, model, proc):
         self.model, self.proc = model, proc
         self.image_token_id = proc.image_token_id
         self.pad_token_id, self.eos_token_id = proc.pad_token_id, proc.eos_token_id
-        self._tail = proc.tokenizer(self.TAIL, add_special_tokens=False)["input_ids"]
+        self._tail = proc.tail_ids()
 
     def tail_ids(self):
         return list(self._tail)
@@ -297,9 +303,13 @@ class QwenVLAdapter(VLMAdapter):
     def decode(self, ids):
         return self.proc.decode(ids)
 
+    def answer_ids(self, answer):
+        """The answer's ids as the chat template writes them, terminator included."""
+        return self.proc.answer_tokens(answer)
+
     def prompts(self, images, questions, pixels=None, n_images=None):
-        """Per question the prompt ids (one vision block per image, `_prompt_ids`) and the vision
-        tensors of all images (`VLProcessor.vision`: pixel_values + image_grid_thw for Qwen-VL,
+        """Per question the prompt ids (every image where the template puts it, `_prompt_ids`)
+        and the vision tensors of all images (`VLProcessor.vision`: pixel_values + image_grid_thw for Qwen-VL,
         pixel_values + image_sizes for LLaVA-NeXT). pixels=(pixel_values, image_grid_thw) instead
         of images: the grid rows are the images in order, n_images (one count per question;
         default 1 each) says how many belong to each question.
@@ -322,30 +332,12 @@ class QwenVLAdapter(VLMAdapter):
         return rows, vis
 
     def _prompt_ids(self, question, n_tokens):
-        """Prompt ids with one vision block `<|vision_start|> pads <|vision_end|>` per image
-        (n_tokens: image tokens per image, in order).
-
-        One image: exactly `VLProcessor.prompt_ids`. Several images: a question that keeps one
-        "<image>" placeholder per image (what `common.data` readers give for a multi-image
-        record) gets each image's block at its placeholder (a newline right after a placeholder
-        is dropped, as for one image); a question without placeholders gets all blocks first,
-        then the question. So "<image>\\n<image>\\nQ" and "Q" give the same ids.
+        """Prompt ids with every image (n_tokens: visual tokens per image, in order) where the
+        chat template puts it (`VLProcessor.prompt_ids`): several images go at the question's
+        "<image>" placeholders (one per image; a newline right after one is dropped), or first
+        when it has none, so "<image>\\n<image>\\nQ" and "Q" give the same ids.
         Raises ValueError for a placeholder count that is neither 0 nor the image count."""
-        proc, tail = self.proc, self._tail
-        if len(n_tokens) == 1:
-            return proc.prompt_ids(question, n_tokens[0])
-        n_ph = question.count("<image>")
-        if n_ph not in (0, len(n_tokens)):
-            raise ValueError(f"a question with {len(n_tokens)} images has {n_ph} '<image>' placeholders; put one "
-                             f"per image, in order (or none: the images then come first)")
-        segs = question.replace("<image>\n", "<image>").split("<image>") if n_ph else [""] * len(n_tokens) + [question]
-        tok = proc.tokenizer.convert_tokens_to_ids
-        vs, ve = tok("<|vision_start|>"), tok("<|vision_end|>")
-        empty = proc.prompt_ids("", 0)  # <|im_start|>user\n + the assistant header
-        ids = empty[:len(empty) - len(tail)] + (proc.text_ids(segs[0]) if segs[0] else [])
-        for n, seg in zip(n_tokens, segs[1:]):
-            ids += [vs] + [proc.image_token_id] * n + [ve] + (proc.text_ids(seg) if seg else [])
-        return ids + tail
+        return self.proc.prompt_ids(question, list(n_tokens))
 
 
 def adapter_for(model, proc):

@@ -55,7 +55,7 @@ def build(a, device):
 class PlaceholderProcessor(bb.VLProcessor):
     """A `VLProcessor` whose prompts carry n inert placeholder tokens (the pad token, whose
     embedding stays frozen) right before the assistant header, where MoLE puts its E + S
-    latents: head | placeholders | <|im_end|>\n<|im_start|>assistant\n | answer. The SFT control
+    latents: head | placeholders | tail (`VLProcessor.tail_ids`) | answer. The SFT control
     of `--placeholders n`: the header and answer move to the same later M-RoPE positions as
     with n latents (the position shift measured in mole/README.md), with nothing to learn in
     them. Labels are -100 on the placeholders. Training (`encode`) and generation
@@ -64,12 +64,12 @@ class PlaceholderProcessor(bb.VLProcessor):
     def __init__(self, proc, n):
         self.__dict__.update(proc.__dict__)
         self.n_placeholders, self.placeholder_id = n, proc.pad_token_id
-        self.tail_ids = self._tok("<|im_end|>\n<|im_start|>assistant\n")
 
     def prompt_and_labels(self, question, n_image_tokens, history=()):
         ids, labels = super().prompt_and_labels(question, n_image_tokens, history)
-        T, n = len(self.tail_ids), self.n_placeholders
-        assert ids[-T:] == self.tail_ids, "prompt does not end with the assistant header"
+        tail = self.tail_ids()
+        T, n = len(tail), self.n_placeholders
+        assert ids[-T:] == tail, "prompt does not end with the assistant header"
         return ids[:-T] + [self.placeholder_id] * n + ids[-T:], labels[:-T] + [-100] * n + labels[-T:]
 
 

@@ -386,7 +386,7 @@ class MoLE(nn.Module):
             assert p[-T:] == self.tail_ids, "prompt does not end with the assistant header"
             r = p[:-T] + self.latent_ids + self.tail_ids
             if answers is not None:
-                a = ad.text_ids(answers[i]) + [ad.eos_token_id]
+                a = ad.answer_ids(answers[i])
                 labels.append([-100] * len(r) + a)
                 r = r + a
             rows.append(r)

@@ -429,7 +429,7 @@ def train(a):
                 batches = []
                 for m in range(min(a.grad_accum, len(chunk))):  # the step's records in --grad-accum micro-batches
                     recs, ims = chunk[m::a.grad_accum], imgs[m::a.grad_accum]
-                    pixels = proc.images([im for per_rec in ims for im in per_rec])  # every image of every record, in order
+                    pixels = proc.vision([im for per_rec in ims for im in per_rec])  # every image of every record, in order
                     kw = {} if a.method == "sft" else {"n_images": [len(per_rec) for per_rec in ims]}
                     batch = {k: v.to(device) for k, v in enc(None, [r["question"] for r in recs], [r["target"] for r in recs],
                                                              pixels=pixels, **kw).items()}

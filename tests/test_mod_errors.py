@@ -342,6 +342,7 @@ def test_generation_without_end_token_is_bounded(shapes):
     model, proc = load_backbone("tiny-dense")
     attach(model, AdapterConfig())
     proc.eos_token_id = proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")  # a token it never emits
+    proc.stop_ids = [proc.eos_token_id]
     recs = data.read_llava_json(str(shapes / "val.json"))[:2]
     res, _ = minfer.mod_debate(model.eval(), proc, recs, rounds=1, max_new_tokens=7)
     assert [r["n_tokens"] for r in res] == [14, 14]  # two calls of exactly max_new_tokens each

@@ -193,7 +193,8 @@ def test_loss_reduction_flag():
 
 @pytest.mark.parametrize("argv, want", [([], 1), (["--rounds", "2"], 2), (["--rounds", "1", "--mad-rounds", "3"], 3)])
 def test_mad_rounds_flag_reaches_mad(tmp_path, monkeypatch, argv, want):
-    """mod.infer --mad-rounds sets MAD's debate rounds apart from MoD-Multi's --rounds (default: --rounds)."""
+    """mod.infer --mad-rounds sets MAD's debate rounds apart from MoD-Multi's --rounds (Du-style
+    MAD's default: --rounds; Liang's default is tests/test_mad_liang.py's)."""
     import json
     from common import backbone, data
     from mod import infer
@@ -204,5 +205,5 @@ def test_mad_rounds_flag_reaches_mad(tmp_path, monkeypatch, argv, want):
     data.atomic_write_text(str(path), json.dumps([{"id": "t0", "family": "mmlu", "answer": "B", "image": None,
                                                    "conversations": [{"from": "human", "value": "Second letter? A B C"},
                                                                      {"from": "gpt", "value": "B"}]}]))
-    infer.main(["--data", str(path), "--methods", "mad", *argv])
+    infer.main(["--data", str(path), "--methods", "mad", "--mad", "du", *argv])
     assert seen == [want]

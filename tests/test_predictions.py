@@ -191,7 +191,7 @@ def test_mod_infer_resumes_sampled_debate_to_the_same_draws(shapes, tmp_path):
     """MAD samples: the random state after each batch is kept, so the resumed draws are the
     uninterrupted run's (without it the texts after the stop differ)."""
     from mod.infer import main
-    argv = ["--model", "tiny-chat", "--data", str(shapes / "test.json"), "--methods", "mad", "--rounds", "1",
+    argv = ["--model", "tiny-chat", "--data", str(shapes / "test.json"), "--methods", "mad", "--mad", "du", "--rounds", "1",
             "--batch-size", "2", "--max-new-tokens", "6", "--limit", "4"]
     main(argv + ["--out", str(tmp_path / "ref.json"), "--threads", "1"])
     ref = (tmp_path / "ref.json").read_text()

@@ -303,7 +303,7 @@ def test_readme_lists_the_supported_models_the_code_supports():
     from common.backbone import SUPPORTED_VLMS
     from rolemerge.calibrate import SUPPORTED
     names = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
-             "qwen3_vl_moe": "Qwen3-VL-MoE", "llava_next": "LLaVA-NeXT"}
+             "qwen3_vl_moe": "Qwen3-VL-MoE", "llava_next": "LLaVA-NeXT", "llava": "LLaVA-1.5", "gemma3": "Gemma3"}
     top = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
     vlms = top[top.index("Supported VLMs"):top.index("RoleMerge merges")]
     assert [names[t] in vlms for t in SUPPORTED_VLMS] == [True] * len(SUPPORTED_VLMS), vlms

@@ -77,9 +77,9 @@ def test_real_configs_and_image_processors():
     assert (c7.text_config.hidden_size, c7.text_config.intermediate_size, c7.vision_config.hidden_size,
             c7.vision_config.out_hidden_size) == (3584, 18944, 1280, 3584)
     # a 448x448 image: 32x32 patches of 14 (Qwen2.5-VL) -> 256 tokens; 28x28 of 16 (Qwen3-VL) -> 196
-    from common.backbone import VLProcessor
+    from common.backbone import make_processor
     for name, n in (("qwen2_5_vl_3b", 256), ("qwen3_vl_30b_a3b", 196)):
-        proc = VLProcessor(tok, mp.image_processor(mp.REAL[name]), mp.real_config(mp.REAL[name], 1, tok))
+        proc = make_processor(tok, mp.image_processor(mp.REAL[name]), mp.real_config(mp.REAL[name], 1, tok))
         (pv, grid), qs, ans = mp.sample_inputs(proc, 1, 448, 3, 2)
         assert int(grid.prod(-1).sum()) // 4 == n
         assert len(proc.text_ids(qs[0])) == 3 and len(proc.text_ids(ans[0])) == 2

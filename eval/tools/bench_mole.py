@@ -42,7 +42,7 @@ def build(size, layers_3b):
     cfg.vision_config.out_hidden_size = 2048
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(cfg)
-    return model, bb.VLProcessor(tok, bb.build_image_processor(224), model.config), 224, 2
+    return model, bb.make_processor(tok, bb.build_image_processor(224), model.config, model.generation_config), 224, 2
 
 
 def batch_inputs(n, image_size, seed=0):

@@ -125,7 +125,7 @@ def build(spec, layers, dtype=torch.bfloat16, device="cpu"):
     model = AutoModelForImageTextToText.from_config(cfg, dtype=dtype).to(device)
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.pad_token_id = tok.pad_token_id
-    return model, bb.VLProcessor(tok, image_processor(spec), model.config)
+    return model, bb.make_processor(tok, image_processor(spec), model.config, model.generation_config)
 
 
 def sample_inputs(proc, batch, image_size, q_tokens, a_tokens):
