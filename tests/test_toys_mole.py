@@ -157,3 +157,72 @@ def test_phase_data_prepares_data_and_base_and_trains_nothing(monkeypatch, tmp_p
     tm.main(["--phase", "data", "--out", str(tmp_path), "--data", str(tmp_path / "d"), "--threads", "1"])
     assert calls == [("splits", {"train": 1280, "test": 500}), ("base", str(tmp_path / "table"))]
     assert "are ready" in capsys.readouterr().out
+
+
+def _items(correct, **extra):
+    return [dict({"correct": bool(c), "family": "f"}, **{k: bool(v[i]) for k, v in extra.items()})
+            for i, c in enumerate(correct)]
+
+
+def test_headroom_check_applies_both_preregistered_bars(tmp_path, monkeypatch):
+    import json
+    import eval.toys.mole as tm
+    monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
+    (tmp_path / "lr_sweep").mkdir()
+    write = lambda name, c: (tmp_path / name).write_text(json.dumps({"items": _items(c)}))
+    write("headroom_base_val.json", [1] * 7 + [0] * 3)        # 0.70: at the bar, passes
+    write("lr_sweep/sft_lr0.002.json", [1] * 8 + [0] * 2)     # 0.80
+    write("lr_sweep/sft_lr0.005.json", [1] * 17 + [0] * 3)    # 0.85: at the bar, passes
+    out = tm.headroom_check(str(tmp_path), str(tmp_path))
+    assert out["base"]["acc"] == 0.7 and out["sft"]["0.005"]["acc"] == 0.85 and out["passes"]
+    write("lr_sweep/sft_lr0.005.json", [1] * 9 + [0] * 1)     # 0.90 at one lr: fails
+    assert not tm.headroom_check(str(tmp_path), str(tmp_path))["passes"]
+    write("lr_sweep/sft_lr0.005.json", [1] * 8 + [0] * 2)
+    write("headroom_base_val.json", [1] * 8 + [0] * 2)        # base 0.80: fails
+    assert not tm.headroom_check(str(tmp_path), str(tmp_path))["passes"]
+    assert json.loads((tmp_path / "headroom.json").read_text())["passes"] is False
+
+
+def test_swapped_gives_each_record_the_next_image():
+    from eval.toys.mole import swapped
+    recs = [{"id": i, "image": f"im{i}", "question": f"q{i}"} for i in range(3)]
+    assert [(r["question"], r["image"]) for r in swapped(recs)] == [("q0", "im1"), ("q1", "im2"), ("q2", "im0")]
+    assert recs[0]["image"] == "im0"  # the input is not changed
+
+
+def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):
+    """own minus swapped is the floor test; vs plain latents is paired per seed (hand values)."""
+    import json
+    import eval.toys.mole as tm
+    n = 40
+    def write(split, arm, seed, own, swap):
+        r = {"arm": arm, "lr": 0.002, "seed": seed, "split": split, "steps": 3, "train_s": 1.0,
+             "ce_log": [[1, 2.0], [2, 1.0]], "latent_sim_x100": 1.0, "attn_kl_x100": 2.0, "routing_entropy": 0.5,
+             "grad_norms": {"latent": 0.1}, "items": _items(own, correct_swapped=swap)}
+        (tmp_path / f"{split}_{arm}_lr0.002_seed{seed}.json").write_text(json.dumps(r))
+    for seed in (0, 1):
+        write("test", "plain_latent", seed, [1] * 10 + [0] * 30, [1] * 10 + [0] * 30)   # at the floor
+        write("test", "mole", seed, [1] * 30 + [0] * 10, [1] * 10 + [0] * 30)           # 0.75 vs 0.25
+    write("val", "mole", 0, [1] * 5 + [0] * 35, [0] * n)
+    s = tm.summarise_control(str(tmp_path))
+    rows = {(r["arm"], r["seed"]): r for r in s["rows"]}
+    assert s["sweep_val_acc"] == {"mole": {"0.002": 0.125}}
+    p, m = rows[("plain_latent", 0)], rows[("mole", 1)]
+    assert p["own_minus_swapped"]["diff"] == 0 and p["own_minus_swapped"]["ci_low"] == 0
+    assert m["own"]["acc"] == 0.75 and m["swapped"]["acc"] == 0.25
+    assert abs(m["own_minus_swapped"]["diff"] - 0.5) < 1e-9 and m["own_minus_swapped"]["ci_low"] > 0
+    assert abs(m["vs_plain"]["diff"] - 0.5) < 1e-9 and m["end_ce"] == 1.5
+    assert s["vs_plain"]["mole"]["seeds"] == [0, 1] and tm.verdict(s["vs_plain"]["mole"]) == "supported"
+    assert "| mole minus plain latents | 0,1 | +0.500" in tm.control_markdown(s)
+
+
+def test_headroom_and_control_refuse_other_phases(capsys):
+    import pytest
+    import eval.toys.mole as tm
+    for argv in (["--part", "control", "--phase", "check"], ["--part", "headroom", "--phase", "lr"],
+                 ["--part", "control", "--stop-at", "5pm"]):
+        with pytest.raises(SystemExit) as e:
+            tm.main(argv)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--part control takes --phase all, summary" in err and "HH:MM" in err
