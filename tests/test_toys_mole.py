@@ -214,6 +214,13 @@ def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):
     assert abs(m["vs_plain"]["diff"] - 0.5) < 1e-9 and m["end_ce"] == 1.5
     assert s["vs_plain"]["mole"]["seeds"] == [0, 1] and tm.verdict(s["vs_plain"]["mole"]) == "supported"
     assert "| mole minus plain latents | 0,1 | +0.500" in tm.control_markdown(s)
+    rows = tm.export_control(str(tmp_path), str(tmp_path / "res"), "log#x")
+    arm = {(r.get("arm"), r.get("seed")): r for r in rows}
+    assert arm[("mole", 0)]["leaves_floor"] and not arm[("plain_latent", 0)]["leaves_floor"]
+    claim = next(r for r in rows if r["kind"] == "claim")
+    assert claim["verdict"] == "supported" and claim["effect"].startswith("+0.500") and claim["seeds"] == 2
+    per_q = json.loads((tmp_path / "res" / "control_per_question.json").read_text())
+    assert per_q["correct"]["mole/seed1"]["swapped"] == [1] * 10 + [0] * 30
 
 
 def test_headroom_and_control_refuse_other_phases(capsys):

@@ -939,6 +939,7 @@ def bottleneck_table(summary):
 # per-row lr rule as the per-row-lr table; fewer rows and a two-point lr grid (budget).
 HEADROOM = dict(families=("size",), n_train=FULL["n_train"], n_val=N_VAL, n_test=FULL["n_test"],
                 base_max=0.70, sft_max=0.85)
+HEADROOM_LOG = "eval/logs/mole.md#2026-12-02-a-mole-setting-with-headroom-size-family-and-a-stage-1-positive-control"
 HEADROOM_LRS = (2e-3, 5e-3)   # the per-row-lr table's picks were all 2e-3 or 5e-3
 HEADROOM_ROWS = ("sft", "plain_latent", "mole")
 HEADROOM_ABLATIONS = ("no_router", "no_esva")
@@ -1334,6 +1335,132 @@ def control_markdown(summary):
     return "\n".join(out)
 
 
+def _verdict_words(cmp, sign=1):
+    """(words, criterion) of one comparison: the pre-registered `verdict` and the words the
+    README uses for it (reversed = contradicted; not supported says which way the seed average
+    points and whether its CI excludes 0)."""
+    v = verdict(cmp, sign)
+    if v == "supported":
+        return "supported", v
+    if v == "reversed":
+        return "contradicted", v
+    if v == "one seed":
+        return "one seed only", v
+    m = cmp["mean"]
+    lo, hi = sorted((sign * m["ci_low"], sign * m["ci_high"]))
+    if lo > 0 or hi < 0:
+        return f"not supported (seed average {'above' if lo > 0 else 'below'} 0, not every seed)", v
+    return "inconclusive (the seed average's CI includes 0)", v
+
+
+def export_headroom(out_dir, results_dir, log_anchor):
+    """The size-family table's committed result files from `summarise_headroom(out_dir)`:
+    {results_dir}/headroom.json (eval.report rows: per row the seed-mean accuracy and each seed's,
+    kind "acc"; each HEADROOM_CLAIMS comparison, kind "claim", with its verdict) and
+    {results_dir}/headroom_per_question.json (per row and seed the per-item correctness on the
+    test items, in the test split's order, for a seed + item bootstrap)."""
+    s = summarise_headroom(out_dir)
+    src = (f"python -m eval.toys.mole --part headroom --threads 1 (out/mole/headroom/results_headroom.json and "
+           f"the per-row files; --phase summary rebuilds it)")
+    rows = []
+    for r in s["rows"]:
+        lr = f"{r['lr']:g}" if r.get("lr") else "-"
+        seeds = ",".join(str(x) for x in r["seeds"] if x is not None) or "-"
+        rows.append({"kind": "acc", "row": r["row"], "seed": "pooled", "lr": lr, "seeds": seeds,
+                     "value": r["mean"]["acc"], "ci_low": r["mean"]["ci_low"], "ci_high": r["mean"]["ci_high"],
+                     "per_seed": " / ".join(f"{v['acc']:.3f}" for v in r["per_seed"].values())})
+        for sd, v in r["per_seed"].items():
+            rows.append({"kind": "acc", "row": r["row"], "seed": sd, "lr": lr, "value": v["acc"],
+                         "ci_low": v["ci_low"], "ci_high": v["ci_high"], "n": v["n"]})
+    by = {r["row"]: r for r in s["rows"]}
+    for label, row, ref, sg in HEADROOM_CLAIMS:
+        c = by.get(row, {}).get(f"vs_{ref}")
+        if c is None:
+            rows.append({"kind": "claim", "claim": label, "verdict": "not run", "seeds": 0, "log": log_anchor})
+            continue
+        words, crit = _verdict_words(c, sg)
+        m = c["mean"]
+        lo, hi = sorted((sg * m["ci_low"], sg * m["ci_high"]))
+        rows.append({"kind": "claim", "claim": label, "verdict": words, "criterion_verdict": crit,
+                     "effect": f"{sg * m['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]", "mdd": m["mdd"],
+                     "seeds": len(c["seeds"]), "per_seed": "; ".join(
+                         f"{sg * d['diff']:+.3f}" for d in c["per_seed"].values()), "log": log_anchor})
+    hc = s.get("headroom_check") or {}
+    for what, v in [("base", hc.get("base"))] + [(f"sft lr {lr}", x) for lr, x in hc.get("sft", {}).items()]:
+        if v:
+            rows.append({"kind": "headroom_check", "row": what, "value": v["acc"], "ci_low": v["ci_low"],
+                         "ci_high": v["ci_high"], "n": v["n"]})
+    for n, v in s["sweep_val_acc"].items():
+        for lr, a in v.items():
+            rows.append({"kind": "sweep", "row": n, "lr": lr, "value": a, "picked": s["picked_lr"].get(n) == float(lr)})
+    os.makedirs(results_dir, exist_ok=True)
+    data.atomic_write_text(os.path.join(results_dir, "headroom.json"), json.dumps(
+        {"experiment": "MoLE two-stage table on the size family (headroom setting)", "source": src,
+         "config": s["config"], "picked_lr": s["picked_lr"], "rows": rows}, indent=1) + "\n")
+    per_q, ids = {}, None
+    for (name, lr) in [(r["row"], r.get("lr")) for r in s["rows"]]:
+        d = lr_dir(out_dir, lr) if lr else lr_dir(out_dir, TABLE_LR)
+        for f in sorted(os.listdir(d)):
+            m = re.fullmatch(re.escape(name) + r"_seed(\d+)\.json|base\.json" if name == "base" else
+                             re.escape(name) + r"_seed(\d+)\.json", f)
+            if m:
+                items = _json(os.path.join(d, f))["items"]
+                ids = ids or [x.get("id") for x in items]
+                per_q[f"{name}/seed{m.group(1)}" if m.group(1) else name] = [int(x["correct"]) for x in items]
+    data.atomic_write_text(os.path.join(results_dir, "headroom_per_question.json"), json.dumps(
+        {"experiment": "MoLE size-family table: per-question correctness (test items, in order) per row and seed",
+         "source": src, "rows": [{"arm": k, "accuracy": sum(v) / len(v), "n": len(v)} for k, v in per_q.items()],
+         "ids": ids, "correct": per_q}) + "\n")
+    return rows
+
+
+def export_control(out_dir, results_dir, log_anchor):
+    """The positive control's committed result files from `summarise_control(out_dir)`:
+    {results_dir}/control.json (eval.report rows: per arm and seed the accuracy with own and
+    swapped images, own minus swapped, vs plain latents and the diagnostics, kind "arm"; per
+    non-plain arm the seed-averaged comparison with plain latents, kind "claim") and
+    {results_dir}/control_per_question.json (per arm and seed the per-item correctness with own
+    and with swapped images, test items in order)."""
+    s = summarise_control(out_dir)
+    src = "python -m eval.toys.mole --part control --threads 1 (out/mole/control/control.json; --phase summary rebuilds it)"
+    f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else None
+    rows = []
+    for r in s["rows"]:
+        gn = r["grad_norms"] or {}
+        rows.append({"kind": "arm", "arm": r["arm"], "seed": r["seed"], "lr": f"{r['lr']:g}", "steps": r["steps"],
+                     "own": f(r["own"]), "swapped": f(r["swapped"]), "own_minus_swapped": g(r["own_minus_swapped"]),
+                     "leaves_floor": r["own_minus_swapped"]["ci_low"] > 0, "vs_plain": g(r.get("vs_plain")),
+                     "value": r["own"]["acc"], "ci_low": r["own"]["ci_low"], "ci_high": r["own"]["ci_high"],
+                     "end_ce": round(r["end_ce"], 3), "latent_sim_x100": r["latent_sim_x100"],
+                     "attn_kl_x100": r["attn_kl_x100"], "routing_entropy": r["routing_entropy"],
+                     "grad": " / ".join("-" if gn.get(k) is None else f"{gn[k]:.2g}"
+                                        for k in ("latent", "router", "esva", "lora")), **{f"grad_{k}": v for k, v in gn.items()}})
+    for name, c in s["vs_plain"].items():
+        words, crit = _verdict_words(c)
+        m = c["mean"]
+        rows.append({"kind": "claim", "claim": f"{name} carries more of the image than plain latents (stage 1, 8 latents)",
+                     "verdict": words, "criterion_verdict": crit, "effect": g(m), "mdd": m["mdd"],
+                     "seeds": len(c["seeds"]), "log": log_anchor})
+    os.makedirs(results_dir, exist_ok=True)
+    data.atomic_write_text(os.path.join(results_dir, "control.json"), json.dumps(
+        {"experiment": "MoLE stage-1 positive control (colour family, answer only)", "source": src,
+         "config": s["config"], "sweep_val_acc": s["sweep_val_acc"], "rows": rows}, indent=1) + "\n")
+    per_q, ids = {}, None
+    for fn in sorted(os.listdir(out_dir)):
+        m = re.fullmatch(r"test_(.+)_lr([0-9.e-]+)_seed(\d+)\.json", fn)
+        if m:
+            items = _json(os.path.join(out_dir, fn))["items"]
+            ids = ids or [x.get("id") for x in items]
+            per_q[f"{m.group(1)}/seed{m.group(3)}"] = {"own": [int(x["correct"]) for x in items],
+                                                       "swapped": [int(x["correct_swapped"]) for x in items]}
+    data.atomic_write_text(os.path.join(results_dir, "control_per_question.json"), json.dumps(
+        {"experiment": "MoLE positive control: per-question correctness (test items, in order), own and swapped images",
+         "source": src, "rows": [{"arm": k, "accuracy": sum(v["own"]) / len(v["own"]), "n": len(v["own"])}
+                                 for k, v in per_q.items()], "ids": ids, "correct": per_q}) + "\n")
+    return rows
+
+
 # ----------------------------------------------------------------------------- position shift
 
 @torch.no_grad()
@@ -1404,6 +1531,9 @@ def main(argv=None):
     p.add_argument("--rows", default="", help="--phase lr-fixed: comma-separated main rows (sft, sft_placeholders, "
                                               "plain_latent, mole)")
     p.add_argument("--stop-at", default=None, help="--phase lr, --part headroom / control: UTC time HH:MM after which no new training starts")
+    p.add_argument("--results", default=None,
+                   help="--part headroom / control --phase summary: also write the committed result files "
+                        "(eval.report format) into this folder, e.g. eval/results/mole")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
@@ -1427,6 +1557,11 @@ def main(argv=None):
         if a.stop_at and not re.fullmatch(r"[0-2]\d:[0-5]\d", a.stop_at):
             p.error(f"--stop-at takes a UTC time HH:MM, got {a.stop_at!r}")
         seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None
+        if a.results and a.phase != "summary":
+            p.error("--results goes with --phase summary")
+        if a.results:  # the committed result files (eval/results/mole/), from the files that exist
+            export = export_control if a.part == "control" else export_headroom
+            export(out, a.results, HEADROOM_LOG)
         if a.part == "control":
             s = summarise_control(out) if a.phase == "summary" else run_control(
                 dd, out, base=a.model, threads=threads, seeds=seeds, arms=a.arms.split(",") if a.arms else None,
