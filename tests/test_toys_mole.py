@@ -204,6 +204,7 @@ def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):
         write("test", "plain_latent", seed, [1] * 10 + [0] * 30, [1] * 10 + [0] * 30)   # at the floor
         write("test", "mole", seed, [1] * 30 + [0] * 10, [1] * 10 + [0] * 30)           # 0.75 vs 0.25
     write("val", "mole", 0, [1] * 5 + [0] * 35, [0] * n)
+    write("test", "no_router", 0, [1] * 11 + [0] * 29, [1] * 10 + [0] * 30)  # +0.025, CI [0, +0.075]: not off the floor
     s = tm.summarise_control(str(tmp_path))
     rows = {(r["arm"], r["seed"]): r for r in s["rows"]}
     assert s["sweep_val_acc"] == {"mole": {"0.002": 0.125}}
@@ -217,6 +218,7 @@ def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):
     rows = tm.export_control(str(tmp_path), str(tmp_path / "res"), "log#x")
     arm = {(r.get("arm"), r.get("seed")): r for r in rows}
     assert arm[("mole", 0)]["leaves_floor"] and not arm[("plain_latent", 0)]["leaves_floor"]
+    assert not arm[("no_router", 0)]["leaves_floor"] and arm[("no_router", 0)]["own_minus_swapped"].startswith("+0.025")
     claim = next(r for r in rows if r["kind"] == "claim")
     assert claim["verdict"] == "supported" and claim["effect"].startswith("+0.500") and claim["seeds"] == 2
     per_q = json.loads((tmp_path / "res" / "control_per_question.json").read_text())
