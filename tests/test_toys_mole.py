@@ -185,9 +185,13 @@ def test_headroom_check_applies_both_preregistered_bars(tmp_path, monkeypatch):
 
 def test_swapped_gives_each_record_the_next_image():
     from eval.toys.mole import swapped
-    recs = [{"id": i, "image": f"im{i}", "question": f"q{i}"} for i in range(3)]
+    recs = [{"id": i, "image": f"im{i}", "images": [f"im{i}"], "question": f"q{i}"} for i in range(3)]
     assert [(r["question"], r["image"]) for r in swapped(recs)] == [("q0", "im1"), ("q1", "im2"), ("q2", "im0")]
-    assert recs[0]["image"] == "im0"  # the input is not changed
+    # mole.infer reads the "images" list (common.data's records carry both)
+    from mole.model import record_images
+    assert [record_images(r) for r in swapped(recs)] == [["im1"], ["im2"], ["im0"]]
+    assert recs[0]["image"] == "im0" and recs[0]["images"] == ["im0"]  # the input is not changed
+    assert swapped([{"id": 0, "image": "a"}, {"id": 1, "image": "b"}])[0]["images"] == ["b"]
 
 
 def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):

@@ -1114,8 +1114,13 @@ CONTROL_SWEPT = ("plain_latent", "mole")   # the ablations take MoLE's lr
 
 def swapped(recs):
     """The records with each one's image replaced by the next record's (a wrong image of the
-    same distribution): the image-blind floor of a model that answers from the prior."""
-    return [dict(r, image=recs[(i + 1) % len(recs)]["image"]) for i, r in enumerate(recs)]
+    same distribution): the image-blind floor of a model that answers from the prior. Both
+    fields are replaced, "image" and the "images" list that `mole.infer` reads."""
+    out = []
+    for i, r in enumerate(recs):
+        nxt = recs[(i + 1) % len(recs)]
+        out.append(dict(r, image=nxt["image"], images=list(nxt.get("images") or [nxt["image"]])))
+    return out
 
 
 @torch.no_grad()
