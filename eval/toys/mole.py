@@ -1142,6 +1142,26 @@ def routing_entropy(net, recs, stage=1):
     return float(torch.stack(ent).mean()) / float(torch.log(torch.tensor(float(net.cfg.n_vis))))
 
 
+@torch.no_grad()
+def answer_ce(net, recs, stage=1, batch_size=50):
+    """Teacher-forced cross-entropy (nats) of the answer word of each record's target (its last
+    token before the end token, one token for the colour words of the tiny tokenizer), per item:
+    continuous, so it separates arms that all answer right (or all wrong)."""
+    import torch.nn.functional as F
+    out = []
+    for i in range(0, len(recs), batch_size):
+        chunk = recs[i:i + batch_size]
+        b = net.encode([data.load_image(r["image"], r["id"]) for r in chunk], [r["question"] for r in chunk],
+                       [r["target"] for r in chunk])
+        logits = net(b, stage)["logits"][:, :-1].float()
+        lab = b["labels"][:, 1:]
+        ce = F.cross_entropy(logits.transpose(1, 2), lab.clamp(min=0), reduction="none")  # [B,L-1]
+        for k in range(len(chunk)):
+            pos = (lab[k] != -100).nonzero().flatten()
+            out.append(float(ce[k, pos[-2]]))  # the answer word; pos[-1] is the end token
+    return out
+
+
 def grad_norms(net, recs, stage=1):
     """Gradient norm of the training loss on `recs` (one batch) per parameter group: the
     latent embeddings, the routers, the ESVAs, the LoRA weights; and the latent rows' mean norm
@@ -1201,6 +1221,9 @@ def _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads):
         wrong = mole_evaluate(net, swapped(recs), stage=1, max_new_tokens=8, desc=f"eval {name} swapped")
     for r, w in zip(own, wrong):
         r["correct_swapped"], r["pred_swapped"] = w["correct"], w["pred"]
+    with torch.inference_mode():
+        for r, c, w in zip(own, answer_ce(net, recs), answer_ce(net, swapped(recs))):
+            r["answer_ce"], r["answer_ce_swapped"] = c, w
     diag = recs[: cfg["n_diag"]]
     with torch.inference_mode():
         sim, kl = latent_stats(net, diag, stage=1)
@@ -1283,12 +1306,17 @@ def summarise_control(out_dir):
         row = {"arm": name, "seed": seed, "lr": r["lr"], "steps": r["steps"], "train_s": r["train_s"],
                "own": _ci_of(r["items"]), "swapped": _ci_of(r["items"], "correct_swapped"),
                "own_minus_swapped": paired_bootstrap(corr(r), corr(r, "correct_swapped")),
+               "answer_ce": _ci_of(r["items"], "answer_ce") if "answer_ce" in r["items"][0] else None,
+               "ce_swapped_minus_own": paired_bootstrap(corr(r, "answer_ce_swapped"), corr(r, "answer_ce"))
+               if "answer_ce" in r["items"][0] else None,
                "end_ce": sum(c for _, c in r["ce_log"][-10:]) / len(r["ce_log"][-10:])}
         for k in ("latent_sim_x100", "attn_kl_x100", "routing_entropy", "grad_norms"):
             row[k] = r.get(k)
         ref = res.get(("plain_latent", seed))
         if ref is not None and name != "plain_latent":
             row["vs_plain"] = paired_bootstrap(corr(r), corr(ref))
+            if row["answer_ce"] is not None and "answer_ce" in ref["items"][0]:
+                row["ce_vs_plain"] = paired_bootstrap(corr(r, "answer_ce"), corr(ref, "answer_ce"))
         rows.append(row)
     claims = {}
     for name in CONTROL_ARMS:
@@ -1324,14 +1352,17 @@ def control_markdown(summary):
     f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
     g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
     n = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"
+    h = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]" if v else "-"
     out = ["| arm | seed | lr | acc, own image [CI] | acc, swapped image [CI] | own minus swapped [CI] | "
-           "vs plain latents [CI] | end CE | latent sim x100 | attn KL x100 | routing entropy / log E | "
-           "grad norm latent / router / ESVA / LoRA |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "vs plain latents [CI] | answer-word CE [CI] | CE swapped minus own [CI] | CE vs plain [CI] | "
+           "latent sim x100 | attn KL x100 | routing entropy / log E | grad norm latent / router / ESVA / LoRA |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         gn = r["grad_norms"] or {}
         grads = " / ".join("-" if gn.get(k) is None else f"{gn[k]:.2g}" for k in ("latent", "router", "esva", "lora"))
         out.append(f"| {r['arm']} | {r['seed']} | {r['lr']:g} | {f(r['own'])} | {f(r['swapped'])} | "
-                   f"{g(r['own_minus_swapped'])} | {g(r.get('vs_plain'))} | {r['end_ce']:.3f} | "
+                   f"{g(r['own_minus_swapped'])} | {g(r.get('vs_plain'))} | {h(r.get('answer_ce'))} | "
+                   f"{g(r.get('ce_swapped_minus_own'))} | {g(r.get('ce_vs_plain'))} | "
                    f"{n(r['latent_sim_x100'])} | {n(r['attn_kl_x100'])} | {n(r['routing_entropy'], 3)} | {grads} |")
     out += ["", "| claim | seeds | seed-averaged [95% CI] | MDD | verdict |", "|---|---|---|---|---|"]
     for name, c in summary["vs_plain"].items():
@@ -1438,6 +1469,8 @@ def export_control(out_dir, results_dir, log_anchor):
                      "leaves_floor": r["own_minus_swapped"]["ci_low"] > 0, "vs_plain": g(r.get("vs_plain")),
                      "value": r["own"]["acc"], "ci_low": r["own"]["ci_low"], "ci_high": r["own"]["ci_high"],
                      "end_ce": round(r["end_ce"], 3), "latent_sim_x100": r["latent_sim_x100"],
+                     "answer_ce": f(r["answer_ce"]) if r.get("answer_ce") else None,
+                     "ce_swapped_minus_own": g(r.get("ce_swapped_minus_own")), "ce_vs_plain": g(r.get("ce_vs_plain")),
                      "attn_kl_x100": r["attn_kl_x100"], "routing_entropy": r["routing_entropy"],
                      "grad": " / ".join("-" if gn.get(k) is None else f"{gn[k]:.2g}"
                                         for k in ("latent", "router", "esva", "lora")), **{f"grad_{k}": v for k, v in gn.items()}})
