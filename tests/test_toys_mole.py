@@ -239,3 +239,12 @@ def test_headroom_and_control_refuse_other_phases(capsys):
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--part control takes --phase all, summary" in err and "HH:MM" in err
+
+
+def test_majority_per_form_is_the_image_blind_answer():
+    from eval.toys.mole import majority_per_form
+    qa = [("Is the red circle big?", "yes"), ("Is the blue square small?", "no"), ("Is the green circle big?", "no"),
+          ("How many big shapes are there?", "1"), ("How many small shapes are there?", "2"),
+          ("How many small shapes are there?", "1"), ("What colour is the circle?", "red")]
+    got = majority_per_form([{"question": q, "answer": a} for q, a in qa])
+    assert got == ["no", "no", "no", "1", "1", "1", "red"]

@@ -1389,12 +1389,35 @@ def _verdict_words(cmp, sign=1):
     return "inconclusive (the seed average's CI includes 0)", v
 
 
+def majority_per_form(recs):
+    """The image-blind answer to each record: the most frequent answer among the records of its
+    question form (the question with every object name, colour and size word replaced by "X";
+    ties to the answer seen first)."""
+    words = sorted(world.OBJECT_NAMES + list(world.COLOURS) + list(world.SIZE_WORDS.values()) + list(world.SHAPES),
+                   key=len, reverse=True)
+    pat = re.compile(r"\b(" + "|".join(map(re.escape, words)) + r")s?\b")
+    form = [pat.sub("X", r["question"]) for r in recs]
+    counts = {}
+    for f, r in zip(form, recs):
+        counts.setdefault(f, {}).setdefault(r["answer"], 0)
+        counts[f][r["answer"]] += 1
+    best = {f: max(c, key=c.get) for f, c in counts.items()}
+    return [best[f] for f in form]
+
+
+ROW_LABELS = {"base": "base (untouched)", "sft": "SFT (LoRA, same data)", "plain_latent": "plain latents (8)",
+              "mole": "MoLE (E = S = 4, K = 2)", "no_router": "w/o router (and L_div)", "no_esva": "w/o ESVA",
+              "mole_random": "MoLE, latents random", "mole_shuffle": "MoLE, latents shuffled",
+              "mole_mask": "MoLE, latent KV masked"}
+
+
 def export_headroom(out_dir, results_dir, log_anchor):
     """The size-family table's committed result files from `summarise_headroom(out_dir)`:
     {results_dir}/headroom.json (eval.report rows: per row the seed-mean accuracy and each seed's,
     kind "acc"; each HEADROOM_CLAIMS comparison, kind "claim", with its verdict) and
     {results_dir}/headroom_per_question.json (per row and seed the per-item correctness on the
     test items, in the test split's order, for a seed + item bootstrap)."""
+    from eval.metrics import bootstrap_ci
     s = summarise_headroom(out_dir)
     src = (f"python -m eval.toys.mole --part headroom --threads 1 (out/mole/headroom/results_headroom.json and "
            f"the per-row files; --phase summary rebuilds it)")
@@ -1402,7 +1425,8 @@ def export_headroom(out_dir, results_dir, log_anchor):
     for r in s["rows"]:
         lr = f"{r['lr']:g}" if r.get("lr") else "-"
         seeds = ",".join(str(x) for x in r["seeds"] if x is not None) or "-"
-        rows.append({"kind": "acc", "row": r["row"], "seed": "pooled", "lr": lr, "seeds": seeds,
+        rows.append({"kind": "acc", "row": r["row"], "label": ROW_LABELS.get(r["row"], r["row"]), "seed": "pooled",
+                     "lr": lr, "seeds": seeds,
                      "value": r["mean"]["acc"], "ci_low": r["mean"]["ci_low"], "ci_high": r["mean"]["ci_high"],
                      "per_seed": " / ".join(f"{v['acc']:.3f}" for v in r["per_seed"].values())})
         for sd, v in r["per_seed"].items():
@@ -1426,6 +1450,14 @@ def export_headroom(out_dir, results_dir, log_anchor):
         if v:
             rows.append({"kind": "headroom_check", "row": what, "value": v["acc"], "ci_low": v["ci_low"],
                          "ci_high": v["ci_high"], "n": v["n"]})
+    test_path = os.path.join(out_dir, "data", "test.json")
+    if os.path.exists(test_path):  # the image-blind reference: each question form's most frequent answer
+        test = data.read_llava_json(test_path)[: HEADROOM["n_test"]]
+        x = [float(r["answer"] == blind) for r, blind in zip(test, majority_per_form(test))]
+        lo, hi = bootstrap_ci(x)
+        rows.append({"kind": "acc", "row": "image_blind", "seed": "pooled", "lr": "-", "seeds": "-",
+                     "label": "each question form's most frequent answer (image-blind)",
+                     "value": sum(x) / len(x), "ci_low": lo, "ci_high": hi})
     for n, v in s["sweep_val_acc"].items():
         for lr, a in v.items():
             rows.append({"kind": "sweep", "row": n, "lr": lr, "value": a, "picked": s["picked_lr"].get(n) == float(lr)})
@@ -1464,7 +1496,7 @@ def export_control(out_dir, results_dir, log_anchor):
     rows = []
     for r in s["rows"]:
         gn = r["grad_norms"] or {}
-        rows.append({"kind": "arm", "arm": r["arm"], "seed": r["seed"], "lr": f"{r['lr']:g}", "steps": r["steps"],
+        rows.append({"kind": "arm", "arm": r["arm"], "label": ROW_LABELS.get(r["arm"], r["arm"]), "seed": r["seed"], "lr": f"{r['lr']:g}", "steps": r["steps"],
                      "own": f(r["own"]), "swapped": f(r["swapped"]), "own_minus_swapped": g(r["own_minus_swapped"]),
                      "leaves_floor": r["own_minus_swapped"]["ci_low"] > 0, "vs_plain": g(r.get("vs_plain")),
                      "value": r["own"]["acc"], "ci_low": r["own"]["ci_low"], "ci_high": r["own"]["ci_high"],
