@@ -207,6 +207,12 @@ def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):
     for seed in (0, 1):
         write("test", "plain_latent", seed, [1] * 10 + [0] * 30, [1] * 10 + [0] * 30)   # at the floor
         write("test", "mole", seed, [1] * 30 + [0] * 10, [1] * 10 + [0] * 30)           # 0.75 vs 0.25
+        for arm, ce in (("plain_latent", 1.0), ("mole", 0.5)):  # answer-word CE: MoLE 0.5 nats lower
+            p = tmp_path / f"test_{arm}_lr0.002_seed{seed}.json"
+            r = json.loads(p.read_text())
+            for x in r["items"]:
+                x["answer_ce"], x["answer_ce_swapped"] = ce, 2.0
+            p.write_text(json.dumps(r))
     write("val", "mole", 0, [1] * 5 + [0] * 35, [0] * n)
     write("test", "no_router", 0, [1] * 11 + [0] * 29, [1] * 10 + [0] * 30)  # +0.025, CI [0, +0.075]: not off the floor
     s = tm.summarise_control(str(tmp_path))
@@ -219,6 +225,8 @@ def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):
     assert abs(m["vs_plain"]["diff"] - 0.5) < 1e-9 and m["end_ce"] == 1.5
     assert s["vs_plain"]["mole"]["seeds"] == [0, 1] and tm.verdict(s["vs_plain"]["mole"]) == "supported"
     assert "| mole minus plain latents | 0,1 | +0.500" in tm.control_markdown(s)
+    assert abs(m["ce_vs_plain"]["diff"] + 0.5) < 1e-9 and abs(m["ce_swapped_minus_own"]["diff"] - 1.5) < 1e-9
+    assert tm.verdict(s["ce_vs_plain"]["mole"], -1) == "supported"   # lower CE is better
     rows = tm.export_control(str(tmp_path), str(tmp_path / "res"), "log#x")
     arm = {(r.get("arm"), r.get("seed")): r for r in rows}
     assert arm[("mole", 0)]["leaves_floor"] and not arm[("plain_latent", 0)]["leaves_floor"]

@@ -1318,22 +1318,25 @@ def summarise_control(out_dir):
             if row["answer_ce"] is not None and "answer_ce" in ref["items"][0]:
                 row["ce_vs_plain"] = paired_bootstrap(corr(r, "answer_ce"), corr(ref, "answer_ce"))
         rows.append(row)
-    claims = {}
+    claims, claims_ce = {}, {}
     for name in CONTROL_ARMS:
         if name == "plain_latent":
             continue
-        both = sorted(sd for (n, sd) in res if n == name and ("plain_latent", sd) in res)
-        if both:
-            a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in both))]
-            b = [sum(v) / len(v) for v in zip(*(corr(res[("plain_latent", sd)]) for sd in both))]
+        for key, row_key, into in (("correct", "vs_plain", claims), ("answer_ce", "ce_vs_plain", claims_ce)):
+            both = sorted(sd for (n, sd) in res if n == name and ("plain_latent", sd) in res
+                          and key in res[(n, sd)]["items"][0] and key in res[("plain_latent", sd)]["items"][0])
+            if not both:
+                continue
+            a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)], key) for sd in both))]
+            b = [sum(v) / len(v) for v in zip(*(corr(res[("plain_latent", sd)], key) for sd in both))]
             m = paired_bootstrap(a, b)
             d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
             m["sd"], m["mdd"] = float(d.std()), 2.8 * float(d.std()) / len(a) ** 0.5
-            claims[name] = {"per_seed": {str(sd): next(x["vs_plain"] for x in rows if x["arm"] == name
-                                                       and x["seed"] == sd) for sd in both},
-                            "mean": m, "seeds": both}
+            into[name] = {"per_seed": {str(sd): next(x[row_key] for x in rows if x["arm"] == name
+                                                     and x["seed"] == sd) for sd in both},
+                          "mean": m, "seeds": both}
     out = {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in CONTROL.items()},
-           "sweep_val_acc": sweep, "rows": rows, "vs_plain": claims}
+           "sweep_val_acc": sweep, "rows": rows, "vs_plain": claims, "ce_vs_plain": claims_ce}
     os.makedirs(out_dir, exist_ok=True)
     data.atomic_write_text(os.path.join(out_dir, "control.json"), json.dumps(out, indent=1))
     bars = [{"arm": r["arm"], "seed": r["seed"], "acc": {"value": r["own"]["acc"], "ci_low": r["own"]["ci_low"],
@@ -1368,6 +1371,9 @@ def control_markdown(summary):
     for name, c in summary["vs_plain"].items():
         out.append(f"| {name} minus plain latents | {','.join(map(str, c['seeds']))} | {g(c['mean'])} | "
                    f"{c['mean']['mdd']:.3f} | {verdict(c)} |")
+    for name, c in summary.get("ce_vs_plain", {}).items():
+        out.append(f"| answer CE: {name} minus plain latents (lower is better) | {','.join(map(str, c['seeds']))} | "
+                   f"{g(c['mean'])} | {c['mean']['mdd']:.3f} | {verdict(c, -1)} |")
     return "\n".join(out)
 
 
@@ -1511,6 +1517,12 @@ def export_control(out_dir, results_dir, log_anchor):
         m = c["mean"]
         rows.append({"kind": "claim", "claim": f"{name} carries more of the image than plain latents (stage 1, 8 latents)",
                      "verdict": words, "criterion_verdict": crit, "effect": g(m), "mdd": m["mdd"],
+                     "seeds": len(c["seeds"]), "log": log_anchor})
+    for name, c in s.get("ce_vs_plain", {}).items():  # secondary: lower answer-word CE is better (sign -1)
+        words, crit = _verdict_words(c, -1)
+        m = c["mean"]
+        rows.append({"kind": "claim", "claim": f"{name} has a lower answer-word CE than plain latents (secondary)",
+                     "verdict": words, "criterion_verdict": crit, "effect": g(m) + " nats", "mdd": m["mdd"],
                      "seeds": len(c["seeds"]), "log": log_anchor})
     os.makedirs(results_dir, exist_ok=True)
     data.atomic_write_text(os.path.join(results_dir, "control.json"), json.dumps(
