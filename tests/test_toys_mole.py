@@ -231,7 +231,10 @@ def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):
     arm = {(r.get("arm"), r.get("seed")): r for r in rows}
     assert arm[("mole", 0)]["leaves_floor"] and not arm[("plain_latent", 0)]["leaves_floor"]
     assert not arm[("no_router", 0)]["leaves_floor"] and arm[("no_router", 0)]["own_minus_swapped"].startswith("+0.025")
-    claim = next(r for r in rows if r["kind"] == "claim")
+    claim = next(r for r in rows if r["kind"] == "claim" and "minus plain latents, accuracy" in r["claim"])
+    floor = {r["claim"].split(" leaves")[0]: r for r in rows if "leaves the floor" in r.get("claim", "")}
+    assert floor["MoLE"]["verdict"] == "supported"                        # +0.5 in both seeds
+    assert floor["plain latents"]["verdict"].startswith("inconclusive")   # own = swapped
     assert claim["verdict"] == "supported" and claim["effect"].startswith("+0.500") and claim["seeds"] == 2
     per_q = json.loads((tmp_path / "res" / "control_per_question.json").read_text())
     assert per_q["correct"]["mole/seed1"]["swapped"] == [1] * 10 + [0] * 30

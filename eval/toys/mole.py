@@ -1318,7 +1318,18 @@ def summarise_control(out_dir):
             if row["answer_ce"] is not None and "answer_ce" in ref["items"][0]:
                 row["ce_vs_plain"] = paired_bootstrap(corr(r, "answer_ce"), corr(ref, "answer_ce"))
         rows.append(row)
-    claims, claims_ce = {}, {}
+    claims, claims_ce, floor = {}, {}, {}
+    for name in CONTROL_ARMS:  # leaves the floor: own minus swapped images, per seed and seed-averaged
+        seeds = sorted(sd for (n, sd) in res if n == name)
+        if seeds:
+            a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in seeds))]
+            b = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)], "correct_swapped") for sd in seeds))]
+            m = paired_bootstrap(a, b)
+            d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+            m["sd"], m["mdd"] = float(d.std()), 2.8 * float(d.std()) / len(a) ** 0.5
+            floor[name] = {"per_seed": {str(sd): next(x["own_minus_swapped"] for x in rows if x["arm"] == name
+                                                      and x["seed"] == sd) for sd in seeds},
+                           "mean": m, "seeds": seeds}
     for name in CONTROL_ARMS:
         if name == "plain_latent":
             continue
@@ -1336,7 +1347,7 @@ def summarise_control(out_dir):
                                                      and x["seed"] == sd) for sd in both},
                           "mean": m, "seeds": both}
     out = {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in CONTROL.items()},
-           "sweep_val_acc": sweep, "rows": rows, "vs_plain": claims, "ce_vs_plain": claims_ce}
+           "sweep_val_acc": sweep, "rows": rows, "floor": floor, "vs_plain": claims, "ce_vs_plain": claims_ce}
     os.makedirs(out_dir, exist_ok=True)
     data.atomic_write_text(os.path.join(out_dir, "control.json"), json.dumps(out, indent=1))
     bars = [{"arm": r["arm"], "seed": r["seed"], "acc": {"value": r["own"]["acc"], "ci_low": r["own"]["ci_low"],
@@ -1391,7 +1402,7 @@ def _verdict_words(cmp, sign=1):
     m = cmp["mean"]
     lo, hi = sorted((sign * m["ci_low"], sign * m["ci_high"]))
     if lo > 0 or hi < 0:
-        return f"not supported (seed average {'above' if lo > 0 else 'below'} 0, not every seed)", v
+        return f"not supported (seed average {'for' if lo > 0 else 'against'} the claim, not every seed)", v
     return "inconclusive (the seed average's CI includes 0)", v
 
 
@@ -1411,6 +1422,7 @@ def majority_per_form(recs):
     return [best[f] for f in form]
 
 
+SHORT_LABELS = {"plain_latent": "plain latents", "mole": "MoLE", "no_router": "w/o router", "no_esva": "w/o ESVA"}
 ROW_LABELS = {"base": "base (untouched)", "sft": "SFT (LoRA, same data)", "plain_latent": "plain latents (8)",
               "mole": "MoLE (E = S = 4, K = 2)", "no_router": "w/o router (and L_div)", "no_esva": "w/o ESVA",
               "mole_random": "MoLE, latents random", "mole_shuffle": "MoLE, latents shuffled",
@@ -1512,16 +1524,23 @@ def export_control(out_dir, results_dir, log_anchor):
                      "attn_kl_x100": r["attn_kl_x100"], "routing_entropy": r["routing_entropy"],
                      "grad": " / ".join("-" if gn.get(k) is None else f"{gn[k]:.2g}"
                                         for k in ("latent", "router", "esva", "lora")), **{f"grad_{k}": v for k, v in gn.items()}})
+    for name, c in s.get("floor", {}).items():
+        words, crit = _verdict_words(c)
+        m = c["mean"]
+        rows.append({"kind": "claim", "main": True, "claim": f"{SHORT_LABELS.get(name, name)} leaves the floor (own minus swapped image)",
+                     "verdict": words, "criterion_verdict": crit, "effect": g(m), "mdd": m["mdd"],
+                     "seeds": len(c["seeds"]), "log": log_anchor})
     for name, c in s["vs_plain"].items():
         words, crit = _verdict_words(c)
         m = c["mean"]
-        rows.append({"kind": "claim", "claim": f"{name} carries more of the image than plain latents (stage 1, 8 latents)",
+        rows.append({"kind": "claim", "main": True, "claim": f"{SHORT_LABELS.get(name, name)} minus plain latents, accuracy",
                      "verdict": words, "criterion_verdict": crit, "effect": g(m), "mdd": m["mdd"],
                      "seeds": len(c["seeds"]), "log": log_anchor})
     for name, c in s.get("ce_vs_plain", {}).items():  # secondary: lower answer-word CE is better (sign -1)
         words, crit = _verdict_words(c, -1)
         m = c["mean"]
-        rows.append({"kind": "claim", "claim": f"{name} has a lower answer-word CE than plain latents (secondary)",
+        rows.append({"kind": "claim", "main": False, "claim": f"{SHORT_LABELS.get(name, name)} minus plain latents, answer CE "
+                                               f"(lower is better; secondary)",
                      "verdict": words, "criterion_verdict": crit, "effect": g(m) + " nats", "mdd": m["mdd"],
                      "seeds": len(c["seeds"]), "log": log_anchor})
     os.makedirs(results_dir, exist_ok=True)
