@@ -4,6 +4,8 @@
     python -m eval.toys.mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
     python -m eval.toys.mole --part bottleneck --threads 1   # stage-1 bottleneck experiment (mole/README.md)
     python -m eval.toys.mole --part shift                    # answer CE: position shift vs latent content
+    python -m eval.toys.mole --part headroom --threads 1     # the table on the size family (base not at ceiling)
+    python -m eval.toys.mole --part control --threads 1      # stage-1 positive control (colour, answer only)
     python -m eval.toys.mole --phase lr --threads 1          # the table with a per-row lr picked on validation
     python -m eval.toys.mole --phase data; python -m eval.toys.mole --seeds 0 & python -m eval.toys.mole --seeds 1
                                                             # one process per seed (mole/README.md, "Wall time")
