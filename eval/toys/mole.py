@@ -33,7 +33,7 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import Deprecated, add_threads, set_threads
+from common.cli import Deprecated, add_threads, number, set_threads
 from eval.metrics import accuracy
 
 MAIN = {  # name -> extra mole.train flags
@@ -1196,7 +1196,7 @@ def grad_norms(net, recs, stage=1):
     return out
 
 
-def _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads):
+def _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads, steps=None):
     """Train one arm of the positive control (stage 1 only, CONTROL["steps"] steps, resumable
     checkpoint {out_dir}/ckpt/{name}_lr{lr}_seed{seed}; a finished one is loaded, not retrained),
     evaluate it with stage-1 attention on `recs` with their own and with swapped images, and
@@ -1210,8 +1210,9 @@ def _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads):
     if os.path.exists(path):
         return _json(path)
     cfg = CONTROL
+    steps = steps or cfg["steps"]
     t = time.time()
-    net, _, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(cfg["steps"] * cfg["batch_size"]),
+    net, _, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(steps * cfg["batch_size"]),
                            "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
                            "--stage1-epochs", "1", "--stage2-epochs", "0", "--lr", f"{lr:g}", "--seed", str(seed),
                            "--threads", str(threads or 0), "--save-every", "50", "--resume",
@@ -1238,13 +1239,14 @@ def _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads):
     return out
 
 
-def run_control(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None, stop_at=None):
+def run_control(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None, stop_at=None, steps=None):
     """The MoLE positive control (pre-registered in eval/logs/mole.md): CONTROL_SWEPT at each lr
     of CONTROL["lrs"] (one lr, 6e-3: the stage-1 bottleneck sweep's pick for both), seed 0,
     scored on the validation split; the better lr per arm (`pick_lr`, ties to the lower lr) for
     every seed, the ablations at MoLE's; then each arm of `arms` and seed on the test split (the
     picked lr's seed-0 checkpoint is the sweep's, evaluated again).
-    stop_at: "HH:MM" UTC after which no new training starts. Returns `summarise_control`."""
+    stop_at: "HH:MM" UTC after which no new training starts; steps: training steps (default
+    CONTROL["steps"]; give another --out for another length). Returns `summarise_control`."""
     if threads:
         torch.set_num_threads(threads)
     cfg = CONTROL
@@ -1264,7 +1266,7 @@ def run_control(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, 
                 and not ckpt_done and _late(stop_at):
             print(f"[control] {stop_at} UTC reached: {name} lr {lr:g} seed {seed} not run", flush=True)
             return None
-        r = _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads)
+        r = _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads, steps)
         print(f"[control] {split} {name} lr {lr:g} seed {seed}: acc {_acc(r['items']):.3f}, swapped images "
               f"{accuracy([x['correct_swapped'] for x in r['items']]):.3f}, train {r['train_s']:.0f}s", flush=True)
         return r
@@ -1634,6 +1636,8 @@ def main(argv=None):
     p.add_argument("--rows", default="", help="--phase lr-fixed: comma-separated main rows (sft, sft_placeholders, "
                                               "plain_latent, mole)")
     p.add_argument("--stop-at", default=None, help="--phase lr, --part headroom / control: UTC time HH:MM after which no new training starts")
+    p.add_argument("--steps", type=number(min=1), default=None,
+                   help="--part control: training steps (default 300); use another --out for another length")
     p.add_argument("--results", default=None,
                    help="--part headroom / control --phase summary: also write the committed result files "
                         "(eval.report format) into this folder, e.g. eval/results/mole")
@@ -1668,7 +1672,7 @@ def main(argv=None):
         if a.part == "control":
             s = summarise_control(out) if a.phase == "summary" else run_control(
                 dd, out, base=a.model, threads=threads, seeds=seeds, arms=a.arms.split(",") if a.arms else None,
-                stop_at=a.stop_at)
+                stop_at=a.stop_at, steps=a.steps)
             print(control_markdown(s))
             return
         if a.phase == "summary":
