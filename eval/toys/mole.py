@@ -1512,7 +1512,10 @@ def export_control(out_dir, results_dir, log_anchor):
     {results_dir}/control_per_question.json (per arm and seed the per-item correctness with own
     and with swapped images, test items in order)."""
     s = summarise_control(out_dir)
-    src = "python -m eval.toys.mole --part control --threads 1 (out/mole/control/control.json; --phase summary rebuilds it)"
+    steps = sorted({r["steps"] for r in s["rows"]})
+    extra = "" if steps in ([], [CONTROL["steps"]]) else f" --steps {','.join(map(str, steps))} --out {out_dir}"
+    src = (f"python -m eval.toys.mole --part control --threads 1{extra} ({out_dir}/control.json; --phase summary "
+           f"rebuilds it)")
     f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
     g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else None
     rows = []
@@ -1531,7 +1534,7 @@ def export_control(out_dir, results_dir, log_anchor):
     for name, c in s.get("floor", {}).items():
         words, crit = _verdict_words(c)
         m = c["mean"]
-        rows.append({"kind": "claim", "main": True, "claim": f"{SHORT_LABELS.get(name, name)} leaves the floor (own minus swapped image)",
+        rows.append({"kind": "claim", "main": True, "claim": f"{SHORT_LABELS.get(name, name)} leaves the floor",
                      "verdict": words, "criterion_verdict": crit, "effect": g(m), "mdd": m["mdd"],
                      "seeds": len(c["seeds"]), "log": log_anchor})
     for name, c in s["vs_plain"].items():
@@ -1549,7 +1552,8 @@ def export_control(out_dir, results_dir, log_anchor):
                      "seeds": len(c["seeds"]), "log": log_anchor})
     os.makedirs(results_dir, exist_ok=True)
     data.atomic_write_text(os.path.join(results_dir, "control.json"), json.dumps(
-        {"experiment": "MoLE stage-1 positive control (colour family, answer only)", "source": src,
+        {"experiment": f"MoLE stage-1 positive control (colour family, answer only, {'/'.join(map(str, steps))} steps)",
+         "source": src,
          "config": s["config"], "sweep_val_acc": s["sweep_val_acc"], "rows": rows}, indent=1) + "\n")
     per_q, ids = {}, None
     for fn in sorted(os.listdir(out_dir)):
