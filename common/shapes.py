@@ -5,13 +5,19 @@ An image is a 3x3 grid of 28x28 cells (84x84 px, black background). With patch 1
 learn the world from scratch on CPU (see README, "How the tiny base models learn").
 Each of 1-4 objects (circle / square / triangle, 4 colours, 2 sizes) sits in its own cell.
 
-Five question families mirror the papers' benchmarks:
+Five question families mirror the papers' benchmarks (the tiny bases are pretrained on them):
 
     existence  yes/no     "Is there a red circle?"      (POPE-like; half the negatives adversarial)
     count      number     "How many circles are there?"
     colour     open word  "What colour is the square?"  (the asked shape is unique)
     spatial    yes/no     "Is the red circle to the left of the blue square?"
     mc         letter     "Which object is at the top left? A. ... B. ... C. ... D. ..."
+
+One more family (`EXTRA_FAMILIES`, never in the default splits) asks for a fine detail that
+the look step does not transcribe, the object's size (half-extent 10 px = small, 13 px = big):
+    size       yes/no     "Is the red circle big?" / number "How many small shapes are there?"
+`generate_split(..., families=, look=False)` writes other task mixes, and answer-only targets
+("Answer: red") for the stage-1 bottleneck experiments.
 
 Answers "look, then answer": the target lists every cell with its content and a mark saying
 whether the question is about it (`marks`), then the answer:
@@ -43,6 +49,8 @@ CELL = 28
 GRID = 3
 IMAGE_SIZE = CELL * GRID
 FAMILIES = ("existence", "count", "colour", "spatial", "mc")
+EXTRA_FAMILIES = ("size",)  # not in the default splits: the MoLE headroom experiment (eval/logs/mole.md)
+SIZE_WORDS = {10: "small", 13: "big"}  # Obj.size (half-extent, px) -> the word the size family uses
 LETTERS = "ABCD"
 
 
@@ -148,7 +156,16 @@ def make_question(rng, scene, family):
         listed = " ".join(f"{L}. {t}" for L, t in zip(LETTERS, opts))
         q = f"Which object is at the {ROWS[o.row]} {COLS[o.col]}? {listed} Answer with the letter."
         return q, LETTERS[opts.index(o.name)]
-    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    if family == "size":
+        if rng.random() < 0.5:
+            u = _unique(scene, lambda o: o.name)
+            if not u:
+                return None
+            o, w = rng.choice(u), rng.choice(sorted(SIZE_WORDS.values()))
+            return f"Is the {o.name} {w}?", "yes" if SIZE_WORDS[o.size] == w else "no"
+        w = rng.choice(sorted(SIZE_WORDS.values()))
+        return f"How many {w} shapes are there?", str(sum(SIZE_WORDS[o.size] == w for o in scene))
+    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + EXTRA_FAMILIES}")
 
 
 def marks(scene, question):
@@ -161,11 +178,19 @@ def marks(scene, question):
         spatial   "Is the A ... the B?"           "1tl" / "2mc" (object 1 or 2 and its cell), else "-"
         mc        "Which object is at the top left? A. .. B. .."  the matching option's letter
                   at the asked cell, else "-"
+        size      "Is the red circle big?"          "+" at the named object, else "-";
+                  "How many big shapes are there?"  "+" where the object has that size, else "-"
     Each mark compares the content just written with one place in the question (a local,
     one-hop step for a 4-layer model), and the answer then reads the marks (see README)."""
     by_cell = {o.cell: o for o in scene}
     cells = range(GRID * GRID)
     pm = lambda pred: ["+" if c in by_cell and pred(by_cell[c]) else "-" for c in cells]
+    m = re.fullmatch(r"Is the (.+) (big|small)\?", question)
+    if m:  # before spatial's "Is the "
+        return pm(lambda o: o.name == m.group(1))
+    m = re.fullmatch(r"How many (big|small) shapes are there\?", question)
+    if m:  # before count's "How many ... shapes" (a colour)
+        return pm(lambda o: SIZE_WORDS[o.size] == m.group(1))
     if question.startswith("Is there a "):
         name = question[len("Is there a "):-1]
         return pm(lambda o: o.name == name)
@@ -260,14 +285,22 @@ def split_of(scene, question):
     return "test" if h == 0 else "val" if h == 1 else "train"
 
 
-def generate_split(out_dir, split, n, seed=None, overwrite=False):
+def generate_split(out_dir, split, n, seed=None, overwrite=False, families=FAMILIES, look=True):
     """Write `n` examples of `split` to out_dir/{split}.json + out_dir/images/{split}_*.png.
+
+    families: the question families drawn from (uniformly; any of FAMILIES + EXTRA_FAMILIES).
+    look: the target is the look step then the answer (`target_text`, what the tiny bases are
+    pretrained on); False: the answer only, "Answer: red" (so the answer is the only place
+    where the image has to reach the text). Raises ValueError for an unknown family.
 
     Disjoint by construction: only (image, question) pairs whose `split_of` is `split` are
     kept, so no pair of one split appears in another. Seeded: the same (split, n, seed) gives the same files. Written atomically
     (temp file + rename). An existing image of the same name is kept (the same seed draws
     the same scene) unless `overwrite`, which also redraws them and removes this split's
     images numbered n and above (left by a larger earlier run). Returns the list of records."""
+    bad = [f for f in families if f not in FAMILIES + EXTRA_FAMILIES]
+    if bad or not families:
+        raise ValueError(f"unknown families {bad or families!r}; choose from {FAMILIES + EXTRA_FAMILIES}")
     rng = random.Random(SPLIT_SEEDS[split] * 1_000_003 + (seed or 0))
     os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
     if overwrite:
@@ -276,9 +309,9 @@ def generate_split(out_dir, split, n, seed=None, overwrite=False):
                 os.remove(os.path.join(out_dir, "images", f))
     records = []
     for i in range(n):
-        scene, family, q, a = sample_example(rng)
+        scene, family, q, a = sample_example(rng, families)
         while split_of(scene, q) != split:
-            scene, family, q, a = sample_example(rng)
+            scene, family, q, a = sample_example(rng, families)
         name = f"images/{split}_{i:06d}.png"
         path = os.path.join(out_dir, name)
         if overwrite or not os.path.exists(path):
@@ -288,7 +321,7 @@ def generate_split(out_dir, split, n, seed=None, overwrite=False):
             "id": f"{split}_{i:06d}", "image": name, "family": family, "answer": a,
             "scene": target_text(scene, a, q).rsplit(" Answer:", 1)[0],  # the look step (marked scene)
             "conversations": [{"from": "human", "value": f"<image>\n{q}"},
-                              {"from": "gpt", "value": target_text(scene, a, q)}],
+                              {"from": "gpt", "value": target_text(scene, a, q) if look else f"Answer: {a}"}],
         })
     atomic_write_text(os.path.join(out_dir, f"{split}.json"), json.dumps(records, indent=1))
     return records

@@ -160,3 +160,105 @@ def test_phase_data_prepares_data_and_base_and_trains_nothing(monkeypatch, tmp_p
     tm.main(["--phase", "data", "--out", str(tmp_path), "--data", str(tmp_path / "d"), "--threads", "1"])
     assert calls == [("splits", {"train": 1280, "test": 500}), ("base", str(tmp_path / "table"))]
     assert "are ready" in capsys.readouterr().out
+
+
+def _items(correct, **extra):
+    return [dict({"correct": bool(c), "family": "f"}, **{k: bool(v[i]) for k, v in extra.items()})
+            for i, c in enumerate(correct)]
+
+
+def test_headroom_check_applies_both_preregistered_bars(tmp_path, monkeypatch):
+    import json
+    import eval.toys.mole as tm
+    monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
+    (tmp_path / "lr_sweep").mkdir()
+    write = lambda name, c: (tmp_path / name).write_text(json.dumps({"items": _items(c)}))
+    write("headroom_base_val.json", [1] * 7 + [0] * 3)        # 0.70: at the bar, passes
+    write("lr_sweep/sft_lr0.002.json", [1] * 8 + [0] * 2)     # 0.80
+    write("lr_sweep/sft_lr0.005.json", [1] * 17 + [0] * 3)    # 0.85: at the bar, passes
+    out = tm.headroom_check(str(tmp_path), str(tmp_path))
+    assert out["base"]["acc"] == 0.7 and out["sft"]["0.005"]["acc"] == 0.85 and out["passes"]
+    write("lr_sweep/sft_lr0.005.json", [1] * 9 + [0] * 1)     # 0.90 at one lr: fails
+    assert not tm.headroom_check(str(tmp_path), str(tmp_path))["passes"]
+    write("lr_sweep/sft_lr0.005.json", [1] * 8 + [0] * 2)
+    write("headroom_base_val.json", [1] * 8 + [0] * 2)        # base 0.80: fails
+    assert not tm.headroom_check(str(tmp_path), str(tmp_path))["passes"]
+    assert json.loads((tmp_path / "headroom.json").read_text())["passes"] is False
+
+
+def test_swapped_gives_each_record_the_next_image():
+    from eval.toys.mole import swapped
+    recs = [{"id": i, "image": f"im{i}", "images": [f"im{i}"], "question": f"q{i}"} for i in range(3)]
+    assert [(r["question"], r["image"]) for r in swapped(recs)] == [("q0", "im1"), ("q1", "im2"), ("q2", "im0")]
+    # mole.infer reads the "images" list (common.data's records carry both)
+    from common.data import record_images
+    assert [record_images(r) for r in swapped(recs)] == [["im1"], ["im2"], ["im0"]]
+    assert recs[0]["image"] == "im0" and recs[0]["images"] == ["im0"]  # the input is not changed
+    assert swapped([{"id": 0, "image": "a"}, {"id": 1, "image": "b"}])[0]["images"] == ["b"]
+
+
+def test_summarise_control_floor_and_comparison_with_plain_latents(tmp_path):
+    """own minus swapped is the floor test; vs plain latents is paired per seed (hand values)."""
+    import json
+    import eval.toys.mole as tm
+    n = 40
+    def write(split, arm, seed, own, swap):
+        r = {"arm": arm, "lr": 0.002, "seed": seed, "split": split, "steps": 3, "train_s": 1.0,
+             "ce_log": [[1, 2.0], [2, 1.0]], "latent_sim_x100": 1.0, "attn_kl_x100": 2.0, "routing_entropy": 0.5,
+             "grad_norms": {"latent": 0.1}, "items": _items(own, correct_swapped=swap)}
+        (tmp_path / f"{split}_{arm}_lr0.002_seed{seed}.json").write_text(json.dumps(r))
+    for seed in (0, 1):
+        write("test", "plain_latent", seed, [1] * 10 + [0] * 30, [1] * 10 + [0] * 30)   # at the floor
+        write("test", "mole", seed, [1] * 30 + [0] * 10, [1] * 10 + [0] * 30)           # 0.75 vs 0.25
+        for arm, ce in (("plain_latent", 1.0), ("mole", 0.5)):  # answer-word CE: MoLE 0.5 nats lower
+            p = tmp_path / f"test_{arm}_lr0.002_seed{seed}.json"
+            r = json.loads(p.read_text())
+            for x in r["items"]:
+                x["answer_ce"], x["answer_ce_swapped"] = ce, 2.0
+            p.write_text(json.dumps(r))
+    write("val", "mole", 0, [1] * 5 + [0] * 35, [0] * n)
+    write("test", "no_router", 0, [1] * 11 + [0] * 29, [1] * 10 + [0] * 30)  # +0.025, CI [0, +0.075]: not off the floor
+    s = tm.summarise_control(str(tmp_path))
+    rows = {(r["arm"], r["seed"]): r for r in s["rows"]}
+    assert s["sweep_val_acc"] == {"mole": {"0.002": 0.125}}
+    p, m = rows[("plain_latent", 0)], rows[("mole", 1)]
+    assert p["own_minus_swapped"]["diff"] == 0 and p["own_minus_swapped"]["ci_low"] == 0
+    assert m["own"]["acc"] == 0.75 and m["swapped"]["acc"] == 0.25
+    assert abs(m["own_minus_swapped"]["diff"] - 0.5) < 1e-9 and m["own_minus_swapped"]["ci_low"] > 0
+    assert abs(m["vs_plain"]["diff"] - 0.5) < 1e-9 and m["end_ce"] == 1.5
+    assert s["vs_plain"]["mole"]["seeds"] == [0, 1] and tm.verdict(s["vs_plain"]["mole"]) == "supported"
+    assert "| mole minus plain latents | 0,1 | +0.500" in tm.control_markdown(s)
+    assert abs(m["ce_vs_plain"]["diff"] + 0.5) < 1e-9 and abs(m["ce_swapped_minus_own"]["diff"] - 1.5) < 1e-9
+    assert tm.verdict(s["ce_vs_plain"]["mole"], -1) == "supported"   # lower CE is better
+    rows = tm.export_control(str(tmp_path), str(tmp_path / "res"), "log#x")
+    arm = {(r.get("arm"), r.get("seed")): r for r in rows}
+    assert arm[("mole", 0)]["leaves_floor"] and not arm[("plain_latent", 0)]["leaves_floor"]
+    assert not arm[("no_router", 0)]["leaves_floor"] and arm[("no_router", 0)]["own_minus_swapped"].startswith("+0.025")
+    claim = next(r for r in rows if r["kind"] == "claim" and "minus plain latents, accuracy" in r["claim"])
+    floor = {r["claim"].split(" leaves")[0]: r for r in rows if "leaves the floor" in r.get("claim", "")}
+    assert floor["MoLE"]["verdict"] == "supported"                        # +0.5 in both seeds
+    assert floor["plain latents"]["verdict"].startswith("inconclusive")   # own = swapped
+    assert claim["verdict"] == "supported" and claim["effect"].startswith("+0.500") and claim["seeds"] == 2
+    per_q = json.loads((tmp_path / "res" / "control_per_question.json").read_text())
+    assert per_q["correct"]["mole/seed1"]["swapped"] == [1] * 10 + [0] * 30
+
+
+def test_headroom_and_control_refuse_other_phases(capsys):
+    import pytest
+    import eval.toys.mole as tm
+    for argv in (["--part", "control", "--phase", "check"], ["--part", "headroom", "--phase", "lr"],
+                 ["--part", "control", "--stop-at", "5pm"]):
+        with pytest.raises(SystemExit) as e:
+            tm.main(argv)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--part control takes --phase all, summary" in err and "HH:MM" in err
+
+
+def test_majority_per_form_is_the_image_blind_answer():
+    from eval.toys.mole import majority_per_form
+    qa = [("Is the red circle big?", "yes"), ("Is the blue square small?", "no"), ("Is the green circle big?", "no"),
+          ("How many big shapes are there?", "1"), ("How many small shapes are there?", "2"),
+          ("How many small shapes are there?", "1"), ("What colour is the circle?", "red")]
+    got = majority_per_form([{"question": q, "answer": a} for q, a in qa])
+    assert got == ["no", "no", "no", "1", "1", "1", "red"]

@@ -4,6 +4,8 @@
     python -m eval.toys.mole --quick    # main rows only (SFT, plain latents, MoLE), ~3 CPU minutes
     python -m eval.toys.mole --part bottleneck --threads 1   # stage-1 bottleneck experiment (mole/README.md)
     python -m eval.toys.mole --part shift                    # answer CE: position shift vs latent content
+    python -m eval.toys.mole --part headroom --threads 1     # the table on the size family (base not at ceiling)
+    python -m eval.toys.mole --part control --threads 1      # stage-1 positive control (colour, answer only)
     python -m eval.toys.mole --phase lr --threads 1          # the table with a per-row lr picked on validation
     python -m eval.toys.mole --phase data; python -m eval.toys.mole --seeds 0 & python -m eval.toys.mole --seeds 1
                                                             # one process per seed (mole/README.md, "Wall time")
@@ -31,7 +33,7 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import Deprecated, add_threads, set_threads
+from common.cli import Deprecated, add_threads, number, set_threads
 from eval.metrics import accuracy, two_level_bootstrap, verdict_text
 
 MAIN = {  # name -> extra mole.train flags
@@ -546,9 +548,9 @@ LR_CLAIMS = ([("Q1 the shift costs SFT: SFT minus SFT + 8 placeholders", "sft_pl
              [(f"{ABLATION_PART[k]} helps: MoLE minus {k}", k, "mole", -1) for k in ABLATIONS])
 
 
-def lr_markdown(summary):
-    """Markdown of the per-row-lr table (`summarise_lr`): the sweep, every row (lr, seeds,
-    accuracy per seed, mean [95% CI]), and each pre-registered claim in LR_CLAIMS with its
+def lr_markdown(summary, claims=LR_CLAIMS):
+    """Markdown of the per-row-lr table (`summarise_lr`, `summarise_headroom`): the sweep, every
+    row (lr, seeds, accuracy per seed, mean [95% CI]), and each pre-registered claim in `claims` with its
     per-seed and seed-averaged difference [95% CI], the MDD and the verdict (`verdict`)."""
     f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
     g = lambda d, sg=1: (f"{sg * d['diff']:+.3f} [{min(sg * d['ci_low'], sg * d['ci_high']):+.3f}, "
@@ -568,7 +570,7 @@ def lr_markdown(summary):
         out.append(f"| {r['row']} | {lr} | {seeds} | {per} | {f(r['mean'])} |")
     out += ["", "| claim | seeds | seed-averaged [95% CI] | MDD | per seed | verdict |", "|---|---|---|---|---|---|"]
     rows = {r["row"]: r for r in summary["rows"]}
-    for label, row, ref, sg in LR_CLAIMS:
+    for label, row, ref, sg in claims:
         c = rows.get(row, {}).get(f"vs_{ref}")
         if c is None:
             out.append(f"| {label} | - | not run | | | not run |")
@@ -925,6 +927,634 @@ def bottleneck_table(summary):
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- headroom setting (size family)
+
+# The two-stage table on a task the base cannot already answer: the size family of the shapes
+# world (`common.shapes.EXTRA_FAMILIES`: "Is the red circle big or small?", "How many big shapes
+# are there?"), a detail the base's look step never transcribes. Same schedule, data sizes and
+# per-row lr rule as the per-row-lr table; fewer rows and a two-point lr grid (budget).
+HEADROOM = dict(families=("size",), n_train=FULL["n_train"], n_val=N_VAL, n_test=FULL["n_test"],
+                base_max=0.70, sft_max=0.85)
+HEADROOM_LOG = "eval/logs/mole.md#2026-12-02-a-mole-setting-with-headroom-size-family-and-a-stage-1-positive-control"
+HEADROOM_LRS = (2e-3, 5e-3)   # the per-row-lr table's picks were all 2e-3 or 5e-3
+HEADROOM_ROWS = ("sft", "plain_latent", "mole")
+HEADROOM_ABLATIONS = ("no_router", "no_esva")
+HEADROOM_CLAIMS = ([("H1 MoLE minus SFT (data-matched)", "mole", "sft", 1),
+                    ("H2 MoLE minus plain latents (8 latents each)", "mole", "plain_latent", 1)] +
+                   [(f"H3 MoLE minus MoLE with latents {k}", f"mole_{k}", "mole", -1) for k in INTERVENTIONS] +
+                   [(f"{ABLATION_PART[k]} helps: MoLE minus {k}", k, "mole", -1) for k in HEADROOM_ABLATIONS])
+
+
+def ensure_family_data(data_dir, sizes, families, look=True):
+    """The shapes splits of `sizes` ({split: n}) drawn from `families` (answer-only targets
+    unless `look`) that are missing in `data_dir`; existing split files are kept as they are."""
+    for split, n in sizes.items():
+        if not os.path.exists(os.path.join(data_dir, f"{split}.json")):
+            world.generate_split(data_dir, split, n, families=families, look=look)
+
+
+def _ci_of(items, key="correct"):
+    """{"acc", "ci_low", "ci_high", "n"} of the items' `key` (bootstrap CI, eval.metrics)."""
+    from eval.metrics import bootstrap_ci
+    x = [float(i[key]) for i in items]
+    lo, hi = bootstrap_ci(x)
+    return {"acc": sum(x) / len(x), "ci_low": lo, "ci_high": hi, "n": len(x)}
+
+
+def headroom_check(data_dir, out_dir, base="tiny-dense"):
+    """The pre-registered headroom check on the validation split: the untouched base
+    ({out_dir}/headroom_base_val.json, evaluated here if missing) and the SFT control at every lr
+    of HEADROOM_LRS found in {out_dir}/lr_sweep; passes if the base's accuracy is at most
+    HEADROOM["base_max"] and SFT's (at every lr) at most HEADROOM["sft_max"].
+    Writes {out_dir}/headroom.json; returns it."""
+    from eval.evaluate import evaluate as plain_evaluate
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))[: HEADROOM["n_val"]]
+    path = os.path.join(out_dir, "headroom_base_val.json")
+    if not os.path.exists(path):
+        model, proc = bb.load_backbone(base)
+        with torch.inference_mode():
+            res = plain_evaluate(model, proc, val, desc="eval base (val)")
+        data.atomic_write_text(path, json.dumps({"row": "base", "seed": None, "items": res}))
+    out = {"base": _ci_of(_json(path)["items"]), "sft": {}, "bars": {k: HEADROOM[k] for k in ("base_max", "sft_max")}}
+    for lr in HEADROOM_LRS:
+        p = os.path.join(out_dir, "lr_sweep", f"sft_lr{lr:g}.json")
+        if os.path.exists(p):
+            out["sft"][f"{lr:g}"] = _ci_of(_json(p)["items"])
+    out["passes"] = (out["base"]["acc"] <= HEADROOM["base_max"] and bool(out["sft"])
+                     and all(v["acc"] <= HEADROOM["sft_max"] for v in out["sft"].values()))
+    data.atomic_write_text(os.path.join(out_dir, "headroom.json"), json.dumps(out, indent=1))
+    return out
+
+
+def run_headroom(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0, 1, 2), stop_at=None,
+                 phase="all", arms=None):
+    """The two-stage table on the size family (pre-registered in eval/logs/mole.md).
+
+    phase "check": SFT at each lr of HEADROOM_LRS (seed 0, scored on the validation split) and
+    `headroom_check`; nothing else. Otherwise:
+    1. sweep: each row of HEADROOM_ROWS at each lr of HEADROOM_LRS, seed 0, scored on N_VAL
+       validation items ({out_dir}/lr_sweep/{row}_lr{lr}.json; the checkpoint is the row's
+       seed-0 checkpoint at that lr, so the picked lr's seed 0 costs inference only);
+    2. `pick_lr` per row; the ablations and interventions take MoLE's;
+    3. for each seed the main rows on the test split and MoLE's interventions, then for each
+       seed the ablations HEADROOM_ABLATIONS; the base row on the test split.
+    Every (row, lr, seed) is its own atomic file (resumable; files that exist are kept).
+    arms: the rows and ablations of step 3 to run (default all; the sweep always covers every
+    main row). stop_at: "HH:MM" UTC after which no new training starts. Returns `summarise_headroom`."""
+    arms = list(arms or HEADROOM_ROWS + HEADROOM_ABLATIONS)
+    bad = [x for x in arms if x not in HEADROOM_ROWS + HEADROOM_ABLATIONS]
+    if bad:
+        raise SystemExit(f"error: --arms takes {list(HEADROOM_ROWS + HEADROOM_ABLATIONS)} for --part headroom, got {bad}")
+    from eval.evaluate import evaluate as plain_evaluate
+    from mole.infer import evaluate as mole_evaluate
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = FULL
+    ensure_family_data(data_dir, {"train": HEADROOM["n_train"], "val": HEADROOM["n_val"],
+                                  "test": HEADROOM["n_test"]}, HEADROOM["families"])
+    train = data.read_llava_json(os.path.join(data_dir, "train.json"))[: cfg["n_train"]]
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))[: HEADROOM["n_val"]]
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: HEADROOM["n_test"]]
+    if shared_items(train, val):
+        raise SystemExit(f"error: {data_dir}/val.json shares items with the training records; "
+                         f"regenerate it (common.shapes.generate_split) so that it is disjoint")
+
+    def one(name, flags, seed, recs, lr, path=None):
+        tab = lr_dir(out_dir, lr)
+        if not os.path.exists(path or os.path.join(tab, f"{name}_seed{seed}.json")) and _late(stop_at):
+            print(f"[headroom] {stop_at} UTC reached: {name} lr {lr:g} seed {seed} not run", flush=True)
+            return None, None, None
+        r, net, stage = _table_one(name, flags, seed, cfg, recs, data_dir, tab, base, threads,
+                                   mole_evaluate, plain_evaluate, lr=lr, path=path)
+        print(f"[headroom] {name} lr {lr:g} seed {seed} ({'val' if path else 'test'}): acc "
+              f"{_acc(r['items']):.3f}", flush=True)
+        return r, net, stage
+
+    for name in ("sft",) if phase == "check" else HEADROOM_ROWS:
+        for lr in HEADROOM_LRS:
+            one(name, TABLE_MAIN[name], 0, val, lr, os.path.join(out_dir, "lr_sweep", f"{name}_lr{lr:g}.json"))
+    if phase == "check":
+        return headroom_check(data_dir, out_dir, base)
+    sweep = read_sweep(out_dir)
+    if any(len(sweep.get(n, {})) < len(HEADROOM_LRS) for n in HEADROOM_ROWS):
+        print("[headroom] the sweep is incomplete: no row runs at a picked lr", flush=True)
+        return summarise_headroom(out_dir)
+    picked = {n: pick_lr(sweep[n]) for n in HEADROOM_ROWS}
+    print(f"[headroom] picked lr: {picked}", flush=True)
+    _base_row(lr_dir(out_dir, TABLE_LR), base, test, plain_evaluate)
+    for seed in seeds:
+        for name in [n for n in HEADROOM_ROWS if n in arms]:
+            r, net, stage = one(name, TABLE_MAIN[name], seed, test, picked[name])
+            if name == "mole" and r is not None:
+                _interventions(lr_dir(out_dir, picked[name]), seed, net, stage, test, mole_evaluate)
+    for seed in seeds:
+        for name in [n for n in HEADROOM_ABLATIONS if n in arms]:
+            one(name, ABLATIONS[name], seed, test, picked["mole"])
+    return summarise_headroom(out_dir)
+
+
+def summarise_headroom(out_dir):
+    """Summary of the size-family table from whatever files exist, as `summarise_lr`: the sweep
+    ({row: {lr: val acc}}), the picked lr per row, `_summary_rows` of each row at its picked lr
+    (ablations and interventions at MoLE's; the base from {out_dir}/table/base.json) and the
+    headroom check if it was run. Writes {out_dir}/results_headroom.json and the bar figure."""
+    sweep = {n: v for n, v in read_sweep(out_dir).items() if n in HEADROOM_ROWS}
+    picked = {n: pick_lr(v) for n, v in sweep.items() if len(v) == len(HEADROOM_LRS)}
+    res = {}
+    base_path = os.path.join(lr_dir(out_dir, TABLE_LR), "base.json")
+    if os.path.exists(base_path):
+        res[("base", None)] = _json(base_path)
+    lr_of = {}
+    for name in TABLE_ORDER[1:]:
+        lr = picked.get(name if name in HEADROOM_ROWS else "mole")
+        if lr is None or name in ("sft_placeholders",):
+            continue
+        lr_of[name] = lr
+        d = lr_dir(out_dir, lr)
+        for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            m = re.fullmatch(re.escape(name) + r"_seed(\d+)\.json", f)
+            if m:
+                res[(name, int(m.group(1)))] = _json(os.path.join(d, f))
+    rows = _summary_rows(res)
+    for row in rows:
+        row["lr"] = lr_of.get(row["row"])
+    check = os.path.join(out_dir, "headroom.json")
+    out = {"config": dict(FULL, **{k: list(v) if isinstance(v, tuple) else v for k, v in HEADROOM.items()}),
+           "lr_grid": list(HEADROOM_LRS), "n_val": HEADROOM["n_val"],
+           "headroom_check": _json(check) if os.path.exists(check) else None,
+           "sweep_val_acc": {n: {f"{lr:g}": a for lr, a in sorted(v.items())} for n, v in sweep.items()},
+           "picked_lr": picked, "rows": rows}
+    os.makedirs(out_dir, exist_ok=True)
+    data.atomic_write_text(os.path.join(out_dir, "results_headroom.json"), json.dumps(out, indent=1))
+    bars = [{"arm": r["row"], "seed": int(sd) if sd != "None" else 0,
+             "acc": {"value": v["acc"], "ci_low": v["ci_low"], "ci_high": v["ci_high"]}}
+            for r in rows for sd, v in r["per_seed"].items()]
+    if bars:
+        bar_png(bars, "acc", os.path.join(out_dir, "headroom_acc.png"),
+                "size family, per-row lr picked on validation: test accuracy per row and seed", w=1000,
+                order=TABLE_ORDER, label=11)
+    return out
+
+
+# ----------------------------------------------------------------------------- positive control
+
+# Stage 1 only, answer-only targets ("Answer: red") of the colour family: the answer needs one
+# detail of the image (the colour of the named shape) and, in stage 1, can only get it through
+# the latents. Long enough (CONTROL["steps"]) that at least one arm should leave the floor.
+CONTROL = dict(families=("colour",), n_val=200, n_test=500, batch_size=32, steps=300, lrs=(6e-3,),
+               seeds=(0, 1, 2), n_diag=100)
+CONTROL_ARMS = {"plain_latent": MAIN["plain_latent"], "mole": [], "no_router": ABLATIONS["no_router"],
+                "no_esva": ABLATIONS["no_esva"]}
+CONTROL_SWEPT = ("plain_latent", "mole")   # the ablations take MoLE's lr
+
+
+def swapped(recs):
+    """The records with each one's image replaced by the next record's (a wrong image of the
+    same distribution): the image-blind floor of a model that answers from the prior. Both
+    fields are replaced, "image" and the "images" list that `mole.infer` reads."""
+    out = []
+    for i, r in enumerate(recs):
+        nxt = recs[(i + 1) % len(recs)]
+        out.append(dict(r, image=nxt["image"], images=list(nxt.get("images") or [nxt["image"]])))
+    return out
+
+
+@torch.no_grad()
+def routing_entropy(net, recs, stage=1):
+    """Mean router entropy over the visual tokens and the decoder layers, divided by log E
+    (1 = uniform routing, 0 = one expert per token), of a MoLE with a router on `recs`;
+    None without a router."""
+    if net.routers is None:
+        return None
+    logits = []
+    hooks = [r.register_forward_hook(lambda m, i, o: logits.append(o.float())) for r in net.routers]
+    try:
+        b = net.encode([data.load_image(r["image"], r["id"]) for r in recs], [r["question"] for r in recs])
+        vis = net(b, stage, record=True)["pass"].is_vis  # [B,L]
+    finally:
+        for h in hooks:
+            h.remove()
+    ent = [-(p * p.clamp_min(1e-12).log()).sum(-1)[vis].mean() for p in (x.softmax(-1) for x in logits)]
+    return float(torch.stack(ent).mean()) / float(torch.log(torch.tensor(float(net.cfg.n_vis))))
+
+
+@torch.no_grad()
+def answer_ce(net, recs, stage=1, batch_size=50):
+    """Teacher-forced cross-entropy (nats) of the answer word of each record's target (its last
+    token before the end token, one token for the colour words of the tiny tokenizer), per item:
+    continuous, so it separates arms that all answer right (or all wrong)."""
+    import torch.nn.functional as F
+    out = []
+    for i in range(0, len(recs), batch_size):
+        chunk = recs[i:i + batch_size]
+        b = net.encode([data.load_image(r["image"], r["id"]) for r in chunk], [r["question"] for r in chunk],
+                       [r["target"] for r in chunk])
+        logits = net(b, stage)["logits"][:, :-1].float()
+        lab = b["labels"][:, 1:]
+        ce = F.cross_entropy(logits.transpose(1, 2), lab.clamp(min=0), reduction="none")  # [B,L-1]
+        for k in range(len(chunk)):
+            pos = (lab[k] != -100).nonzero().flatten()
+            out.append(float(ce[k, pos[-2]]))  # the answer word; pos[-1] is the end token
+    return out
+
+
+def grad_norms(net, recs, stage=1):
+    """Gradient norm of the training loss on `recs` (one batch) per parameter group: the
+    latent embeddings, the routers, the ESVAs, the LoRA weights; and the latent rows' mean norm
+    next to the token embeddings' (the init scale). The model is left as it was (eval mode,
+    gradients cleared)."""
+    groups = {"latent": lambda n: n == "latent", "router": lambda n: n.startswith("routers."),
+              "esva": lambda n: n.startswith("esva."), "lora": lambda n: "lora_" in n}
+    params = {n: p for n, p in net.named_parameters() if any(g(n) for g in groups.values())}
+    was = {n: p.requires_grad for n, p in params.items()}
+    for p in params.values():
+        p.requires_grad_(True)
+        p.grad = None
+    net.train()
+    try:
+        b = net.encode([data.load_image(r["image"], r["id"]) for r in recs], [r["question"] for r in recs],
+                       [r["target"] for r in recs])
+        net(b, stage)["loss"].backward()
+        out = {}
+        for g, match in groups.items():
+            gs = [p.grad.float().norm() ** 2 for n, p in params.items() if match(n) and p.grad is not None]
+            out[g] = float(torch.stack(gs).sum().sqrt()) if gs else None
+        table = net.model.get_input_embeddings().weight.detach().float()
+        out["latent_row_norm"] = float(net.latent.detach().float().norm(dim=-1).mean())
+        out["token_row_norm"] = float(table.norm(dim=-1).mean())
+    finally:
+        for n, p in params.items():
+            p.grad = None
+            p.requires_grad_(was[n])
+        net.eval()
+    return out
+
+
+def _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads, steps=None):
+    """Train one arm of the positive control (stage 1 only, CONTROL["steps"] steps, resumable
+    checkpoint {out_dir}/ckpt/{name}_lr{lr}_seed{seed}; a finished one is loaded, not retrained),
+    evaluate it with stage-1 attention on `recs` with their own and with swapped images, and
+    the diagnostics (latent similarity and attention KL x100, routing entropy, gradient norms)
+    on the first CONTROL["n_diag"]; write {out_dir}/{split}_{name}_lr{lr}_seed{seed}.json
+    atomically and return it (kept as is if it exists)."""
+    from mole import train as mt
+    from mole.diagnostics import latent_stats
+    from mole.infer import evaluate as mole_evaluate
+    path = os.path.join(out_dir, f"{split}_{name}_lr{lr:g}_seed{seed}.json")
+    if os.path.exists(path):
+        return _json(path)
+    cfg = CONTROL
+    steps = steps or cfg["steps"]
+    t = time.time()
+    net, _, log = mt.main(["--model", base, "--data", data_dir, "--n-train", str(steps * cfg["batch_size"]),
+                           "--batch-size", str(cfg["batch_size"]), "--device", "cpu", "--quiet",
+                           "--stage1-epochs", "1", "--stage2-epochs", "0", "--lr", f"{lr:g}", "--seed", str(seed),
+                           "--threads", str(threads or 0), "--save-every", "50", "--resume",
+                           "--out", os.path.join(out_dir, "ckpt", f"{name}_lr{lr:g}_seed{seed}")] + CONTROL_ARMS[name])
+    train_s = time.time() - t
+    t = time.time()
+    with torch.inference_mode():
+        own = mole_evaluate(net, recs, stage=1, max_new_tokens=8, desc=f"eval {name}")
+        wrong = mole_evaluate(net, swapped(recs), stage=1, max_new_tokens=8, desc=f"eval {name} swapped")
+    for r, w in zip(own, wrong):
+        r["correct_swapped"], r["pred_swapped"] = w["correct"], w["pred"]
+    with torch.inference_mode():
+        for r, c, w in zip(own, answer_ce(net, recs), answer_ce(net, swapped(recs))):
+            r["answer_ce"], r["answer_ce_swapped"] = c, w
+    diag = recs[: cfg["n_diag"]]
+    with torch.inference_mode():
+        sim, kl = latent_stats(net, diag, stage=1)
+        ent = routing_entropy(net, diag)
+    out = {"arm": name, "lr": lr, "seed": seed, "split": split, "steps": len(log), "train_s": train_s,
+           "steps_s": sum(x["s"] for x in log), "infer_s": time.time() - t,
+           "ce_log": [[x["step"], x["ce"]] for x in log], "latent_sim_x100": sim, "attn_kl_x100": kl,
+           "routing_entropy": ent, "grad_norms": grad_norms(net, diag[:32]), "items": own}
+    data.atomic_write_text(path, json.dumps(out))
+    return out
+
+
+def run_control(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None, stop_at=None, steps=None):
+    """The MoLE positive control (pre-registered in eval/logs/mole.md): CONTROL_SWEPT at each lr
+    of CONTROL["lrs"] (one lr, 6e-3: the stage-1 bottleneck sweep's pick for both), seed 0,
+    scored on the validation split; the better lr per arm (`pick_lr`, ties to the lower lr) for
+    every seed, the ablations at MoLE's; then each arm of `arms` and seed on the test split (the
+    picked lr's seed-0 checkpoint is the sweep's, evaluated again).
+    stop_at: "HH:MM" UTC after which no new training starts; steps: training steps (default
+    CONTROL["steps"]; give another --out for another length). Returns `summarise_control`."""
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = CONTROL
+    seeds = list(seeds if seeds is not None else cfg["seeds"])
+    arms = list(arms or CONTROL_ARMS)
+    if [a for a in arms if a not in CONTROL_ARMS]:
+        raise SystemExit(f"error: --arms takes {list(CONTROL_ARMS)} for --part control, got {arms}")
+    ensure_family_data(data_dir, {"train": cfg["steps"] * cfg["batch_size"], "val": cfg["n_val"],
+                                  "test": cfg["n_test"]}, cfg["families"], look=False)
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))[: cfg["n_val"]]
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    os.makedirs(out_dir, exist_ok=True)
+
+    def one(name, lr, seed, recs, split):
+        ckpt_done = os.path.exists(os.path.join(out_dir, f"val_{name}_lr{lr:g}_seed{seed}.json"))
+        if not os.path.exists(os.path.join(out_dir, f"{split}_{name}_lr{lr:g}_seed{seed}.json")) \
+                and not ckpt_done and _late(stop_at):
+            print(f"[control] {stop_at} UTC reached: {name} lr {lr:g} seed {seed} not run", flush=True)
+            return None
+        r = _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads, steps)
+        print(f"[control] {split} {name} lr {lr:g} seed {seed}: acc {_acc(r['items']):.3f}, swapped images "
+              f"{accuracy([x['correct_swapped'] for x in r['items']]):.3f}, train {r['train_s']:.0f}s", flush=True)
+        return r
+
+    sweep = {}
+    for name in [a for a in CONTROL_SWEPT if a in arms or a == "mole"]:
+        for lr in cfg["lrs"]:
+            r = one(name, lr, 0, val, "val")
+            if r is not None:
+                sweep.setdefault(name, {})[lr] = _acc(r["items"])
+    picked = {n: pick_lr(v, prefer=None) for n, v in sweep.items() if len(v) == len(cfg["lrs"])}
+    if "mole" not in picked:
+        print("[control] the sweep is incomplete: no arm runs at a picked lr", flush=True)
+        return summarise_control(out_dir)
+    for seed in seeds:
+        for name in arms:
+            one(name, picked.get(name, picked["mole"]), seed, test, "test")
+    return summarise_control(out_dir)
+
+
+def summarise_control(out_dir):
+    """Summary of the positive control's result files that exist: the sweep (val accuracy per
+    arm and lr), and per test arm and seed the accuracy with its own images and with swapped
+    ones [95% CI], own minus swapped (paired bootstrap: > 0 with the CI above 0 = the arm leaves
+    the image-blind floor), the difference vs plain latents, the diagnostics; per arm the seed
+    mean. Writes {out_dir}/control.json; returns it."""
+    from eval.metrics import paired_bootstrap
+    sweep, res = {}, {}
+    for f in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        m = re.fullmatch(r"(val|test)_(.+)_lr([0-9.e-]+)_seed(\d+)\.json", f)
+        if not m:
+            continue
+        r = _json(os.path.join(out_dir, f))
+        if m.group(1) == "val":
+            sweep.setdefault(r["arm"], {})[f"{r['lr']:g}"] = _acc(r["items"])
+        else:
+            res[(r["arm"], r["seed"])] = r
+    corr = lambda r, k="correct": [float(x[k]) for x in r["items"]]
+    rows = []
+    for (name, seed), r in sorted(res.items(), key=lambda kv: (list(CONTROL_ARMS).index(kv[0][0]), kv[0][1])):
+        row = {"arm": name, "seed": seed, "lr": r["lr"], "steps": r["steps"], "train_s": r["train_s"],
+               "own": _ci_of(r["items"]), "swapped": _ci_of(r["items"], "correct_swapped"),
+               "own_minus_swapped": paired_bootstrap(corr(r), corr(r, "correct_swapped")),
+               "answer_ce": _ci_of(r["items"], "answer_ce") if "answer_ce" in r["items"][0] else None,
+               "ce_swapped_minus_own": paired_bootstrap(corr(r, "answer_ce_swapped"), corr(r, "answer_ce"))
+               if "answer_ce" in r["items"][0] else None,
+               "end_ce": sum(c for _, c in r["ce_log"][-10:]) / len(r["ce_log"][-10:])}
+        for k in ("latent_sim_x100", "attn_kl_x100", "routing_entropy", "grad_norms"):
+            row[k] = r.get(k)
+        ref = res.get(("plain_latent", seed))
+        if ref is not None and name != "plain_latent":
+            row["vs_plain"] = paired_bootstrap(corr(r), corr(ref))
+            if row["answer_ce"] is not None and "answer_ce" in ref["items"][0]:
+                row["ce_vs_plain"] = paired_bootstrap(corr(r, "answer_ce"), corr(ref, "answer_ce"))
+        rows.append(row)
+    claims, claims_ce, floor = {}, {}, {}
+    for name in CONTROL_ARMS:  # leaves the floor: own minus swapped images, per seed and seed-averaged
+        seeds = sorted(sd for (n, sd) in res if n == name)
+        if seeds:
+            a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)]) for sd in seeds))]
+            b = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)], "correct_swapped") for sd in seeds))]
+            m = two_level_bootstrap([corr(res[(name, sd)]) for sd in seeds],
+                                    [corr(res[(name, sd)], "correct_swapped") for sd in seeds])
+            d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+            m["sd"], m["mdd"] = float(d.std()), 2.8 * float(d.std()) / len(a) ** 0.5
+            floor[name] = {"per_seed": {str(sd): next(x["own_minus_swapped"] for x in rows if x["arm"] == name
+                                                      and x["seed"] == sd) for sd in seeds},
+                           "mean": m, "seeds": seeds}
+    for name in CONTROL_ARMS:
+        if name == "plain_latent":
+            continue
+        for key, row_key, into in (("correct", "vs_plain", claims), ("answer_ce", "ce_vs_plain", claims_ce)):
+            both = sorted(sd for (n, sd) in res if n == name and ("plain_latent", sd) in res
+                          and key in res[(n, sd)]["items"][0] and key in res[("plain_latent", sd)]["items"][0])
+            if not both:
+                continue
+            a = [sum(v) / len(v) for v in zip(*(corr(res[(name, sd)], key) for sd in both))]
+            b = [sum(v) / len(v) for v in zip(*(corr(res[("plain_latent", sd)], key) for sd in both))]
+            m = two_level_bootstrap([corr(res[(name, sd)], key) for sd in both],
+                                    [corr(res[("plain_latent", sd)], key) for sd in both])
+            d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+            m["sd"], m["mdd"] = float(d.std()), 2.8 * float(d.std()) / len(a) ** 0.5
+            into[name] = {"per_seed": {str(sd): next(x[row_key] for x in rows if x["arm"] == name
+                                                     and x["seed"] == sd) for sd in both},
+                          "mean": m, "seeds": both}
+    out = {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in CONTROL.items()},
+           "sweep_val_acc": sweep, "rows": rows, "floor": floor, "vs_plain": claims, "ce_vs_plain": claims_ce}
+    os.makedirs(out_dir, exist_ok=True)
+    data.atomic_write_text(os.path.join(out_dir, "control.json"), json.dumps(out, indent=1))
+    bars = [{"arm": r["arm"], "seed": r["seed"], "acc": {"value": r["own"]["acc"], "ci_low": r["own"]["ci_low"],
+                                                        "ci_high": r["own"]["ci_high"]}} for r in rows]
+    if bars:
+        bar_png(bars, "acc", os.path.join(out_dir, "control_acc.png"),
+                "positive control (stage 1, colour, answer only): test accuracy per arm and seed",
+                order=list(CONTROL_ARMS))
+    return out
+
+
+def control_markdown(summary):
+    """Markdown of the positive control (`summarise_control`): per arm and seed the accuracy with
+    own / swapped images, own minus swapped, vs plain latents, and the diagnostics; then the
+    seed-averaged comparison with plain latents and its verdict (`verdict`)."""
+    f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else ""
+    n = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"
+    h = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]" if v else "-"
+    out = ["| arm | seed | lr | acc, own image [CI] | acc, swapped image [CI] | own minus swapped [CI] | "
+           "vs plain latents [CI] | answer-word CE [CI] | CE swapped minus own [CI] | CE vs plain [CI] | "
+           "latent sim x100 | attn KL x100 | routing entropy / log E | grad norm latent / router / ESVA / LoRA |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        gn = r["grad_norms"] or {}
+        grads = " / ".join("-" if gn.get(k) is None else f"{gn[k]:.2g}" for k in ("latent", "router", "esva", "lora"))
+        out.append(f"| {r['arm']} | {r['seed']} | {r['lr']:g} | {f(r['own'])} | {f(r['swapped'])} | "
+                   f"{g(r['own_minus_swapped'])} | {g(r.get('vs_plain'))} | {h(r.get('answer_ce'))} | "
+                   f"{g(r.get('ce_swapped_minus_own'))} | {g(r.get('ce_vs_plain'))} | "
+                   f"{n(r['latent_sim_x100'])} | {n(r['attn_kl_x100'])} | {n(r['routing_entropy'], 3)} | {grads} |")
+    out += ["", "| claim | seeds | seed-averaged [95% CI] | MDD | verdict |", "|---|---|---|---|---|"]
+    for name, c in summary["vs_plain"].items():
+        out.append(f"| {name} minus plain latents | {','.join(map(str, c['seeds']))} | {g(c['mean'])} | "
+                   f"{c['mean']['mdd']:.3f} | {verdict(c)} |")
+    for name, c in summary.get("ce_vs_plain", {}).items():
+        out.append(f"| answer CE: {name} minus plain latents (lower is better) | {','.join(map(str, c['seeds']))} | "
+                   f"{g(c['mean'])} | {c['mean']['mdd']:.3f} | {verdict(c, -1)} |")
+    return "\n".join(out)
+
+
+def _verdict_words(cmp, sign=1):
+    """(words, criterion) of one comparison for the result rows: both are the one verdict rule's
+    word (`verdict`: two-level CI excludes 0 and every seed shares the sign)."""
+    v = verdict(cmp, sign)
+    return v, v
+
+
+def majority_per_form(recs):
+    """The image-blind answer to each record: the most frequent answer among the records of its
+    question form (the question with every object name, colour and size word replaced by "X";
+    ties to the answer seen first)."""
+    words = sorted(world.OBJECT_NAMES + list(world.COLOURS) + list(world.SIZE_WORDS.values()) + list(world.SHAPES),
+                   key=len, reverse=True)
+    pat = re.compile(r"\b(" + "|".join(map(re.escape, words)) + r")s?\b")
+    form = [pat.sub("X", r["question"]) for r in recs]
+    counts = {}
+    for f, r in zip(form, recs):
+        counts.setdefault(f, {}).setdefault(r["answer"], 0)
+        counts[f][r["answer"]] += 1
+    best = {f: max(c, key=c.get) for f, c in counts.items()}
+    return [best[f] for f in form]
+
+
+SHORT_LABELS = {"plain_latent": "plain latents", "mole": "MoLE", "no_router": "w/o router", "no_esva": "w/o ESVA"}
+ROW_LABELS = {"base": "base (untouched)", "sft": "SFT (LoRA, same data)", "plain_latent": "plain latents (8)",
+              "mole": "MoLE (E = S = 4, K = 2)", "no_router": "w/o router (and L_div)", "no_esva": "w/o ESVA",
+              "mole_random": "MoLE, latents random", "mole_shuffle": "MoLE, latents shuffled",
+              "mole_mask": "MoLE, latent KV masked"}
+
+
+def export_headroom(out_dir, results_dir, log_anchor):
+    """The size-family table's committed result files from `summarise_headroom(out_dir)`:
+    {results_dir}/headroom.json (eval.report rows: per row the seed-mean accuracy and each seed's,
+    kind "acc"; each HEADROOM_CLAIMS comparison, kind "claim", with its verdict) and
+    {results_dir}/headroom_per_question.json (per row and seed the per-item correctness on the
+    test items, in the test split's order, for a seed + item bootstrap)."""
+    from eval.metrics import bootstrap_ci
+    s = summarise_headroom(out_dir)
+    src = (f"python -m eval.toys.mole --part headroom --threads 1 (out/mole/headroom/results_headroom.json and "
+           f"the per-row files; --phase summary rebuilds it)")
+    rows = []
+    for r in s["rows"]:
+        lr = f"{r['lr']:g}" if r.get("lr") else "-"
+        seeds = ",".join(str(x) for x in r["seeds"] if x is not None) or "-"
+        rows.append({"kind": "acc", "row": r["row"], "label": ROW_LABELS.get(r["row"], r["row"]), "seed": "pooled",
+                     "lr": lr, "seeds": seeds,
+                     "value": r["mean"]["acc"], "ci_low": r["mean"]["ci_low"], "ci_high": r["mean"]["ci_high"],
+                     "per_seed": " / ".join(f"{v['acc']:.3f}" for v in r["per_seed"].values())})
+        for sd, v in r["per_seed"].items():
+            rows.append({"kind": "acc", "row": r["row"], "seed": sd, "lr": lr, "value": v["acc"],
+                         "ci_low": v["ci_low"], "ci_high": v["ci_high"], "n": v["n"]})
+    by = {r["row"]: r for r in s["rows"]}
+    for label, row, ref, sg in HEADROOM_CLAIMS:
+        c = by.get(row, {}).get(f"vs_{ref}")
+        if c is None:
+            rows.append({"kind": "claim", "claim": label, "verdict": "not run", "seeds": 0, "log": log_anchor})
+            continue
+        words, crit = _verdict_words(c, sg)
+        m = c["mean"]
+        lo, hi = sorted((sg * m["ci_low"], sg * m["ci_high"]))
+        rows.append({"kind": "claim", "claim": label, "verdict": words, "criterion_verdict": crit,
+                     "effect": f"{sg * m['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]", "mdd": m["mdd"],
+                     "seeds": len(c["seeds"]), "per_seed": "; ".join(
+                         f"{sg * d['diff']:+.3f}" for d in c["per_seed"].values()), "log": log_anchor})
+    hc = s.get("headroom_check") or {}
+    for what, v in [("base", hc.get("base"))] + [(f"sft lr {lr}", x) for lr, x in hc.get("sft", {}).items()]:
+        if v:
+            rows.append({"kind": "headroom_check", "row": what, "value": v["acc"], "ci_low": v["ci_low"],
+                         "ci_high": v["ci_high"], "n": v["n"]})
+    test_path = os.path.join(out_dir, "data", "test.json")
+    if os.path.exists(test_path):  # the image-blind reference: each question form's most frequent answer
+        test = data.read_llava_json(test_path)[: HEADROOM["n_test"]]
+        x = [float(r["answer"] == blind) for r, blind in zip(test, majority_per_form(test))]
+        lo, hi = bootstrap_ci(x)
+        rows.append({"kind": "acc", "row": "image_blind", "seed": "pooled", "lr": "-", "seeds": "-",
+                     "label": "each question form's most frequent answer (image-blind)",
+                     "value": sum(x) / len(x), "ci_low": lo, "ci_high": hi})
+    for n, v in s["sweep_val_acc"].items():
+        for lr, a in v.items():
+            rows.append({"kind": "sweep", "row": n, "lr": lr, "value": a, "picked": s["picked_lr"].get(n) == float(lr)})
+    os.makedirs(results_dir, exist_ok=True)
+    data.atomic_write_text(os.path.join(results_dir, "headroom.json"), json.dumps(
+        {"experiment": "MoLE two-stage table on the size family (headroom setting)", "source": src,
+         "config": s["config"], "picked_lr": s["picked_lr"], "rows": rows}, indent=1) + "\n")
+    per_q, ids = {}, None
+    for (name, lr) in [(r["row"], r.get("lr")) for r in s["rows"]]:
+        d = lr_dir(out_dir, lr) if lr else lr_dir(out_dir, TABLE_LR)
+        for f in sorted(os.listdir(d)):
+            m = re.fullmatch(re.escape(name) + r"_seed(\d+)\.json|base\.json" if name == "base" else
+                             re.escape(name) + r"_seed(\d+)\.json", f)
+            if m:
+                items = _json(os.path.join(d, f))["items"]
+                ids = ids or [x.get("id") for x in items]
+                per_q[f"{name}/seed{m.group(1)}" if m.group(1) else name] = [int(x["correct"]) for x in items]
+    data.atomic_write_text(os.path.join(results_dir, "headroom_per_question.json"), json.dumps(
+        {"experiment": "MoLE size-family table: per-question correctness (test items, in order) per row and seed",
+         "source": src, "rows": [{"arm": k, "accuracy": sum(v) / len(v), "n": len(v)} for k, v in per_q.items()],
+         "ids": ids, "correct": per_q}) + "\n")
+    return rows
+
+
+def export_control(out_dir, results_dir, log_anchor):
+    """The positive control's committed result files from `summarise_control(out_dir)`:
+    {results_dir}/control.json (eval.report rows: per arm and seed the accuracy with own and
+    swapped images, own minus swapped, vs plain latents and the diagnostics, kind "arm"; per
+    non-plain arm the seed-averaged comparison with plain latents, kind "claim") and
+    {results_dir}/control_per_question.json (per arm and seed the per-item correctness with own
+    and with swapped images, test items in order)."""
+    s = summarise_control(out_dir)
+    steps = sorted({r["steps"] for r in s["rows"]})
+    extra = "" if steps in ([], [CONTROL["steps"]]) else f" --steps {','.join(map(str, steps))} --out {out_dir}"
+    src = (f"python -m eval.toys.mole --part control --threads 1{extra} ({out_dir}/control.json; --phase summary "
+           f"rebuilds it)")
+    f = lambda v: f"{v['acc']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+    g = lambda d: f"{d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" if d else None
+    rows = []
+    for r in s["rows"]:
+        gn = r["grad_norms"] or {}
+        rows.append({"kind": "arm", "arm": r["arm"], "label": ROW_LABELS.get(r["arm"], r["arm"]), "seed": r["seed"], "lr": f"{r['lr']:g}", "steps": r["steps"],
+                     "own": f(r["own"]), "swapped": f(r["swapped"]), "own_minus_swapped": g(r["own_minus_swapped"]),
+                     "leaves_floor": r["own_minus_swapped"]["ci_low"] > 0, "vs_plain": g(r.get("vs_plain")),
+                     "value": r["own"]["acc"], "ci_low": r["own"]["ci_low"], "ci_high": r["own"]["ci_high"],
+                     "end_ce": round(r["end_ce"], 3), "latent_sim_x100": r["latent_sim_x100"],
+                     "answer_ce": f(r["answer_ce"]) if r.get("answer_ce") else None,
+                     "ce_swapped_minus_own": g(r.get("ce_swapped_minus_own")), "ce_vs_plain": g(r.get("ce_vs_plain")),
+                     "attn_kl_x100": r["attn_kl_x100"], "routing_entropy": r["routing_entropy"],
+                     "grad": " / ".join("-" if gn.get(k) is None else f"{gn[k]:.2g}"
+                                        for k in ("latent", "router", "esva", "lora")), **{f"grad_{k}": v for k, v in gn.items()}})
+    for name, c in s.get("floor", {}).items():
+        words, crit = _verdict_words(c)
+        m = c["mean"]
+        rows.append({"kind": "claim", "main": True, "claim": f"{SHORT_LABELS.get(name, name)} leaves the floor",
+                     "verdict": words, "criterion_verdict": crit, "effect": g(m), "mdd": m["mdd"],
+                     "seeds": len(c["seeds"]), "log": log_anchor})
+    for name, c in s["vs_plain"].items():
+        words, crit = _verdict_words(c)
+        m = c["mean"]
+        rows.append({"kind": "claim", "main": True, "claim": f"{SHORT_LABELS.get(name, name)} minus plain latents, accuracy",
+                     "verdict": words, "criterion_verdict": crit, "effect": g(m), "mdd": m["mdd"],
+                     "seeds": len(c["seeds"]), "log": log_anchor})
+    for name, c in s.get("ce_vs_plain", {}).items():  # secondary: lower answer-word CE is better (sign -1)
+        words, crit = _verdict_words(c, -1)
+        m = c["mean"]
+        rows.append({"kind": "claim", "main": False, "claim": f"{SHORT_LABELS.get(name, name)} minus plain latents, answer CE "
+                                               f"(lower is better; secondary)",
+                     "verdict": words, "criterion_verdict": crit, "effect": g(m) + " nats", "mdd": m["mdd"],
+                     "seeds": len(c["seeds"]), "log": log_anchor})
+    os.makedirs(results_dir, exist_ok=True)
+    data.atomic_write_text(os.path.join(results_dir, "control.json"), json.dumps(
+        {"experiment": f"MoLE stage-1 positive control (colour family, answer only, {'/'.join(map(str, steps))} steps)",
+         "source": src,
+         "config": s["config"], "sweep_val_acc": s["sweep_val_acc"], "rows": rows}, indent=1) + "\n")
+    per_q, ids = {}, None
+    for fn in sorted(os.listdir(out_dir)):
+        m = re.fullmatch(r"test_(.+)_lr([0-9.e-]+)_seed(\d+)\.json", fn)
+        if m:
+            items = _json(os.path.join(out_dir, fn))["items"]
+            ids = ids or [x.get("id") for x in items]
+            per_q[f"{m.group(1)}/seed{m.group(3)}"] = {"own": [int(x["correct"]) for x in items],
+                                                       "swapped": [int(x["correct_swapped"]) for x in items]}
+    data.atomic_write_text(os.path.join(results_dir, "control_per_question.json"), json.dumps(
+        {"experiment": "MoLE positive control: per-question correctness (test items, in order), own and swapped images",
+         "source": src, "rows": [{"arm": k, "accuracy": sum(v["own"]) / len(v["own"]), "n": len(v["own"])}
+                                 for k, v in per_q.items()], "ids": ids, "correct": per_q}) + "\n")
+    return rows
+
+
 # ----------------------------------------------------------------------------- position shift
 
 @torch.no_grad()
@@ -977,12 +1607,15 @@ def main(argv=None):
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--quick", action="store_true", help="main rows only, small budget (~3 CPU minutes)")
-    p.add_argument("--part", default="full", choices=("full", "bottleneck", "shift"),
-                   help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md)")
+    p.add_argument("--part", default="full", choices=("full", "bottleneck", "shift", "headroom", "control"),
+                   help="full: the two-stage table; bottleneck: the stage-1 bottleneck experiment (mole/README.md); "
+                        "headroom: the two-stage table on the size family (--phase check: only the headroom check); "
+                        "control: the stage-1 positive control (eval/logs/mole.md)")
     p.add_argument("--seeds", default="", help="comma-separated seeds (full: default 0,1; bottleneck: default 0,1,2)")
-    p.add_argument("--arms", default="", help="bottleneck: comma-separated arms (default all)")
+    p.add_argument("--arms", default="", help="bottleneck, headroom, control: comma-separated arms (default all)")
     p.add_argument("--phase", default="all",
-                   choices=("all", "sweep", "main", "summary", "image", "long", "lr", "lr-summary", "lr-fixed", "data"),
+                   choices=("all", "sweep", "main", "summary", "image", "long", "lr", "lr-summary", "lr-fixed", "data",
+                            "check"),
                    help="bottleneck: lr sweep only, main runs only (sweeps must exist), both, or only summarise "
                         "the result files that exist (summary also for the full table); full: lr = the table "
                         "with a per-row lr picked on a validation split (sweep, then --seeds in that order, "
@@ -991,7 +1624,12 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=None, help="--phase lr-fixed: the learning rate of every row")
     p.add_argument("--rows", default="", help="--phase lr-fixed: comma-separated main rows (sft, sft_placeholders, "
                                               "plain_latent, mole)")
-    p.add_argument("--stop-at", default=None, help="--phase lr: UTC time HH:MM after which no new training starts")
+    p.add_argument("--stop-at", default=None, help="--phase lr, --part headroom / control: UTC time HH:MM after which no new training starts")
+    p.add_argument("--steps", type=number(min=1), default=None,
+                   help="--part control: training steps (default 300); use another --out for another length")
+    p.add_argument("--results", default=None,
+                   help="--part headroom / control --phase summary: also write the committed result files "
+                        "(eval.report format) into this folder, e.g. eval/results/mole")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
@@ -1005,6 +1643,33 @@ def main(argv=None):
         res = position_shift(dd, base=a.model)
         data.atomic_write_text(os.path.join(out, "position_shift.json"), json.dumps(res, indent=1))
         print(json.dumps(res, indent=1))
+        return
+    if a.part in ("headroom", "control"):
+        out = a.out if a.out != "out/mole" else f"out/mole/{a.part}"
+        dd = a.data if a.data != "out/data" else os.path.join(out, "data")
+        allowed = ("all", "check", "summary") if a.part == "headroom" else ("all", "summary")
+        if a.phase not in allowed:
+            p.error(f"--part {a.part} takes --phase {', '.join(allowed)}, got {a.phase}")
+        if a.stop_at and not re.fullmatch(r"[0-2]\d:[0-5]\d", a.stop_at):
+            p.error(f"--stop-at takes a UTC time HH:MM, got {a.stop_at!r}")
+        seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None
+        if a.results and a.phase != "summary":
+            p.error("--results goes with --phase summary")
+        if a.results:  # the committed result files (eval/results/mole/), from the files that exist
+            export = export_control if a.part == "control" else export_headroom
+            export(out, a.results, HEADROOM_LOG)
+        if a.part == "control":
+            s = summarise_control(out) if a.phase == "summary" else run_control(
+                dd, out, base=a.model, threads=threads, seeds=seeds, arms=a.arms.split(",") if a.arms else None,
+                stop_at=a.stop_at, steps=a.steps)
+            print(control_markdown(s))
+            return
+        if a.phase == "summary":
+            s = summarise_headroom(out)
+        else:
+            s = run_headroom(dd, out, base=a.model, threads=threads, seeds=seeds or (0, 1, 2), stop_at=a.stop_at,
+                             phase=a.phase, arms=a.arms.split(",") if a.arms else None)
+        print(json.dumps(s, indent=1) if a.phase == "check" else lr_markdown(s, HEADROOM_CLAIMS))
         return
     if a.part == "bottleneck":
         out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
