@@ -3,6 +3,21 @@ import hashlib
 import os
 
 import pytest
+import torch
+
+
+def tol(dtype, depth, scale=1.0):
+    """Absolute tolerance between two computations of one quantity in `dtype` that differ only in
+    rounding (another kernel or summation order: a cached against a full path, one CPU capability
+    against another): depth * eps(dtype) * scale.
+
+    depth: rounding steps in series, a reduction of n terms counting n (the worst-case bound of a
+    length-n sum is n u sum|terms| with unit roundoff u = eps / 2; both sides round, hence eps);
+    scale: the magnitude the errors are relative to, e.g. sum |a_i b_i| of a dot product or the
+    largest |value| of the compared tensor. A worst-case bound, not one machine's rounding: it
+    holds under ATEN_CPU_CAPABILITY avx512, avx2 and default alike. Where the depth of a whole
+    model is unknowable, compare against a float64 reference instead."""
+    return depth * torch.finfo(dtype).eps * float(scale)
 
 
 def snapshot(root):

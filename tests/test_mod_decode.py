@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from common import shapes
 from common.backbone import build_tiny
+from helpers import tol
 from mod import model as mm
 from mod.model import AdapterConfig, MoDLinear, RoutingContext, adapter_layers, attach
 
@@ -142,3 +143,43 @@ def test_fused_decode_weights_follow_parameter_updates():
         ref.load_state_dict(layer.state_dict())
         torch.testing.assert_close(b, ref(torch.cat([x, x], 1))[:, :1], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(shared_router=True), dict(method="moelora")])
+def test_near_tied_router_rows_route_by_logits_alike_in_cached_and_full_decoding(kw):
+    """eq. 3 is TopK of the logits. Router rows 1e-7 apart (0.02 + 1e-7 * a permutation of 0..E-1,
+    another permutation per input coordinate) and tokens 0.25 * one-hot: every logit is one product
+    (0.005 + 2.5e-8 * rank), the same bits in the full and the cached path. Their fp32 softmax
+    probabilities (~1/E, ulp 1.5e-8) tie at that distance; both paths must still pick the top-r by
+    logit, in logit order (hand-computed from the permutations). Ranking the full path by
+    probabilities picked tied experts by index instead and disagreed with the decoding step."""
+    E, r, din, L, S = 8, 3, 8, 5, 19
+    cfg = AdapterConfig(num_experts=E, r=r, window=1, granularity="token", **kw)
+    g = torch.Generator().manual_seed(0)
+    perms = torch.stack([torch.randperm(E, generator=g) for _ in range(din)], 1)   # [E, din]: rank of e at k
+    ctx, ref_ctx = RoutingContext(), RoutingContext()
+    layer = MoDLinear(nn.Linear(din, 6), cfg, ctx).eval()
+    with torch.no_grad():
+        for n, p in layer.named_parameters(recurse=False):
+            p.copy_(0.02 + 1e-7 * perms.float() if n.startswith("router") else torch.randn(p.shape, generator=g))
+    ref = MoDLinear(nn.Linear(din, 6), cfg, ref_ctx).eval()
+    ref.load_state_dict(layer.state_dict())
+    layer.name = ref.name = "layer"
+    k = torch.arange(L + S) % din                                        # token t is one-hot at k[t]
+    x = 0.25 * torch.nn.functional.one_hot(k, din).float()[None]      # logits 0.005 + 2.5e-8 * rank: exact
+    want_idx = perms[:, k].T.argsort(-1, descending=True)[:, :r]         # [L+S, r]: eq. 3 by hand
+    with torch.no_grad():
+        ref_ctx.record = ctx.record = True
+        want = ref(x)
+        ctx.continuing = False
+        got = [layer(x[:, :L])]
+        for t in range(L, L + S):
+            ctx.continuing = True
+            got.append(layer(x[:, t:t + 1]))
+    full_a, full_b = ref_ctx.trace[0][1][0], ref_ctx.trace[0][2][0]      # [L+S, r]
+    cached_a = torch.cat([tr[1].reshape(-1, r) for tr in ctx.trace])
+    cached_b = torch.cat([tr[2].reshape(-1, r) for tr in ctx.trace])
+    assert torch.equal(full_a, want_idx) and torch.equal(full_b, want_idx)
+    assert torch.equal(cached_a, want_idx) and torch.equal(cached_b, want_idx)
+    # outputs: the same gates mixed by other kernels (a din-term dot, an E-term mix, the add to the base)
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=0, atol=tol(torch.float32, din + E + 1, want.abs().max()))
