@@ -315,17 +315,17 @@ class RoutingWindow:
         self.cache = (ring, n_seen)
 
 
-def topr_gates(logits, r, pools=1):
+def topr_gates(logits, r):
     """MoD's eq. 3-4 for the full and the decoding path alike: top-r experts ranked by their
     router logits and their renormalised gates.
 
-    logits: [..., P*E] fp32, P pools side by side (P = 2: A then B for dual routing; 1 for a
+    logits: [..., P, E] fp32, one row per router pool (P = 2: A and B of dual routing; 1 for a
     shared router or MoE-LoRA). Returns idx long [..., P, r] (eq. 3: TopK of the logits, largest
     first) and gates fp32 [..., P, r] = softmax(l)[I] / sum(softmax(l)[I]), computed as the
     softmax over the r kept logits (eq. 4; the same value, without the softmax over all E).
     Ranking by logits, not by probabilities, keeps near-ties apart: two logits 1e-7 apart can
     round to the same fp32 probability, and then the index order, not the router, would decide."""
-    vals, idx = logits.unflatten(-1, (pools, -1)).topk(r, dim=-1)
+    vals, idx = logits.topk(r, dim=-1)
     return idx, vals.softmax(-1)
 
 
@@ -428,13 +428,14 @@ class MoDLinear(nn.Module):
         if self.training and cfg.noise_std > 0:
             logits = logits + cfg.noise_std * torch.randn_like(logits)
         P = self.pools
-        idx, g = topr_gates(logits, cfg.r, P)                           # [B,T,P,r] each (eq. 3-4)
+        logits = logits.unflatten(-1, (P, -1))                          # [B,T,P,E]
+        idx, g = topr_gates(logits, cfg.r)                              # [B,T,P,r] each (eq. 3-4)
         ia, ib = idx[..., 0, :], idx[..., P - 1, :]
         # softmax over all experts: only the aux loss (eq. 9, training) reads it
-        probs = logits.unflatten(-1, (P, -1)).softmax(-1) if self.training else None   # [B,T,P,E]
+        probs = logits.softmax(-1) if self.training else None           # [B,T,P,E]
         pa, pb = (None, None) if probs is None else (probs[..., 0, :], probs[..., P - 1, :])
         if cfg.method == "moelora":
-            w = torch.zeros(*logits.shape[:-1], cfg.num_experts, device=x.device).scatter_(-1, ia, g[..., 0, :])
+            w = torch.zeros_like(logits[..., 0, :]).scatter_(-1, ia, g[..., 0, :])   # [B,T,E] gate per expert
             z = (x @ self.lora_A.T).unflatten(-1, (cfg.num_experts, cfg.expert_rank))  # [B,T,E,k]
             h = (z * w.to(x.dtype)[..., None]).flatten(-2) @ self.lora_B.T  # [B,T,out]
             self._bookkeeping(pa, ia, pa, ia)
@@ -485,8 +486,8 @@ class MoDLinear(nn.Module):
         logits, z = y.split_with_sizes([P * E, y.shape[-1] - P * E], -1)
         if self.window.W > 1:
             logits = self.window.step(logits)                           # the routing window, from its ring
-        idx, g = topr_gates(logits.view(B, P * E), cfg.r, P)           # [B, P, r], ranked (eq. 3-4)
-        ia, ib = idx[:, 0], idx[:, P - 1]
+        idx, g = topr_gates(logits.view(B, P, E), cfg.r)               # [B, P, r], ranked (eq. 3-4)
+        ia, ib = (idx[:, 0], idx[:, 0]) if P == 1 else idx.unbind(1)
         if ctx.record:
             self._bookkeeping(None, ia[:, None], None, ib[:, None])
         if cfg.method == "moelora":

@@ -32,7 +32,7 @@ class LoopMoD(nn.Module):
         m, cfg = self.m, self.m.cfg
         out = m.base_layer(x)
         logits = m.router_logits(x)
-        idx, gates = topr_gates(logits, cfg.r, 2)
+        idx, gates = topr_gates(logits.unflatten(-1, (2, -1)), cfg.r)
         ia, ib = idx[..., 0, :], idx[..., 1, :]
         g = combine_gates(gates, "sqrt_product").to(x.dtype).flatten(0, -2)  # [N, r]
         xf, ia, ib = x.flatten(0, -2), ia.flatten(0, -2), ib.flatten(0, -2)
