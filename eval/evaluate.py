@@ -35,6 +35,7 @@ from collections import Counter
 import torch
 
 from common.backbone import generate, load_backbone
+from common.cli import add_device_args, load_kwargs
 from common.cli import Deprecated, RunError, add_limit, add_threads, check_out_file, number, run_cli, set_threads
 from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
                          check_support, expand_turns, load_image, read_any)
@@ -270,9 +271,7 @@ def main(argv=None):
                    help="generation budget (the shapes models need ~40 tokens: scene, then answer)")
     p.add_argument("--loglik", action=argparse.BooleanOptionalAction, default=True,
                    help="also score multiple-choice records by option log-likelihood")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="model dtype (auto: the checkpoint's own)")
+    add_device_args(p, device_map=True)
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow checkpoint-shipped code (off by default: it executes code from the checkpoint)")
     p.add_argument("--out", default=None, help="output JSON (default out/eval/<model>_<data>.json)")
@@ -333,8 +332,7 @@ def main(argv=None):
 def _run(a, records, name, log):
     """The model part of `main`: (report rows, loglik results, results, {pope, anls, benchmarks})."""
     t0 = time.time()
-    dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
-    model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code)
+    model, proc = load_backbone(a.model, **load_kwargs(a), trust_remote_code=a.trust_remote_code)
     results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}", log=log)
     rows = family_rows(name, results)
     ref = a.reference or reference_split(a.data)
