@@ -20,6 +20,19 @@ def tol(dtype, depth, scale=1.0):
     return depth * torch.finfo(dtype).eps * float(scale)
 
 
+def decoder_depth(config, positions, adapter=0):
+    """`tol`'s depth for one logit of a decoder-only transformer (config: a transformers config;
+    its text config is read): per layer the q/k/v projection (hidden), the attention scores
+    (head_dim) and their weighted sum over `positions`, o_proj (heads * head_dim), the MLP (hidden
+    + intermediate) and `adapter` for each of the two adapted projections in series (q/k/v, then
+    o_proj: e.g. in_features + num_experts for MoD); then lm_head (hidden)."""
+    c = config.get_text_config()
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    layer = c.hidden_size + hd + positions + c.num_attention_heads * hd + c.hidden_size + inter + 2 * adapter
+    return c.num_hidden_layers * layer + c.hidden_size
+
+
 def snapshot(root):
     """{relative path: sha1} of every file under root ({} if it does not exist)."""
     out = {}
