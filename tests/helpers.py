@@ -33,6 +33,32 @@ def decoder_depth(config, positions, adapter=0):
     return c.num_hidden_layers * layer + c.hidden_size
 
 
+def mod_layer_tol(layer, x):
+    """`tol` for an output of a MoD / MoE-LoRA / LoRA layer (mod.model.MoDLinear) on input x [..., in]
+    computed two ways in fp32: the base term (a length-in dot, scale sum |x_i w_i| + |bias|), the
+    adapter term (z = A x of length in, gates, the mix of E rows: depth in + E + 1, scale
+    alpha/r * sum_e |A_e . x| * max|B|, gates <= 1) and the gates' own error, which moves the adapter
+    term by its scale times the router logits' absolute error (a length-in dot and a W-token
+    mean, scale sum |x_i w_gi|): d softmax / d logit <= 1."""
+    base, cfg = layer.base_layer, layer.cfg
+    xa = x.detach().abs().float()
+    s_base = (xa @ base.weight.detach().abs().float().T).max().item()
+    s_base += 0.0 if base.bias is None else base.bias.detach().abs().max().item()
+    din = base.in_features
+    out = tol(torch.float32, din + 1, s_base)
+    if cfg.method == "mod":
+        A, B = layer.A, layer.B
+    else:
+        A, B = layer.lora_A, layer.lora_B.T
+    s_ad = layer.scaling * (xa @ A.detach().abs().T).sum(-1).max().item() * B.detach().abs().max().item()
+    out += tol(torch.float32, din + A.shape[0] + 1, s_ad)
+    if cfg.method != "lora":
+        routers = [layer.router] if cfg.method == "moelora" else [layer.router_A, layer.router_B]
+        s_route = max((xa @ w.detach().abs().T).max().item() for w in routers if w is not None)
+        out += tol(torch.float32, din + cfg.route_window, s_route) * s_ad
+    return out
+
+
 def snapshot(root):
     """{relative path: sha1} of every file under root ({} if it does not exist)."""
     out = {}
