@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from common import shapes
 from common.backbone import build_tiny
-from helpers import mod_layer_tol
+from helpers import mod_layer_tol, tol
 from mod import model as mm
 from mod.model import AdapterConfig, MoDLinear, RoutingContext, adapter_layers, attach
 
@@ -182,3 +182,19 @@ def test_near_tied_router_rows_route_by_logits_alike_in_cached_and_full_decoding
     assert torch.equal(full_a, want_idx) and torch.equal(full_b, want_idx)
     assert torch.equal(cached_a, want_idx) and torch.equal(cached_b, want_idx)
     torch.testing.assert_close(torch.cat(got, 1), want, rtol=0, atol=mod_layer_tol(layer, x))
+
+
+def test_topr_and_combined_gates_by_hand():
+    """eq. 3-5 on one token: A logits (3, 1, 2, 0) keep experts 0, 2 with gates softmax(3, 2) =
+    (e, 1) / (e + 1); B logits (0, 1, 5, 2) keep 2, 3 with softmax(5, 2) = (e^3, 1) / (e^3 + 1)."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 1.0, 5.0, 2.0]])
+    idx, g = mm.topr_gates(logits, 2)
+    assert idx.tolist() == [[0, 2], [2, 3]]
+    e = torch.e
+    ga, gb = torch.tensor([e, 1.0]) / (e + 1), torch.tensor([e ** 3, 1.0]) / (e ** 3 + 1)
+    torch.testing.assert_close(g, torch.stack([ga, gb]), rtol=0, atol=tol(torch.float32, 2, 1.0))
+    want = {"sqrt_product": (ga * gb).sqrt(), "product": ga * gb, "mean": (ga + gb) / 2}
+    for combine, w in want.items():
+        torch.testing.assert_close(mm.combine_gates(g, combine), w, rtol=0, atol=tol(torch.float32, 4, 1.0))
+        shared = ga.square() if combine == "product" else ga                # shared router: g_A = g_B
+        torch.testing.assert_close(mm.combine_gates(g[:1], combine), shared, rtol=0, atol=tol(torch.float32, 4, 1.0))
