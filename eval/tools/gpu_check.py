@@ -17,7 +17,7 @@ Checks, each reported as ok / skipped / failed with its figures:
   ddp            a 1-process `torchrun` DDP run of mod.train (2 steps)
   pipelines      each method's pipeline through its entry points (their `main`, what `python -m` runs), with
                  `--device` (and `--dtype bfloat16` wherever a model is loaded for inference; the trainers
-                 train under bf16 autocast on CUDA) on random-init bases of hidden `--width` (2 layers):
+                 train under bf16 autocast on CUDA; float32 on CPU) on random-init bases of hidden `--width`:
                  mod.data -> mod.train -> mod.infer (Qwen2.5-VL); mole.train -> mole.infer -> mole.diagnostics
                  (Qwen2.5-VL); rolemerge.calibrate -> rolemerge.merge -> rolemerge.infer -> eval.evaluate
                  (Qwen3-VL-MoE). Seconds per command.
@@ -203,7 +203,9 @@ def pipeline_commands(device, tmp, steps, dense, moe):
     j = lambda *p: os.path.join(tmp, *p)
     train, test = j("data", "train.json"), j("data", "test.json")
     dev = ["--device", str(device), "--threads", "1" if device.type == "cpu" else "0"]
-    bf = dev + ["--dtype", "bfloat16"]
+    # bf16 inference on CUDA; float32 on CPU, where torch's bf16 attention needs AVX-512 (under
+    # ATEN_CPU_CAPABILITY=avx2 / default, sdpa raises "pack_vnni2 is only supported when avx512 is supported")
+    bf = dev + ["--dtype", "bfloat16" if device.type == "cuda" else "float32"]
     return [
         ("mod.data", ["--model", dense, "--data", train, "--out", j("vs.json"), "--k", "2", "--limit", "4",
                       "--max-new-tokens", "8", *bf]),
