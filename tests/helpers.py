@@ -59,6 +59,18 @@ def mod_layer_tol(layer, x):
     return out
 
 
+def bf16_cpu_attention():
+    """True when torch's bfloat16 scaled_dot_product_attention runs on this CPU. torch 2.13 needs
+    AVX-512 for it from 64 positions on: under ATEN_CPU_CAPABILITY=avx2 or default it raises
+    "pack_vnni2 is only supported when avx512 is supported" (forward and backward alike)."""
+    q = torch.zeros(1, 1, 64, 32, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError:
+        return False
+    return True
+
+
 def snapshot(root):
     """{relative path: sha1} of every file under root ({} if it does not exist)."""
     out = {}
