@@ -17,6 +17,8 @@ import signal
 import sys
 from contextlib import contextmanager
 
+import torch
+
 from common.checkpoint import read_state
 from common.tiny import TINY, TINY_DIR
 
@@ -169,6 +171,39 @@ def add_threads(p):
                    help="torch CPU threads (default: 1 for the tiny bases, which run about as fast on one thread "
                         "idle and ~10x faster than torch's default on a busy machine; for a real checkpoint every "
                         "core this process may use; 0 = torch's own default)")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_device_args(p, device_map=False):
+    """Add `--device` and `--dtype` (with device_map=True also `--device-map`) to an argparse parser:
+    the same names, choices, defaults and help in every entry point that loads a model. Turn the
+    parsed values into the loader's keyword arguments with `load_kwargs`.
+
+    --device: a torch device string (cpu, cuda, cuda:1, ...); default cuda when torch sees a GPU,
+    else cpu. --dtype: the weights' dtype, auto = the checkpoint's own. --device-map auto: spread a
+    model too large for one device over the visible GPUs (and CPU memory) with accelerate, as
+    transformers' `from_pretrained(device_map="auto")` does; --device is then not used."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device the model runs on: cpu, cuda, cuda:1, ... (default: cuda when a GPU is "
+                        "available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="dtype of the model weights (default auto: the checkpoint's own)")
+    if device_map:
+        p.add_argument("--device-map", default=None, choices=["auto"],
+                       help="auto: spread a model too large for one device over every visible GPU (and CPU "
+                            "memory) with accelerate (pip install accelerate); --device is then not used "
+                            "(default: the whole model on --device)")
+
+
+def load_kwargs(args):
+    """The parsed `add_device_args` flags as keyword arguments of the model loaders
+    (`common.backbone.load_backbone`, `rolemerge.calibrate.load_model`): {"dtype": a torch dtype,
+    or None for auto (the checkpoint's own), "device": str, "device_map": "auto" or None (None
+    where the entry point has no --device-map)}."""
+    return {"dtype": None if args.dtype == "auto" else getattr(torch, args.dtype), "device": args.device,
+            "device_map": getattr(args, "device_map", None)}
 
 
 def _small_checkpoint(path, max_hidden=512):

@@ -101,16 +101,20 @@ def _rank_sums(x, mask):
     """Shared machinery of window/region means.
 
     Returns (rank [B,T] long = number of non-pad tokens up to and including t,
-    S [B,T+1,D] fp32 with S[:, j] = sum of the first j non-pad inputs)."""
+    S [B,T+1,D] with S[:, j] = sum of the first j non-pad inputs, in float64 (float32 on MPS,
+    which has no float64)). A window mean is a difference of two prefix sums: summed in fp32, its
+    rounding error would grow with the prefix (t eps sum|x|, not W eps), so a long context would
+    route on noise that the W-token ring of cached decoding does not have."""
     B, T, D = x.shape
+    acc = torch.float32 if x.device.type == "mps" else torch.float64
     m = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask.to(x.device).bool()
-    xf = x.float() * m[..., None]
+    xf = x.to(acc) * m[..., None]
     cs = xf.cumsum(1)  # [B,T,D] running sum over positions
     rank = m.long().cumsum(1)  # [B,T]
     # S[:, rank[t]] = cs[:, t] at non-pad t (the sum after that many real tokens); S[:, 0] = 0.
     # Pad positions write to the slot T (a dump slot) so they never overwrite a real entry.
     slot = torch.where(m, rank, torch.full_like(rank, T + 1))
-    S = x.new_zeros(B, T + 2, D, dtype=torch.float32)
+    S = x.new_zeros(B, T + 2, D, dtype=acc)
     S.scatter_(1, slot[..., None].expand(B, T, D), cs)
     return rank, S[:, :T + 1]
 
@@ -131,7 +135,7 @@ def window_mean(x, W, mask=None):
     x: [B, T, D]; W: window size >= 1 (W = 1 returns x at non-pad positions);
     mask: [B, T] bool/0-1 or None. At a pad position the value is the mean of the window
     ending at the previous real token (zeros before the first one); it is never used.
-    Returns [B, T, D] in x's dtype (sums in fp32). Raises ValueError if W < 1."""
+    Returns [B, T, D] in x's dtype (sums in float64, see `_rank_sums`). Raises ValueError if W < 1."""
     if W < 1:
         raise ValueError(f"window size W must be >= 1, got {W}")
     rank, S = _rank_sums(x, mask)

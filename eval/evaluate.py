@@ -41,6 +41,7 @@ from collections import Counter
 import torch
 
 from common.backbone import TEXT_LMS, checkpoint_model_type, generate, load_backbone
+from common.cli import add_device_args, load_kwargs
 from common.cli import (Deprecated, RunError, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number,
                         run_cli, set_threads)
 from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
@@ -285,9 +286,7 @@ def main(argv=None):
                    help="generation budget (the shapes models need ~40 tokens: scene, then answer)")
     p.add_argument("--loglik", action=argparse.BooleanOptionalAction, default=True,
                    help="also score multiple-choice records by option log-likelihood")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="model dtype (auto: the checkpoint's own)")
+    add_device_args(p, device_map=True)
     p.add_argument("--prompt-settings", default="lmms-eval", choices=["lmms-eval", "checkpoint"],
                    help="lmms-eval: lmms-eval's system turn and image size bounds for the families it ships "
                         "(Qwen2.5-VL); checkpoint: the checkpoint's own chat template and image processor as saved")
@@ -358,9 +357,7 @@ def main(argv=None):
 def _run(a, records, name, log):
     """The model part of `main`: (report rows, loglik results, results, {pope, anls, benchmarks})."""
     t0 = time.time()
-    dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
-    model, proc = load_backbone(a.model, dtype=dtype, device=a.device, trust_remote_code=a.trust_remote_code,
-                                text_lms=True)
+    model, proc = load_backbone(a.model, **load_kwargs(a), trust_remote_code=a.trust_remote_code, text_lms=True)
     settings = apply_prompt_settings(model, proc, a.prompt_settings)
     results = evaluate(model, proc, records, a.batch_size, a.max_new_tokens, desc=f"eval {name}", log=log)
     rows = family_rows(name, results)

@@ -48,6 +48,8 @@ import os
 import sys
 import time
 
+from common.cli import add_device_args, load_kwargs
+
 LM_EVAL_VERSION = "0.4.13"
 TEXT3 = ("arc_easy", "piqa", "winogrande")
 METRICS = {"arc_easy": ("acc", "acc_norm"), "piqa": ("acc", "acc_norm"), "winogrande": ("acc",)}
@@ -241,7 +243,7 @@ def local_task_yaml(harness_yaml, name, data_file):
 
 # ----------------------------------------------------------------------------- loading a checkpoint
 
-def load_lm(path, dtype=None, device="cpu", trust_remote_code=False):
+def load_lm(path, dtype=None, device="cpu", trust_remote_code=False, device_map=None):
     """(model in eval mode, tokenizer) of a local checkpoint for text scoring:
     `AutoModelForCausalLM` when transformers maps the config to one, else
     `AutoModelForImageTextToText` (Qwen-VL families: called on text alone). path: a
@@ -274,9 +276,10 @@ def load_lm(path, dtype=None, device="cpu", trust_remote_code=False):
     else:
         raise HarnessError(f"{path}: model_type {config.model_type!r} has neither a causal-LM nor an "
                            f"image-text-to-text class in transformers")
-    model = cls.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True)
+    model = cls.from_pretrained(path, dtype=dtype, device_map=device_map, trust_remote_code=trust_remote_code,
+                                use_safetensors=True)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model.to(device).eval(), tok
+    return (model if device_map is not None else model.to(device)).eval(), tok
 
 
 # ----------------------------------------------------------------------------- the harness side (imports lm-eval)
@@ -415,9 +418,7 @@ def main(argv=None):
     p.add_argument("--limit", type=number(min=0), default=DEFAULT_LIMIT,
                    help="first N documents of each task (0 = all; the paper: 1000)")
     p.add_argument("--batch-size", type=number(min=1), default=16, help="requests per forward")
-    p.add_argument("--device", default=None, help="torch device (default cuda if available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="model dtype (auto: the checkpoint's own; the paper ran Qwen3-VL in bfloat16)")
+    add_device_args(p, device_map=True)
     p.add_argument("--include-path", default=None, help="a folder of extra task YAMLs for the harness")
     p.add_argument("--out", default=None, help="result JSON (default out/lm_harness/<model>_text3.json)")
     p.add_argument("--overwrite", action="store_true", help="start over when --out holds a run")
@@ -435,8 +436,7 @@ def main(argv=None):
     if lm_eval.__version__ != LM_EVAL_VERSION:
         print(f"note: lm-eval {lm_eval.__version__} is installed; the task definitions this was checked against are "
               f"{LM_EVAL_VERSION}'s (the result file records the version used)", file=sys.stderr)
-    import torch
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = a.device
     set_threads(a.threads, a.model)
     settings = {"model": a.model, "limit": a.limit or None, "dtype": a.dtype, "lm_eval": lm_eval.__version__,
                 "num_fewshot": 0, "tasks": tasks}
@@ -450,8 +450,7 @@ def main(argv=None):
     if not todo:
         print(f"{out} already holds {', '.join(tasks)}; nothing to do (--overwrite starts over)")
         return rows
-    model, tok = load_lm(a.model, None if a.dtype == "auto" else getattr(torch, a.dtype), device,
-                         a.trust_remote_code)
+    model, tok = load_lm(a.model, **load_kwargs(a), trust_remote_code=a.trust_remote_code)
     lm = harness_lm(model, tok, a.batch_size, device)
     source = "python -m eval.lm_harness " + " ".join(sys.argv[1:] if argv is None else argv)
     for task in todo:

@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from common.cli import Deprecated, add_limit, add_threads, number, run_cli, set_threads
+from common.cli import add_device_args, load_kwargs
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
 from common.data import DataError, atomic_write_text, check_support, check_training_records, load_image, read_records
 from common.answers import final_answer, is_correct  # noqa: F401  (mod.infer scores with it)
@@ -174,6 +175,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=number(min=1), default=64, help="length cap of each sampled response")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling and mixing")
     add_threads(p)
+    add_device_args(p)
     args = p.parse_args(argv)
     set_threads(args.threads, args.model)
     if args.min_priors > args.max_priors:
@@ -192,7 +194,7 @@ def run(args):
     records = load_records(args.data, args.image_root, "mod.data", multi_turn=False,
                            skip_bad=args.skip_bad)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # fail before the sampling
-    model, proc = load_backbone(args.model)
+    model, proc = load_backbone(args.model, **load_kwargs(args))
     samples = sample_responses(model, proc, records, args.k, args.temperature, args.batch_size,
                                args.max_new_tokens, args.seed)
     pools, n_gold = build_pools(records, samples)

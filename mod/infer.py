@@ -31,6 +31,7 @@ import torch
 
 from common.backbone import generate
 from common.cli import add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli, set_threads
+from common.cli import add_device_args, load_kwargs
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher
 from common.predictions import PredictionLog
 from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
@@ -370,7 +371,7 @@ def main(argv=None):
     add_limit(p, what="questions")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=96, help="cap per generated response")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
+    add_device_args(p)
     p.add_argument("--heatmap", default="", help="write a per-family router-A heatmap PNG here (needs --adapter)")
     p.add_argument("--out", default="", help="write summaries + per-question results as JSON here")
     p.add_argument("--resume", action="store_true",
@@ -434,10 +435,10 @@ def _run_methods(args, methods, records, log):
     from common.backbone import load_backbone
     from common.data import atomic_write_text
     from mod.model import load_adapters
-    base, proc = load_backbone(args.model, device=args.device)
+    base, proc = load_backbone(args.model, **load_kwargs(args))
     tuned = None
     if args.adapter:
-        tuned, _ = load_backbone(args.model, device=args.device)
+        tuned, _ = load_backbone(args.model, **load_kwargs(args))
         load_adapters(tuned, args.adapter)  # refuses adapters trained on another base
         tuned.eval()
     bs, mnt = args.batch_size, args.max_new_tokens

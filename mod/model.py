@@ -9,7 +9,7 @@ Every target `nn.Linear` (q/k/v/o of the language model by default) becomes
 
     x_route = mean of the last W inputs (causal, padding excluded)           # eq. 1, "momentum switching"
     l_A = W_A x_route,  l_B = W_B x_route                                     # eq. 2, dual routers
-    I_A = topk(l_A, r), I_B = topk(l_B, r)                                    # eq. 3
+    I_A = topk(l_A, r), I_B = topk(l_B, r)                                    # eq. 3, ranked by logit
     g_A = softmax(l_A)[I_A] / sum(...), g_B likewise                         # eq. 4, fp32
     g = sqrt(g_A * g_B)                                                       # eq. 5 (pairs j-th A with j-th B)
     h_MoD = sum_j g_j * (A[I_A_j] . x) * B[I_B_j]                            # rank-1 experts A [E,in], B [E,out]
@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from common.routing import load_balance_loss, region_mean, topk_gates, window_mean
+from common.routing import load_balance_loss, region_mean, window_mean
 
 METHODS = ("mod", "lora", "moelora")
 GRANULARITIES = ("token", "region", "window")
@@ -315,6 +315,36 @@ class RoutingWindow:
         self.cache = (ring, n_seen)
 
 
+def topr_gates(logits, r):
+    """MoD's eq. 3-4 for the full and the decoding path alike: top-r experts ranked by their
+    router logits and their renormalised gates.
+
+    logits: [..., P, E] fp32, one row per router pool (P = 2: A and B of dual routing; 1 for a
+    shared router or MoE-LoRA). Returns idx long [..., P, r] (eq. 3: TopK of the logits, largest
+    first) and gates fp32 [..., P, r] = softmax(l)[I] / sum(softmax(l)[I]), computed as the
+    softmax over the r kept logits (eq. 4; the same value, without the softmax over all E).
+    Ranking by logits, not by probabilities, keeps near-ties apart: two logits 1e-7 apart can
+    round to the same fp32 probability, and then the index order, not the router, would decide."""
+    vals, idx = logits.topk(r, dim=-1)
+    return idx, vals.softmax(-1)
+
+
+def combine_gates(g, combine):
+    """eq. 5: the gate of the j-th ranked (A, B) pair from g [..., P, r] (`topr_gates`) ->
+    [..., r] fp32. combine: "sqrt_product" sqrt(g_A g_B) (the paper's), "product" g_A g_B,
+    "mean" (g_A + g_B) / 2. P = 1 (shared router): g_A = g_B, so sqrt_product and mean are g_A
+    itself. With autograd on, sqrt's input is clamped at 1e-30 (a finite gradient at 0)."""
+    if g.shape[-2] == 1:
+        g1 = g[..., 0, :]
+        return g1.square() if combine == "product" else g1
+    if combine == "mean":
+        return g.mean(-2)
+    gg = g.prod(-2)
+    if combine == "product":
+        return gg
+    return (gg.clamp_min(1e-30) if torch.is_grad_enabled() else gg).sqrt()
+
+
 class MoDLinear(nn.Module):
     """Frozen nn.Linear + MoD adapter (eq. 1-6), or the LoRA / MoE-LoRA baselines.
 
@@ -347,6 +377,7 @@ class MoDLinear(nn.Module):
             self.lora_A, self.lora_B = new(E * cfg.expert_rank, din), new(dout, E * cfg.expert_rank)
             self.router = new(E, din)
         self.window = RoutingWindow(cfg, ctx) if cfg.method != "lora" else None
+        self.pools = 2 if cfg.method == "mod" and not cfg.shared_router else 1   # P: router pools in the logits
         self._fused_names = {"mod": ("router_A",) + (() if cfg.shared_router else ("router_B",)) + ("A", "B"),
                              "moelora": ("router", "lora_A", "lora_B")}.get(cfg.method, ())
         self.reset_parameters()
@@ -376,10 +407,6 @@ class MoDLinear(nn.Module):
             logits = x.float() @ w.float().T  # [B, T, E or 2E] fp32
         return self.window(logits)  # window mean of W_g x == W_g x_route (linearity)
 
-    def _route(self, logits):
-        """logits [B,T,E] -> (probs fp32, idx [B,T,r], gates fp32 [B,T,r]) (eq. 3-4)."""
-        return topk_gates(logits, self.cfg.r, self.cfg.noise_std, self.training)
-
     def forward(self, x):
         out = self.base_layer(x)
         h = self._adapter(x if x.dtype == torch.float32 else x.float())
@@ -397,24 +424,25 @@ class MoDLinear(nn.Module):
     def _adapter_full(self, x):
         """Training / prefill path of `_adapter` (mod, moelora): any T, aux losses recorded."""
         cfg = self.cfg
-        logits = self.router_logits(x)
+        logits = self.router_logits(x)                                  # [B,T,P*E] fp32
+        if self.training and cfg.noise_std > 0:
+            logits = logits + cfg.noise_std * torch.randn_like(logits)
+        P = self.pools
+        logits = logits.unflatten(-1, (P, -1))                          # [B,T,P,E]
+        idx, g = topr_gates(logits, cfg.r)                              # [B,T,P,r] each (eq. 3-4)
+        ia, ib = idx[..., 0, :], idx[..., P - 1, :]
+        # softmax over all experts: only the aux loss (eq. 9, training) reads it
+        probs = logits.softmax(-1) if self.training else None           # [B,T,P,E]
+        pa, pb = (None, None) if probs is None else (probs[..., 0, :], probs[..., P - 1, :])
         if cfg.method == "moelora":
-            probs, idx, gates = self._route(logits)
-            w = torch.zeros_like(probs).scatter_(-1, idx, gates).to(x.dtype)  # [B,T,E] gate per expert
+            w = torch.zeros_like(logits[..., 0, :]).scatter_(-1, ia, g[..., 0, :])   # [B,T,E] gate per expert
             z = (x @ self.lora_A.T).unflatten(-1, (cfg.num_experts, cfg.expert_rank))  # [B,T,E,k]
-            h = (z * w[..., None]).flatten(-2) @ self.lora_B.T  # [B,T,out]
-            self._bookkeeping(probs, idx, probs, idx)
+            h = (z * w.to(x.dtype)[..., None]).flatten(-2) @ self.lora_B.T  # [B,T,out]
+            self._bookkeeping(pa, ia, pa, ia)
             return self.scaling * h
-        pa, ia, ga = self._route(logits[..., :cfg.num_experts])
-        pb, ib, gb = (pa, ia, ga) if cfg.shared_router else self._route(logits[..., cfg.num_experts:])
-        if cfg.combine == "sqrt_product":
-            g = (ga * gb).clamp_min(1e-30).sqrt()  # eq. 5; the clamp keeps sqrt's gradient finite at 0
-        elif cfg.combine == "product":
-            g = ga * gb
-        else:
-            g = 0.5 * (ga + gb)
+        gg = combine_gates(g, cfg.combine)                              # eq. 5, [B,T,r]
         z = x @ self.A.T  # [B,T,E]: every A expert's projection (rank 1 each)
-        coef = z.gather(-1, ia) * g.to(z.dtype)  # [B,T,r]: g_j * (A[I_A_j] . x); z is bf16 under autocast
+        coef = z.gather(-1, ia) * gg.to(z.dtype)  # [B,T,r]: g_j * (A[I_A_j] . x); z is bf16 under autocast
         w = torch.zeros_like(z).scatter_add(-1, ib, coef)  # [B,T,E] weight of each B expert
         self._bookkeeping(pa, ia, pb, ib)
         return self.scaling * (w @ self.B)  # eq. 6
@@ -454,12 +482,11 @@ class MoDLinear(nn.Module):
                 y = torch.nn.functional.linear(x, F)
         else:
             y = torch.nn.functional.linear(x, F)                       # [B, 1, P*E + E*k]
-        P = 1 if cfg.method == "moelora" or self.router_B is None else 2
+        P = self.pools
         logits, z = y.split_with_sizes([P * E, y.shape[-1] - P * E], -1)
         if self.window.W > 1:
             logits = self.window.step(logits)                           # the routing window, from its ring
-        vals, idx = logits.view(B, P, E).topk(cfg.r, dim=-1)           # [B, P, r], ranked
-        g = vals.softmax(-1)                                            # eq. 4
+        idx, g = topr_gates(logits.view(B, P, E), cfg.r)               # [B, P, r], ranked (eq. 3-4)
         ia, ib = (idx[:, 0], idx[:, 0]) if P == 1 else idx.unbind(1)
         if ctx.record:
             self._bookkeeping(None, ia[:, None], None, ib[:, None])
@@ -467,15 +494,7 @@ class MoDLinear(nn.Module):
             w = torch.zeros(B, E, device=x.device).scatter_(-1, ia, g[:, 0])   # [B, E]
             zz = z.view(B, E, cfg.expert_rank) * w[..., None]
             return (zz.view(B, 1, -1) @ Bs.T)
-        if P == 1:                                                      # shared router: g_A = g_B
-            gg = {"sqrt_product": g[:, 0], "product": g[:, 0].square(), "mean": g[:, 0]}[cfg.combine]
-        elif cfg.combine == "sqrt_product":
-            gg = g.prod(1)                                              # eq. 5
-            gg = (gg.clamp_min(1e-30) if torch.is_grad_enabled() else gg).sqrt()
-        elif cfg.combine == "product":
-            gg = g.prod(1)
-        else:
-            gg = g.mean(1)
+        gg = combine_gates(g, cfg.combine)                              # eq. 5, [B, r]
         coef = z.view(B, -1).gather(-1, ia) * gg                        # [B, r]: g_j * (A[I_A_j] . x)
         compiling = torch.compiler.is_compiling()   # cached in eager mode only (never a graph output)
         off = None if compiling else self.__dict__.get("_bag_offsets")

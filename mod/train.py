@@ -48,6 +48,7 @@ from tqdm import tqdm
 from common.backbone import base_identity
 from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher, atomic_write_text, name_path  # noqa: F401  (mod.train.Batcher: the trainer's batches)
+from common.cli import add_device_args, load_kwargs
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
                         step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
@@ -410,7 +411,7 @@ def main(argv=None):
                        help="continue the run in OUT from OUT/ckpt (same settings required)")
     again.add_argument("--overwrite", action="store_true",
                        help="delete an earlier run's files in OUT (ckpt/, log.jsonl, adapter files) and start over")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu / cuda")
+    add_device_args(p)
     p.add_argument("--compile", action="store_true", help="torch.compile the adapters' forward (routing + expert mix; the base model stays eager; "
                         "worth it on GPU)")
     add_threads(p)
@@ -436,7 +437,7 @@ def train(args):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
     from common.backbone import load_backbone
-    model, proc = load_backbone(args.model, device=device)
+    model, proc = load_backbone(args.model, dtype=load_kwargs(args)["dtype"], device=device)
     torch.manual_seed(args.seed)
     names = attach(model, cfg)
     for f in stale:  # --overwrite: data, base and adapter config all loaded fine

@@ -27,10 +27,10 @@ def mole_config(a):
                       lambda_balance=a.lambda_balance, lambda_z=a.lambda_z, lambda_div=a.lambda_div)
 
 
-def build(a, device):
+def build(a, device, dtype=None):
     """Base VLM (+ LoRA) (+ MoLE) with the trainable set of `a`. Returns (net, proc, params)
-    where net is a MoLE or (method sft) the plain VLM."""
-    model, proc = bb.load_backbone(a.model, device=device)
+    where net is a MoLE or (method sft) the plain VLM. dtype: the base's weights (None: the checkpoint's own)."""
+    model, proc = bb.load_backbone(a.model, device=device, dtype=dtype)
     model.requires_grad_(False)
     torch.manual_seed(a.seed)
     lm = bb.text_model(model)
@@ -86,7 +86,7 @@ def copy_tensors(params, tensors, path):
             p.copy_(tensors[n])
 
 
-def load_mole(path, device="cpu", base=None):
+def load_mole(path, device="cpu", base=None, dtype=None):
     """Rebuild a trained model from a checkpoint directory of this script. Returns
     (net, proc, stage): net is a MoLE (or the plain VLM for --method sft); stage is the
     attention stage for inference (2 unless stage 2 never ran).
@@ -103,7 +103,7 @@ def load_mole(path, device="cpu", base=None):
                        f"eval.tools.pretrain write other checkpoints)")
     a = argparse.Namespace(**state["args"])
     a.model = base or getattr(a, "model", None) or a.base   # checkpoints before the rename saved "base"
-    net, proc, params = build(a, device)
+    net, proc, params = build(a, device, dtype)
     saved = state.get("base_model")
     if saved is not None:
         now = bb.base_identity(net.model if isinstance(net, MoLE) else net)

@@ -20,6 +20,7 @@ import json
 import torch
 
 from common import data
+from common.cli import add_device_args, load_kwargs
 from common.cli import (Deprecated, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
                         set_threads)
 from common.data import load_record_images
@@ -92,7 +93,7 @@ def main(argv=None):
     p.add_argument("--stage", type=int, choices=(1, 2), default=None,
                    help="attention stage (default: the checkpoint's, 2 unless stage 2 never ran)")
     p.add_argument("--batch-size", type=number(min=1), default=64, help="records per forward pass")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    add_device_args(p)
     p.add_argument("--out", default="", help="also write the numbers to this JSON file")
     add_overwrite(p)
     return run_cli(run, p.parse_args(argv))  # DataError, BackboneError, bad checkpoint, files: error: ...
@@ -110,7 +111,7 @@ def run(a):
     recs = read_records(a.data, a.image_root, a.skip_bad)
     recs = recs[: a.n] if a.n else recs
     check_support(recs, "mole.diagnostics", multi_image=True)  # before the model loads
-    net, _, stage = load_mole(a.ckpt, device=a.device, base=a.model)
+    net, _, stage = load_mole(a.ckpt, device=a.device, base=a.model, dtype=load_kwargs(a)["dtype"])
     if not isinstance(net, MoLE):
         raise ValueError(f"{a.ckpt} is a --method sft checkpoint: it has no latent tokens to diagnose")
     stage = a.stage or stage

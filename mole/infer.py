@@ -21,10 +21,11 @@ from transformers import DynamicCache
 
 from common import backbone as bb
 from common.answers import is_correct, score
+from common.cli import add_device_args, load_kwargs
 from common.cli import (Deprecated, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
                         set_threads)
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, load_record_images
-from mole.model import ZSUM, ZVIS, MoLE, column_mask
+from mole.model import ZSUM, ZVIS, MoLE, column_mask, topology_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
 
@@ -173,7 +174,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=48, help="generation length limit")
     p.add_argument("--intervention", default="none", choices=INTERVENTIONS, help="latent intervention")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    add_device_args(p)
     p.add_argument("--out", default="", help="write per-example predictions to this JSON file")
     p.add_argument("--resume", action="store_true",
                    help="continue a stopped run from its last finished batch (OUT.partial; the same flags)")
@@ -200,7 +201,7 @@ def run(a):
     fp = fingerprint(recs, ckpt=model_digest(a.ckpt), model=model_digest(a.model), intervention=a.intervention,
                      batch_size=a.batch_size, max_new_tokens=a.max_new_tokens, device=a.device)
     with PredictionLog(a.out or None, fp, a.resume) as log:  # refusals before the model loads
-        mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.model)
+        mole, proc, stage = load_mole(a.ckpt, device=a.device, base=a.model, dtype=load_kwargs(a)["dtype"])
         t = time.time()
         if isinstance(mole, MoLE):
             res = evaluate(mole, recs, stage=stage, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,

@@ -40,6 +40,7 @@ from common import backbone as bb
 from common import data
 from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP, record_images
+from common.cli import add_device_args, load_kwargs
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
                         step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
@@ -119,7 +120,7 @@ def get_parser():
                    help="LoRA output scale alpha (peft's lora_alpha; scaling = lora_alpha / r: 2 by default)")
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target module name suffixes")
     # system
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    add_device_args(p)
     p.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and AdamW state over the torchrun processes with PyTorch FSDP2 "
                         "(fully_shard: one unit per decoder layer) instead of replicating them with DDP; for "
@@ -378,7 +379,7 @@ def train(a):
         if device.startswith("cuda"):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(device)
-    net, proc, params = build(a, device)
+    net, proc, params = build(a, device, load_kwargs(a)["dtype"])
     vlm = net.model if isinstance(net, MoLE) else net
     settings, base = run_settings(a, vlm, recs, world), bb.base_identity(vlm)
     if a.fsdp:               # after the base identity: it reads the (then sharded) embedding

@@ -28,6 +28,8 @@ import re
 
 import torch
 
+from common.cli import add_device_args, load_kwargs
+
 # model_type -> family name; the text decoder of every one holds `mlp.gate` + `mlp.experts`
 SUPPORTED = {
     "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE", "mixtral": "Mixtral",
@@ -630,10 +632,7 @@ def main(argv=None):
     add_threads(p)
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (left-padded greedy decoding)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens decoded per example")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="load dtype (auto: the checkpoint's own)")
-    p.add_argument("--device", default="cpu", help="device (cpu, cuda, ...)")
-    p.add_argument("--device-map", default=None, help="'auto' to spread a large model over devices (accelerate)")
+    add_device_args(p, device_map=True)
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
     add_overwrite(p, "stats file at --out (and its features file)", old_force=True)
     p.add_argument("--features", action="store_true",
@@ -664,7 +663,7 @@ def main(argv=None):
             fail(f"--data {path} is given twice (as {seen[os.path.realpath(path)]} before); each calibration "
                  f"source counts once")
         seen[os.path.realpath(path)] = path
-    dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
+    dtype = load_kwargs(a)["dtype"]
     try:
         sources = {}   # data first: a bad record fails before a model of many GB is loaded
         for path in a.data:

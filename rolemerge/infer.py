@@ -15,6 +15,7 @@ import time
 import torch
 
 from common.answers import is_correct
+from common.cli import add_device_args, load_kwargs
 from rolemerge import calibrate as cal
 
 
@@ -154,13 +155,13 @@ def speed(model, proc, records, n=8, decode_tokens=32):
     return {"ttft_s": t1, "decode_tok_s": (decode_tokens - 1) / max(tn - t1, 1e-9)}
 
 
-def load_timed(path, dtype=None):
+def load_timed(path, dtype=None, device="cpu", device_map=None):
     """(model, processor-or-tokenizer, load seconds) through rolemerge.calibrate.load_model.
     The first load in a process also pays transformers' lazy import of the model class (measured
     4.6-5.5 s for a 5.8 MB tiny merge in a fresh `rolemerge.infer`, 0.07-0.13 s for the same
     load inside the quickstart): compare load times measured the same way."""
     t = time.perf_counter()
-    model, proc = cal.load_model(path, dtype=dtype)
+    model, proc = cal.load_model(path, dtype=dtype, device=device, device_map=device_map)
     return model, proc, time.perf_counter() - t
 
 
@@ -174,6 +175,7 @@ def main(argv=None):
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
     add_limit(p, default=200, what="examples", dest="n", old_n=True)
     add_threads(p)
+    add_device_args(p, device_map=True)
     p.add_argument("--batch-size", type=int, default=32, help="generation batch size")
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap")
     p.add_argument("--speed", action="store_true", help="also measure batch-1 time to first token and decode tok/s")
@@ -208,7 +210,7 @@ def run(a):
     data.check_support(records, "rolemerge.infer", text_only=True, multi_turn=True)  # before the model loads
     fp = fingerprint(records, model=model_digest(a.model), batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
     with PredictionLog(a.out, fp, a.resume) as log:
-        model, proc, load_s = load_timed(a.model)
+        model, proc, load_s = load_timed(a.model, **load_kwargs(a))
         preds = predict(model, proc, records, a.batch_size, a.max_new_tokens, log=log)
         summary = {"model": a.model, "params": param_count(model),
                    "checkpoint_bytes": checkpoint_bytes(bb.resolve(a.model)), "load_s": load_s, "n": len(preds)}

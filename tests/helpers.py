@@ -3,6 +3,72 @@ import hashlib
 import os
 
 import pytest
+import torch
+
+
+def tol(dtype, depth, scale=1.0):
+    """Absolute tolerance between two computations of one quantity in `dtype` that differ only in
+    rounding (another kernel or summation order: a cached against a full path, one CPU capability
+    against another): depth * eps(dtype) * scale.
+
+    depth: rounding steps in series, a reduction of n terms counting n (the worst-case bound of a
+    length-n sum is n u sum|terms| with unit roundoff u = eps / 2; both sides round, hence eps);
+    scale: the magnitude the errors are relative to, e.g. sum |a_i b_i| of a dot product or the
+    largest |value| of the compared tensor. A worst-case bound, not one machine's rounding: it
+    holds under ATEN_CPU_CAPABILITY avx512, avx2 and default alike. Where the depth of a whole
+    model is unknowable, compare against a float64 reference instead."""
+    return depth * torch.finfo(dtype).eps * float(scale)
+
+
+def decoder_depth(config, positions, adapter=0):
+    """`tol`'s depth for one logit of a decoder-only transformer (config: a transformers config;
+    its text config is read): per layer the q/k/v projection (hidden), the attention scores
+    (head_dim) and their weighted sum over `positions`, o_proj (heads * head_dim), the MLP (hidden
+    + intermediate) and `adapter` for each of the two adapted projections in series (q/k/v, then
+    o_proj: e.g. in_features + num_experts for MoD); then lm_head (hidden)."""
+    c = config.get_text_config()
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    layer = c.hidden_size + hd + positions + c.num_attention_heads * hd + c.hidden_size + inter + 2 * adapter
+    return c.num_hidden_layers * layer + c.hidden_size
+
+
+def mod_layer_tol(layer, x):
+    """`tol` for an output of a MoD / MoE-LoRA / LoRA layer (mod.model.MoDLinear) on input x [..., in]
+    computed two ways in fp32: the base term (a length-in dot, scale sum |x_i w_i| + |bias|), the
+    adapter term (z = A x of length in, gates, the mix of E rows: depth in + E + 1, scale
+    alpha/r * sum_e |A_e . x| * max|B|, gates <= 1) and the gates' own error, which moves the adapter
+    term by its scale times the router logits' absolute error (a length-in dot and a W-token
+    mean, scale sum |x_i w_gi|): d softmax / d logit <= 1."""
+    base, cfg = layer.base_layer, layer.cfg
+    xa = x.detach().abs().float()
+    s_base = (xa @ base.weight.detach().abs().float().T).max().item()
+    s_base += 0.0 if base.bias is None else base.bias.detach().abs().max().item()
+    din = base.in_features
+    out = tol(torch.float32, din + 1, s_base)
+    if cfg.method == "mod":
+        A, B = layer.A, layer.B
+    else:
+        A, B = layer.lora_A, layer.lora_B.T
+    s_ad = layer.scaling * (xa @ A.detach().abs().T).sum(-1).max().item() * B.detach().abs().max().item()
+    out += tol(torch.float32, din + A.shape[0] + 1, s_ad)
+    if cfg.method != "lora":
+        routers = [layer.router] if cfg.method == "moelora" else [layer.router_A, layer.router_B]
+        s_route = max((xa @ w.detach().abs().T).max().item() for w in routers if w is not None)
+        out += tol(torch.float32, din + cfg.route_window, s_route) * s_ad
+    return out
+
+
+def bf16_cpu_attention():
+    """True when torch's bfloat16 scaled_dot_product_attention runs on this CPU. torch 2.13 needs
+    AVX-512 for it from 64 positions on: under ATEN_CPU_CAPABILITY=avx2 or default it raises
+    "pack_vnni2 is only supported when avx512 is supported" (forward and backward alike)."""
+    q = torch.zeros(1, 1, 64, 32, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError:
+        return False
+    return True
 
 
 def snapshot(root):

@@ -8,6 +8,7 @@ from common import backbone as bb
 from common import data
 from common import shapes
 from common.checkpoint import load_train_state
+from helpers import bf16_cpu_attention
 from mole import train as mt
 
 
@@ -25,6 +26,8 @@ def setup(tmp_path, monkeypatch):
     return args, torchrun, monkeypatch
 
 
+@pytest.mark.skipif(not bf16_cpu_attention(), reason="the bf16 base needs torch's bf16 CPU attention, which needs "
+                                                  "AVX-512 (helpers.bf16_cpu_attention)")
 def test_fsdp_full_finetune_matches_unsharded_and_resumes(tmp_path, setup):
     args, torchrun, mp = setup
     _, _, log_a = mt.main(args + ["--out", str(tmp_path / "a")])

@@ -1,6 +1,7 @@
 """eval.tools.gpu_check: skips cleanly without CUDA; --device-map auto without accelerate is
 reported naming the package."""
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -23,3 +24,50 @@ def test_device_map_without_accelerate_names_it(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "accelerate" else real(n, *a))
     with pytest.raises(gpu_check.Skip, match=r"needs the optional package accelerate \(pip install accelerate\)"):
         gpu_check.check_rolemerge_map(torch.device("cpu"), str(tmp_path), 1)
+
+
+def test_pipelines_run_every_entry_point_with_the_device_flags_on_cpu(tmp_path, monkeypatch):
+    """Everything `pipelines` does up to the device: the ten commands of the three methods, each with
+    --device (and --dtype where a model is loaded for inference: bfloat16 on CUDA), on random bases of
+    hidden 64, through to their outputs."""
+    calls = []
+    real = gpu_check.run_entry
+    monkeypatch.setattr(gpu_check, "run_entry", lambda m, argv: calls.append((m, argv)) or real(m, argv))
+    res = gpu_check.check_pipelines(torch.device("cpu"), str(tmp_path), 2, width=64)
+    assert [m for m, _ in calls] == ["mod.data", "mod.train", "mod.infer", "mole.train", "mole.infer",
+                                     "mole.diagnostics", "rolemerge.calibrate", "rolemerge.merge", "rolemerge.infer",
+                                     "eval.evaluate"]
+    assert set(res["seconds"]) == {m for m, _ in calls} and res["width"] == 64
+    for m, argv in calls:
+        if m != "rolemerge.merge":                                   # the streaming merge loads no model
+            assert argv[argv.index("--device") + 1] == "cpu", m
+        if m.endswith(("infer", "evaluate", "diagnostics", "calibrate", "data")):
+            assert argv[argv.index("--dtype") + 1] == "float32", m       # bfloat16 on CUDA
+    for f in ("vs.json", "mod/adapter_config.json", "mod_infer.json", "mole_infer.json", "mole_diag.json",
+              "stats.safetensors", "merged/config.json", "eval.json"):
+        assert (tmp_path / f).exists(), f
+
+
+def test_run_entry_names_a_failing_command():
+    with pytest.raises(AssertionError, match=r"python -m mod.data --k 0: exit status 2"):
+        gpu_check.run_entry("mod.data", ["--k", "0"])
+
+
+def test_mod_decode_speed_times_every_variant_on_cpu(tmp_path, monkeypatch):
+    """mod_decode_speed up to the device: bare, our LoRA (peft's where installed), MoD and MoD with
+    compiled adapters (compile_adapters stubbed: a cold CPU compile takes minutes; tests/test_compile.py
+    covers it), per-token medians and the ratios."""
+    from mod import model as mm
+    compiled = []
+    monkeypatch.setattr(mm, "compile_adapters", lambda m, **kw: compiled.append(m))
+    res = gpu_check.check_mod_decode_speed(torch.device("cpu"), str(tmp_path), 3, width=64, rounds=1)
+    assert len(compiled) == 1
+    assert {"bare", "our LoRA", "MoD", "MoD compiled"} <= set(res["ms_per_token"])
+    assert all(v > 0 for v in res["ms_per_token"].values())
+    ref = res["ms_per_token"][res["reference"]]
+    assert res["mod_over_ref"] == pytest.approx(res["ms_per_token"]["MoD"] / ref, rel=1e-3)
+
+
+def test_results_are_named_by_the_device():
+    assert gpu_check.default_out(torch.device("cpu")).endswith(os.path.join("eval", "tools", "..", "results",
+                                                                            "gpu_check", "cpu.json"))

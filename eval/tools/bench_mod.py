@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn as nn
 
-from mod.model import AdapterConfig, MoDLinear, RoutingContext
+from mod.model import AdapterConfig, MoDLinear, RoutingContext, combine_gates, topr_gates
 
 
 class LoopMoD(nn.Module):
@@ -32,9 +32,9 @@ class LoopMoD(nn.Module):
         m, cfg = self.m, self.m.cfg
         out = m.base_layer(x)
         logits = m.router_logits(x)
-        pa, ia, ga = m._route(logits[..., :cfg.num_experts])
-        pb, ib, gb = m._route(logits[..., cfg.num_experts:])
-        g = (ga * gb).clamp_min(1e-30).sqrt().to(x.dtype).flatten(0, -2)  # [N, r]
+        idx, gates = topr_gates(logits.unflatten(-1, (2, -1)), cfg.r)
+        ia, ib = idx[..., 0, :], idx[..., 1, :]
+        g = combine_gates(gates, "sqrt_product").to(x.dtype).flatten(0, -2)  # [N, r]
         xf, ia, ib = x.flatten(0, -2), ia.flatten(0, -2), ib.flatten(0, -2)
         h = torch.zeros(xf.shape[0], m.B.shape[1], device=x.device, dtype=x.dtype)
         for j in range(cfg.r):

@@ -1,7 +1,8 @@
 """GPU readiness check (a few minutes on one GPU; not a test). Skips cleanly without CUDA.
 
-    python -m eval.tools.gpu_check                      # one GPU: every check, figures to out/gpu_check.json
-    python -m eval.tools.gpu_check --device cpu         # the same code paths on CPU (smoke run, slow)
+    python -m eval.tools.gpu_check                      # one GPU: every check, figures to
+                                                        # eval/results/gpu_check/<device name>.json (commit it)
+    python -m eval.tools.gpu_check --device cpu --width 64 --out out/gpu_check_cpu.json   # the same code paths on CPU
 
 Checks, each reported as ok / skipped / failed with its figures:
   mod_bf16       MoD train steps under bf16 autocast on the tiny base (mod.train.fit): loss finite,
@@ -14,8 +15,19 @@ Checks, each reported as ok / skipped / failed with its figures:
   rolemerge_map  RoleMerge calibration of tiny-moe with --device-map auto (needs the optional
                  package accelerate: reported as skipped with that message when it is missing)
   ddp            a 1-process `torchrun` DDP run of mod.train (2 steps)
+  pipelines      each method's pipeline through its entry points (their `main`, what `python -m` runs), with
+                 `--device` (and `--dtype bfloat16` wherever a model is loaded for inference; the trainers
+                 train under bf16 autocast on CUDA; float32 on CPU) on random-init bases of hidden `--width`:
+                 mod.data -> mod.train -> mod.infer (Qwen2.5-VL); mole.train -> mole.infer -> mole.diagnostics
+                 (Qwen2.5-VL); rolemerge.calibrate -> rolemerge.merge -> rolemerge.infer -> eval.evaluate
+                 (Qwen3-VL-MoE). Seconds per command.
+  mod_decode_speed  MoD's greedy decoding per token against peft's LoRA (rank 16; our LoRA where peft is
+                 not installed) and the bare model, on a random bf16 Qwen3-VL of hidden `--width`, context
+                 64, with and without `torch.compile` of the adapters' decoding step (`compile_adapters`)
 Exit status: 0 all ok or skipped (no CUDA: everything skipped), 1 if a check failed.
 """
+import copy
+import importlib
 import importlib.util
 import json
 import os
@@ -28,7 +40,9 @@ from contextlib import nullcontext
 
 import torch
 
-CHECKS = ("mod_bf16", "mod_compile", "mod_decode", "mole_bf16", "rolemerge_map", "ddp")
+CHECKS = ("mod_bf16", "mod_compile", "mod_decode", "mole_bf16", "rolemerge_map", "ddp", "pipelines",
+          "mod_decode_speed")
+WIDTH = 2048   # hidden size of the random bases of `pipelines` and `mod_decode_speed` (Qwen2.5-VL-3B's)
 
 
 class Skip(Exception):
@@ -171,21 +185,125 @@ def check_ddp(device, tmp, steps):
     return {"wall_s": time.perf_counter() - t}
 
 
+def run_entry(module, argv):
+    """`python -m module argv` in this process (module.main(argv)); returns its seconds. An exit
+    status other than 0 (argparse, `error: ...`) raises AssertionError naming the command."""
+    t = time.perf_counter()
+    try:
+        importlib.import_module(module).main(argv)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise AssertionError(f"python -m {module} {' '.join(argv)}: exit status {e.code}") from None
+    return time.perf_counter() - t
+
+
+def pipeline_commands(device, tmp, steps, dense, moe):
+    """[(module, argv)] of the three methods' pipelines on the saved bases `dense` (Qwen2.5-VL)
+    and `moe` (Qwen3-VL-MoE), shapes data in tmp/data, every output under tmp."""
+    j = lambda *p: os.path.join(tmp, *p)
+    train, test = j("data", "train.json"), j("data", "test.json")
+    dev = ["--device", str(device), "--threads", "1" if device.type == "cpu" else "0"]
+    # bf16 inference on CUDA; float32 on CPU, where torch's bf16 attention needs AVX-512 (under
+    # ATEN_CPU_CAPABILITY=avx2 / default, sdpa raises "pack_vnni2 is only supported when avx512 is supported")
+    bf = dev + ["--dtype", "bfloat16" if device.type == "cuda" else "float32"]
+    return [
+        ("mod.data", ["--model", dense, "--data", train, "--out", j("vs.json"), "--k", "2", "--limit", "4",
+                      "--max-new-tokens", "8", *bf]),
+        ("mod.train", ["--model", dense, "--data", j("vs.json"), "--out", j("mod"), "--steps", str(steps),
+                       "--batch-size", "2", *dev]),
+        ("mod.infer", ["--model", dense, "--adapter", j("mod"), "--data", test, "--methods", "single,multi",
+                       "--max-new-tokens", "8", "--out", j("mod_infer.json"), *bf]),
+        ("mole.train", ["--model", dense, "--data", j("data"), "--out", j("mole"), "--max-steps", str(steps),
+                        "--batch-size", "2", "--quiet", *dev]),
+        ("mole.infer", ["--ckpt", j("mole"), "--data", test, "--max-new-tokens", "8", "--out", j("mole_infer.json"),
+                        *bf]),
+        ("mole.diagnostics", ["--ckpt", j("mole"), "--data", test, "--limit", "2", "--out", j("mole_diag.json"), *bf]),
+        ("rolemerge.calibrate", ["--model", moe, "--data", test, "--out", j("stats.safetensors"), "--max-new-tokens",
+                                 "8", *bf]),
+        ("rolemerge.merge", ["--model", moe, "--stats", j("stats.safetensors"), "--out", j("merged"), "--rho", "0.5"]),
+        ("rolemerge.infer", ["--model", j("merged"), "--data", test, "--max-new-tokens", "8", "--speed", *bf]),
+        ("eval.evaluate", ["--model", j("merged"), "--data", test, "--max-new-tokens", "8", "--out", j("eval.json"),
+                           *bf]),
+    ]
+
+
+def check_pipelines(device, tmp, steps, width=WIDTH):
+    from common import shapes
+    from common.backbone import build_tiny, save_backbone
+    shapes.generate_split(os.path.join(tmp, "data"), "train", 8)
+    shapes.generate_split(os.path.join(tmp, "data"), "test", 4)
+    dense, moe = os.path.join(tmp, "dense"), os.path.join(tmp, "moe")
+    save_backbone(*build_tiny("qwen2_5_vl", hidden=width, layers=2), dense)
+    save_backbone(*build_tiny("qwen3_vl_moe", hidden=width, layers=2, expert_width=max(width // 4, 16)), moe)
+    return {"width": width, "seconds": {m: round(run_entry(m, argv), 2)
+                                        for m, argv in pipeline_commands(device, tmp, steps, dense, moe)}}
+
+
+class _SyncClock:
+    """Logits processor that timestamps every generated token after the device has finished it."""
+
+    def __init__(self, device):
+        self.t, self.device = [], device
+
+    def __call__(self, input_ids, scores):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.t.append(time.perf_counter())
+        return scores
+
+
+def check_mod_decode_speed(device, tmp, steps, width=WIDTH, context=64, rounds=5):
+    import statistics
+    from common.backbone import build_tiny
+    from eval.tools.bench_mod_decode import variants
+    from mod.model import compile_adapters
+    try:
+        import peft
+    except ImportError:    # optional: our LoRA is the reference then (named in the result)
+        peft = None
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = build_tiny("qwen3_vl", hidden=width, layers=2)[0].to(device, dtype).eval()
+    models = variants(base, ["q_proj", "k_proj", "v_proj", "o_proj"], peft)
+    models["MoD compiled"] = copy.deepcopy(models["MoD"])
+    compile_adapters(models["MoD compiled"])
+    ids = torch.randint(0, min(400, base.config.get_text_config().vocab_size), (1, context),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    ts = {k: [] for k in models}
+    for r in range(rounds + 1):                          # round 0: warm-up (and the cold compile)
+        for k, m in models.items():
+            clock = _SyncClock(device)
+            with torch.no_grad():
+                m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
+                           min_new_tokens=steps + 1, do_sample=False, logits_processor=[clock], pad_token_id=0)
+            if r:
+                ts[k] += [b - a for a, b in zip(clock.t[1:], clock.t[2:])]   # skip the prefill's token
+    ms = {k: 1e3 * statistics.median(v) for k, v in ts.items()}
+    ref = "peft LoRA" if peft is not None else "our LoRA"
+    return {"width": width, "dtype": str(dtype), "context": context, "reference": ref,
+            "ms_per_token": {k: round(v, 4) for k, v in ms.items()}, "mod_over_ref": ms["MoD"] / ms[ref],
+            "mod_compiled_over_ref": ms["MoD compiled"] / ms[ref], "mod_over_bare": ms["MoD"] / ms["bare"]}
+
+
+def default_out(device):
+    """eval/results/gpu_check/<device name>.json: the results are committed under the device's name."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    return os.path.join(os.path.dirname(__file__), "..", "results", "gpu_check", f"{slug}.json")
+
+
 def main(argv=None):
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--device", default="cuda", help="cuda (default; skipped without a GPU) or cpu for a smoke run")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {CHECKS}")
     p.add_argument("--steps", type=int, default=30, help="train steps per timing check")
-    p.add_argument("--out", default="out/gpu_check.json", help="where the figures go (JSON)")
+    p.add_argument("--width", type=int, default=WIDTH, help="hidden size of the random bases of pipelines and "
+                   "mod_decode_speed")
+    p.add_argument("--out", default="", help="where the figures go (JSON; default "
+                   "eval/results/gpu_check/<device name>.json)")
     from common.cli import add_overwrite, check_overwrite, fail
     add_overwrite(p)
     a = p.parse_args(argv)
-    try:  # before anything runs: no silent overwrite of a measurement
-        check_overwrite(a.out, a.overwrite)
-    except ValueError as e:
-        fail(e)
-    from common.cli import fail
     bad = [c for c in a.checks.split(",") if c not in CHECKS]
     if bad:
         fail(f"unknown checks {bad}; choose from {CHECKS}")
@@ -193,13 +311,20 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: skipped, no CUDA device (pass --device cpu for a smoke run of the same code paths)")
         return {"skipped": "no CUDA device"}
+    out = a.out or default_out(device)
+    try:  # before anything runs: no silent overwrite of a measurement
+        check_overwrite(out, a.overwrite)
+    except ValueError as e:
+        fail(e)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "checks": {}}
     for name in a.checks.split(","):
         t = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                r = {"status": "ok", **globals()[f"check_{name}"](device, tmp, a.steps)}
+                fn = globals()[f"check_{name}"]
+                kw = {"width": a.width} if name in ("pipelines", "mod_decode_speed") else {}
+                r = {"status": "ok", **fn(device, tmp, a.steps, **kw)}
             except Skip as e:
                 r = {"status": "skipped", "why": str(e)}
             except Exception as e:                         # report and go on: one failure must not hide the rest
@@ -208,7 +333,7 @@ def main(argv=None):
         res["checks"][name] = r
         print(f"{name:14s} {r['status']:8s} {json.dumps({k: v for k, v in r.items() if k not in ('status', 'trace')})}")
     from common.data import atomic_write_text
-    atomic_write_text(a.out, json.dumps(res, indent=1))
+    atomic_write_text(out, json.dumps(res, indent=1))
     if any(r["status"] == "failed" for r in res["checks"].values()):
         sys.exit(1)
     return res
