@@ -56,6 +56,8 @@ MEANINGS = {
     "--quick": ("quick mode: checks the code paths, no claim", None),
     "--r": ("peft's r: adapter rank (MoD: top-r rank-1 experts, the rank of the mixture; LoRA rank)",
             "the papers' defaults: MoD r = 4, MoLE's LoRA r = 8"),
+    "--results": ("where a toy writes its committed result rows (eval.report format)",
+                  "each toy's own place: a result file (eval.toys.rolemerge) or a folder under eval/results/"),
     "--resume": ("continue an interrupted run from its checkpoint / OUT.partial", None),
     "--retrain-base": ("retrain the tiny base(s) first", "eval.toys.rolemerge takes the folder to train into"),
     "--save-every": ("also checkpoint every N optimizer steps (0 = only at the end)", None),

@@ -307,12 +307,17 @@ def main(argv=None):
     bad = [c for c in a.checks.split(",") if c not in CHECKS]
     if bad:
         fail(f"unknown checks {bad}; choose from {CHECKS}")
+    if a.out:  # before anything runs: no silent overwrite of a measurement
+        try:
+            check_overwrite(a.out, a.overwrite)
+        except ValueError as e:
+            fail(e)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: skipped, no CUDA device (pass --device cpu for a smoke run of the same code paths)")
         return {"skipped": "no CUDA device"}
     out = a.out or default_out(device)
-    try:  # before anything runs: no silent overwrite of a measurement
+    try:  # the device-named default output, known once the device is
         check_overwrite(out, a.overwrite)
     except ValueError as e:
         fail(e)
