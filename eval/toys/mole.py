@@ -1451,7 +1451,9 @@ def export_headroom(out_dir, results_dir, log_anchor):
         rows.append({"kind": "claim", "claim": label, "verdict": words, "criterion_verdict": crit,
                      "effect": f"{sg * m['diff']:+.3f} [{lo:+.3f}, {hi:+.3f}]", "mdd": m["mdd"],
                      "seeds": len(c["seeds"]), "per_seed": "; ".join(
-                         f"{sg * d['diff']:+.3f}" for d in c["per_seed"].values()), "log": log_anchor})
+                         f"{sg * d['diff']:+.3f}" for d in c["per_seed"].values()), "log": log_anchor,
+                     # the main registered claims (H1, H2) lead the top README's claims table
+                     "method": "MoLE", "top": label.startswith(("H1 ", "H2 "))})
     hc = s.get("headroom_check") or {}
     for what, v in [("base", hc.get("base"))] + [(f"sft lr {lr}", x) for lr, x in hc.get("sft", {}).items()]:
         if v:
