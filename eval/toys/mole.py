@@ -511,15 +511,20 @@ def summarise_lr(out_dir, data_dir=None):
     out = {"config": FULL, "lr_grid": list(LR_GRID), "n_val": N_VAL,
            "sweep_val_acc": {n: {f"{lr:g}": a for lr, a in sorted(v.items())} for n, v in sweep.items()},
            "picked_lr": picked, "rows": rows}
+    return _write_summary(out_dir, "results_lr.json", out, "table_lr_acc.png",
+                          "two-stage table, per-row lr picked on validation: test accuracy per row and seed", 1400)
+
+
+def _write_summary(out_dir, name, out, png, title, w):
+    """Write a per-row-lr summary `out` (rows from `_summary_rows`) as {out_dir}/{name} and its
+    bar figure (test accuracy per row and seed) as {out_dir}/{png}; returns `out`."""
     os.makedirs(out_dir, exist_ok=True)
-    data.atomic_write_text(os.path.join(out_dir, "results_lr.json"), json.dumps(out, indent=1))
+    data.atomic_write_text(os.path.join(out_dir, name), json.dumps(out, indent=1))
     bars = [{"arm": r["row"], "seed": int(sd) if sd != "None" else 0,
              "acc": {"value": v["acc"], "ci_low": v["ci_low"], "ci_high": v["ci_high"]}}
-            for r in rows for sd, v in r["per_seed"].items()]
+            for r in out["rows"] for sd, v in r["per_seed"].items()]
     if bars:
-        bar_png(bars, "acc", os.path.join(out_dir, "table_lr_acc.png"),
-                "two-stage table, per-row lr picked on validation: test accuracy per row and seed", w=1400,
-                order=TABLE_ORDER, label=11)
+        bar_png(bars, "acc", os.path.join(out_dir, png), title, w=w, order=TABLE_ORDER, label=11)
     return out
 
 
@@ -1084,16 +1089,8 @@ def summarise_headroom(out_dir):
            "headroom_check": _json(check) if os.path.exists(check) else None,
            "sweep_val_acc": {n: {f"{lr:g}": a for lr, a in sorted(v.items())} for n, v in sweep.items()},
            "picked_lr": picked, "rows": rows}
-    os.makedirs(out_dir, exist_ok=True)
-    data.atomic_write_text(os.path.join(out_dir, "results_headroom.json"), json.dumps(out, indent=1))
-    bars = [{"arm": r["row"], "seed": int(sd) if sd != "None" else 0,
-             "acc": {"value": v["acc"], "ci_low": v["ci_low"], "ci_high": v["ci_high"]}}
-            for r in rows for sd, v in r["per_seed"].items()]
-    if bars:
-        bar_png(bars, "acc", os.path.join(out_dir, "headroom_acc.png"),
-                "size family, per-row lr picked on validation: test accuracy per row and seed", w=1000,
-                order=TABLE_ORDER, label=11)
-    return out
+    return _write_summary(out_dir, "results_headroom.json", out, "headroom_acc.png",
+                          "size family, per-row lr picked on validation: test accuracy per row and seed", 1000)
 
 
 # ----------------------------------------------------------------------------- positive control
