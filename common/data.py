@@ -225,7 +225,10 @@ def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
         rid = r.get("id", f"#{i}") if isinstance(r, dict) else f"#{i}"
         conv = r.get("conversations") if isinstance(r, dict) else None
         if not isinstance(conv, list) or not conv or not all(isinstance(t, dict) and "value" in t for t in conv):
-            raise DataError(f"{path}: record {rid} has no valid 'conversations' list of {{'from','value'}} turns")
+            hint = ("; its turns are {'role','content'} (OpenAI chat format): rename each turn's 'role' / 'content' "
+                    "to 'from' / 'value'" if isinstance(conv, list) and conv and all(
+                        isinstance(t, dict) and "content" in t for t in conv) else "")
+            raise DataError(f"{path}: record {rid} has no valid 'conversations' list of {{'from','value'}} turns{hint}")
         for k, t in enumerate(conv):
             if not isinstance(t["value"], str):
                 raise DataError(f"{path}: record {rid}: turn {k} ('from': {t.get('from')!r}) has a 'value' of type "

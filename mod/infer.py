@@ -389,7 +389,9 @@ def main(argv=None):
         p.error("--mad liang needs --mad-rounds >= 1 (its first round is the affirmative's and negative's answers); "
                 "leave it out for the official 3")
     if not args.adapter and ({"single", "multi", "misled"} & set(methods) or args.heatmap):
-        p.error("single / multi / misled and --heatmap need --adapter (train one with mod.train)")
+        need = sorted({"single", "multi", "misled"} & set(methods)) + (["--heatmap"] if args.heatmap else [])
+        p.error(f"these need --adapter: {', '.join(need)} (train one with mod.train); without an adapter run only "
+                f"the base-model rows: --methods base,base-json,mad,sc")
     return run_cli(run, args, methods)  # DataError, BackboneError, adapter on the wrong base, files: error: ...
 
 

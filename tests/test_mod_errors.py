@@ -146,7 +146,7 @@ def test_truncated_checkpoint_is_refused_on_resume(shapes, run, tmp_path, capsys
     ("infer", ["--limit", "-1"], "argument --limit: must be >= 0, got -1"),
     ("infer", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     ("infer", ["--methods", "single,mda", "--adapter", "x"], "unknown method(s) ['mda']"),
-    ("infer", ["--methods", "single"], "single / multi / misled and --heatmap need --adapter"),
+    ("infer", ["--methods", "single"], "these need --adapter: single (train one with mod.train); without an adapter run only the base-model rows"),
 ])
 def test_degenerate_flags_stop_at_parse_time(shapes, tmp_path, capsys, module, argv, expected):
     out = tmp_path / "never"

@@ -86,6 +86,15 @@ def test_openai_messages_stay_refused_with_their_message(tmp_path):
         read_any(str(p))
 
 
+def test_role_content_turns_get_the_rename(tmp_path):
+    """'conversations' holding OpenAI-style {'role','content'} turns: refused with the rename."""
+    p = tmp_path / "rc.jsonl"
+    p.write_text(json.dumps({"id": "r", "image": "a.png", "conversations": [
+        {"role": "user", "content": "<image>\nQ?"}, {"role": "assistant", "content": "yes"}]}) + "\n")
+    with pytest.raises(DataError, match="rename each turn's 'role' / 'content' to 'from' / 'value'"):
+        read_any(str(p))
+
+
 @pytest.mark.parametrize("kind", READERS)
 @pytest.mark.parametrize("answer", [True, {"text": "yes"}, [["yes"]]])
 def test_non_text_gold_answers_are_refused(kind, answer, tmp_path):
