@@ -655,8 +655,9 @@ def main(argv=None):
         fail(f"--out {a.out} already exists; pass --overwrite to replace it, or choose another --out")
     from rolemerge import baselines as bl
     fpath = bl.features_path(a.out)
-    if a.features and os.path.exists(fpath) and not a.overwrite:
-        fail(f"{fpath} already exists; pass --overwrite to replace it, or choose another --out")
+    if os.path.exists(fpath) and not a.overwrite:  # with or without --features: never beside other statistics
+        fail(f"{fpath} already exists (comparator features of an earlier calibration); pass --overwrite to "
+             f"{'replace' if a.features else 'remove'} it, or choose another --out")
     seen = {}
     for path in a.data:
         if os.path.realpath(path) in seen:  # also ./val.json after val.json, or a link to it
@@ -690,6 +691,9 @@ def main(argv=None):
         fail(with_fix(e))
     if feats is not None:
         print(f"wrote {fpath}: features of {len(feats)} MoE layers over the same decoded tokens")
+    elif os.path.exists(fpath):  # an earlier calibration's features must not pair with these statistics
+        os.remove(fpath)
+        print(f"removed {fpath}: comparator features of the replaced calibration (rerun with --features for new ones)")
     tot = sum(s["tokens"] for s in stats["sources"].values())
     print(f"wrote {a.out}: {len(stats['layer_names'])} MoE layers x {stats['num_experts']} experts, tokens "
           + ", ".join(f"{b}={n}" for b, n in zip(stats["buckets"], tot.tolist())))

@@ -312,6 +312,22 @@ def test_command_errors(calibrated, tmp_path, capsys):
                     capsys).startswith("error:")
 
 
+def test_calibration_without_features_never_leaves_old_features_beside_it(calibrated, tmp_path, capsys):
+    """An earlier --features calibration's feature file must not pair with new statistics: refused
+    without --overwrite, removed with it (MergeMoE / HC-SMoE would otherwise merge on old features)."""
+    import shutil
+    src, sp, data = calibrated["tiny-moe"]
+    out = str(tmp_path / "s.safetensors")
+    shutil.copy(sp, out)
+    shutil.copy(bl.features_path(sp), bl.features_path(out))
+    argv = ["--model", src, "--data", data, "--out", out, "--max-new-tokens", "3", "--batch-size", "3", "--threads", "1"]
+    assert "pass --overwrite" in error_of(cal.main, argv, capsys)
+    os.remove(out)  # only the features file left: still refused
+    assert "features of an earlier calibration" in error_of(cal.main, argv, capsys)
+    cal.main(argv + ["--overwrite"])
+    assert os.path.exists(out) and not os.path.exists(bl.features_path(out))
+
+
 def test_feature_recorder_chunks_tokens_with_the_same_sums(monkeypatch):
     """The all-experts pass runs over token chunks (bounded memory); one token per chunk gives the
     same features as one chunk for the whole batch."""
