@@ -65,7 +65,6 @@ MEANINGS = {
     "--seeds": ("comma list of seeds to run", "each toy's own seed set"),
     "--skip-bad": ("leave out records with an unusable image, with a note", None),
     "--steps": ("optimizer steps", "mod.train trains adapters (300), eval.tools.pretrain a whole base (6000)"),
-    "--stop-at": ("stop after this step; the schedule still spans all steps", "eval.toys.mole: none"),
     "--threads": ("torch CPU threads (default: 1 for the tiny bases, every usable core otherwise)", None),
     "--top-k": ("experts selected per token by a router", None),
     "--trust-remote-code": ("allow code shipped with a checkpoint", None),

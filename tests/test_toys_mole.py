@@ -123,12 +123,12 @@ def test_phases_of_the_other_part_are_refused(capsys):
     import pytest
     import eval.toys.mole as tm
     for argv in (["--phase", "sweep"], ["--part", "bottleneck", "--phase", "lr"], ["--phase", "lr", "--quick"],
-                 ["--phase", "lr", "--stop-at", "5pm"]):
+                 ["--phase", "lr", "--max-minutes", "0"]):
         with pytest.raises(SystemExit) as e:
             tm.main(argv)
         assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "is for --part bottleneck" in err and "is for the full table" in err and "HH:MM" in err
+    assert "is for --part bottleneck" in err and "is for the full table" in err and "--max-minutes" in err
 
 
 def test_verdict_follows_the_one_rule():
@@ -247,12 +247,13 @@ def test_headroom_and_control_refuse_other_phases(capsys):
     import pytest
     import eval.toys.mole as tm
     for argv in (["--part", "control", "--phase", "check"], ["--part", "headroom", "--phase", "lr"],
-                 ["--part", "control", "--stop-at", "5pm"]):
+                 ["--part", "control", "--max-minutes", "-1"], ["--part", "bottleneck", "--max-minutes", "5"]):
         with pytest.raises(SystemExit) as e:
             tm.main(argv)
         assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--part control takes --phase all, summary" in err and "HH:MM" in err
+    assert "--part control takes --phase all, summary" in err and "must be > 0" in err
+    assert "--max-minutes goes with --phase lr or --part headroom / control" in err
 
 
 def test_majority_per_form_is_the_image_blind_answer():

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The MoD debate part's main setting (pre-registered in eval/logs/mod.md): 600 test questions, 500 steps, every arm at its validated lr, seeds 0-2, MoD-Multi
 # 2 and 3 rounds. Two processes, one thread each:   bash eval/toys/mod_main.sh a   and   ... b
-# Each (arm, seed) is its own call; an optional deadline CUTOFF=HHMM (UTC wall clock; unset: none)
-# is checked before every training; everything on disk is reused, so a stopped run resumes.
+# Each (arm, seed) is its own call; an optional run-length limit MAX_MINUTES=N (unset: none) is
+# checked before every training; everything on disk is reused, so a stopped run resumes.
 # The report over everything on disk:   bash eval/toys/mod_main.sh report
 set -u
-OUT=${OUT:-out/mod}; CUTOFF=${CUTOFF:-}
+OUT=${OUT:-out/mod}; MAX_MINUTES=${MAX_MINUTES:-}; START=$(date +%s)
 M="python -m eval.toys.mod --part debate-lr --debate-test 600 --threads 1 --out $OUT"
 export OMP_NUM_THREADS=1
-late() { [ -n "$CUTOFF" ] && [ "$(date -u +%H%M)" -ge "$CUTOFF" ]; }
+late() { [ -n "$MAX_MINUTES" ] && [ $(( $(date +%s) - START )) -ge $(( MAX_MINUTES * 60 )) ]; }
 one() {  # one (arm=lr, seed) at 500 steps; extra flags after the seed
   local pick=$1 seed=$2; shift 2
-  if late; then echo "$(date -u +%T) cut-off: $pick seed $seed not run"; return; fi
+  if late; then echo "$(date -u +%T) MAX_MINUTES reached: $pick seed $seed not run"; return; fi
   echo "$(date -u +%T) start $pick seed $seed $*"
   $M --debate-steps 500 --debate-picks "$pick" --debate-seeds "$seed" --debate-lr-tag _step "$@" || exit 1
 }

@@ -351,9 +351,10 @@ def pick_lr(val_acc, prefer=TABLE_LR):
     return prefer if prefer in tied else tied[0]
 
 
-def _late(stop_at):
-    """True once the UTC clock has reached stop_at ("HH:MM", None = never): no new training starts."""
-    return bool(stop_at) and time.strftime("%H:%M", time.gmtime()) >= stop_at
+def _late(deadline):
+    """True once time.time() has reached `deadline` (seconds since the epoch, from --max-minutes;
+    None = never): no new training starts."""
+    return deadline is not None and time.time() >= deadline
 
 
 def read_sweep(out_dir):
@@ -384,7 +385,7 @@ def shared_items(train, other):
     return out
 
 
-def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), stop_at=None):
+def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), deadline=None):
     """The two-stage table with a per-row learning rate picked on a validation split
     (pre-registered in eval/logs/mole.md).
 
@@ -397,7 +398,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     3. for each seed in `seeds` order: the main rows at their picked lr on the test split, and
        MoLE's interventions; then for each seed the ablations at MoLE's lr. Files that exist
        are kept (resumable; the lr-2e-3 results of the first run count as done).
-    stop_at: "HH:MM" UTC after which no new training starts (what is done is summarised).
+    deadline: time.time() after which no new training starts (--max-minutes; what is done is summarised).
     Raises SystemExit (error) if a validation item is also a training item.
     Returns `summarise_lr`'s summary."""
     from eval.evaluate import evaluate as plain_evaluate
@@ -417,8 +418,8 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     for name in LR_SWEPT:
         for lr in sorted(LR_GRID, key=lambda x: x != TABLE_LR):  # the reused lr-2e-3 checkpoint first (cheap)
             path = os.path.join(sweep_dir, f"{name}_lr{lr:g}.json")
-            if not os.path.exists(path) and _late(stop_at):
-                print(f"[toy_mole] {stop_at} UTC reached: sweep {name} lr {lr:g} not run", flush=True)
+            if not os.path.exists(path) and _late(deadline):
+                print(f"[toy_mole] --max-minutes reached: sweep {name} lr {lr:g} not run", flush=True)
                 continue
             r, _, _ = _table_one(name, TABLE_MAIN[name], 0, cfg, val, data_dir, lr_dir(out_dir, lr), base, threads,
                                  mole_evaluate, plain_evaluate, lr=lr, path=path)
@@ -433,8 +434,8 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     for seed in seeds:
         for name in LR_SWEPT:
             tab_dir = lr_dir(out_dir, picked[name])
-            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(stop_at):
-                print(f"[toy_mole] {stop_at} UTC reached: {name} seed {seed} not run", flush=True)
+            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(deadline):
+                print(f"[toy_mole] --max-minutes reached: {name} seed {seed} not run", flush=True)
                 continue
             r, net, stage = _table_one(name, TABLE_MAIN[name], seed, cfg, test, data_dir, tab_dir, base, threads,
                                        mole_evaluate, plain_evaluate, lr=picked[name])
@@ -445,8 +446,8 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     tab_dir = lr_dir(out_dir, picked["mole"])
     for seed in seeds:
         for name, flags in ABLATIONS.items():
-            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(stop_at):
-                print(f"[toy_mole] {stop_at} UTC reached: {name} seed {seed} not run", flush=True)
+            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(deadline):
+                print(f"[toy_mole] --max-minutes reached: {name} seed {seed} not run", flush=True)
                 continue
             r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
                                  mole_evaluate, plain_evaluate, lr=picked["mole"])
@@ -991,7 +992,7 @@ def headroom_check(data_dir, out_dir, base="tiny-dense"):
     return out
 
 
-def run_headroom(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0, 1, 2), stop_at=None,
+def run_headroom(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0, 1, 2), deadline=None,
                  phase="all", arms=None):
     """The two-stage table on the size family (pre-registered in eval/logs/mole.md).
 
@@ -1005,7 +1006,7 @@ def run_headroom(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0, 1
        seed the ablations HEADROOM_ABLATIONS; the base row on the test split.
     Every (row, lr, seed) is its own atomic file (resumable; files that exist are kept).
     arms: the rows and ablations of step 3 to run (default all; the sweep always covers every
-    main row). stop_at: "HH:MM" UTC after which no new training starts. Returns `summarise_headroom`."""
+    main row). deadline: time.time() after which no new training starts (--max-minutes). Returns `summarise_headroom`."""
     arms = list(arms or HEADROOM_ROWS + HEADROOM_ABLATIONS)
     bad = [x for x in arms if x not in HEADROOM_ROWS + HEADROOM_ABLATIONS]
     if bad:
@@ -1026,8 +1027,8 @@ def run_headroom(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0, 1
 
     def one(name, flags, seed, recs, lr, path=None):
         tab = lr_dir(out_dir, lr)
-        if not os.path.exists(path or os.path.join(tab, f"{name}_seed{seed}.json")) and _late(stop_at):
-            print(f"[headroom] {stop_at} UTC reached: {name} lr {lr:g} seed {seed} not run", flush=True)
+        if not os.path.exists(path or os.path.join(tab, f"{name}_seed{seed}.json")) and _late(deadline):
+            print(f"[headroom] --max-minutes reached: {name} lr {lr:g} seed {seed} not run", flush=True)
             return None, None, None
         r, net, stage = _table_one(name, flags, seed, cfg, recs, data_dir, tab, base, threads,
                                    mole_evaluate, plain_evaluate, lr=lr, path=path)
@@ -1230,13 +1231,13 @@ def _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads, 
     return out
 
 
-def run_control(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None, stop_at=None, steps=None):
+def run_control(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, arms=None, deadline=None, steps=None):
     """The MoLE positive control (pre-registered in eval/logs/mole.md): CONTROL_SWEPT at each lr
     of CONTROL["lrs"] (one lr, 6e-3: the stage-1 bottleneck sweep's pick for both), seed 0,
     scored on the validation split; the better lr per arm (`pick_lr`, ties to the lower lr) for
     every seed, the ablations at MoLE's; then each arm of `arms` and seed on the test split (the
     picked lr's seed-0 checkpoint is the sweep's, evaluated again).
-    stop_at: "HH:MM" UTC after which no new training starts; steps: training steps (default
+    deadline: time.time() after which no new training starts (--max-minutes); steps: training steps (default
     CONTROL["steps"]; give another --out for another length). Returns `summarise_control`."""
     if threads:
         torch.set_num_threads(threads)
@@ -1254,8 +1255,8 @@ def run_control(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, 
     def one(name, lr, seed, recs, split):
         ckpt_done = os.path.exists(os.path.join(out_dir, f"val_{name}_lr{lr:g}_seed{seed}.json"))
         if not os.path.exists(os.path.join(out_dir, f"{split}_{name}_lr{lr:g}_seed{seed}.json")) \
-                and not ckpt_done and _late(stop_at):
-            print(f"[control] {stop_at} UTC reached: {name} lr {lr:g} seed {seed} not run", flush=True)
+                and not ckpt_done and _late(deadline):
+            print(f"[control] --max-minutes reached: {name} lr {lr:g} seed {seed} not run", flush=True)
             return None
         r = _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads, steps)
         print(f"[control] {split} {name} lr {lr:g} seed {seed}: acc {_acc(r['items']):.3f}, swapped images "
@@ -1623,7 +1624,9 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=None, help="--phase lr-fixed: the learning rate of every row")
     p.add_argument("--rows", default="", help="--phase lr-fixed: comma-separated main rows (sft, sft_placeholders, "
                                               "plain_latent, mole)")
-    p.add_argument("--stop-at", default=None, help="--phase lr, --part headroom / control: UTC time HH:MM after which no new training starts")
+    p.add_argument("--max-minutes", type=number(float, above=0), default=None,
+                   help="--phase lr, --part headroom / control: start no new training run after this many minutes "
+                        "(what is done is summarised; rerun the same command to continue)")
     p.add_argument("--steps", type=number(min=1), default=None,
                    help="--part control: training steps (default 300); use another --out for another length")
     p.add_argument("--results", default=None,
@@ -1636,6 +1639,9 @@ def main(argv=None):
     add_threads(p)
     a = p.parse_args(argv)
     threads = set_threads(a.threads, a.model)  # passed on to every mole.train run
+    deadline = None if a.max_minutes is None else time.time() + 60 * a.max_minutes  # a run-length limit
+    if a.max_minutes is not None and not (a.part in ("headroom", "control") or a.phase == "lr"):
+        p.error("--max-minutes goes with --phase lr or --part headroom / control")
     if a.part == "shift":
         out = a.out if a.out != "out/mole" else "out/mole/bottleneck"
         dd = a.data if a.data != "out/data" else os.path.join(out, "data")
@@ -1649,8 +1655,6 @@ def main(argv=None):
         allowed = ("all", "check", "summary") if a.part == "headroom" else ("all", "summary")
         if a.phase not in allowed:
             p.error(f"--part {a.part} takes --phase {', '.join(allowed)}, got {a.phase}")
-        if a.stop_at and not re.fullmatch(r"[0-2]\d:[0-5]\d", a.stop_at):
-            p.error(f"--stop-at takes a UTC time HH:MM, got {a.stop_at!r}")
         seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else None
         if a.results and a.phase != "summary":
             p.error("--results goes with --phase summary")
@@ -1660,13 +1664,13 @@ def main(argv=None):
         if a.part == "control":
             s = summarise_control(out) if a.phase == "summary" else run_control(
                 dd, out, base=a.model, threads=threads, seeds=seeds, arms=a.arms.split(",") if a.arms else None,
-                stop_at=a.stop_at, steps=a.steps)
+                deadline=deadline, steps=a.steps)
             print(control_markdown(s))
             return
         if a.phase == "summary":
             s = summarise_headroom(out)
         else:
-            s = run_headroom(dd, out, base=a.model, threads=threads, seeds=seeds or (0, 1, 2), stop_at=a.stop_at,
+            s = run_headroom(dd, out, base=a.model, threads=threads, seeds=seeds or (0, 1, 2), deadline=deadline,
                              phase=a.phase, arms=a.arms.split(",") if a.arms else None)
         print(json.dumps(s, indent=1) if a.phase == "check" else lr_markdown(s, HEADROOM_CLAIMS))
         return
@@ -1699,10 +1703,8 @@ def main(argv=None):
     if a.phase in ("lr", "lr-summary"):
         if a.quick:
             p.error("--phase lr is the full table's lr sweep; it has no --quick mode")
-        if a.stop_at and not re.fullmatch(r"[0-2]\d:[0-5]\d", a.stop_at):
-            p.error(f"--stop-at takes a UTC time HH:MM, got {a.stop_at!r}")
         s = (summarise_lr(a.out, a.data) if a.phase == "lr-summary" else
-             run_lr(a.data, a.out, base=a.model, threads=threads, stop_at=a.stop_at,
+             run_lr(a.data, a.out, base=a.model, threads=threads, deadline=deadline,
                     seeds=[int(x) for x in a.seeds.split(",")] if a.seeds else (2, 0, 1)))
         print(lr_markdown(s))
         return
