@@ -351,6 +351,13 @@ def options_of(record):
     return parse_options(record["question"]) if record_answer_type(record) == "letter" else []
 
 
+def is_correct_for(record, text):
+    """Whether `text` answers `record` correctly by the one rule of `score`: the record's own
+    options and answer type (`record_answer_type`), as `eval.evaluate` and `eval.scores` read
+    it. Every entry point that scores a reply to a record calls this (or `score`)."""
+    return score(record, text)["correct"]
+
+
 def score(record, text):
     """How a reply to `record` is read and scored, the same in every entry point:
     {"answer_type", "extracted" (the answer read from `text`), "correct" (bool)}. The record's

@@ -34,7 +34,7 @@ from common.cli import Deprecated, add_limit, add_threads, number, run_cli, set_
 from common.cli import add_device_args, load_kwargs
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
 from common.data import DataError, atomic_write_text, check_support, check_training_records, load_image, read_records
-from common.answers import final_answer, is_correct  # noqa: F401  (mod.infer scores with it)
+from common.answers import final_answer, is_correct, is_correct_for  # noqa: F401  (the toys score with them)
 # The prompt shapes live in common/ (the tiny chat base is pretrained on them too); mod.infer reads them here.
 from mod.prompts import (ANSWER_SPACE, DEBATE_PROMPT, JSON_INSTRUCTION, debate_prompt,  # noqa: F401
                             debater_prompt, judge_prompt, review_prompt, single_prompt, to_json_response,
@@ -89,7 +89,7 @@ def build_pools(records, samples):
     for r, texts in zip(records, samples):
         pos, neg = [], []
         for t in texts:
-            (pos if is_correct(t, r["answer"], r["family"]) else neg).append(to_json_response(t))
+            (pos if is_correct_for(r, t) else neg).append(to_json_response(t))
         pos, neg = list(dict.fromkeys(pos)), list(dict.fromkeys(neg))
         if not pos:
             pos, n_gold = [gold_response(r)], n_gold + 1

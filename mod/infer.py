@@ -18,7 +18,7 @@
 
 Every method returns per-question results {id, family, pred, correct, n_tokens} and the
 wall time; `n_tokens` sums all generated tokens of all calls for that question.
-Answers are read with `common.answers.is_correct`, which parses the JSON and falls back to
+Answers are read with `common.answers.is_correct_for` (the record's options and answer type), which parses the JSON and falls back to
 the text after the last "Answer" when the JSON is malformed.
 
     python -m mod.infer --model tiny-chat --adapter out/mod/run --data out/data/test.json --rounds 1
@@ -34,7 +34,8 @@ from common.cli import add_limit, add_overwrite, add_threads, check_out_file, ch
 from common.cli import add_device_args, load_kwargs
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher
 from common.predictions import PredictionLog
-from mod.data import debate_prompt, debater_prompt, is_correct, judge_prompt, review_prompt, single_prompt
+from common.answers import is_correct_for
+from mod.data import debate_prompt, debater_prompt, judge_prompt, review_prompt, single_prompt
 from mod.prompts import ROUND_NAMES, liang_decision, liang_prompt
 
 
@@ -83,7 +84,7 @@ def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=9
 
 def _results(records, finals, toks):
     return [{"id": r["id"], "family": r["family"], "pred": f, "answer": r["answer"],
-             "correct": bool(is_correct(f, r["answer"], r["family"])), "n_tokens": n}
+             "correct": bool(is_correct_for(r, f)), "n_tokens": n}
             for r, f, n in zip(records, finals, toks)]
 
 

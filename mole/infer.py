@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from common import backbone as bb
-from common.answers import is_correct, score
+from common.answers import is_correct_for, score
 from common.cli import add_device_args, load_kwargs
 from common.cli import (Deprecated, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
                         set_threads)
@@ -124,8 +124,8 @@ def generate(mole, images, questions, stage=2, max_new_tokens=48, pixels=None, i
 
 def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervention="none", desc="mole", log=None):
     """Greedy answers for LLaVA records (common.data.read_llava_json) -> list of dicts
-    {id, family, pred, answer, correct, n_tokens}, scored with `common.answers.is_correct`
-    (the same scorer as `eval.evaluate`). The intervention of the batch starting at record i
+    {id, family, pred, answer, correct, n_tokens}, scored with `common.answers.is_correct_for`
+    (the same rule as `eval.evaluate`). The intervention of the batch starting at record i
     is seeded with i. log: a `common.predictions.PredictionLog` keeping each finished batch
     (phase "generate") and holding those of a resumed run."""
     from common.predictions import PredictionLog
@@ -137,7 +137,7 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
         texts, lens = generate(mole, imgs, [r["question"] for r in chunk], stage=stage,
                                max_new_tokens=max_new_tokens, intervention=intervention, seed=i)
         return [{"id": r["id"], "family": r["family"], "pred": t, "answer": r["answer"],
-                 "correct": is_correct(t, r["answer"], r["family"]), "n_tokens": n}
+                 "correct": is_correct_for(r, t), "n_tokens": n}
                 for r, t, n in zip(chunk, texts, lens)]
 
     return (log or PredictionLog(None, None)).run("generate", -(-len(records) // batch_size), one, desc)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from common.answers import is_correct
+from common.answers import is_correct_for
 from common.cli import add_device_args, load_kwargs
 from rolemerge import calibrate as cal
 
@@ -125,7 +125,7 @@ def predict(model, proc, records, batch_size=32, max_new_tokens=48, progress=Tru
                 proc.decode(row[:n], skip_special_tokens=True)           # VLProcessor / plain tokenizer
             gold = r.get("answer")
             out.append({"id": r.get("id"), "family": r.get("family", "all"), "pred": text, "answer": gold,
-                        "correct": None if gold is None else bool(is_correct(text, gold, r.get("family", "all"))),
+                        "correct": None if gold is None else bool(is_correct_for(dict(r, family=r.get("family", "all")), text)),
                         "n_tokens": n})
         return out
 

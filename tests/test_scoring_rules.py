@@ -120,3 +120,20 @@ def test_mod_infer_names_both_kinds_of_one_record_before_loading(tmp_path, capsy
     monkeypatch.setattr(bb, "load_backbone", lambda *a, **k: pytest.fail("the model loaded before the check"))
     err = error_of(infer.main, ["--data", str(tmp_path / "two.json"), "--methods", "base"], capsys)
     assert "several images, e.g. ['r1']" in err and "several question/answer turns, e.g. ['r1']" in err
+
+
+def test_every_entry_point_scores_a_reply_by_the_records_own_options_and_type():
+    """mod.infer, mole.infer and rolemerge.infer once scored with is_correct(text, gold, family),
+    without the record's options or answer_type, so an answer given as the option's text (or a
+    yes/no benchmark record of an unknown family) counted as wrong there and right in
+    eval.evaluate / eval.scores. One rule now: common.answers.is_correct_for."""
+    from common.answers import is_correct, is_correct_for, score
+    from mod.infer import _results
+    mc = {"id": "q", "family": "mc", "answer": "A",
+          "question": "Which object is at the top right? A. yellow triangle B. green square Answer with the letter."}
+    pope = {"id": "p", "family": "adversarial", "answer_type": "yesno", "question": "Is there a dog?", "answer": "yes"}
+    for r, text in ((mc, "yellow triangle"), (pope, "Yes, there is a dog.")):
+        assert not is_correct(text, r["answer"], r["family"])          # the old call
+        assert is_correct_for(r, text) and score(r, text)["correct"]    # the one rule
+        assert _results([r], [text], [3])[0]["correct"]
+    assert not is_correct_for(mc, "green square")

@@ -82,7 +82,7 @@ def viewpoint_data(base, proc, train, k, max_priors, out_dir, log):
     recs, counts = vs.synthesize(train, pools, n_per_question=2, max_priors=max_priors)
     path = os.path.join(out_dir, "train_vs.json")
     atomic_write_text(path, json.dumps(recs))
-    base_acc = sum(vs.is_correct(s, r["answer"], r["family"]) for r, ss in zip(train, samples) for s in ss)
+    base_acc = sum(vs.is_correct_for(r, s) for r, ss in zip(train, samples) for s in ss)
     info = {"samples": len(recs), **{f"T_{c}": counts[c] for c in vs.CATEGORIES}, "gold_filled": n_gold,
             "base_sample_accuracy": base_acc / max(1, k * len(train)), "wall_s": time.time() - t}
     log(f"viewpoint-shift data: {info}")

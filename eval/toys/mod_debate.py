@@ -147,10 +147,10 @@ def prepare(root, base, proc, train, test, S, log=print):
         test_samples = json_samples(base, proc, test, 4, 1)
         own_wrong = {}
         for r, ss in zip(test, test_samples):
-            bad = [s for s in ss if not vs.is_correct(s, r["answer"], r["family"])]
+            bad = [s for s in ss if not vs.is_correct_for(r, s)]
             if bad:
                 own_wrong[r["id"]] = vs.to_json_response(bad[0])
-        n_ok = sum(vs.is_correct(s, r["answer"], r["family"]) for r, ss in zip(train, samples) for s in ss)
+        n_ok = sum(vs.is_correct_for(r, s) for r, ss in zip(train, samples) for s in ss)
         prep = {"train_vs": recs, "mix": {f"T_{c}": counts[c] for c in vs.CATEGORIES},
                 "mix_share": {f"T_{c}": counts[c] / max(1, sum(counts.values())) for c in vs.CATEGORIES},
                 "gold_filled": n_gold, "json_sample_accuracy": n_ok / (S["k"] * len(train)),
@@ -475,7 +475,7 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
         t = time.time()
         own_val = {}
         for r, ss in zip(val, json_samples(base, proc, val, L["val_k"], L["val_seed"])):
-            bad = [s for s in ss if not vs.is_correct(s, r["answer"], r["family"])]
+            bad = [s for s in ss if not vs.is_correct_for(r, s)]
             if bad:
                 own_val[r["id"]] = vs.to_json_response(bad[0])
         return {"own_wrong": own_val, "n_val": len(val), "val_ids": [r["id"] for r in val], "dropped": dropped,
