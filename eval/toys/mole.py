@@ -495,10 +495,22 @@ def summarise_lr(out_dir, data_dir=None):
     base_path = os.path.join(out_dir, "table", "base.json")
     if os.path.exists(base_path):
         res[("base", None)] = _json(base_path)
+    rows = _picked_rows(out_dir, res, picked, LR_SWEPT)
+    out = {"config": FULL, "lr_grid": list(LR_GRID), "n_val": N_VAL,
+           "sweep_val_acc": {n: {f"{lr:g}": a for lr, a in sorted(v.items())} for n, v in sweep.items()},
+           "picked_lr": picked, "rows": rows}
+    return _write_summary(out_dir, "results_lr.json", out, "table_lr_acc.png",
+                          "two-stage table, per-row lr picked on validation: test accuracy per row and seed", 1400)
+
+
+def _picked_rows(out_dir, res, picked, swept, skip=()):
+    """`_summary_rows` of every table row at its picked lr: the result files {row}_seed{S}.json
+    under lr_dir(out_dir, lr), added to `res` ({(row, seed): result}); a row not in `swept` takes
+    MoLE's lr; rows without a picked lr or in `skip` are left out. Each row carries its "lr"."""
     lr_of = {}
     for name in TABLE_ORDER[1:]:
-        lr = picked.get(name if name in LR_SWEPT else "mole")
-        if lr is None:
+        lr = picked.get(name if name in swept else "mole")
+        if lr is None or name in skip:
             continue
         lr_of[name] = lr
         d = lr_dir(out_dir, lr)
@@ -509,11 +521,7 @@ def summarise_lr(out_dir, data_dir=None):
     rows = _summary_rows(res)
     for row in rows:
         row["lr"] = lr_of.get(row["row"])
-    out = {"config": FULL, "lr_grid": list(LR_GRID), "n_val": N_VAL,
-           "sweep_val_acc": {n: {f"{lr:g}": a for lr, a in sorted(v.items())} for n, v in sweep.items()},
-           "picked_lr": picked, "rows": rows}
-    return _write_summary(out_dir, "results_lr.json", out, "table_lr_acc.png",
-                          "two-stage table, per-row lr picked on validation: test accuracy per row and seed", 1400)
+    return rows
 
 
 def _write_summary(out_dir, name, out, png, title, w):
@@ -1070,20 +1078,7 @@ def summarise_headroom(out_dir):
     base_path = os.path.join(lr_dir(out_dir, TABLE_LR), "base.json")
     if os.path.exists(base_path):
         res[("base", None)] = _json(base_path)
-    lr_of = {}
-    for name in TABLE_ORDER[1:]:
-        lr = picked.get(name if name in HEADROOM_ROWS else "mole")
-        if lr is None or name in ("sft_placeholders",):
-            continue
-        lr_of[name] = lr
-        d = lr_dir(out_dir, lr)
-        for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-            m = re.fullmatch(re.escape(name) + r"_seed(\d+)\.json", f)
-            if m:
-                res[(name, int(m.group(1)))] = _json(os.path.join(d, f))
-    rows = _summary_rows(res)
-    for row in rows:
-        row["lr"] = lr_of.get(row["row"])
+    rows = _picked_rows(out_dir, res, picked, HEADROOM_ROWS, skip=("sft_placeholders",))
     check = os.path.join(out_dir, "headroom.json")
     out = {"config": dict(FULL, **{k: list(v) if isinstance(v, tuple) else v for k, v in HEADROOM.items()}),
            "lr_grid": list(HEADROOM_LRS), "n_val": HEADROOM["n_val"],
