@@ -41,6 +41,14 @@ from mod.train import fit
 DEFAULT_ADAPTER = os.path.join("debate", "lr", "MoD_lr0.01_steps500_s0")   # the main setting's MoD, seed 0
 
 
+
+def _tuned(base, adapter_dir):
+    """A deep copy of the frozen `base` with the MoD adapters of `adapter_dir`, in eval mode
+    (loaded once per run, only when a MoD arm is still to run)."""
+    tuned = copy.deepcopy(base)
+    load_adapters(tuned, adapter_dir)
+    return tuned.eval()
+
 def order(rounds, mod_rounds=(1, 2)):
     """The interleaved method order: MoD-Single, then MAD k and MoD-Multi k alternating
     (mod_rounds None: MAD only)."""
@@ -82,9 +90,7 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=20
         if name in out["methods"]:
             continue
         if name.startswith("mod") and tuned is None:
-            tuned = copy.deepcopy(base)
-            load_adapters(tuned, adapter)
-            tuned.eval()
+            tuned = _tuned(base, adapter)
         with torch.inference_mode():
             if name == "mod_single":
                 res, wall = mod_debate(tuned, proc, test, 0, batch_size)
@@ -174,9 +180,7 @@ def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat",
                 if os.path.exists(f):
                     continue
                 if arm.startswith("mod") and tuned is None:
-                    tuned = copy.deepcopy(base)
-                    load_adapters(tuned, d)
-                    tuned.eval()
+                    tuned = _tuned(base, d)
                 with torch.inference_mode():
                     if arm == "mod_single":
                         res, wall = mod_debate(tuned, proc, qs, 0, b)

@@ -277,6 +277,19 @@ def _eval_acc(model, proc, test, max_new, desc):
     return [bool(r["correct"]) for r in res], [r["family"] for r in res]
 
 
+def _base_run(base, out_dir, data_dir, cfg):
+    """What every per-base run starts from: (base name, its result file {out_dir}/{name}.json,
+    that file's contents or a fresh {"base", "config", "arms"}, the first cfg["n_test"] test
+    records, the validation records); the shapes data is made first if missing."""
+    name = os.path.basename(base.rstrip("/"))
+    path = os.path.join(out_dir, f"{name}.json")
+    res = json.load(open(path)) if os.path.exists(path) else {"base": base, "config": dict(cfg), "arms": {}}
+    _ensure_data(data_dir, 500, cfg["n_test"])
+    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
+    val = data.read_llava_json(os.path.join(data_dir, "val.json"))
+    return name, path, res, test, val
+
+
 def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=TABLE1_ARMS, reuse=None):
     """One base: calibrate, collect baseline features, merge every (rho, arm), evaluate with the
     merged router and (merging arms) with oracle routing. Resumable: results are written to
@@ -284,12 +297,7 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=TABLE1_ARMS, reuse=None):
     committed per-question file of this base whose grouping arms are kept where the calibration
     reproduces their groups (`_reuse`)."""
     from rolemerge import calibrate as cal
-    name = os.path.basename(base.rstrip("/"))
-    path = os.path.join(out_dir, f"{name}.json")
-    res = json.load(open(path)) if os.path.exists(path) else {"base": base, "config": dict(cfg), "arms": {}}
-    _ensure_data(data_dir, 500, cfg["n_test"])
-    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
-    val = data.read_llava_json(os.path.join(data_dir, "val.json"))
+    name, path, res, test, val = _base_run(base, out_dir, data_dir, cfg)
     sources = {f: [r for r in val if r["family"] == f][: cfg["n_cal"]] for f in shapes.FAMILIES}
     look = json.load(open(os.path.join(base, "pretrain_log.json")))["args"].get("look", True) \
         if os.path.exists(os.path.join(base, "pretrain_log.json")) else True
@@ -819,12 +827,7 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
     split. Results go to res["audit"][f"{cell}@{rho}"] of the base's run_paper file; resumable
     per cell."""
     from rolemerge import calibrate as cal
-    name = os.path.basename(base.rstrip("/"))
-    path = os.path.join(out_dir, f"{name}.json")
-    res = json.load(open(path)) if os.path.exists(path) else {"base": base, "config": dict(cfg), "arms": {}}
-    _ensure_data(data_dir, 500, cfg["n_test"])
-    test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
-    val = data.read_llava_json(os.path.join(data_dir, "val.json"))
+    name, path, res, test, val = _base_run(base, out_dir, data_dir, cfg)
     cfg = _base_cfg(base, cfg)
     c, n_max = audit["chunk"], max(max(audit["sizes"]), audit["budget"])
     fams = shapes.FAMILIES
