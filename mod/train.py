@@ -53,6 +53,7 @@ from common.cli import (Interrupted, RunError, check_labels, check_settings, dat
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
                         step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
 from common.routing import rank_mean
+from common.schedule import lr_at
 from mod.data import load_records
 from mod.params import MOELORA_MATCHED
 from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, compile_adapters,
@@ -139,12 +140,7 @@ def default_warmup(steps):
     return min(20, max(1, steps // 10))
 
 
-def lr_at(step, steps, lr, warmup):
-    """Linear warmup then cosine decay to 10% of lr."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+MIN_LR_RATIO = 0.1  # the cosine decays to 10 % of --lr (`common.schedule.lr_at`)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -167,8 +163,8 @@ def same_lr_prefix(saved, now, done):
     """True if the `done` finished steps had the same learning rates under both settings'
     schedules (e.g. still in warmup): then changing --steps continues the run exactly."""
     try:
-        return all(lr_at(s, saved["steps"], saved["lr"], saved["warmup"]) == lr_at(s, now["steps"], now["lr"], now["warmup"])
-                   for s in range(done))
+        return all(lr_at(s, saved["steps"], saved["lr"], saved["warmup"], MIN_LR_RATIO)
+                   == lr_at(s, now["steps"], now["lr"], now["warmup"], MIN_LR_RATIO) for s in range(done))
     except KeyError:
         return False
 
@@ -326,7 +322,7 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
         with sigterm_flag() as flag:
             for step in bar:
                 for g in opt.param_groups:
-                    g["lr"] = lr_at(step, steps, lr, warmup)
+                    g["lr"] = lr_at(step, steps, lr, warmup, MIN_LR_RATIO)
                 batches = []
                 for m in range(grad_accum):
                     recs = [records[i] for i in batch_indices(len(records), micro, seed, step, m, rank, world)]

@@ -45,6 +45,7 @@ from common.cli import (Interrupted, RunError, check_labels, check_settings, dat
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
                         step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
 from common.routing import rank_mean
+from common.schedule import lr_at
 from mole.lora import add_lora
 from mole.checkpoint import (PlaceholderProcessor, build, copy_tensors, load_mole, mole_config,  # noqa: F401
                              recorded_base, recorded_method, unfinished_stage2)
@@ -196,12 +197,10 @@ def toy_lr(base):
     return TOY_LR
 
 
-def lr_at(step, total, lr, warmup):
-    """Linear warmup over the fraction `warmup` of `total` steps, then cosine decay to 0."""
-    w = max(int(warmup * total), 1)
-    if step < w:
-        return lr * (step + 1) / w
-    return lr * 0.5 * (1 + math.cos(math.pi * (step - w) / max(total - w, 1)))
+def warmup_steps(ratio, total):
+    """--warmup-ratio as optimizer steps of a `total`-step run: int(ratio * total), at least 1. The
+    schedule is `common.schedule.lr_at` with this warmup and no floor (cosine decay to 0)."""
+    return max(int(ratio * total), 1)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -414,6 +413,7 @@ def train(a):
         net.reduce = rank_mean
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
     end = min(total, a.max_steps) if a.max_steps else total
+    warmup = warmup_steps(a.warmup, total)
     bar = None
     if rank == 0 and not a.quiet:
         from tqdm import tqdm
@@ -425,7 +425,7 @@ def train(a):
                 stage = 1 if step < s1 else 2
                 chunk, imgs = loader.batch(step)
                 for g in opt.param_groups:
-                    g["lr"] = lr_at(step, total, a.lr, a.warmup)
+                    g["lr"] = lr_at(step, total, a.lr, warmup)
                 enc = proc.encode if a.method == "sft" else net.encode
                 batches = []
                 for m in range(min(a.grad_accum, len(chunk))):  # the step's records in --grad-accum micro-batches

@@ -22,7 +22,6 @@ MoD paper says real VLMs are), which is what viewpoint-shift training is meant t
 """
 import argparse
 import json
-import math
 import os
 import random
 import time
@@ -36,6 +35,7 @@ from common import data
 from common import shapes
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
 from common.cli import SAVE_EVERY, Deprecated, DeprecatedSwitch, add_threads, fail, number, set_threads
+from common.schedule import lr_at
 
 
 LOOKS = ("full", "objects", "none")
@@ -196,12 +196,6 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100, look="fu
 RECIPE_KEYS = ("arch", "steps", "batch_size", "lr", "warmup", "hidden", "layers", "experts", "top_k", "seed",
                "answer_weight", "init", "chat_mix", "wrong_priors", "patch_size", "merge_size", "look",
                "expert_width")
-
-
-def lr_at(step, steps, lr, warmup):
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
 def main():
