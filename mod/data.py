@@ -30,7 +30,8 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.cli import Deprecated, add_limit, add_threads, number, run_cli, set_threads
+from common.backbone import generate, load_backbone
+from common.cli import add_limit, add_threads, entry_parser, number, run_cli, set_threads
 from common.cli import add_device_args, load_kwargs
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
 from common.data import DataError, atomic_write_text, check_support, check_training_records, load_image, read_records
@@ -69,7 +70,6 @@ def gold_response(record):
 def sample_responses(model, proc, records, k=4, temperature=1.0, batch_size=64, max_new_tokens=64, seed=0):
     """K temperature samples of the base model per record, on the plain question.
     Returns list (per record) of K generated texts."""
-    from common.backbone import generate
     torch.manual_seed(seed)
     flat = [r for r in records for _ in range(k)]
     texts = []
@@ -152,7 +152,6 @@ def ratios_arg(text):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "MoD viewpoint-shift data synthesis (§3.2).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
@@ -163,8 +162,6 @@ def main(argv=None):
     p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     p.add_argument("--num-return-sequences", dest="k", type=number(min=1), default=4,
                    help="answers sampled per question from the base model (the paper's K; transformers' name)")
-    p.add_argument("--k", dest="k", type=number(min=1), action=Deprecated, new="--num-return-sequences",
-                   help=argparse.SUPPRESS)
     p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="sampling temperature")
     p.add_argument("--ratios", type=ratios_arg, default=(1.0, 1.0, 1.0), help="relative weights of T_pos,T_rev,T_rob")
     p.add_argument("--min-priors", type=number(min=0), default=0, help="fewest prior responses R in a prompt")
@@ -189,8 +186,6 @@ def main(argv=None):
 
 def run(args):
     """The body of `main` for parsed flags (writes args.out atomically)."""
-    from common.backbone import load_backbone
-    from common.data import DataError
     records = load_records(args.data, args.image_root, "mod.data", multi_turn=False,
                            skip_bad=args.skip_bad)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # fail before the sampling

@@ -31,7 +31,6 @@ SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exits (stat
 loss stops the run before the update and keeps the last checkpoint. User errors print
 `error: ...` and exit with status 2.
 """
-import argparse
 import json
 import math
 import os
@@ -43,15 +42,16 @@ from dataclasses import asdict
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from common.backbone import base_identity
+from common.backbone import base_identity, load_backbone
 from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher, atomic_write_text, name_path  # noqa: F401  (mod.train.Batcher: the trainer's batches)
-from common.cli import add_device_args, load_kwargs
+from common.cli import add_device_args, entry_parser, load_kwargs
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
-                        step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
+                        step_tokens, token_ce, add_threads, SAVE_EVERY)
 from common.routing import rank_mean
 from common.schedule import lr_at
 from mod.data import load_records
@@ -306,7 +306,6 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     if compile:               # the adapters' hot path, in place, before DDP (the base model stays eager)
         compile_adapters(raw)
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
         run = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None)
         raw._adapter["ctx"].reduce = rank_mean  # the aux loss of the global batch, as one process computes it
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -372,7 +371,6 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "Train MoD / LoRA / MoE-LoRA adapters on a frozen VLM (MoD §3.3).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
@@ -392,8 +390,6 @@ def main(argv=None):
     p.add_argument("--warmup-steps", dest="warmup", type=number(min=0), default=None,
                    help="linear warmup in optimizer steps (default: min(20, steps // 10), at least 1: 20 for --steps "
                         ">= 200)")
-    p.add_argument("--warmup", dest="warmup", type=number(min=0), action=Deprecated, new="--warmup-steps",
-                   help=argparse.SUPPRESS)
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient-norm clip (0 = off)")
     p.add_argument("--loss-reduction", default="mean", choices=["mean", "sum"],
@@ -432,7 +428,6 @@ def train(args):
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
-    from common.backbone import load_backbone
     model, proc = load_backbone(args.model, dtype=load_kwargs(args)["dtype"], device=device)
     torch.manual_seed(args.seed)
     names = attach(model, cfg)

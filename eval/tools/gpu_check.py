@@ -207,7 +207,7 @@ def pipeline_commands(device, tmp, steps, dense, moe):
     # ATEN_CPU_CAPABILITY=avx2 / default, sdpa raises "pack_vnni2 is only supported when avx512 is supported")
     bf = dev + ["--dtype", "bfloat16" if device.type == "cuda" else "float32"]
     return [
-        ("mod.data", ["--model", dense, "--data", train, "--out", j("vs.json"), "--k", "2", "--limit", "4",
+        ("mod.data", ["--model", dense, "--data", train, "--out", j("vs.json"), "--num-return-sequences", "2", "--limit", "4",
                       "--max-new-tokens", "8", *bf]),
         ("mod.train", ["--model", dense, "--data", j("vs.json"), "--out", j("mod"), "--steps", str(steps),
                        "--batch-size", "2", *dev]),
