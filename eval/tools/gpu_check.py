@@ -63,9 +63,10 @@ def _tiny_mod(device, tmp, method="mod"):
 
 def check_mod_bf16(device, tmp, steps):
     from mod.model import routing_context
-    from mod.train import fit
+    from mod.train import TrainConfig, fit
     model, proc, records = _tiny_mod(device, tmp)
-    res = fit(model, proc, records, os.path.join(tmp, "mod_bf16"), steps=steps, batch_size=4, quiet=True, log_every=1)
+    res = fit(model, proc, records, os.path.join(tmp, "mod_bf16"), TrainConfig(steps=steps, batch_size=4, log_every=1),
+              quiet=True)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     from mod.train import Batcher
     batch = Batcher(proc, records).encode(records[:2], answers=[r["target"] for r in records[:2]])
@@ -83,14 +84,14 @@ def check_mod_bf16(device, tmp, steps):
 
 
 def check_mod_compile(device, tmp, steps):
-    from mod.train import fit
+    from mod.train import TrainConfig, fit
     out = {}
     for compiled in (False, True):
         torch._dynamo.reset()
         model, proc, records = _tiny_mod(device, tmp)
         t = time.perf_counter()
-        res = fit(model, proc, records, os.path.join(tmp, f"mod_c{compiled}"), steps=steps, batch_size=4, quiet=True,
-                  log_every=1, compile=compiled)
+        res = fit(model, proc, records, os.path.join(tmp, f"mod_c{compiled}"),
+                  TrainConfig(steps=steps, batch_size=4, log_every=1, compile=compiled), quiet=True)
         log = res["log"]        # "s" is rounded to 10 ms: average over the steps after the first two
         out["compiled" if compiled else "eager"] = (log[-1]["s"] - log[1]["s"]) / max(len(log) - 2, 1)
         if compiled:
