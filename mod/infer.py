@@ -398,9 +398,9 @@ def main(argv=None):
 def _mad_rounds(args):
     """MAD's debate rounds: --mad-rounds, else 3 for --mad liang (the official code's max_round)
     and --rounds for --mad du."""
-    if getattr(args, "mad_rounds", None) is not None:
+    if args.mad_rounds is not None:
         return args.mad_rounds
-    return LIANG_MAX_ROUNDS if getattr(args, "mad", "liang") == "liang" else args.rounds
+    return LIANG_MAX_ROUNDS if args.mad == "liang" else args.rounds
 
 
 def run(args, methods):
@@ -420,7 +420,7 @@ def run(args, methods):
             raise FileNotFoundError(f"{args.adapter}: no {CONFIG_NAME} (not an adapter directory written by "
                                     f"mod.train or peft)")
     fp = fingerprint(records, model=model_digest(args.model), adapter=model_digest(args.adapter), methods=methods,
-                     rounds=args.rounds, mad=getattr(args, "mad", "liang"), mad_rounds=_mad_rounds(args), batch_size=args.batch_size,
+                     rounds=args.rounds, mad=args.mad, mad_rounds=_mad_rounds(args), batch_size=args.batch_size,
                      max_new_tokens=args.max_new_tokens,
                      device=args.device)
     with PredictionLog(args.out or None, fp, args.resume) as log:  # refusals before any model loads
@@ -441,7 +441,7 @@ def _run_methods(args, methods, records, log):
                "single": lambda log: mod_debate(tuned, proc, records, 0, bs, mnt, log=log),
                "multi": lambda log: mod_debate(tuned, proc, records, args.rounds, bs, mnt, log=log),
                "mad": (lambda log: liang_debate(base, proc, records, _mad_rounds(args), bs, mnt, log=log))
-               if getattr(args, "mad", "liang") == "liang" else
+               if args.mad == "liang" else
                (lambda log: multi_agent_debate(base, proc, records, _mad_rounds(args), batch_size=bs,
                                                max_new_tokens=mnt, log=log)),
                "sc": lambda log: self_correction(base, proc, records, bs, mnt, log=log),

@@ -289,6 +289,10 @@ def test_adapter_on_a_base_with_other_weights_is_refused(shapes, run, tmp_path, 
     del cfg["base_model"]["weights"]
     (old / "adapter_config.json").write_text(json.dumps(cfg))
     assert load_adapters(load_backbone("tiny-chat")[0], str(old)).method == "mod"
+    del cfg["base_model"]                      # no base recorded at all: refused, never loaded unchecked
+    (old / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="records no base_model"):
+        load_adapters(load_backbone("tiny-chat")[0], str(old))
 
 
 def test_resume_on_a_base_with_other_weights_is_refused(shapes, run, tmp_path, capsys):
