@@ -50,7 +50,7 @@ from common.routing import rank_mean
 from common.schedule import lr_at
 from mole.checkpoint import (PlaceholderProcessor, build, copy_tensors, load_mole, mole_config,  # noqa: F401
                              recorded_base, recorded_method, unfinished_stage2)
-from mole.model import MoLE
+from mole.model import MoLE, MoLEConfig
 # deferred: torch.distributed.fsdp and torch.distributed.checkpoint.state_dict are imported inside the --fsdp
 # paths only (shard, load_full, save_ckpt, train): importing them adds seconds to every start
 
@@ -79,18 +79,18 @@ class TrainConfig:
     out: str = "out/mole/mole"
     method: str = "mole"
     placeholders: int = 0
-    # MoLE architecture (E = S = 4, the paper's balanced 8-latent allocation; K = 2 is ours)
-    n_vis: int = 4
-    n_sum: int = 4
-    top_k: int = 2
-    alpha: float = 1.0
-    no_router: bool = False
-    no_esva: bool = False
-    esva_hidden: int = 0
-    latent_mixing: str = "topological"
-    lambda_balance: float = 0.01
-    lambda_z: float = 0.001
-    lambda_div: float = 0.01
+    # MoLE architecture: MoLEConfig's defaults (`mole_config` builds one from these fields)
+    n_vis: int = MoLEConfig.n_vis
+    n_sum: int = MoLEConfig.n_sum
+    top_k: int = MoLEConfig.top_k
+    alpha: float = MoLEConfig.alpha
+    no_router: bool = not MoLEConfig.router
+    no_esva: bool = not MoLEConfig.esva
+    esva_hidden: int = MoLEConfig.esva_hidden
+    latent_mixing: str = MoLEConfig.latent_mixing
+    lambda_balance: float = MoLEConfig.lambda_balance
+    lambda_z: float = MoLEConfig.lambda_z
+    lambda_div: float = MoLEConfig.lambda_div
     # schedule
     stage1_epochs: float = 2
     stage2_epochs: float = 1
