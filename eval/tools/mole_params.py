@@ -40,9 +40,9 @@ def analytic(shape, n_vis=4, n_sum=4, router=True, esva=True, esva_hidden=0, lor
 def built(flags, model="tiny-dense"):
     """{part: parameters} of the model `mole.train` builds with these flags (requires_grad)."""
     from mole.checkpoint import build
-    from mole.train import get_parser
-    a = get_parser().parse_args(["--data", "unused", "--out", "unused", "--model", model, *flags])
-    _, _, params = build(a, "cpu")
+    from mole.train import parse_config
+    cfg = parse_config(["--data", "unused", "--out", "unused", "--model", model, *flags])
+    _, _, params = build(cfg, "cpu")
     parts = {"lora": 0, "latents": 0, "routers": 0, "esva": 0}
     for n, p in params.items():
         key = ("lora" if "lora_" in n else "latents" if n == "latent" else "routers" if n.startswith("routers")
