@@ -387,11 +387,9 @@ def test_short_run_default_warmup_reaches_the_peak_lr(shapes, tmp_path):
 
 
 def test_a_wrong_adapter_path_is_refused_before_any_model_loads(shapes, tmp_path, capsys, monkeypatch):
-    import common.backbone as bb
-
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the --adapter path was checked")
-    monkeypatch.setattr(bb, "load_backbone", no_load)
+    monkeypatch.setattr(minfer, "load_backbone", no_load)
     err = error_of(minfer.main, ["--model", "tiny-chat", "--adapter", str(tmp_path / "none"), "--data",
                                  str(shapes / "val.json"), "--methods", "single", "--threads", "1"], capsys)
     assert "no adapter_config.json" in err and "not an adapter directory" in err

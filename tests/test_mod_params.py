@@ -196,10 +196,10 @@ def test_mad_rounds_flag_reaches_mad(tmp_path, monkeypatch, argv, want):
     """mod.infer --mad-rounds sets MAD's debate rounds apart from MoD-Multi's --rounds (Du-style
     MAD's default: --rounds; Liang's default is tests/test_mad_liang.py's)."""
     import json
-    from common import backbone, data
+    from common import data
     from mod import infer
     seen = []
-    monkeypatch.setattr(backbone, "load_backbone", lambda *a, **k: (None, None))
+    monkeypatch.setattr(infer, "load_backbone", lambda *a, **k: (None, None))
     monkeypatch.setattr(infer, "multi_agent_debate", lambda m, p, recs, rounds, **kw: (seen.append(rounds) or [], 0.0))
     path = tmp_path / "q.json"
     data.atomic_write_text(str(path), json.dumps([{"id": "t0", "family": "mmlu", "answer": "B", "image": None,
