@@ -129,3 +129,41 @@ def test_results_part_writes_the_result_files_from_disk(tmp_path):
     assert got["rows"] == toy_mad.protocol_rows(str(tmp_path / "out"))[0]
     assert got["source"].startswith("python -m eval.toys.mod --part mad-protocols --debate-seeds 0 --debate-test 2 "
                                     "--threads 1, then python -m eval.toys.mod --part results")
+
+
+def test_debate_lr_starts_no_training_after_the_deadline(tmp_path, monkeypatch):
+    """mod_debate.run_lr with a passed deadline: an unfinished sweep trains nothing and returns None
+    (no pick from a partial grid); at fixed picks every missing (arm, seed) is reported as not run.
+    Without a deadline the same call goes on to train (the check is what stops it)."""
+    item = {"id": "t0", "family": "count", "correct": True, "n_tokens": 1}
+    monkeypatch.setattr(toy_debate, "load_data", lambda *a: ([], [item], None, None))
+    monkeypatch.setattr(toy_debate, "val_questions", lambda *a: ([], []))
+    monkeypatch.setattr(toy_debate, "read_llava_json", lambda path: [])
+    monkeypatch.setattr(toy_debate, "prepare", lambda *a: {"own_wrong": {}, "train_vs": []})
+    monkeypatch.setattr(toy_debate, "json_samples", lambda *a: [])
+    monkeypatch.setattr(toy_debate, "plain", lambda *a, **k: ([], 0.0))
+    monkeypatch.setattr(toy_debate, "misled_own", lambda *a, **k: ([], 0.0))
+    monkeypatch.setattr(toy_debate, "score_test", lambda *a, **k: {"single": [dict(item)]})
+
+    class Trained(Exception):
+        pass
+
+    def fit(*a, **k):
+        raise Trained
+    monkeypatch.setattr(toy_debate, "fit", fit)
+    monkeypatch.setattr(toy_debate, "attach", lambda *a: None)
+    logs = []
+    S = dict(toy_debate.SETTINGS, n_test=1)
+    past = time.time() - 1
+    sweep = dict(toy_debate.LR_SETTINGS, lrs=(1e-2, 2e-2))
+    assert toy_debate.run_lr("d", str(tmp_path), "m", S=S, L=sweep, log=logs.append, deadline=past) is None
+    assert sum("--max-minutes reached: sweep" in x for x in logs) == 4 and not (tmp_path / "debate" / "lr" / "results.json").exists()
+    fixed = dict(toy_debate.LR_SETTINGS, picks={"MoD": 1e-2, "MoE-LoRA token": 5e-3})
+    logs.clear()
+    out = toy_debate.run_lr("d", str(tmp_path), "m", S=S, L=fixed, log=logs.append, deadline=past)
+    assert [x.strip() for x in logs if "not run" in x] == [
+        "MoD seed 0 at lr 0.01: not run (--max-minutes reached)",
+        "MoE-LoRA token seed 0 at lr 0.005: not run (--max-minutes reached)"]
+    assert out["test"] == {} and out["picks"] == fixed["picks"]   # nothing scored at the picks
+    with pytest.raises(Trained):
+        toy_debate.run_lr("d", str(tmp_path), "m", S=S, L=fixed, log=logs.append)

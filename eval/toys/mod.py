@@ -24,13 +24,13 @@ a stopped run resumes with the same command, and `--max-minutes N` starts no tra
 after N minutes (rerun to continue):
 
     python -m eval.toys.mod --quick      # main rows only, ~1-3 CPU minutes
-    python -m eval.toys.mod --part e2e   # the pipeline below -> out/mod/results.json (~20 CPU minutes)
+    python -m eval.toys.mod --part e2e   # the pipeline above -> out/mod/results.json (~20 CPU minutes)
     python -m eval.toys.mod --part mechanism   # frozen single-layer mechanism experiments -> out/mod/mechanism/
     python -m eval.toys.mod --part debate      # end to end with headroom, one lr -> out/mod/debate/
     python -m eval.toys.mod --part debate-lr   # per-arm lr on a validation split -> out/mod/debate/lr/
     python -m eval.toys.mod                    # mechanism, debate and e2e; out/mod/results.json lists every part's report
-    python -m eval.toys.mod --part main-a --threads 1 & python -m eval.toys.mod --part main-b --threads 1
-    python -m eval.toys.mod --part main-report # the main setting (600 questions, 500 steps, 3 seeds), two processes
+    python -m eval.toys.mod --part main-a & python -m eval.toys.mod --part main-b   # the main setting, two processes
+    python -m eval.toys.mod --part main-report # its report: 600 questions, 500 steps, seeds 0-2, per-arm lr
     python -m eval.toys.mod --part paper-rounds --threads 1   # MoD-Multi with one debate round, MAD by rounds
     python -m eval.toys.mod --part mad-rounds  # MAD 1-3 debate rounds beside MoD: tokens, wall time -> out/mod/mad_rounds.json
     python -m eval.toys.mod --part mad-protocols --debate-seeds 0,1,2 --debate-test 64 --batch1-test 16 --threads 1
@@ -248,8 +248,8 @@ RESUMABLE = ("debate-lr", "mad-rounds", "mad-protocols", "main-a", "main-b", "pa
 
 def lr_settings(arms=(), seeds=(0,), n_test=300, rounds=None, steps=0, lrs=(), n_val=150, tag="", picks=None,
                 metrics=(), train=True):
-    """(S, L) of one debate-lr call (`toy_debate.run_lr`) from the --debate-* values: arms / picks by
-    folder name (`toy_debate.SLUGS`; picks {name: lr} fixes the lr, no sweep, and gives the arms
+    """(S, L) of one debate-lr call (`eval.toys.mod_debate.run_lr`) from the --debate-* values: arms / picks by
+    folder name (`eval.toys.mod_debate.SLUGS`; picks {name: lr} fixes the lr, no sweep, and gives the arms
     in its order), rounds None = no MoD-Multi, steps / lrs / metrics empty = the defaults."""
     slugs = toy_debate.SLUGS
     S = dict(toy_debate.SETTINGS, arms=list(arms) or None, seeds=tuple(seeds), n_test=n_test,
@@ -264,7 +264,10 @@ def lr_settings(arms=(), seeds=(0,), n_test=300, rounds=None, steps=0, lrs=(), n
 
 
 def _clock(deadline, log):
-    """The `one` of the drivers: run_lr for one (arm=lr, seed) of the main setting unless `deadline` passed."""
+    """The drivers' `one(a, arm, lr, seed, ...)`: one `run_lr` call for `arm` at the fixed `lr` and
+    `seed` (an int or a tuple) in the main setting (600 questions, 500 steps), logged with the
+    minutes since the start; skipped with a note once `deadline` has passed. Returns run_lr's
+    report, None when skipped."""
     t0 = time.time()
 
     def one(a, arm, lr, seed, tag="_step", rounds=None, train=True, **kw):
@@ -333,7 +336,7 @@ def run_paper_rounds(a, deadline=None, log=print):
     """MoD-Multi as the paper defines it (eval/logs/mod.md): MoD at 1e-2 per seed 0-2 (600 questions,
     500 steps) scored on the single round and MoD-Multi 1 round (-> results_paper_rounds.json);
     then MAD with 1-3 debate rounds beside MoD-Single / MoD-Multi of seed 0 on the first
-    `PAPER_ROUNDS_MAD_TEST` questions (`toy_mad.run`); then MoD-Multi 2 rounds on the seeds
+    `PAPER_ROUNDS_MAD_TEST` questions (`eval.toys.mod_mad.run`); then MoD-Multi 2 rounds on the seeds
     trained; last the report over everything on disk. Nothing new starts after `deadline`."""
     one = _clock(deadline, log)
     kw = dict(tag="_paper_rounds", metrics=("single",))

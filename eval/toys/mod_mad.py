@@ -162,15 +162,15 @@ def train_mod(root, base, proc, prep, seed, log=print):
 
 
 def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=64, seeds=(0, 1, 2),
-                  batch_sizes=(64, 1), train_only=False, batch1_test=None, log=print, deadline=None):
+                  batch_sizes=(64, 1), batch1_test=None, log=print, deadline=None):
     """MoD-Single / MoD-Multi (rounds=1) of each seed's MoD adapter (trained when missing, `train_mod`)
     and MAD Du (seed s) / MAD Liang on the frozen base, on the first `n_test` shapes test questions,
     at every batch size of `batch_sizes`, interleaved (`PROTOCOL_ARMS`). Each finished (arm, batch,
     seed) is written to OUT/protocols/runs/<arm>_b<batch>[_s<seed>].json at once and skipped when
     present (resumable): {"arm", "seed", "batch_size", "n", "wall_s", "threads", "results"}.
-    train_only: train the missing adapters of `seeds`, measure nothing. batch1_test: at batch 1
-    only the first `batch1_test` of the questions (per-question cost; None = all). deadline (`late`,
-    --max-minutes): no training and no (arm, batch, seed) run starts after it (rerun to continue)."""
+    batch1_test: at batch 1 only the first `batch1_test` of the questions (per-question cost; None =
+    all). deadline (`late`, --max-minutes): no training and no (arm, batch, seed) run starts after
+    it (rerun to continue)."""
     S = dict(SETTINGS, n_test=n_test)
     train, test, base, proc = load_data(data_dir, base_name, S)
     root = os.path.join(out_dir, "protocols")
@@ -182,8 +182,6 @@ def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat",
             log(f"  --max-minutes reached: MoD seed {seed} not trained, its runs not run")
             continue
         d, _ = train_mod(root, base, proc, prep, seed, log)
-        if train_only:
-            continue
         tuned = None
         for b in batch_sizes:
             qs = test[:batch1_test] if b == 1 and batch1_test else test
