@@ -12,11 +12,16 @@ Needs only the standard library to start: it
    folder (`python -m eval.lmms make-task`): `shapes` (greedy generation, scored by
    eval.metrics.is_correct) and `shapes_mc` (multiple choice by option log-likelihood);
 3. trains a small MoD adapter (mod.train on tiny-chat) and a small MoLE checkpoint
-   (mole.train), and merges tiny-moe with RoleMerge (calibrate + merge, rho 0.5);
+   (mole.train), merges tiny-moe with RoleMerge (calibrate + merge, rho 0.5), and saves a tiny
+   random LLaVA-NeXT (Vicuna tokenizer and template: `tests/test_families.py`'s
+   `llava_next_vicuna`, as `save_pretrained` writes it);
 4. scores each with our own entry points (mod.infer, mole.infer, eval.evaluate, and
    eval.evaluate.score_options for option log-likelihood) and with lmms-eval
-   (`python -m eval.lmms --model mod|mole ...`, and lmms-eval's stock `qwen3_vl` class on
-   the merged checkpoint), on the same records;
+   (`python -m eval.lmms --model mod|mole ...`, lmms-eval's stock `qwen3_vl` and `huggingface`
+   classes on the merged checkpoint, its stock `llava_hf` class on the LLaVA-NeXT one, which
+   `eval.evaluate --prompt-settings lmms-eval --batch-size 1` scores), on the same records; for
+   LLaVA-NeXT it also compares, record by record, the prompt ids and pixels that `llava_hf`
+   builds (its own code, called in its venv) with those of eval.evaluate;
 5. prints both scores per run, the number of records whose verdict and whose generated text
    differ, and exits with 1 if any score differs or an lmms-eval run fails (2 for a setup
    error). Without torchvision (--torch cpu) the stock-class runs are skipped, not failed.
@@ -26,7 +31,8 @@ Measured (mod/README.md, "lmms-eval"): with --torch cpu every comparison is equa
 (qwen3_vl: patch 16 assumed, our tiny bases have 14; huggingface: `audios=` refused by
 transformers 5), so that mode exits 1.
 
-Every step's output stays in --out; a rerun redoes only what is missing (--overwrite redoes all).
+--runs picks which of mod, mole, merged, llava run (default all). Every step's output stays in
+--out; a rerun redoes only what is missing (--overwrite redoes all).
 Runs one thread per process (`--threads`); about 10 minutes on a busy 2-core CPU after the venv.
 """
 import argparse
@@ -40,6 +46,52 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
+RUNS = ("mod", "mole", "merged", "llava")
+# lmms-eval's stock classes: they need torchvision (AutoProcessor's video processors, qwen_vl_utils) and
+# decord (imported at the top of their modules), so only a --torch pypi venv runs them
+STOCK = ("merged qwen3_vl", "merged hf", "llava_hf")
+
+# a tiny random LLaVA-NeXT checkpoint in the real llava-v1.6-vicuna-hf format (tests/test_families.py)
+LLAVA_SNIPPET = """
+import os, shutil, sys
+sys.path.insert(0, "tests")
+from test_families import save_family
+shutil.rmtree({tmp!r}, ignore_errors=True)
+save_family("llava_next_vicuna", {tmp!r})
+os.replace({tmp!r}, {path!r})
+"""
+
+# the prompt ids and pixels of lmms-eval's llava_hf (chat) class, built by its own code
+# (models/chat/llava_hf.py:48-68: the task's auto messages, the processor's template, the processor
+# call), against eval.evaluate's (load_backbone + apply_prompt_settings + VLProcessor.encode)
+LLAVA_IDS_SNIPPET = """
+import json, os, torch
+torch.set_num_threads({threads})
+from lmms_eval.api.task import ConfigurableMessagesTask
+from lmms_eval.models.chat.llava_hf import LlavaHf
+from lmms_eval.protocol import ChatMessages
+from common.backbone import load_backbone
+from common.data import load_image, read_any
+from eval.evaluate import apply_prompt_settings
+lm = LlavaHf(pretrained={path!r}, device="cpu", device_map="cpu")
+model, proc = load_backbone({path!r})
+apply_prompt_settings(model, proc, "lmms-eval")
+rows = []
+for r in read_any({test!r}):
+    im = load_image(r["image"])
+    msgs = ChatMessages(messages=ConfigurableMessagesTask._build_user_turn([im], r["question"]))
+    visual, _, _ = msgs.extract_media()
+    text = lm._image_processor.apply_chat_template(msgs.model_dump()["messages"], tokenize=False,
+                                                   add_generation_prompt=True)
+    theirs = lm._image_processor(images=visual, text=text, return_tensors="pt")
+    ours = proc.encode([im], [r["question"]])
+    rows.append({{"id": r["id"], "ids_equal": ours["input_ids"].tolist() == theirs["input_ids"].tolist(),
+                 "pixels_equal": torch.equal(ours["pixel_values"], theirs["pixel_values"].to(ours["pixel_values"].dtype)),
+                 "image_sizes_equal": torch.equal(ours["image_sizes"], theirs["image_sizes"]),
+                 "prompt": text, "n_ids": len(theirs["input_ids"][0])}})
+json.dump(rows, open({out!r} + ".tmp", "w"), indent=1)
+os.replace({out!r} + ".tmp", {out!r})
+"""
 
 
 def log(msg, tool="lmms_check"):
@@ -177,13 +229,18 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="batch size, ours and lmms-eval's")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--torch", choices=["cpu", "pypi"], default="cpu",
-                   help="torch of a new venv: cpu = our local CPU wheel (no torchvision: lmms-eval's stock Qwen-VL "
-                        "classes cannot run), pypi = the index's build of the same version + torchvision (~3 GB)")
+                   help="torch of a new venv: cpu = our local CPU wheel (no torchvision: lmms-eval's stock classes "
+                        "cannot run), pypi = the index's build of the same version + torchvision (~3 GB)")
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help=f"comma-separated comparisons to run, of {', '.join(RUNS)} (default all)")
     from common.cli import DeprecatedSwitch
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="redo every step (not the venv; default: continue, skipping the steps done)")
     p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    want = [r.strip() for r in a.runs.split(",") if r.strip()]
+    if not want or set(want) - set(RUNS):
+        p.error(f"--runs {a.runs!r}: choose from {', '.join(RUNS)}")
     out = os.path.abspath(a.out)
     if a.fresh:
         shutil.rmtree(out, ignore_errors=True)
@@ -200,30 +257,34 @@ def main(argv=None):
     # data and task
     data = os.path.join(out, "data")
     if not os.path.exists(os.path.join(data, "test.json")):
-        run([py, "-m", "common.data", "--out", data, "--n-train", "300", "--n-val", "40", "--n-test", str(a.n),
+        run([py, "-m", "common.shapes", "--out", data, "--n-train", "300", "--n-val", "40", "--n-test", str(a.n),
              "--overwrite"], env, "shapes data")
     test = os.path.join(data, "test.json")
     tasks = os.path.join(out, "tasks")
     run([py, "-m", "eval.lmms", "make-task", "--data", test, "--out", tasks, "--overwrite"], env, "lmms-eval task")
 
-    # the three checkpoints
+    # the checkpoints
     mod_dir, mole_dir = os.path.join(out, "mod"), os.path.join(out, "mole")
     rm = os.path.join(out, "rolemerge")
     # lmms-eval's qwen3_vl class picks the MoE model class from the *path* (regex "A<n>B", as in
     # Qwen3-VL-30B-A3B): a merged checkpoint's folder must keep that pattern in its name.
     merged = os.path.join(rm, "tiny-moe-A1B-rho0.5")
-    if not os.path.exists(os.path.join(mod_dir, "adapter_config.json")):
+    llava = os.path.join(out, "llava_next")
+    if "mod" in want and not os.path.exists(os.path.join(mod_dir, "adapter_config.json")):
         run([py, "-m", "mod.train", "--model", "tiny-chat", "--data", os.path.join(data, "train.json"), "--out",
              mod_dir, "--steps", "30", "--warmup-steps", "20", "--batch-size", "8", "--lr", "5e-3", "--overwrite"] + T, env, "MoD adapter")
-    if not os.path.exists(os.path.join(mole_dir, "state.json")):
+    if "mole" in want and not os.path.exists(os.path.join(mole_dir, "state.json")):
         run([py, "-m", "mole.train", "--data", data, "--out", mole_dir, "--max-steps", "30", "--batch-size", "8",
              "--overwrite", "--quiet"] + T, env, "MoLE checkpoint")
-    if not os.path.exists(os.path.join(merged, "config.json")):
+    if "merged" in want and not os.path.exists(os.path.join(merged, "config.json")):
         stats = os.path.join(rm, "stats.safetensors")
         run([py, "-m", "rolemerge.calibrate", "--model", "tiny-moe", "--data", os.path.join(data, "val.json"),
              "--limit", "20", "--out", stats, "--overwrite"] + T, env, "RoleMerge calibration")
         run([py, "-m", "rolemerge.merge", "--model", "tiny-moe", "--stats", stats, "--rho", "0.5", "--out", merged,
              "--overwrite"] + T, env, "RoleMerge merge")
+    if "llava" in want and not os.path.exists(os.path.join(llava, "config.json")):
+        run([py, "-c", LLAVA_SNIPPET.format(tmp=llava + ".tmp", path=llava)], env,
+            "tiny LLaVA-NeXT checkpoint (random weights, Vicuna tokenizer and template)")
 
     # our own scores
     ref = os.path.join(out, "ref")
@@ -234,27 +295,39 @@ def main(argv=None):
         return (sum(r["correct"] for r in results) / len(results), {r["id"]: r["correct"] for r in results},
                 {r["id"]: r["pred"] for r in results if "pred" in r and r["pred"] is not None and "scores" not in r})
 
-    f = os.path.join(ref, "mod.json")
     done = lambda path: os.path.exists(path)  # each reference run writes its file last (atomically)
-    done(f) or run([py, "-m", "mod.infer", "--model", "tiny-chat", "--adapter", mod_dir, "--data", test, "--methods",
-         "single,multi", "--rounds", "1", "--max-new-tokens", "96", "--batch-size", B, "--out", f] + T, env,
-        "ours: mod.infer single,multi")
-    with open(f) as fh:
-        r = json.load(fh)["results"]
-    refs["mod single"], refs["mod multi"] = per(r["single"]), per(r["multi"])
-    f = os.path.join(ref, "mole.json")
-    done(f) or run([py, "-m", "mole.infer", "--ckpt", mole_dir, "--data", test, "--batch-size", B, "--out", f] + T, env,
-        "ours: mole.infer")
-    with open(f) as fh:
-        refs["mole"] = per(json.load(fh))
-    f = os.path.join(ref, "merged.json")
-    done(f) or run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", "1", "--dtype", "bfloat16",
-         "--out", f] + T, env, "ours: eval.evaluate on the merged checkpoint (bf16 and one record at a time, as "
-                               "lmms-eval's stock classes run it)")
-    with open(f) as fh:
-        refs["merged"] = per(json.load(fh)["results"])
-    f = os.path.join(ref, "loglik.json")
-    snippet = f"""
+    if "mod" in want:
+        f = os.path.join(ref, "mod.json")
+        done(f) or run([py, "-m", "mod.infer", "--model", "tiny-chat", "--adapter", mod_dir, "--data", test, "--methods",
+             "single,multi", "--rounds", "1", "--max-new-tokens", "96", "--batch-size", B, "--out", f] + T, env,
+            "ours: mod.infer single,multi")
+        with open(f) as fh:
+            r = json.load(fh)["results"]
+        refs["mod single"], refs["mod multi"] = per(r["single"]), per(r["multi"])
+    if "mole" in want:
+        f = os.path.join(ref, "mole.json")
+        done(f) or run([py, "-m", "mole.infer", "--ckpt", mole_dir, "--data", test, "--batch-size", B, "--out", f] + T,
+                       env, "ours: mole.infer")
+        with open(f) as fh:
+            refs["mole"] = per(json.load(fh))
+    if "merged" in want:
+        f = os.path.join(ref, "merged.json")
+        done(f) or run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", "1", "--dtype",
+                        "bfloat16", "--out", f] + T, env, "ours: eval.evaluate on the merged checkpoint (bf16 and one "
+                                                          "record at a time, as lmms-eval's stock classes run it)")
+        with open(f) as fh:
+            refs["merged"] = per(json.load(fh)["results"])
+    if "llava" in want:
+        f = os.path.join(ref, "llava.json")
+        done(f) or run([py, "-m", "eval.evaluate", "--model", llava, "--data", test, "--batch-size", "1",
+                        "--prompt-settings", "lmms-eval", "--out", f] + T, env,
+                       "ours: eval.evaluate --prompt-settings lmms-eval on the LLaVA-NeXT checkpoint (one record at a "
+                       "time, as lmms-eval's llava_hf runs it)")
+        with open(f) as fh:
+            refs["llava_hf"] = per(json.load(fh)["results"])
+    if "mod" in want or "mole" in want:
+        f = os.path.join(ref, "loglik.json")
+        snippet = f"""
 import json, torch
 torch.set_num_threads({a.threads})
 from common.backbone import load_backbone
@@ -264,23 +337,33 @@ from eval.lmms import loglik_mole
 from mod.model import load_adapters
 from mole.checkpoint import load_mole
 recs = [r for r in read_any({test!r}) if options_of(r)]
-model, proc = load_backbone("tiny-chat"); load_adapters(model, {mod_dir!r})
-out = {{"mod": [{{"id": r["id"], "correct": r["correct"]}} for r in score_options(model, proc, recs, batch_size={B})]}}
-mole, proc, stage = load_mole({mole_dir!r})
-res = []
-for r in recs:
-    opts = options_of(r)
-    lp = [x for x, _ in loglik_mole(mole, [(load_image(r["image"]), r["question"], L) for L, _ in opts], stage)]
-    pred = opts[max(range(len(lp)), key=lp.__getitem__)][0]
-    res.append({{"id": r["id"], "correct": pred == r["answer"]}})
-out["mole"] = res
+out = {{}}
+if {"mod" in want}:
+    model, proc = load_backbone("tiny-chat"); load_adapters(model, {mod_dir!r})
+    out["mod"] = [{{"id": r["id"], "correct": r["correct"]}} for r in score_options(model, proc, recs, batch_size={B})]
+if {"mole" in want}:
+    mole, proc, stage = load_mole({mole_dir!r})
+    res = []
+    for r in recs:
+        opts = options_of(r)
+        lp = [x for x, _ in loglik_mole(mole, [(load_image(r["image"]), r["question"], L) for L, _ in opts], stage)]
+        pred = opts[max(range(len(lp)), key=lp.__getitem__)][0]
+        res.append({{"id": r["id"], "correct": pred == r["answer"]}})
+    out["mole"] = res
 json.dump(out, open({f!r} + ".tmp", "w"))
 import os; os.replace({f!r} + ".tmp", {f!r})
 """
-    done(f) or run([py, "-c", snippet], env, "ours: option log-likelihood (eval.evaluate.score_options; MoLE: eval.lmms.loglik_mole)")
-    with open(f) as fh:
-        ll = json.load(fh)
-    refs["mod mc"], refs["mole mc"] = per(ll["mod"]), per(ll["mole"])
+        if done(f):
+            with open(f) as fh:
+                if not all(m in json.load(fh) for m in ("mod", "mole") if m in want):
+                    os.remove(f)
+        done(f) or run([py, "-c", snippet], env,
+                       "ours: option log-likelihood (eval.evaluate.score_options; MoLE: eval.lmms.loglik_mole)")
+        with open(f) as fh:
+            ll = json.load(fh)
+        for m in ("mod", "mole"):
+            if m in ll:
+                refs[f"{m} mc"] = per(ll[m])
 
     # lmms-eval's scores
     got = {}
@@ -295,15 +378,29 @@ import os; os.replace({f!r} + ".tmp", {f!r})
             ("merged qwen3_vl", "qwen3_vl", f"pretrained={merged},device_map=cpu,system_prompt=,"
                                             f"min_pixels=3136,max_pixels=12544", "shapes", ["--batch_size", "1"]),
             ("merged hf", "huggingface", f"pretrained={merged},device_map=cpu", "shapes",
-             ["--batch_size", "1"])]
+             ["--batch_size", "1"]),
+            # lmms-eval's stock llava_hf (its chat class: the processor's template; batch size 1 only)
+            ("llava_hf", "llava_hf", f"pretrained={llava},device_map=cpu", "shapes", ["--batch_size", "1"])]
     failed, skipped = [], []
+    ids_check = None
     os.makedirs(os.path.join(out, "lmms"), exist_ok=True)
     for name, model, margs, task_list, extra in runs:
-        if name.startswith("merged") and not has_tv:
-            skipped.append((name, model, "not run: lmms-eval's stock Qwen-VL classes need torchvision (AutoProcessor's "
-                                        "video processor, qwen_vl_utils), which cannot load beside torch 2.13.0+cpu; "
-                                        "rerun with --torch pypi --venv ANOTHER_VENV"))
+        if name.split()[0].replace("llava_hf", "llava") not in want:
             continue
+        if name in STOCK and not has_tv:
+            skipped.append((name, model, "not run: lmms-eval's stock classes need torchvision (AutoProcessor's video "
+                                        "processors, qwen_vl_utils) and decord, which cannot load beside torch "
+                                        "2.13.0+cpu; rerun with --torch pypi --venv ANOTHER_VENV"))
+            continue
+        if name == "llava_hf":
+            f = os.path.join(ref, "llava_ids.json")
+            done(f) or run([py, "-c", LLAVA_IDS_SNIPPET.format(threads=a.threads, path=llava, test=test, out=f)], env,
+                           "prompt ids and pixels: lmms-eval's llava_hf vs eval.evaluate")
+            with open(f) as fh:
+                ids_rows = json.load(fh)
+            ids_check = {k: sum(not r[k] for r in ids_rows) for k in ("ids_equal", "pixels_equal", "image_sizes_equal")}
+            ids_check = {"n": len(ids_rows), **{k.replace("_equal", "_differ"): v for k, v in ids_check.items()},
+                         "prompt_example": ids_rows[0]["prompt"]}
         o = os.path.join(out, "lmms", name.replace(" ", "_"))
         shutil.rmtree(o, ignore_errors=True)
         p = run([py, "-m", "eval.lmms", "--model", model, "--model_args", margs, "--tasks", task_list,
@@ -323,18 +420,23 @@ import os; os.replace({f!r} + ".tmp", {f!r})
     rows = []
     for name in got:
         compare(rows, name, refs["merged" if name.startswith("merged") else name], got[name])
-    print("\nlmms-eval vs ours on the same records (shapes test split, n=%d; mc: %d records with options)"
-          % (len(refs["mole"][1]), len(refs["mod mc"][1])))
+    n = len(next(iter(refs.values()))[1]) if refs else 0
+    print(f"\nlmms-eval vs ours on the same records (shapes test split, n={n})")
     print(f"{'run':16s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s} {'texts differ':>12s}  equal")
     for name, x, y, d, t, ok in rows:
         print(f"{name:16s} {x:7.4f} {y:9.4f} {d:15d} {'-' if t is None else t:>12}  {'yes' if ok else 'NO'}")
+    if ids_check:
+        print(f"llava_hf inputs: of {ids_check['n']} records, prompt ids differ in {ids_check['ids_differ']}, pixels "
+              f"in {ids_check['pixels_differ']}, image sizes in {ids_check['image_sizes_differ']}; its prompt: "
+              f"{ids_check['prompt_example']!r}")
     for name, model, why in failed + skipped:
         print(f"{name:16s} lmms-eval --model {model}: {why}")
-    for n in notes:
-        print(f"venv: {n}")
+    for n_ in notes:
+        print(f"venv: {n_}")
     with open(os.path.join(out, "summary.json"), "w") as fh:
-        json.dump({"rows": rows, "failed": failed, "skipped": skipped, "notes": notes}, fh, indent=1)
-    bad = [r for r in rows if not r[5]] or failed
+        json.dump({"rows": rows, "inputs": ids_check, "failed": failed, "skipped": skipped, "notes": notes}, fh,
+                  indent=1)
+    bad = [r for r in rows if not r[5]] or failed or (ids_check and (ids_check["ids_differ"] or ids_check["pixels_differ"]))
     raise SystemExit(1 if bad else 0)
 
 
