@@ -14,7 +14,8 @@ Needs only the standard library to start: it
 3. trains a small MoD adapter (mod.train on tiny-chat) and a small MoLE checkpoint
    (mole.train), merges tiny-moe with RoleMerge (calibrate + merge, rho 0.5), and saves a tiny
    random LLaVA-NeXT (Vicuna tokenizer and template: `tests/test_families.py`'s
-   `llava_next_vicuna`, as `save_pretrained` writes it);
+   `llava_next_vicuna`, as `save_pretrained` writes it; its </s> output row made to win where
+   the token it generates most would, so that stopping is exercised);
 4. scores each with our own entry points (mod.infer, mole.infer, eval.evaluate, and
    eval.evaluate.score_options for option log-likelihood) and with lmms-eval
    (`python -m eval.lmms --model mod|mole ...`, lmms-eval's stock `qwen3_vl` and `huggingface`
@@ -51,13 +52,34 @@ RUNS = ("mod", "mole", "merged", "llava")
 # decord (imported at the top of their modules), so only a --torch pypi venv runs them
 STOCK = ("merged qwen3_vl", "merged hf", "llava_hf")
 
-# a tiny random LLaVA-NeXT checkpoint in the real llava-v1.6-vicuna-hf format (tests/test_families.py)
+# a tiny random LLaVA-NeXT checkpoint in the real llava-v1.6-vicuna-hf format (tests/test_families.py).
+# Random weights never pick </s>, so stopping would go untested: its output row copies that of the token
+# the model generates most on three test prompts (times 1.001), so every time that token would win,
+# </s> wins and generation stops, at a different step per record.
 LLAVA_SNIPPET = """
 import os, shutil, sys
+from collections import Counter
+import torch
 sys.path.insert(0, "tests")
-from test_families import save_family
+from test_families import build_family
+from common.backbone import VLProcessor, generate
+from common.data import load_image, read_any
+model, hf = build_family("llava_next_vicuna")
+proc = VLProcessor(hf, model.config, model.generation_config)
+recs = read_any({test!r})[:3]
+batch = proc.encode([load_image(r["image"]) for r in recs], [r["question"] for r in recs])
+with torch.no_grad():
+    out = model.generate(**batch, max_new_tokens=48, do_sample=False, eos_token_id=proc.stop_ids,
+                         pad_token_id=proc.pad_token_id)[:, batch["input_ids"].shape[1]:]
+tok = Counter(out.flatten().tolist()).most_common(1)[0][0]
+eos = hf.tokenizer.eos_token_id
+with torch.no_grad():
+    w = model.get_output_embeddings().weight
+    w[eos] = w[tok] * 1.001
+print(f"</s> ({{eos}}) now wins where token {{tok}} {{hf.tokenizer.convert_ids_to_tokens(tok)!r}} would")
 shutil.rmtree({tmp!r}, ignore_errors=True)
-save_family("llava_next_vicuna", {tmp!r})
+model.save_pretrained({tmp!r})
+hf.save_pretrained({tmp!r})
 os.replace({tmp!r}, {path!r})
 """
 
@@ -283,7 +305,7 @@ def main(argv=None):
         run([py, "-m", "rolemerge.merge", "--model", "tiny-moe", "--stats", stats, "--rho", "0.5", "--out", merged,
              "--overwrite"] + T, env, "RoleMerge merge")
     if "llava" in want and not os.path.exists(os.path.join(llava, "config.json")):
-        run([py, "-c", LLAVA_SNIPPET.format(tmp=llava + ".tmp", path=llava)], env,
+        run([py, "-c", LLAVA_SNIPPET.format(test=test, tmp=llava + ".tmp", path=llava)], env,
             "tiny LLaVA-NeXT checkpoint (random weights, Vicuna tokenizer and template)")
 
     # our own scores
