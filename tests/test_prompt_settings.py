@@ -95,7 +95,7 @@ def _same_inputs(got, want, what):
             assert torch.equal(got[k], want[k]), (what, k)
 
 
-def test_lmms_eval_settings_give_the_inputs_lmms_evals_class_builds(family):
+def test_lmms_eval_settings_give_the_inputs_lmms_evals_class_builds(family, capsys):
     """Ids, pixels and grids under `--prompt-settings lmms-eval` equal lmms-eval's class's, for
     an 84 px shapes image, a 60x30 one (qwen_vl_utils resizes it before the processor) and a
     noisy one (JPEG re-encoding changes its pixels)."""
@@ -106,7 +106,8 @@ def test_lmms_eval_settings_give_the_inputs_lmms_evals_class_builds(family):
                                                                    generator=torch.Generator().manual_seed(0))
                                                      .to(torch.uint8).tolist()))
     if name.startswith("qwen3_vl"):  # the tiny Qwen3-VL has patch 14: lmms-eval's class cannot run it
-        assert settings == {} and proc.system is None
+        assert settings == {} and proc.system is None and proc.pre_resize is None
+        assert "assumes vision patch 16, this checkpoint has 14" in capsys.readouterr().out
         return
     for im, q in zip(ims, qs):
         want, _ = lmms_eval_inputs(name, path, im, q)

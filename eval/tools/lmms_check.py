@@ -27,10 +27,11 @@ Needs only the standard library to start: it
    differ, and exits with 1 if any score differs or an lmms-eval run fails (2 for a setup
    error). Without torchvision (--torch cpu) the stock-class runs are skipped, not failed.
 
-Measured (mod/README.md, "lmms-eval"): with --torch cpu every comparison is equal; with
---torch pypi ours are equal too, and both stock classes fail on the tiny merged checkpoint
-(qwen3_vl: patch 16 assumed, our tiny bases have 14; huggingface: `audios=` refused by
-transformers 5), so that mode exits 1.
+Measured (mod/README.md, "lmms-eval"; eval/README.md for llava): with --torch cpu every
+comparison is equal; with --torch pypi ours are equal too, the stock llava_hf class gives the
+LLaVA-NeXT checkpoint the same prompt ids, pixels and texts as eval.evaluate, and both stock
+classes fail on the tiny merged checkpoint (qwen3_vl: patch 16 assumed, our tiny bases have 14;
+huggingface: `audios=` refused by transformers 5), so `--runs merged` exits 1.
 
 --runs picks which of mod, mole, merged, llava run (default all). Every step's output stays in
 --out; a rerun redoes only what is missing (--overwrite redoes all).
