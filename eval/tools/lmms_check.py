@@ -13,14 +13,16 @@ Needs only the standard library to start: it
    eval.metrics.is_correct) and `shapes_mc` (multiple choice by option log-likelihood);
 3. trains a small MoD adapter (mod.train on tiny-chat) and a small MoLE checkpoint
    (mole.train), merges tiny-moe with RoleMerge (calibrate + merge, rho 0.5), and saves a tiny
-   random LLaVA-NeXT (Vicuna tokenizer and template: `tests/test_families.py`'s
-   `llava_next_vicuna`, as `save_pretrained` writes it; its </s> output row made to win where
-   the token it generates most would, so that stopping is exercised);
+   random LLaVA-NeXT and Gemma3 (`tests/test_families.py`'s `llava_next_vicuna`: Vicuna tokenizer
+   and template; `gemma3`: Gemma tokenizer and template; as `save_pretrained` writes them; the end
+   token's output row made to win where the token it generates most would, so that stopping is
+   exercised);
 4. scores each with our own entry points (mod.infer, mole.infer, eval.evaluate, and
    eval.evaluate.score_options for option log-likelihood) and with lmms-eval
    (`python -m eval.lmms --model mod|mole ...`, lmms-eval's stock `qwen3_vl` and `huggingface`
-   classes on the merged checkpoint, its stock `llava_hf` class on the LLaVA-NeXT one, which
-   `eval.evaluate --prompt-settings lmms-eval --batch-size 1` scores), on the same records; for
+   classes on the merged checkpoint, its stock `llava_hf` and `gemma3` classes on the LLaVA-NeXT
+   and Gemma3 ones, which `eval.evaluate --prompt-settings lmms-eval --batch-size 1` scores,
+   Gemma3 in bf16 as the class loads it), on the same records; for
    LLaVA-NeXT it also compares, record by record, the prompt ids and pixels that `llava_hf`
    builds (its own code, called in its venv) with those of eval.evaluate;
 5. prints both scores per run, the number of records whose verdict and whose generated text
@@ -33,7 +35,7 @@ LLaVA-NeXT checkpoint the same prompt ids, pixels and texts as eval.evaluate, an
 classes fail on the tiny merged checkpoint (qwen3_vl: patch 16 assumed, our tiny bases have 14;
 huggingface: `audios=` refused by transformers 5), so `--runs merged` exits 1.
 
---runs picks which of mod, mole, merged, llava run (default all). Every step's output stays in
+--runs picks which of mod, mole, merged, llava, gemma3 run (default all). Every step's output stays in
 --out; a rerun redoes only what is missing (--overwrite redoes all).
 Runs one thread per process (`--threads`); about 10 minutes on a busy 2-core CPU after the venv.
 """
@@ -48,15 +50,16 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
-RUNS = ("mod", "mole", "merged", "llava")
+RUNS = ("mod", "mole", "merged", "llava", "gemma3")
 # lmms-eval's stock classes: they need torchvision (AutoProcessor's video processors, qwen_vl_utils) and
 # decord (imported at the top of their modules), so only a --torch pypi venv runs them
-STOCK = ("merged qwen3_vl", "merged hf", "llava_hf")
+STOCK = ("merged qwen3_vl", "merged hf", "llava_hf", "gemma3")
 
-# a tiny random LLaVA-NeXT checkpoint in the real llava-v1.6-vicuna-hf format (tests/test_families.py).
-# Random weights never pick </s>, so stopping would go untested: its output row copies that of the token
-# the model generates most on three test prompts (times 1.001), so every time that token would win,
-# </s> wins and generation stops, at a different step per record.
+# a tiny random checkpoint of a family of tests/test_families.py in its real format (llava_next_vicuna:
+# llava-v1.6-vicuna-hf; gemma3: gemma-3-it). Random weights never pick the end token, so stopping would go
+# untested: its output row copies that of the token the model generates most on three test prompts
+# (times 1.001), so every time that token would win, the end token wins and generation stops, at a
+# different step per record.
 LLAVA_SNIPPET = """
 import os, shutil, sys
 from collections import Counter
@@ -65,7 +68,7 @@ sys.path.insert(0, "tests")
 from test_families import build_family
 from common.backbone import VLProcessor, generate
 from common.data import load_image, read_any
-model, hf = build_family("llava_next_vicuna")
+model, hf = build_family({family!r})
 proc = VLProcessor(hf, model.config, model.generation_config)
 recs = read_any({test!r})[:3]
 batch = proc.encode([load_image(r["image"]) for r in recs], [r["question"] for r in recs])
@@ -73,11 +76,10 @@ with torch.no_grad():
     out = model.generate(**batch, max_new_tokens=48, do_sample=False, eos_token_id=proc.stop_ids,
                          pad_token_id=proc.pad_token_id)[:, batch["input_ids"].shape[1]:]
 tok = Counter(out.flatten().tolist()).most_common(1)[0][0]
-eos = hf.tokenizer.eos_token_id
+eos = proc.eos_token_id  # the end token the template writes after an answer (</s>, <end_of_turn>)
 with torch.no_grad():
     w = model.get_output_embeddings().weight
     w[eos] = w[tok] * 1.001
-print(f"</s> ({{eos}}) now wins where token {{tok}} {{hf.tokenizer.convert_ids_to_tokens(tok)!r}} would")
 shutil.rmtree({tmp!r}, ignore_errors=True)
 model.save_pretrained({tmp!r})
 hf.save_pretrained({tmp!r})
@@ -293,6 +295,7 @@ def main(argv=None):
     # Qwen3-VL-30B-A3B): a merged checkpoint's folder must keep that pattern in its name.
     merged = os.path.join(rm, "tiny-moe-A1B-rho0.5")
     llava = os.path.join(out, "llava_next")
+    gemma = os.path.join(out, "gemma3")
     if "mod" in want and not os.path.exists(os.path.join(mod_dir, "adapter_config.json")):
         run([py, "-m", "mod.train", "--model", "tiny-chat", "--data", os.path.join(data, "train.json"), "--out",
              mod_dir, "--steps", "30", "--warmup-steps", "20", "--batch-size", "8", "--lr", "5e-3", "--overwrite"] + T, env, "MoD adapter")
@@ -306,8 +309,11 @@ def main(argv=None):
         run([py, "-m", "rolemerge.merge", "--model", "tiny-moe", "--stats", stats, "--rho", "0.5", "--out", merged,
              "--overwrite"] + T, env, "RoleMerge merge")
     if "llava" in want and not os.path.exists(os.path.join(llava, "config.json")):
-        run([py, "-c", LLAVA_SNIPPET.format(test=test, tmp=llava + ".tmp", path=llava)], env,
-            "tiny LLaVA-NeXT checkpoint (random weights, Vicuna tokenizer and template)")
+        run([py, "-c", LLAVA_SNIPPET.format(family="llava_next_vicuna", test=test, tmp=llava + ".tmp", path=llava)],
+            env, "tiny LLaVA-NeXT checkpoint (random weights, Vicuna tokenizer and template)")
+    if "gemma3" in want and not os.path.exists(os.path.join(gemma, "config.json")):
+        run([py, "-c", LLAVA_SNIPPET.format(family="gemma3", test=test, tmp=gemma + ".tmp", path=gemma)],
+            env, "tiny Gemma3 checkpoint (random weights, Gemma tokenizer and template)")
 
     # our own scores
     ref = os.path.join(out, "ref")
@@ -348,6 +354,14 @@ def main(argv=None):
                        "time, as lmms-eval's llava_hf runs it)")
         with open(f) as fh:
             refs["llava_hf"] = per(json.load(fh)["results"])
+    if "gemma3" in want:
+        f = os.path.join(ref, "gemma3.json")
+        done(f) or run([py, "-m", "eval.evaluate", "--model", gemma, "--data", test, "--batch-size", "1",
+                        "--dtype", "bfloat16", "--prompt-settings", "lmms-eval", "--out", f] + T, env,
+                       "ours: eval.evaluate --prompt-settings lmms-eval on the Gemma3 checkpoint (bf16, one record at "
+                       "a time, as lmms-eval's gemma3 runs it)")
+        with open(f) as fh:
+            refs["gemma3"] = per(json.load(fh)["results"])
     if "mod" in want or "mole" in want:
         f = os.path.join(ref, "loglik.json")
         snippet = f"""
@@ -403,7 +417,9 @@ import os; os.replace({f!r} + ".tmp", {f!r})
             ("merged hf", "huggingface", f"pretrained={merged},device_map=cpu", "shapes",
              ["--batch_size", "1"]),
             # lmms-eval's stock llava_hf (its chat class: the processor's template; batch size 1 only)
-            ("llava_hf", "llava_hf", f"pretrained={llava},device_map=cpu", "shapes", ["--batch_size", "1"])]
+            ("llava_hf", "llava_hf", f"pretrained={llava},device_map=cpu", "shapes", ["--batch_size", "1"]),
+            # lmms-eval's stock gemma3 (simple class: system turn, JPEG data URLs, bf16)
+            ("gemma3", "gemma3", f"pretrained={gemma},device=cpu,device_map=cpu", "shapes", ["--batch_size", "1"])]
     failed, skipped = [], []
     ids_check = None
     os.makedirs(os.path.join(out, "lmms"), exist_ok=True)
