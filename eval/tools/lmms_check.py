@@ -211,7 +211,10 @@ def latest(pattern):
 
 def lmms_scores(out_dir, tasks_dir):
     """{task: (score, {doc id: 0/1}, {doc id: generated text})} from an lmms-eval output folder
-    (--log_samples). Samples name documents by their index in the task's JSONL (doc_id)."""
+    (--log_samples). Samples name documents by their index in the task's JSONL (doc_id). The text
+    is the raw generation, "resps": lmms-eval scores and logs it stripped ("filtered_resps",
+    api/reasoning.py:35) and leaves "resps" out of a sample where the two are equal
+    (loggers/evaluation_tracker.py:280)."""
     res = latest(os.path.join(out_dir, "**", "*_results.json"))
     if res is None:  # lmms-eval logs an evaluation error and still exits 0
         return None
@@ -230,18 +233,21 @@ def lmms_scores(out_dir, tasks_dir):
                 k = ids[int(s["doc_id"])]
                 per[k] = s.get("accuracy", s.get("acc"))
                 if key == "accuracy,none":
-                    t = s["filtered_resps"]
-                    text[k] = t if isinstance(t, str) else t[0]
+                    t = s.get("resps", s["filtered_resps"])
+                    while isinstance(t, list):
+                        t = t[0]
+                    text[k] = t
         out[task] = (metrics[key], per, text)
     return out
 
 
 def compare(rows, name, ref, got):
-    """Append a comparison row: ref and got are (score, {id: 0/1}, {id: text})."""
+    """Append a comparison row: ref and got are (score, {id: 0/1}, {id: text}); equal means equal
+    scores, verdicts and texts."""
     (a, pa, ta), (b, pb, tb) = ref, got
     differ = sum(1 for k in pa if k in pb and bool(pa[k]) != bool(pb[k]))
     texts = sum(1 for k in ta if k in tb and ta[k] != tb[k]) if ta and tb else None
-    rows.append((name, a, b, differ, texts, abs(a - b) < 1e-9 and differ == 0 and len(pa) == len(pb)))
+    rows.append((name, a, b, differ, texts, abs(a - b) < 1e-9 and differ == 0 and not texts and len(pa) == len(pb)))
 
 
 def main(argv=None):
@@ -419,7 +425,7 @@ import os; os.replace({f!r} + ".tmp", {f!r})
             # lmms-eval's stock llava_hf (its chat class: the processor's template; batch size 1 only)
             ("llava_hf", "llava_hf", f"pretrained={llava},device_map=cpu", "shapes", ["--batch_size", "1"]),
             # lmms-eval's stock gemma3 (simple class: system turn, JPEG data URLs, bf16)
-            ("gemma3", "gemma3", f"pretrained={gemma},device=cpu,device_map=cpu", "shapes", ["--batch_size", "1"])]
+            ("gemma3", "gemma3", f"pretrained={gemma},device_map=cpu", "shapes", ["--batch_size", "1"])]
     failed, skipped = [], []
     ids_check = None
     os.makedirs(os.path.join(out, "lmms"), exist_ok=True)
