@@ -50,6 +50,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
+DEFAULT_MAX_NEW_TOKENS = 48  # the generation budget of `eval.lmms make-task` and eval.evaluate
 RUNS = ("mod", "mole", "merged", "llava", "gemma3")
 # lmms-eval's stock classes: they need torchvision (AutoProcessor's video processors, qwen_vl_utils) and
 # decord (imported at the top of their modules), so only a --torch pypi venv runs them
@@ -84,6 +85,47 @@ shutil.rmtree({tmp!r}, ignore_errors=True)
 model.save_pretrained({tmp!r})
 hf.save_pretrained({tmp!r})
 os.replace({tmp!r}, {path!r})
+"""
+
+# for the records whose texts differ under lmms-eval's gemma3 (simple) class: its inputs built by its own
+# steps (simple/gemma3.py:243-292: system turn, JPEG data URL, the processor's apply_chat_template), with
+# and without its pad_to_multiple_of=8, generated as it does (:320-329) and decoded as it does (:331)
+GEMMA_PAD_SNIPPET = """
+import json, os, torch
+torch.set_num_threads({threads})
+from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+from lmms_eval.models.model_utils.media_encoder import encode_image_to_data_url
+from common.backbone import load_backbone
+from common.data import load_image, read_any
+from eval.evaluate import apply_prompt_settings
+ours_text = {{r["id"]: r["pred"] for r in json.load(open({ours!r}))["results"]}}
+model = Gemma3ForConditionalGeneration.from_pretrained({path!r}, torch_dtype=torch.bfloat16).eval()
+processor = AutoProcessor.from_pretrained({path!r}, max_pixels=1605632, min_pixels=256 * 28 * 28)
+_, proc = load_backbone({path!r}, dtype=torch.bfloat16)
+apply_prompt_settings(model, proc, "lmms-eval")
+out = {{}}
+for r in read_any({test!r}):
+    if r["id"] not in {ids!r}:
+        continue
+    im = load_image(r["image"])
+    url = encode_image_to_data_url(im, image_format="JPEG", mime_type="image/jpeg", convert_rgb=True, quality=85)
+    msgs = [[{{"role": "system", "content": [{{"type": "text", "text": "You are a helpful assistant."}}]}},
+             {{"role": "user", "content": [{{"type": "image", "image": url}}, {{"type": "text", "text": r["question"]}}]}}]]
+    build = lambda **kw: processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                       return_tensors="pt", **kw).to("cpu", dtype=torch.bfloat16)
+    padded, plain = build(processor_kwargs={{"padding": True, "pad_to_multiple_of": 8}}), build()
+    ours = proc.encode([im], [r["question"]])
+    def text(b):
+        with torch.no_grad():
+            g = model.generate(**b, do_sample=False, max_new_tokens={max_new_tokens})[:, b["input_ids"].shape[1]:]
+        return processor.batch_decode(g, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
+    out[r["id"]] = {{"pad_tokens": int((padded["attention_mask"][0] == 0).sum()),
+                    "ids_equal_unpadded": plain["input_ids"].tolist() == ours["input_ids"].tolist(),
+                    "pixels_equal_unpadded": torch.equal(plain["pixel_values"], ours["pixel_values"].to(torch.bfloat16)),
+                    "unpadded_text_equals_ours": text(plain) == ours_text[r["id"]],
+                    "padded_text_equals_ours": text(padded) == ours_text[r["id"]]}}
+json.dump(out, open({out!r} + ".tmp", "w"), indent=1)
+os.replace({out!r} + ".tmp", {out!r})
 """
 
 # the prompt ids and pixels of lmms-eval's llava_hf (chat) class, built by its own code
@@ -465,6 +507,18 @@ import os; os.replace({f!r} + ".tmp", {f!r})
     rows = []
     for name in got:
         compare(rows, name, refs["merged" if name.startswith("merged") else name], got[name])
+    padding = None
+    if "gemma3" in got:  # why gemma3's texts differ, if they do: its padding to a multiple of 8?
+        ta, tb = refs["gemma3"][2], got["gemma3"][2]
+        differ = sorted(k for k in ta if k in tb and ta[k] != tb[k])
+        if differ:
+            f = os.path.join(ref, "gemma3_padding.json")
+            run([py, "-c", GEMMA_PAD_SNIPPET.format(threads=a.threads, path=gemma, test=test, ids=differ, out=f,
+                                                    ours=os.path.join(ref, "gemma3.json"),
+                                                    max_new_tokens=DEFAULT_MAX_NEW_TOKENS)],
+                env, "gemma3: the differing records again, with and without its pad_to_multiple_of=8")
+            with open(f) as fh:
+                padding = json.load(fh)
     n = len(next(iter(refs.values()))[1]) if refs else 0
     print(f"\nlmms-eval vs ours on the same records (shapes test split, n={n})")
     print(f"{'run':16s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s} {'texts differ':>12s}  equal")
@@ -474,13 +528,19 @@ import os; os.replace({f!r} + ".tmp", {f!r})
         print(f"llava_hf inputs: of {ids_check['n']} records, prompt ids differ in {ids_check['ids_differ']}, pixels "
               f"in {ids_check['pixels_differ']}, image sizes in {ids_check['image_sizes_differ']}; its prompt: "
               f"{ids_check['prompt_example']!r}")
+    if padding:
+        print(f"gemma3, the {len(padding)} records whose texts differ: without its padding to a multiple of 8 the class's "
+              f"inputs give our text in {sum(v['unpadded_text_equals_ours'] for v in padding.values())} (ids equal in "
+              f"{sum(v['ids_equal_unpadded'] for v in padding.values())}, pixels in "
+              f"{sum(v['pixels_equal_unpadded'] for v in padding.values())}), with it in "
+              f"{sum(v['padded_text_equals_ours'] for v in padding.values())}")
     for name, model, why in failed + skipped:
         print(f"{name:16s} lmms-eval --model {model}: {why}")
     for n_ in notes:
         print(f"venv: {n_}")
     with open(os.path.join(out, "summary.json"), "w") as fh:
-        json.dump({"rows": rows, "inputs": ids_check, "failed": failed, "skipped": skipped, "notes": notes}, fh,
-                  indent=1)
+        json.dump({"rows": rows, "inputs": ids_check, "gemma3_padding": padding, "failed": failed,
+                   "skipped": skipped, "notes": notes}, fh, indent=1)
     bad = [r for r in rows if not r[5]] or failed or (ids_check and (ids_check["ids_differ"] or ids_check["pixels_differ"]))
     raise SystemExit(1 if bad else 0)
 
