@@ -356,10 +356,10 @@ def main(argv=None):
              "--limit", "20", "--out", stats, "--overwrite"] + T, env, "RoleMerge calibration")
         run([py, "-m", "rolemerge.merge", "--model", "tiny-moe", "--stats", stats, "--rho", "0.5", "--out", merged,
              "--overwrite"] + T, env, "RoleMerge merge")
-    if "llava" in want and not os.path.exists(os.path.join(llava, "config.json")):
+    if "llava" in want and has_tv and not os.path.exists(os.path.join(llava, "config.json")):
         run([py, "-c", LLAVA_SNIPPET.format(family="llava_next_vicuna", test=test, tmp=llava + ".tmp", path=llava)],
             env, "tiny LLaVA-NeXT checkpoint (random weights, Vicuna tokenizer and template)")
-    if "gemma3" in want and not os.path.exists(os.path.join(gemma, "config.json")):
+    if "gemma3" in want and has_tv and not os.path.exists(os.path.join(gemma, "config.json")):
         run([py, "-c", LLAVA_SNIPPET.format(family="gemma3", test=test, tmp=gemma + ".tmp", path=gemma)],
             env, "tiny Gemma3 checkpoint (random weights, Gemma tokenizer and template)")
 
@@ -394,7 +394,7 @@ def main(argv=None):
                                                           "record at a time, as lmms-eval's stock classes run it)")
         with open(f) as fh:
             refs["merged"] = per(json.load(fh)["results"])
-    if "llava" in want:
+    if "llava" in want and has_tv:  # (only the stock llava_hf class is compared with it)
         f = os.path.join(ref, "llava.json")
         done(f) or run([py, "-m", "eval.evaluate", "--model", llava, "--data", test, "--batch-size", "1",
                         "--prompt-settings", "lmms-eval", "--out", f] + T, env,
@@ -402,7 +402,7 @@ def main(argv=None):
                        "time, as lmms-eval's llava_hf runs it)")
         with open(f) as fh:
             refs["llava_hf"] = per(json.load(fh)["results"])
-    if "gemma3" in want:
+    if "gemma3" in want and has_tv:
         f = os.path.join(ref, "gemma3.json")
         done(f) or run([py, "-m", "eval.evaluate", "--model", gemma, "--data", test, "--batch-size", "1",
                         "--dtype", "bfloat16", "--prompt-settings", "lmms-eval", "--out", f] + T, env,
