@@ -152,7 +152,7 @@ def calibration_batches(seed, n_batches=8, batch=4, lengths=(6, 32)):
 def prune_layer(block, keep):
     """Remove every expert of a Qwen3-MoE sparse block except `keep` (router rows and expert
     tensors), as llmcompressor's prune step does; the block keeps working with len(keep) experts.
-    Pruning is RoleMerge's block merge with singleton groups of weight 1 (`rolemerge.merge.merge_block`)."""
+    Pruning is RoleMerge's block merge with singleton groups of weight 1 (`rolemerge.merging.merge_block`)."""
     from rolemerge.merge import merge_block
     merge_block(block, [[e] for e in keep], [[1.0] for _ in keep])
 
@@ -188,7 +188,7 @@ def run_ours(path, batches, keep):
     from transformers import AutoModelForCausalLM
     from rolemerge import calibrate as cal
     load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    names = [n for n, _ in cal.moe_blocks(load())]
+    names = [n for n, _ in blk.moe_blocks(load())]
     out = {}
     for run, (masked, layerwise, attention) in OURS.items():
         if not layerwise:                       # one pass; the kept sets of every K from the same saliency
@@ -200,7 +200,7 @@ def run_ours(path, batches, keep):
             model, res = load(), {}
             for li, name in enumerate(names):
                 res[name] = entry(features(model, batches, masked, attention)[li], K)
-                prune_layer(cal.moe_blocks(model)[li][1], res[name]["kept"])
+                prune_layer(blk.moe_blocks(model)[li][1], res[name]["kept"])
             out[run][str(K)] = res
     return out
 

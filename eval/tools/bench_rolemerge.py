@@ -121,7 +121,7 @@ def write_checkpoint(path, layers, hidden, inter, experts, top_k, shard_gb, seed
     from safetensors import safe_open
     with safe_open(os.path.join(path, wmap["model.layers.0.mlp.gate.weight"]), "pt") as f:
         first_router = f.get_tensor("model.layers.0.mlp.gate.weight")
-    return [os.path.join(path, n) for n, _ in shards], cal.router_fingerprint(first_router)
+    return [os.path.join(path, n) for n, _ in shards], blk.router_fingerprint(first_router)
 
 
 def write_stats(path, layers, experts, top_k, fingerprint, seed=0):
@@ -133,7 +133,7 @@ def write_stats(path, layers, experts, top_k, fingerprint, seed=0):
              "layers": list(range(layers)), "num_experts": experts, "top_k": top_k, "fingerprint": fingerprint,
              "buckets": ["image", "question", "answer"],
              "sources": {"synthetic": {"counts": counts, "tokens": counts.sum(-1)[0] // top_k, "examples": 0}}}
-    cal.save_stats(stats, path)
+    rstats.save_stats(stats, path)
 
 
 def raw_read(paths, buf_mb=64):
@@ -222,9 +222,9 @@ def main(argv=None):
     from rolemerge import merge as mg
     s48 = os.path.join(a.dir, "stats48.safetensors")
     write_stats(s48, 48, 128, a.top_k, fp)
-    st = cal.load_stats([s48])
+    st = rstats.load_stats([s48])
     t, c = time.perf_counter(), time.process_time()
-    mg.make_plan(st, 64)
+    planning.make_plan(st, 64)
     res.update(plan48_wall_s=time.perf_counter() - t, plan48_cpu_s=time.process_time() - c)
     print(f"planning 48 layers x 128 experts (K = 64): {res['plan48_wall_s']:.2f}s wall, {res['plan48_cpu_s']:.2f}s CPU "
           f"(goal <= 1 s)")

@@ -103,9 +103,9 @@ def run(quick, data_dir, out_dir, base="tiny-moe", threads=None):
     model, proc = cal.load_model(base)
     stats = cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=MAX_NEW, model_id=base)
     stats_path = os.path.join(ck, "stats.safetensors")
-    cal.save_stats(stats, stats_path)
+    rstats.save_stats(stats, stats_path)
     del model
-    tot = cal.total_counts(stats)
+    tot = rstats.total_counts(stats)
     summary = {"calibration": {"seconds": time.time() - t, "examples": sum(len(s) for s in sources.values()),
                                "tokens": dict(zip(stats["buckets"], sum(s["tokens"] for s in stats["sources"].values()).tolist())),
                                "counts_per_layer": tot.tolist()}}
@@ -119,7 +119,7 @@ def run(quick, data_dir, out_dir, base="tiny-moe", threads=None):
             method, linkage = VARIANTS[v]
             path = os.path.join(ck, f"{v}_rho{rho}")
             t = time.time()
-            rep = mg.run_merge(base, stats_path, path, rho=rho, method=method, linkage=linkage, force=True)
+            rep = mg.run_merge(MergeConfig(model=base, stats=stats_path, out=path, rho=rho, method=method, linkage=linkage, overwrite=True))
             merge_s = time.time() - t
             name = f"rolemerge/{v}@{rho}"
             res, scal = _evaluate(name, path, test, cfg, {"K": rep["K"], "acr_pct": 100 * rep["acr_mean"],
@@ -248,7 +248,7 @@ def premise(stats):
     from rolemerge import calibrate as cal
     from rolemerge import model as rm
     tok = sum(s["tokens"] for s in stats["sources"].values()).double()
-    tot = cal.total_counts(stats).double()
+    tot = rstats.total_counts(stats).double()
     return {"token_share": dict(zip(stats["buckets"], (tok / tok.sum()).tolist())),
             "tokens": dict(zip(stats["buckets"], tok.tolist())),
             "kappa": [rm.answer_concentration(rm.phase_distributions(tot[l])[-1]) for l in range(tot.shape[0])]}
@@ -313,16 +313,16 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=TABLE1_ARMS, reuse=None):
         stats = cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"], model_id=base,
                               features=True)
         feats = stats.pop("features")
-        cal.save_stats(stats, stats_path)
+        rstats.save_stats(stats, stats_path)
         bl.save_features(feats, bl.features_path(stats_path), {"fingerprint": stats["fingerprint"]})
         res["calibration_s"] = time.time() - t
-    res["premise"] = premise(cal.load_stats(stats_path))
+    res["premise"] = premise(rstats.load_stats(stats_path))
     print(f"[paper] {name}: token shares {res['premise']['token_share']} kappa {res['premise']['kappa']}", flush=True)
     if reuse:
         kept, dropped = _reuse(res, reuse, stats_path, arms, cfg["rhos"])
         print(f"[paper] {name}: reused {len(kept)} arms of {reuse} (same groups); rerunning {dropped or 'none'}",
               flush=True)
-    routers = [b.gate.weight.detach().clone() for _, b in cal.moe_blocks(model)]
+    routers = [b.gate.weight.detach().clone() for _, b in blk.moe_blocks(model)]
     if "full" not in res["arms"]:
         acc, fam = _eval_acc(model, proc, test, cfg["max_new"], "full")
         res["arms"]["full"], res["families"] = {"correct": acc}, fam
@@ -346,7 +346,7 @@ def _cell(base, stats_path, out, rho, method, linkage, opts, test, max_new, rout
     MI retention, groups, per-question correct, router; the search methods' partition scores)."""
     from rolemerge import infer
     from rolemerge import merge as mg
-    rep = mg.run_merge(base, stats_path, out, rho=rho, method=method, linkage=linkage, force=True, **opts)
+    rep = mg.run_merge(MergeConfig(model=base, stats=stats_path, out=out, rho=rho, method=method, linkage=linkage, overwrite=True, **opts))
     m, p, _ = infer.load_timed(out)
     row = {"K": rep["K"], "acr": rep["acr_mean"], "mi_retention": rep["mi_retention"], "groups": rep["groups"]}
     row["correct"], _ = _eval_acc(m, p, test, max_new, label)
@@ -656,8 +656,8 @@ def grouping_png(stats_path, groups_by_arm, layer, path):
     from PIL import Image, ImageDraw
     from rolemerge import calibrate as cal
     from rolemerge import model as rm
-    stats = cal.load_stats(stats_path)
-    _, q = rm.role_profiles(rm.phase_distributions(cal.total_counts(stats).double()[layer]))
+    stats = rstats.load_stats(stats_path)
+    _, q = rm.role_profiles(rm.phase_distributions(rstats.total_counts(stats).double()[layer]))
     rows = list(groups_by_arm.items())
     N = q.shape[0]
     cell, gap = 18, 8
@@ -720,7 +720,7 @@ def _reuse(res, reuse, stats_path, arms, rhos):
     from rolemerge import calibrate as cal
     from rolemerge import model as rm
     old = json.load(open(reuse))
-    counts = cal.total_counts(cal.load_stats(stats_path)).double()
+    counts = rstats.total_counts(rstats.load_stats(stats_path)).double()
     kept, dropped = [], []
     for arm in arms:
         method, linkage, _, opts = PAPER_ARMS[arm]
@@ -800,7 +800,7 @@ def run_source_audit(base, data_dir, out_dir, cfg=PAPER, rho=AUDIT["rho"]):
     res = json.load(open(path))
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     cfg = _base_cfg(base, cfg)
-    stats = cal.load_stats(stats_path)
+    stats = rstats.load_stats(stats_path)
     fams = list(stats["sources"])
     res["audit_meta"] = dict(res.get("audit_meta", {}), source_rho=rho, per_source=cfg["n_cal"], budget_matched=False)
     aud = res.setdefault("audit", {})
@@ -812,7 +812,7 @@ def run_source_audit(base, data_dir, out_dir, cfg=PAPER, rho=AUDIT["rho"]):
             continue
         sp = os.path.join(ck, "stats_" + cell.replace(":", "_").replace("+", "_") + ".safetensors")
         if not os.path.exists(sp):
-            cal.save_stats(dict(stats, sources={f: stats["sources"][f] for f in keep}), sp)
+            rstats.save_stats(dict(stats, sources={f: stats["sources"][f] for f in keep}), sp)
         aud[key] = dict(_cell(base, sp, os.path.join(ck, "audit"), rho, "rolemerge", "single", {}, test,
                               cfg["max_new"], None, f"{name} audit {key}"), examples={f: cfg["n_cal"] for f in keep})
         data.atomic_write_text(path, json.dumps(res))
@@ -843,11 +843,11 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
         sources = {f"{f}#{i}": [r for r in val if r["family"] == f][i * c:(i + 1) * c]
                    for f in fams for i in range(n_max // c)}
         model, proc = cal.load_model(base)
-        cal.save_stats(cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"],
+        rstats.save_stats(cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"],
                                      model_id=base), chunk_path)
         del model
         res.setdefault("audit_meta", {})["calibration_s"] = time.time() - t
-    stats = cal.load_stats(chunk_path)
+    stats = rstats.load_stats(chunk_path)
     res.setdefault("audit_meta", {}).update(chunk=c, budget=audit["budget"], rho=audit["rho"], sizes=list(audit["sizes"]),
                                             budget_matched=True)
     aud = res.setdefault("audit", {})
@@ -858,7 +858,7 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
             if key in aud:
                 continue
             if not os.path.exists(sp):
-                cal.save_stats(subset_stats(stats, take, c), sp)
+                rstats.save_stats(subset_stats(stats, take, c), sp)
             aud[key] = dict(_cell(base, sp, os.path.join(ck, "audit"), rho, "rolemerge", "single", {}, test,
                                   cfg["max_new"], None, f"{name} audit {key}"), examples=take)
             data.atomic_write_text(path, json.dumps(res))
