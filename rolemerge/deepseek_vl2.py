@@ -410,12 +410,14 @@ class DeepseekVL2ForCausalLM(nn.Module):
         return SimpleNamespace(logits=self.language.lm_head(out.last_hidden_state), cache=out.cache)
 
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask=None, images=None, images_seq_mask=None, images_spatial_crop=None,
-                 max_new_tokens=32, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=None, **_):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=32, min_new_tokens=0, do_sample=False,
+                 eos_token_id=None, pad_token_id=None, **image_inputs):
         """Greedy decoding with a KV cache (left padding: positions count only attended tokens).
         Same contract as transformers' generate: returns [B, L + n] with tokens after a row's EOS
         set to pad_token_id, stops when every row has ended; the model is called once for the
-        prompt and once per generated token but the last. min_new_tokens masks EOS before that."""
+        prompt and once per generated token but the last. min_new_tokens masks EOS before that.
+        image_inputs: the processor's `images`, `images_seq_mask`, `images_spatial_crop` (absent
+        for text-only prompts); other keys are ignored."""
         from transformers import DynamicCache
         if do_sample:
             raise VL2Error("only greedy decoding (do_sample=False) is implemented")
@@ -424,7 +426,8 @@ class DeepseekVL2ForCausalLM(nn.Module):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.language.model.config)
-        emb = self.embed(input_ids, images, images_seq_mask, images_spatial_crop)
+        emb = self.embed(input_ids, image_inputs.get("images"), image_inputs.get("images_seq_mask"),
+                         image_inputs.get("images_spatial_crop"))
         logits = self(inputs_embeds=emb, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
         done = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
         new = []

@@ -114,9 +114,9 @@ def test_group_limited_merge_loads_runs_routes_inside_groups(case, tok, tmp_path
     rstats.save_stats(stats, sp)
     rep = mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "mem"), k=K, in_memory=True))
     mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "stream"), k=K))
-    blk = N // want[0]
+    width = N // want[0]
     for layer in rep["groups"]:                 # every merged expert inside one routing group of the merged model
-        assert all(len({e // blk for e in g}) == 1 and g[0] // blk == i // (K // want[0]) for i, g in enumerate(layer))
+        assert all(len({e // width for e in g}) == 1 and g[0] // width == i // (K // want[0]) for i, g in enumerate(layer))
     batch = cal.text_inputs(tok, QUESTIONS)
     for d in ("mem", "stream"):
         m2 = AutoModelForCausalLM.from_pretrained(str(tmp_path / d)).eval()
