@@ -5,14 +5,11 @@ the router operators ("bound": the M-SMoE / HC-SMoE codes' N slots bound to thei
 DeepSeek-V3 with a router bias) and DeepSeek-VL2 layouts."""
 import json
 import os
-import sys
 import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
-
-import rolemerge
 
 from common import backbone as bb
 from helpers import error_of, tiny_qwen3_moe
