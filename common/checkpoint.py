@@ -20,7 +20,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.data import atomic_target, follow_umask, name_path
+from common.files import atomic_target, follow_umask, name_path
 
 MAX_HEADER = 100 << 20   # safetensors' own cap on the JSON header (100 MB)
 

@@ -6,76 +6,19 @@ the format real instruction data and the shapes world use) or canonical benchmar
 returns one record shape. Every image is decoded once at read time (`check_record_images`:
 a truncated file fails before any model loads, every bad record named at once) and again,
 to RGB, by `load_image` when a batch needs it.
-Errors are `DataError` with the record id and what to change. `atomic_target` /
-`atomic_write_text` write files so that a reader sees the old file or the complete new one.
+Errors are `DataError` with the record id and what to change. The atomic writes
+(`atomic_target`, `atomic_write_text`) live in `common/files.py` and are importable from here.
 """
 import json
 import os
 import re
 import sys
 from collections import Counter
-from contextlib import contextmanager, suppress
 
 from PIL import Image, ImageOps
 
 from common.answers import ANSWER_TYPES, UNLABELLED, final_answer, parse_options  # noqa: F401  (common.data.parse_options)
-
-def follow_umask(path):
-    """Give `path` (a file, or every file and folder under a directory) the mode a plain
-    `open()` / `os.makedirs` would: 0o666 / 0o777 minus the user's umask. safetensors' writer
-    (and so `save_pretrained`) creates its files 0600, which collaborators on a shared
-    cluster cannot read; every writer of weights in this repo calls this before its rename."""
-    mask = os.umask(0)
-    os.umask(mask)
-    if not os.path.isdir(path):
-        os.chmod(path, 0o666 & ~mask)
-        return
-    for root, dirs, files in os.walk(path):
-        for d in dirs:
-            os.chmod(os.path.join(root, d), 0o777 & ~mask)
-        for f in files:
-            os.chmod(os.path.join(root, f), 0o666 & ~mask)
-
-
-@contextmanager
-def atomic_target(path):
-    """Yields a temp path next to `path` to write to (its folder created if missing); renames it
-    onto `path` when the block succeeds and removes it when the block or the rename fails (a
-    full disk, `path` being a directory), so `path` is either untouched or complete. An
-    I/O error is raised as an OSError naming `path` (`name_path`)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        yield tmp
-        follow_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with suppress(OSError):
-            os.remove(tmp)
-        err = name_path(e, path)
-        if err is e:
-            raise
-        raise err from None
-
-
-def name_path(e, path):
-    """A failed write as an OSError that names its file, so `error: ...` says which one: an
-    OSError that names none (a `write` on a full disk raises ENOSPC / EFBIG without one) gets
-    `path`; safetensors' own I/O error (`SafetensorError: ... I/O error: File too large (os
-    error 27)`) becomes OSError(27, 'File too large', path). Any other exception is returned as
-    it is."""
-    if isinstance(e, OSError):
-        if e.filename is None:
-            e.filename = str(path)
-        return e
-    m = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
-    return OSError(int(m.group(2)), m.group(1), str(path)) if m else e
-
-
-def atomic_write_text(path, text):
-    """Write `text` to `path` atomically (`atomic_target`)."""
-    with atomic_target(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+from common.files import atomic_target, atomic_write_text, follow_umask, name_path  # noqa: F401  (common.data.*)
 
 
 class DataError(ValueError):

@@ -2,7 +2,7 @@
 
 RoleMerge (arXiv 2608.04454) compares against expert-merging methods and, in App. D.1,
 REAP pruning. Here, under the same harness (same calibration examples, same K per layer, same
-merge operator `rolemerge.merge.merge_model`):
+merge operator `rolemerge.merging.merge_model`):
 
 - **M-SMoE** (Li et al., "Merge, Then Compress: Demystify Efficient SMoE with Hints from Its
   Routing Policy", arXiv 2310.01334, §3.1-3.2): the K most frequently activated experts of a
@@ -36,10 +36,17 @@ criteria need per MoE layer (no per-token storage):
   reap_sum [N]    sum_{t: e in topk(t)} g_e(t) ||f_e(x_t)||_2
   tokens          number of tokens
 """
+import json
 import math
+import os
 
 import numpy as np
 import torch
+from safetensors import safe_open
+
+from common.checkpoint import atomic_save_file
+from rolemerge.blocks import moe_blocks
+from rolemerge.model import LINKAGES, lance_williams
 
 BASELINES = ("msmoe", "hcsmoe", "reap")
 DISTANCES = ("euclidean", "cosine")   # HC-SMoE: official default first
@@ -96,7 +103,6 @@ def hcsmoe_groups(out_mean, K, linkage="average", distance="euclidean"):
     the official code's choice: the mean pairwise distance between the two clusters), "single",
     "complete". Exact ties: lower sorted member list. Returns K sorted groups. Raises ValueError
     for an unknown linkage / distance or K outside [1, N]."""
-    from rolemerge.model import LINKAGES, lance_williams
     if linkage not in LINKAGES:
         raise ValueError(f"unknown linkage {linkage!r}; choose from {LINKAGES}")
     if distance not in DISTANCES:
@@ -233,8 +239,7 @@ class FeatureRecorder:
     chunk_bytes = 256 << 20     # every expert on every token is computed this many bytes of tokens at a time
 
     def __init__(self, model):
-        from rolemerge import calibrate as cal
-        self.blocks = cal.moe_blocks(model)
+        self.blocks = moe_blocks(model)
         self.feats, self.mask, self.handles = [], None, []
         for i, (_, block) in enumerate(self.blocks):
             N, H = block.gate.weight.shape
@@ -309,8 +314,6 @@ def save_features(feats, path, meta):
     """Write per-layer features (list over MoE layers of dicts name -> tensor or int) to a
     safetensors file: tensor `L/name` per entry (ints as 0-dim int64), metadata JSON with
     `meta` (model id, fingerprint, layer names), the layer count and which entries are ints."""
-    import json
-    from common.checkpoint import atomic_save_file
     tensors, ints = {}, []
     for l, f in enumerate(feats):
         for k, v in f.items():
@@ -327,9 +330,6 @@ def load_features(paths):
     calibration tokens added, the comparators' token samples concatenated and re-sampled).
     Returns (feats list over layers, meta of the first file). Raises ValueError naming
     a missing or foreign file, or files of different models."""
-    import json
-    import os
-    from safetensors import safe_open
     paths = [paths] if isinstance(paths, str) else list(paths)
     feats, meta0 = None, None
     for p in paths:

@@ -20,198 +20,25 @@ The file written is a safetensors file (counts/<source> [L, B, N] and tokens/<so
 int64) whose metadata holds the model id, family, MoE layer names, top-k, expert count and a
 router fingerprint; a readable .json summary is written next to it.
 """
-import hashlib
+import importlib.util
 import json
-import math
 import os
-import re
 
 import torch
+from tqdm import tqdm
 
-from common.cli import add_device_args, load_kwargs
+from common import data
+from common.checkpoint import CheckpointError, checked_weights
+from common.cli import (add_device_args, add_limit, add_overwrite, add_threads, entry_parser, fail, load_kwargs,
+                        set_threads, with_fix)
+from rolemerge import baselines as bl
+from rolemerge import comparators
+from rolemerge import deepseek_vl2 as vl2
+from rolemerge.blocks import VLM_TYPES, CalibrationError, check_supported, model_info, moe_blocks
+from rolemerge.stats import check_nonempty, save_stats, summary_path
 
-# model_type -> family name; the text decoder of every one holds `mlp.gate` + `mlp.experts`
-SUPPORTED = {
-    "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE", "mixtral": "Mixtral",
-    "qwen2_moe": "Qwen2-MoE", "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3",
-    "deepseek_ocr2": "DeepSeek-OCR-2 (DeepSeek MoE-VLM)",
-    "deepseek_vl_v2": "DeepSeek-VL2 (Tiny / Small / base; rolemerge/deepseek_vl2.py)",
-}
-VLM_TYPES = ("qwen3_vl_moe", "deepseek_vl_v2")   # calibrated with image / question / answer buckets
-EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-META_KEY = "rolemerge"
-
-
-class CalibrationError(ValueError):
-    """Calibration cannot run or its statistics are inconsistent; the message says why."""
-
-
-# ----------------------------------------------------------------------------- model structure
-
-def check_supported(config):
-    """Raise CalibrationError unless `config.model_type` is a supported MoE family."""
-    if config.model_type not in SUPPORTED:
-        raise CalibrationError(
-            f"model_type {config.model_type!r} is not a supported MoE family (no routed experts RoleMerge "
-            f"knows how to merge). Supported: {', '.join(f'{v} [{k}]' for k, v in SUPPORTED.items())}")
-
-
-def moe_blocks(model):
-    """[(name, block)] of the routed-expert blocks of a model, in layer order: modules with a
-    router `.gate` (weight [N, H]) and fused `.experts` (gate_up_proj [N, 2I, H], down_proj).
-    Shared experts, dense layers and vision towers are not returned."""
-    out = []
-    for name, mod in model.named_modules():
-        gate, experts = getattr(mod, "gate", None), getattr(mod, "experts", None)
-        if (gate is not None and experts is not None and hasattr(gate, "weight")
-                and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)):
-            out.append((name, mod))
-    return out
-
-
-ROUTER_TENSORS = ("weight", "e_score_correction_bias")     # what merge_block rewrites in a router
-EXPERT_TENSORS = ("gate_up_proj", "down_proj")              # ... and in the fused experts
-
-
-def _int_field(obj, f):
-    """obj.f when it is an int (config attribute maps included), else None."""
-    try:
-        v = getattr(obj, f, None)
-    except Exception:   # a config that refuses global access to a per-layer field: not a layout we know
-        return "per-layer"
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def check_mergeable(model, plan=None):
-    """Raise CalibrationError unless the merge understands every routed-expert block, router and
-    expert-count field of `model` (and `plan` fits it); reads only, so a refusal leaves every
-    parameter and config field as it was. Called before any tensor or config field changes.
-
-    Checks: the family is one of SUPPORTED (its routing semantics are known: a family outside
-    it may route by groups or by a router RoleMerge does not rewrite); at least one block from
-    `moe_blocks`; every module named `*.experts` belongs to one; each router holds only
-    ROUTER_TENSORS (weight [N, H], bias [N]) and each experts module only EXPERT_TENSORS with N
-    rows; no tensor sits on the block itself; every int expert-count attribute of block, router,
-    experts and the config equals N; top_k <= N. plan (make_plan's dict, optional): one entry
-    of groups and weights per block, the same K >= top_k in every layer (bound router operator:
-    any 1 <= K <= N per layer), each group a non-empty
-    list of distinct experts in [0, N) (no expert in two groups), weights finite and aligned
-    with the groups, routing fields among n_group / topk_group."""
-    mt = getattr(model.config, "model_type", None)
-    check_supported(model.config)
-    fam = f"{SUPPORTED[mt]} [{mt}]"
-
-    def no(why):
-        raise CalibrationError(f"{fam}: {why}; nothing was changed. RoleMerge merges blocks with a router `gate` "
-                               f"({', '.join(ROUTER_TENSORS)}) and fused `experts` ({', '.join(EXPERT_TENSORS)}) "
-                               f"in the families {', '.join(SUPPORTED.values())}")
-
-    blocks = moe_blocks(model)
-    if not blocks:
-        no("no routed-expert block (`gate` router + fused `experts`) found")
-    names = {n for n, _ in blocks}
-    for n, _ in model.named_modules():
-        if n.rsplit(".", 1)[-1] == "experts" and n.rsplit(".", 1)[0] not in names:
-            no(f"{n} is an experts module outside the blocks the merge rewrites")
-    tc = text_config(model.config)
-    try:
-        field = expert_count_field(model.config)
-    except CalibrationError:
-        no(f"its config has none of the expert-count fields {EXPERT_FIELDS}")
-    N = _int_field(tc, field)
-    top_k = _int_field(tc, "num_experts_per_tok")
-    if not isinstance(N, int) or not isinstance(top_k, int) or not 1 <= top_k <= N:
-        no(f"config {field}={N!r}, num_experts_per_tok={top_k!r} (need ints, 1 <= top_k <= N)")
-    for cfg in {id(c): c for c in (model.config, tc)}.values():
-        for f in EXPERT_FIELDS:
-            v = _int_field(cfg, f)
-            if v is not None and v != N:
-                no(f"config field {f}={v} disagrees with {field}={N}")
-    for name, b in blocks:
-        w = b.gate.weight
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] != N:
-            no(f"{name}.gate.weight has shape {list(getattr(w, 'shape', []))}, not [{N}, hidden]")
-        for k, t in list(b.gate.named_parameters()) + list(b.gate.named_buffers()):
-            if k not in ROUTER_TENSORS or t.shape[0] != N:
-                no(f"{name}.gate.{k} {list(t.shape)} is a router tensor the merge does not rewrite")
-        for k, t in list(b.experts.named_parameters()) + list(b.experts.named_buffers()):
-            if k not in EXPERT_TENSORS or t.dim() < 2 or t.shape[0] != N:
-                no(f"{name}.experts.{k} {list(t.shape)} is an expert tensor the merge does not rewrite")
-        if not all(isinstance(getattr(b.experts, k, None), torch.Tensor) for k in EXPERT_TENSORS):
-            no(f"{name}.experts lacks one of {EXPERT_TENSORS}")
-        for k, t in list(b.named_parameters(recurse=False)) + list(b.named_buffers(recurse=False)):
-            no(f"{name}.{k} {list(t.shape)} is a block tensor the merge does not rewrite")
-        for mod in (b, b.gate, b.experts):
-            for f in EXPERT_FIELDS:
-                v = _int_field(mod, f)
-                if v is not None and v != N:
-                    no(f"{name}: module field {f}={v} disagrees with the {N} router rows")
-    if plan is None or (plan.get("own") and plan.get("groups") is None):   # comparators group while merging
-        return
-    groups, weights = plan.get("groups"), plan.get("weights")
-    if not isinstance(groups, list) or not isinstance(weights, list) or not len(groups) == len(weights) == len(blocks):
-        no(f"the plan has {len(groups or [])} layers of groups and {len(weights or [])} of weights for "
-           f"{len(blocks)} MoE blocks")
-    K, bound = len(groups[0]), plan.get("router") == "bound"
-    for (name, _), g, w in zip(blocks, groups, weights):
-        if bound:      # N slots stay (members bound to their group's merge): any 1 <= K_l <= N per layer
-            if not 1 <= len(g) <= N:
-                no(f"{name}: {len(g)} merged experts (the bound operator needs 1 <= K <= N={N})")
-        elif len(g) != K or not top_k <= K <= N:
-            no(f"{name}: {len(g)} merged experts (need the same K in every layer, top_k={top_k} <= K <= N={N})")
-        flat = [e for grp in g for e in grp]
-        if (any(not grp for grp in g) or len(set(flat)) != len(flat)
-                or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < N for e in flat)):
-            no(f"{name}: groups must be non-empty lists of distinct expert indices in [0, {N})")
-        if len(w) != len(g) or any(len(a) != len(b) for a, b in zip(g, w)) or not all(
-                isinstance(x, (int, float)) and math.isfinite(x) for a in w for x in a):
-            no(f"{name}: merge weights must be finite numbers aligned with the groups")
-    extra = set(plan.get("routing") or {}) - {"n_group", "topk_group"}
-    if extra:
-        no(f"the plan rewrites routing fields {sorted(extra)} (only n_group / topk_group exist)")
-
-
-def layer_index(name):
-    """Decoder layer index in a module or tensor name ('...layers.12.mlp...' -> 12)."""
-    m = re.search(r"layers\.(\d+)\.", name + ".")
-    if m is None:
-        raise CalibrationError(f"cannot find a layer index in {name!r}")
-    return int(m.group(1))
-
-
-def text_config(config):
-    """The decoder's config (`text_config` of a VLM, the config itself for an LM)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def expert_count_field(config):
-    """Name of the routed-expert-count field of a (text) config."""
-    d = text_config(config).to_dict()
-    for f in EXPERT_FIELDS:
-        if f in d:
-            return f
-    raise CalibrationError(f"config {config.model_type!r} has none of the expert-count fields {EXPERT_FIELDS}")
-
-
-def router_fingerprint(weight):
-    """Short hash of a router weight [N, H], rounded to bf16 so fp32 / bf16 loads of one
-    checkpoint agree. Used to refuse statistics recorded on a different model."""
-    w = weight.detach().float().cpu().to(torch.bfloat16).contiguous().view(torch.int16)
-    return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
-
-
-def model_info(model, model_id):
-    """Metadata stats are stamped with (and checked against at merge time)."""
-    check_supported(model.config)
-    blocks = moe_blocks(model)
-    if not blocks:
-        raise CalibrationError(f"{model_id}: no routed-expert blocks found")
-    tc = text_config(model.config)
-    return {"model_id": str(model_id), "model_type": model.config.model_type,
-            "layer_names": [n for n, _ in blocks], "layers": [layer_index(n) for n, _ in blocks],
-            "num_experts": int(blocks[0][1].gate.weight.shape[0]), "top_k": int(tc.num_experts_per_tok),
-            "fingerprint": router_fingerprint(blocks[0][1].gate.weight)}
-
+# deferred: transformers and common.backbone (about 2 and 4.5 s of CPU to import) load models only; the stats
+# files and the streaming merge, which import this module, never need them
 
 # ----------------------------------------------------------------------------- recording
 
@@ -357,17 +184,9 @@ class DecodeMask:
 
 
 def feature_recorders(model):
-    """The feature recorders of the comparison methods: rolemerge.baselines.FeatureRecorder and,
-    when rolemerge/comparators.py provides one, its ComparatorRecorder."""
-    from rolemerge import baselines as bl
-    recs = [bl.FeatureRecorder(model)]
-    try:
-        from rolemerge import comparators
-    except ImportError:
-        comparators = None
-    if comparators is not None and hasattr(comparators, "ComparatorRecorder"):
-        recs.append(comparators.ComparatorRecorder(model))
-    return recs
+    """The feature recorders of the comparison methods: rolemerge.baselines.FeatureRecorder and
+    rolemerge.comparators.ComparatorRecorder."""
+    return [bl.FeatureRecorder(model), comparators.ComparatorRecorder(model)]
 
 
 def merged_features(recorders):
@@ -391,16 +210,14 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
     Returns a stats dict: model info + buckets + sources {name: {counts [L,B,N], tokens [B], examples}}.
     A VLM calibrates text-only records (image None) too: they add to the question and answer
     buckets only. features: also collect the features of the comparison methods
-    (`rolemerge.baselines.FeatureRecorder`, and `rolemerge.comparators.ComparatorRecorder` when
-    that module exists) in the same decoding pass, over exactly the tokens the statistics count (`DecodeMask`); they are returned as
+    (`rolemerge.baselines.FeatureRecorder` and `rolemerge.comparators.ComparatorRecorder`)
+    in the same decoding pass, over exactly the tokens the statistics count (`DecodeMask`); they are returned as
     stats["features"] (list over MoE layers of dicts; per-layer sums, no per-token storage).
     Raises CalibrationError for an unsupported model or an empty bucket."""
-    from tqdm import tqdm
     info = model_info(model, model_id)
     vlm = model.config.model_type in VLM_TYPES
     buckets = ["image", "question", "answer"] if vlm else ["question", "answer"]
     if vlm:
-        from common import data
         eos, pad = proc_or_tok.eos_token_id, proc_or_tok.pad_token_id
     else:
         eos = proc_or_tok.eos_token_id
@@ -440,102 +257,6 @@ def calibrate(model, proc_or_tok, sources, batch_size=16, max_new_tokens=32, mod
     return stats
 
 
-def check_nonempty(stats):
-    """Raise CalibrationError if a phase bucket received no token over all sources."""
-    tot = sum(s["tokens"] for s in stats["sources"].values())
-    for b, n in zip(stats["buckets"], tot.tolist()):
-        if n == 0:
-            why, fix = {
-                "image": ("the records have no images", ": add records with images (an `image` field) to a --data "
-                          "file; one source with images beside text-only sources is enough"),
-                "answer": ("no generated token was fed back: raise --max-new-tokens (>= 2) or check that the model "
-                           "does not stop at once", ""),
-            }.get(b, ("the prompts are empty", ": add records with a non-empty `question`"))
-            raise CalibrationError(f"phase bucket {b!r} is empty over all calibration sources ({why}){fix}; "
-                                   f"RoleMerge needs routing counts of every phase")
-
-
-# ----------------------------------------------------------------------------- files
-
-def save_stats(stats, path):
-    """Write stats to `path` (safetensors: counts/<src>, tokens/<src>; metadata JSON) and a
-    readable `path` with .json suffix next to it."""
-    from common.checkpoint import atomic_save_file
-    from common.data import atomic_write_text
-    meta = {k: v for k, v in stats.items() if k not in ("sources", "features")}
-    meta["examples"] = {n: s["examples"] for n, s in stats["sources"].items()}
-    tensors = {}
-    for n, s in stats["sources"].items():
-        tensors[f"counts/{n}"] = s["counts"].contiguous()
-        tensors[f"tokens/{n}"] = s["tokens"].contiguous()
-    atomic_save_file(tensors, path, metadata={META_KEY: json.dumps(meta)})   # temp file + rename
-    summary = dict(meta, tokens={n: dict(zip(stats["buckets"], s["tokens"].tolist()))
-                                 for n, s in stats["sources"].items()})
-    atomic_write_text(summary_path(path), json.dumps(summary, indent=1))
-
-
-def summary_path(path):
-    """The readable .json summary written next to a stats file."""
-    return os.path.splitext(path)[0] + ".json"
-
-
-def load_stats(paths):
-    """Read and combine one or more stats files of the same model. Sources with the same name
-    in several files are summed. Raises CalibrationError for a missing, truncated or foreign
-    file, counts whose shape disagrees with the file's own metadata, files of different
-    models, and a phase bucket that is empty over all sources."""
-    from safetensors import safe_open
-    from common.checkpoint import CheckpointError, check_safetensors
-    paths = [paths] if isinstance(paths, str) else list(paths)
-    if not paths:
-        raise CalibrationError("no stats file given (run python -m rolemerge.calibrate first)")
-    stats = None
-    for p in paths:
-        if not os.path.exists(p):
-            raise CalibrationError(f"{p}: stats file not found (run python -m rolemerge.calibrate first)")
-        try:
-            check_safetensors(p)
-            with safe_open(p, "pt") as f:
-                md = f.metadata() or {}
-                if META_KEY not in md:
-                    raise CalibrationError(f"{p}: not a RoleMerge stats file (no '{META_KEY}' metadata)")
-                meta = json.loads(md[META_KEY])
-                sources = {n: {"counts": f.get_tensor(f"counts/{n}"), "tokens": f.get_tensor(f"tokens/{n}"),
-                               "examples": e} for n, e in meta.pop("examples").items()}
-            shape = [len(meta["layer_names"]), len(meta["buckets"]), meta["num_experts"]]
-        except (CheckpointError, ValueError, KeyError, TypeError) as e:
-            if isinstance(e, CalibrationError):
-                raise
-            raise CalibrationError(f"{p}: unreadable stats file ({e.__class__.__name__}: {e}); "
-                                   f"recalibrate with python -m rolemerge.calibrate") from None
-        for n, s in sources.items():
-            if list(s["counts"].shape) != shape or list(s["tokens"].shape) != shape[1:2] or (s["counts"] < 0).any():
-                raise CalibrationError(f"{p}: counts of source {n!r} have shape {list(s['counts'].shape)}, but the "
-                                       f"file's metadata says [layers, buckets, experts] = {shape} (non-negative); "
-                                       f"the file was edited or is corrupt: recalibrate")
-        if stats is None:
-            stats = dict(meta, sources=sources)
-            continue
-        for key in ("model_type", "layer_names", "num_experts", "top_k", "fingerprint", "buckets"):
-            if stats[key] != meta[key]:
-                raise CalibrationError(f"{p}: {key} differs from {paths[0]} ({meta[key]} vs {stats[key]}): "
-                                       f"stats of different models cannot be combined")
-        for n, s in sources.items():
-            if n in stats["sources"]:
-                t = stats["sources"][n]
-                stats["sources"][n] = {"counts": t["counts"] + s["counts"], "tokens": t["tokens"] + s["tokens"],
-                                       "examples": t["examples"] + s["examples"]}
-            else:
-                stats["sources"][n] = s
-    check_nonempty(stats)
-    return stats
-
-
-def total_counts(stats):
-    """counts [L, B, N] summed over all sources."""
-    return sum(s["counts"] for s in stats["sources"].values())
-
-
 # ----------------------------------------------------------------------------- loading models
 
 def load_model(path, dtype=None, device="cpu", device_map=None, trust_remote_code=False):
@@ -547,13 +268,11 @@ def load_model(path, dtype=None, device="cpu", device_map=None, trust_remote_cod
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from common import backbone as bb
     if device_map is not None:
-        import importlib.util
         if importlib.util.find_spec("accelerate") is None:
             raise CalibrationError("--device-map needs the optional package accelerate (pip install accelerate)")
     path = bb.resolve(path)
     config = load_config(path, trust_remote_code)
     if config.model_type == "deepseek_vl_v2":   # no transformers class: built from transformers parts
-        from rolemerge import deepseek_vl2 as vl2
         if device_map is not None:
             raise CalibrationError("--device-map is not supported for DeepSeek-VL2; use --device (e.g. cuda)")
         try:
@@ -580,13 +299,11 @@ def load_config(path, trust_remote_code=False):
     naming the problem: no directory / config.json, unreadable config, unsupported family,
     no safetensors weights (pickles are never loaded: they can run code), a truncated shard."""
     from transformers import AutoConfig
-    from common.checkpoint import CheckpointError, checked_weights
     if not os.path.isdir(path):
         raise CalibrationError(f"{path}: no such checkpoint directory (a save_pretrained folder, or tiny-moe)")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CalibrationError(f"{path}: no config.json (not a save_pretrained checkpoint directory)")
     if _raw_model_type(path) == "deepseek_vl_v2":
-        from rolemerge import deepseek_vl2 as vl2
         try:
             config = vl2.Config.from_pretrained(path)
             vl2.check_config(config)
@@ -618,9 +335,6 @@ def _raw_model_type(path):
 
 
 def main(argv=None):
-    from common import data
-    from common.cli import add_limit, add_overwrite, add_threads, fail, set_threads, with_fix
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (or tiny-moe for the committed tiny MoE-VLM)")
     p.add_argument("--data", nargs="+", required=True,
@@ -653,7 +367,6 @@ def main(argv=None):
              f"(e.g. {os.path.join(a.out, 'stats.safetensors')})")
     if os.path.exists(a.out) and not a.overwrite:  # before the data and the model are read
         fail(f"--out {a.out} already exists; pass --overwrite to replace it, or choose another --out")
-    from rolemerge import baselines as bl
     fpath = bl.features_path(a.out)
     if os.path.exists(fpath) and not a.overwrite:  # with or without --features: never beside other statistics
         fail(f"{fpath} already exists (comparator features of an earlier calibration); pass --overwrite to "

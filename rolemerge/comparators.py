@@ -130,6 +130,7 @@ import numpy as np
 import torch
 
 from rolemerge import baselines as bl
+from rolemerge.blocks import moe_blocks
 
 COMPARATORS = ("submoe", "namex", "mergemoe", "ream")
 NEEDS = {
@@ -170,21 +171,20 @@ class ComparatorRecorder:
     [T, H], top_k_index [T, k], top_k_weights [T, k]) that accumulate, over the tokens where
     `self.mask` ([T] bool, set by the caller per batch; None = all) is True, the features that
     `methods` need (module docstring). `.feats`: list over MoE layers (order of
-    `rolemerge.calibrate.moe_blocks`) of dicts name -> float64 sum tensor, int `tokens`, or the
+    `rolemerge.blocks.moe_blocks`) of dicts name -> float64 sum tensor, int `tokens`, or the
     token sample (`x_sample` float32 [m, H], `x_sample_topk` int64 [m, k], `x_sample_key` [m]).
     Memory per layer <= 2 N^2 + 2 N H + m (H + k + 1) numbers, m = sample_tokens; no
     per-token storage beyond the fixed-size sample (seeded by `seed`: the same batches give the
     same sample). `.remove()` removes the hooks. Raises ValueError for an unknown method."""
 
     def __init__(self, model, methods=COMPARATORS, sample_tokens=SAMPLE_TOKENS, seed=0):
-        from rolemerge import calibrate as cal
         unknown = [m for m in methods if m not in COMPARATORS]
         if unknown:
             raise ValueError(f"unknown comparator(s) {unknown}; choose from {COMPARATORS}")
         self.need = set().union(*(NEEDS[m] for m in methods)) | {"count", "tokens"}
         self.m = int(sample_tokens)
         self.gen = torch.Generator().manual_seed(seed)
-        self.blocks = cal.moe_blocks(model)
+        self.blocks = moe_blocks(model)
         self.feats, self.mask, self.handles = [], None, []
         for i, (_, block) in enumerate(self.blocks):
             N, H = block.gate.weight.shape
@@ -306,8 +306,11 @@ def linear_assignment(cost):
 
 
 def _assign(cost):
+    """The optimal assignment of `cost` [n, n]: scipy's when it is installed (faster on large I), else
+    `linear_assignment` (the same optimum)."""
     try:
-        from scipy.optimize import linear_sum_assignment   # optional: faster on large I
+        # deferred: scipy is optional (not in requirements.txt)
+        from scipy.optimize import linear_sum_assignment
     except ImportError:
         return linear_assignment(cost)
     return torch.as_tensor(linear_sum_assignment(cost.double().cpu().numpy())[1], dtype=torch.long)

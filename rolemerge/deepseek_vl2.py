@@ -33,10 +33,20 @@ on: one prefill call, one call per generated token but the last, rows padded aft
 import json
 import math
 import os
+import re
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import ImageOps
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from common.checkpoint import safetensors_files
+
+# deferred: transformers (about 2 s of CPU to import) is imported where a model, config or tokenizer is built,
+# so that the streaming merge, which imports this module, never pays it
 
 MODEL_TYPE = "deepseek_vl_v2"
 
@@ -393,7 +403,6 @@ class DeepseekVL2ForCausalLM(nn.Module):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 images=None, images_seq_mask=None, images_spatial_crop=None, use_cache=False):
         """Namespace(logits [B, L, V], cache) of one call of the language model."""
-        from types import SimpleNamespace
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids, images, images_seq_mask, images_spatial_crop)
         out = self.language.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask,
@@ -401,12 +410,14 @@ class DeepseekVL2ForCausalLM(nn.Module):
         return SimpleNamespace(logits=self.language.lm_head(out.last_hidden_state), cache=out.cache)
 
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask=None, images=None, images_seq_mask=None, images_spatial_crop=None,
-                 max_new_tokens=32, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=None, **_):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=32, min_new_tokens=0, do_sample=False,
+                 eos_token_id=None, pad_token_id=None, **image_inputs):
         """Greedy decoding with a KV cache (left padding: positions count only attended tokens).
         Same contract as transformers' generate: returns [B, L + n] with tokens after a row's EOS
         set to pad_token_id, stops when every row has ended; the model is called once for the
-        prompt and once per generated token but the last. min_new_tokens masks EOS before that."""
+        prompt and once per generated token but the last. min_new_tokens masks EOS before that.
+        image_inputs: the processor's `images`, `images_seq_mask`, `images_spatial_crop` (absent
+        for text-only prompts); other keys are ignored."""
         from transformers import DynamicCache
         if do_sample:
             raise VL2Error("only greedy decoding (do_sample=False) is implemented")
@@ -415,7 +426,8 @@ class DeepseekVL2ForCausalLM(nn.Module):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.language.model.config)
-        emb = self.embed(input_ids, images, images_seq_mask, images_spatial_crop)
+        emb = self.embed(input_ids, image_inputs.get("images"), image_inputs.get("images_seq_mask"),
+                         image_inputs.get("images_spatial_crop"))
         logits = self(inputs_embeds=emb, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
         done = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
         new = []
@@ -438,7 +450,6 @@ class DeepseekVL2ForCausalLM(nn.Module):
         """Write config.json (the loaded one, as a merge left it) and the weights in the official
         layout: per-expert `experts.E.{gate,up,down}_proj.weight`, checkpoint tensors the forward
         does not use written back unchanged; shards of at most max_shard_size bytes (+ index)."""
-        from safetensors.torch import save_file
         os.makedirs(path, exist_ok=True)
         tensors = to_official(self.state_dict())
         tensors.update(self.extra)
@@ -490,7 +501,6 @@ def from_official(tensors):
     """Inverse of to_official (per-expert tensors stacked in expert order). Consumes `tensors`
     (each layer's per-expert tensors are dropped as soon as they are stacked, so loading holds
     the model plus one layer's experts twice at most)."""
-    import re
     out, experts = {}, {}
     for k in list(tensors):
         m = re.match(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", k)
@@ -513,8 +523,6 @@ def load(path, dtype=None, device="cpu"):
     official layout), in eval mode. dtype None keeps the checkpoint's dtypes. Tensors the
     forward never reads (the unused attention-pool head) are kept in `model.extra` and written
     back by save_pretrained. Raises VL2Error for an unsupported config or missing tensors."""
-    from safetensors.torch import load_file
-    from common.checkpoint import safetensors_files
     config = Config.from_pretrained(path)
     with torch.device("meta"):
         model = DeepseekVL2ForCausalLM(config)
@@ -633,7 +641,6 @@ class Processor:
                    pc.get("image_token", "<image>"))
 
     def _pixels(self, im):
-        import numpy as np
         x = torch.from_numpy(np.asarray(im, dtype=np.float32) / 255.0).permute(2, 0, 1)
         return (x - torch.tensor(self.mean)[:, None, None]) / torch.tensor(self.std)[:, None, None]
 
@@ -641,7 +648,6 @@ class Processor:
         """[1 + tw*th, 3, S, S] pixel values (global first, then local tiles row-major) and (tw, th).
         cropping False (the official processor's choice for a prompt with more than 2 images): the
         local view is the image padded to S x S, one tile (tw = th = 1)."""
-        from PIL import ImageOps
         image = image.convert("RGB")
         S, fill = self.image_size, tuple(int(m * 255) for m in self.mean)
         w, h = select_best_resolution(image.size, self.candidates) if cropping else (S, S)

@@ -14,8 +14,13 @@ import time
 
 import torch
 
+from common import backbone as bb
+from common import data
 from common.answers import is_correct_for
-from common.cli import add_device_args, load_kwargs
+from common.cli import (add_device_args, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite,
+                        entry_parser, load_kwargs, run_cli, set_threads)
+from common.predictions import PredictionLog, fingerprint, model_digest
+from rolemerge import blocks as blk
 from rolemerge import calibrate as cal
 
 
@@ -35,10 +40,10 @@ class oracle_routing:
 
     def __init__(self, model, base_routers, groups):
         self.model, self.handles = model, []
-        self.blocks = [b for _, b in cal.moe_blocks(model)]
+        self.blocks = [b for _, b in blk.moe_blocks(model)]
         if len(self.blocks) != len(groups) or len(base_routers) != len(groups):
             raise ValueError(f"{len(self.blocks)} MoE layers, {len(base_routers)} routers, {len(groups)} plan layers")
-        tc = cal.text_config(model.config)
+        tc = blk.text_config(model.config)
         if model.config.model_type not in ("qwen3_vl_moe", "qwen3_moe") or not getattr(tc, "norm_topk_prob", True):
             raise ValueError(f"oracle routing is implemented for softmax top-k renormalised routers "
                              f"(qwen3_moe, qwen3_vl_moe), not {model.config.model_type}")
@@ -90,8 +95,7 @@ def _inputs(model, proc, records):
     text-only record, + question; a text LM: the question); earlier turns (`history`) go
     into the prompt."""
     history = [r.get("history", []) for r in records]
-    if model.config.model_type in cal.VLM_TYPES:
-        from common import data
+    if model.config.model_type in blk.VLM_TYPES:
         return proc.encode([data.load_image(r["image"], r.get("id", "?")) if r.get("image") else None
                             for r in records], [r["question"] for r in records], history=history)
     return cal.text_inputs(proc, [r["question"] for r in records], history)
@@ -110,7 +114,6 @@ def predict(model, proc, records, batch_size=32, max_new_tokens=48, progress=Tru
     Returns a list of {id, family, pred, answer, correct (None without a gold answer), n_tokens}.
     log: a `common.predictions.PredictionLog` keeping each finished batch (phase "predict")
     and holding those of a resumed run."""
-    from common.predictions import PredictionLog
     eos, pad = _ids(model, proc)
 
     def one(b):
@@ -166,8 +169,6 @@ def load_timed(path, dtype=None, device="cpu", device_map=None):
 
 
 def main(argv=None):
-    from common import data
-    from common.cli import add_limit, add_overwrite, add_threads, entry_parser, run_cli
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (merged or not), or tiny-moe")
     p.add_argument("--data", required=True,
@@ -198,10 +199,6 @@ def run(a):
     """The body of `main` for parsed flags: data first (every image decoded, refusals before
     the model loads), then predictions (each finished batch kept in OUT.partial), the
     summary, --out. Returns {"summary", "predictions"}."""
-    from common import backbone as bb
-    from common import data
-    from common.cli import check_out_file, check_overwrite, set_threads
-    from common.predictions import PredictionLog, fingerprint, model_digest
     set_threads(a.threads, a.model)
     if a.out:
         check_out_file(a.out)  # now, not after the whole run

@@ -435,8 +435,7 @@ SEARCH = {"greedy_1swap": 1, "greedy_swapc": None}   # method -> swap_search's m
 FEATURE_METHODS = ("msmoe", "hcsmoe", "reap")   # need features: rolemerge.calibrate --features (or baselines.collect_features)
 
 
-def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, features=None,
-         blocks=1):
+def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, routers=None, blocks=1):
     """Groupings for every MoE layer.
 
     counts [L, B, N]: phase-separated counts summed over sources; K: experts kept per layer;
@@ -448,17 +447,17 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     "kmeans" (k-means++ on RRPs, seeded), "greedy_1swap" / "greedy_swapc" (the greedy grouping,
     then `swap_search` with one swap / to convergence, per routing block; info gets the partition
     scores "J_greedy" and "J" and "swaps"), baselines "frequency" (needs routers: list of
-    [N, H] router weights), "prune", and the papers' own criteria "msmoe", "hcsmoe", "reap"
-    (rolemerge/baselines.py; need features: list over layers of `collect_features` dicts);
-    linkage applies to the agglomerative methods (validated for every method; HC-SMoE always uses average).
+    [N, H] router weights) and "prune". The papers' own criteria "msmoe", "hcsmoe", "reap"
+    group from calibration features, not counts: `rolemerge.baselines.plan_groups`.
+    linkage applies to the agglomerative methods (validated for every method).
     blocks: experts form `blocks` contiguous equal blocks (DeepSeek's routing groups) and every
     group stays inside one block, K / blocks groups per block (d_EP's max, kappa, lambda and tau
-    stay per layer; a feature baseline applies its criterion to each block's slice of the features).
+    stay per layer).
     Returns (groups: list over layers of list of groups, sorted by smallest index, so merged
     expert g lies in block g // (K / blocks); info: list of per-layer dicts).
-    Raises ValueError for an unknown method or linkage, a K that is not one int (per-layer K
-    cannot be saved: transformers configs hold one expert count), missing routers / features,
-    or blocks not dividing N and K."""
+    Raises ValueError for an unknown method or linkage, a feature method, a K that is not one
+    int (per-layer K cannot be saved: transformers configs hold one expert count), missing
+    routers, or blocks not dividing N and K."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if linkage not in LINKAGES:
@@ -471,8 +470,9 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
     if K is None:
         raise ValueError(f"K must be one int for every layer, got {K_in!r}: per-layer K is not supported "
                          f"(a transformers config holds a single expert count)")
-    if method in FEATURE_METHODS and features is None:
-        raise ValueError(f"method {method!r} needs the calibration features (features=collect_features(...))")
+    if method in FEATURE_METHODS:
+        raise ValueError(f"method {method!r} groups from calibration features, not counts: "
+                         f"rolemerge.baselines.plan_groups")
     counts = torch.as_tensor(counts, dtype=torch.float64)
     L, B, N = counts.shape
     if N % blocks or K % blocks:
@@ -495,7 +495,7 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
         prior = grouping_counts[l].sum(-1) / grouping_counts[l].sum() if method == "empirical_prior" else None
         P_e, q = role_profiles(p, prior)
         tau = collision_scale(p[ans])
-        d = None if method in ("kmeans", "frequency", "prune") + FEATURE_METHODS else normalise_by_max(pair_loss(P_e, q))
+        d = None if method in ("kmeans", "frequency", "prune") else normalise_by_max(pair_loss(P_e, q))
         g, search = [], {"J_greedy": 0.0, "J": 0.0, "swaps": 0}
         for s0 in range(0, N, nb):                                 # one routing group (block) at a time
             ix = slice(s0, s0 + nb)
@@ -507,10 +507,6 @@ def plan(counts, K, method="rolemerge", lam=0.03, linkage="single", seed=0, rout
                 gb = frequency_groups(mass[l, ix], routers[l][ix], kb)
             elif method == "prune":
                 gb = prune_groups(mass[l, ix], kb)
-            elif method in FEATURE_METHODS:
-                from rolemerge.baselines import baseline_groups, slice_features
-                # HC-SMoE: average linkage, its paper's choice
-                gb = baseline_groups(method, slice_features(features[l], ix), kb)
             else:
                 gb = agglomerate(d[ix, ix], p[ans, ix], kb, lams[l], tau, linkage)
                 if method in SEARCH:

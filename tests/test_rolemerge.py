@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from rolemerge import baselines as bl
 from rolemerge import model as rm
 
 # 4 experts, 3 phases (image, question, answer); see the comments for the hand computation
@@ -138,13 +139,17 @@ def test_controls_and_baselines():
     z = [torch.randn(6, 8).double() for _ in range(2)]   # baseline features (rolemerge/baselines.py)
     feats = [{"count": counts[l].sum(0), "logit_gram": z[l].T @ z[l], "out_sum": torch.randn(8, 5).double(),
               "reap_sum": torch.rand(8).double(), "tokens": 6} for l in range(2)]
+    def plan(method):
+        if method in rm.FEATURE_METHODS:
+            return bl.plan_groups(method, feats, 4), None
+        return rm.plan(counts, 4, method=method, routers=router, seed=1)
     for method in rm.METHODS:
-        g, info = rm.plan(counts, 4, method=method, routers=router, seed=1, features=feats)
+        g, info = plan(method)
         for layer in g:
             assert len(layer) == 4
             flat = sorted(e for grp in layer for e in grp)
             assert flat == (sorted(flat) if method in ("prune", "reap") else list(range(8)))
-        assert g == rm.plan(counts, 4, method=method, routers=router, seed=1, features=feats)[0]   # deterministic
+        assert g == plan(method)[0]   # deterministic
     g, info = rm.plan(counts, 4, method="lambda0")
     assert all(i["lambda"] == 0 for i in info)
     g, _ = rm.plan(counts, 4, method="prune")

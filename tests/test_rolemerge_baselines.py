@@ -10,6 +10,11 @@ import torch
 from helpers import tiny_qwen3_moe
 from rolemerge import baselines as bl
 from rolemerge import model as rm
+from rolemerge import blocks as blk
+from rolemerge import planning
+from rolemerge import merging
+from rolemerge.blocks import MergeError
+from rolemerge.planning import MergeConfig
 
 
 # ----------------------------------------------------------------------------- M-SMoE
@@ -76,7 +81,7 @@ def test_reap_saliency_is_mean_gated_norm_over_routed_tokens():
 def test_collect_features_matches_a_brute_force_pass():
     from rolemerge import calibrate as cal
     model = tiny_qwen3_moe()
-    block = cal.moe_blocks(model)[0][1]
+    block = blk.moe_blocks(model)[0][1]
     seen = {}
     h = block.experts.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach(), idx=a[1], w=a[2], out=o))
     ids = torch.tensor([[1, 5, 7, 9, 2], [3, 4, 0, 0, 0]])
@@ -113,7 +118,7 @@ def test_reap_equals_the_published_definition_over_batches():
     give the same saliency and keep the same experts."""
     from rolemerge import calibrate as cal
     model = tiny_qwen3_moe(N=6, k=2)
-    block = cal.moe_blocks(model)[0][1]
+    block = blk.moe_blocks(model)[0][1]
     batches = [{"input_ids": torch.tensor([[1, 5, 7, 9, 2], [3, 4, 0, 0, 0]]),
                 "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])},
                {"input_ids": torch.tensor([[8, 8, 6, 11, 30, 2, 17]]), "attention_mask": torch.ones(1, 7, dtype=torch.long)}]
@@ -196,7 +201,7 @@ def test_plan_rejects_unknown_linkage_for_every_method():
     c = planted_layer()[None]
     for method in rm.METHODS:
         with pytest.raises(ValueError, match="unknown linkage 'ward'"):
-            rm.plan(c, 4, method, linkage="ward", routers=[torch.eye(8)], features=[{}])
+            rm.plan(c, 4, method, linkage="ward", routers=[torch.eye(8)])
 
 
 @pytest.mark.parametrize("K", [[4], (4, 5), 4.0, "4", True, None])
@@ -205,20 +210,26 @@ def test_plan_rejects_a_per_layer_or_non_int_K(K):
         rm.plan(planted_layer()[None], K, "rolemerge")
 
 
-def test_plan_feature_methods_need_features():
-    with pytest.raises(ValueError, match="needs the calibration features"):
-        rm.plan(planted_layer()[None], 4, "reap")
+def test_plan_refuses_the_feature_methods():
+    """model.plan groups from counts only; the feature methods go through baselines.plan_groups
+    (make_plan refuses them without features)."""
+    for method in rm.FEATURE_METHODS:
+        with pytest.raises(ValueError, match="groups from calibration features, not counts"):
+            rm.plan(planted_layer()[None], 4, method)
+    stats = {"sources": {"s": {"counts": planted_layer()[None].long(), "tokens": torch.ones(3)}}, "num_experts": 8}
+    with pytest.raises(MergeError, match="needs the calibration features"):
+        planning.make_plan(stats, 4, MergeConfig(method="reap"))
 
 
 def test_merge_api_rejects_per_layer_K_unknown_linkage_and_missing_features(tmp_path):
     from rolemerge import merge as mg
     with pytest.raises(mg.MergeError, match="one int for every layer"):
-        mg.check_rho_k(k=[4, 5])
+        planning.check_rho_k(k=[4, 5])
     for method in ("prune", "frequency", "rolemerge"):
         with pytest.raises(mg.MergeError, match="unknown linkage 'ward'"):
-            mg.run_merge("tiny-moe", "unused.safetensors", str(tmp_path / "o"), rho=0.5, method=method, linkage="ward")
+            mg.run_merge(MergeConfig(model="tiny-moe", stats="unused.safetensors", out=str(tmp_path / "o"), rho=0.5, method=method, linkage="ward"))
     with pytest.raises(mg.MergeError, match="needs calibration features"):
-        mg.run_merge("tiny-moe", "unused.safetensors", str(tmp_path / "o"), rho=0.5, method="hcsmoe")
+        mg.run_merge(MergeConfig(model="tiny-moe", stats="unused.safetensors", out=str(tmp_path / "o"), rho=0.5, method="hcsmoe"))
     assert not (tmp_path / "o").exists()
 
 
@@ -227,9 +238,13 @@ def test_plan_dispatches_to_the_feature_baselines():
     feats = [{"count": torch.tensor([10., 1, 5, 2]), "logit_gram": Z.T @ Z, "tokens": 3,
               "out_sum": torch.eye(4, dtype=torch.float64), "reap_sum": torch.tensor([2., 3, 0, 4])}]
     counts = torch.ones(1, 3, 4)
-    assert rm.plan(counts, 2, "msmoe", features=feats)[0][0] == [[0, 3], [1, 2]]
-    assert rm.plan(counts, 2, "reap", features=feats)[0][0] == [[1], [3]]      # S = (.2, 3, 0, 2)
-    assert len(rm.plan(counts, 2, "hcsmoe", features=feats)[0][0]) == 2
+    assert bl.plan_groups("msmoe", feats, 2)[0] == [[0, 3], [1, 2]]
+    assert bl.plan_groups("reap", feats, 2)[0] == [[1], [3]]      # S = (.2, 3, 0, 2)
+    assert len(bl.plan_groups("hcsmoe", feats, 2)[0]) == 2
+    stats = {"sources": {"s": {"counts": counts.long(), "tokens": torch.ones(3)}}, "num_experts": 4,
+             "layer_names": ["l0"], "buckets": ["image", "question", "answer"]}
+    assert planning.make_plan(stats, 2, MergeConfig(method="msmoe", router="average"), features=feats)["groups"] == [
+        [[0, 3], [1, 2]]]
 
 
 def test_feature_baselines_stay_inside_routing_blocks():
@@ -239,11 +254,11 @@ def test_feature_baselines_stay_inside_routing_blocks():
     feats = [{"count": torch.tensor([10., 1, 5, 2]), "logit_gram": Z.T @ Z, "tokens": 3,
               "out_sum": torch.eye(4, dtype=torch.float64), "reap_sum": torch.tensor([30., 2, .5, 0])}]
     counts = torch.ones(1, 3, 4)
-    assert rm.plan(counts, 2, "reap", features=feats)[0][0] == [[0], [1]]              # S = (3, 2, .1, 0)
-    assert rm.plan(counts, 2, "reap", features=feats, blocks=2)[0][0] == [[0], [2]]    # best of {0,1}, of {2,3}
-    assert rm.plan(counts, 2, "msmoe", features=feats)[0][0] == [[0, 3], [1, 2]]
+    assert bl.plan_groups("reap", feats, 2)[0] == [[0], [1]]              # S = (3, 2, .1, 0)
+    assert bl.plan_groups("reap", feats, 2, blocks=2)[0] == [[0], [2]]    # best of {0,1}, of {2,3}
+    assert bl.plan_groups("msmoe", feats, 2)[0] == [[0, 3], [1, 2]]
     for method in ("msmoe", "hcsmoe"):
-        assert rm.plan(counts, 2, method, features=feats, blocks=2)[0][0] == [[0, 1], [2, 3]]
+        assert bl.plan_groups(method, feats, 2, blocks=2)[0] == [[0, 1], [2, 3]]
     sl = slice_features(feats[0], slice(2, 4))
     assert sl["logit_gram"].tolist() == (Z.T @ Z)[2:, 2:].tolist() and sl["reap_sum"].tolist() == [.5, 0]
     assert sl["out_sum"].tolist() == [[0, 0, 1, 0], [0, 0, 0, 1]] and sl["tokens"] == 3
@@ -257,14 +272,14 @@ def test_oracle_routing_sends_each_token_to_its_original_experts_groups(groups):
     from rolemerge import infer
     from rolemerge import merge as mg
     model = tiny_qwen3_moe()
-    block = cal.moe_blocks(model)[0][1]
+    block = blk.moe_blocks(model)[0][1]
     W0 = block.gate.weight.detach().clone()
     x = torch.randn(6, 16)
     probs = torch.softmax(x @ W0.T, -1)
     w, idx = probs.topk(2, -1)
     w = w / w.sum(-1, keepdim=True)
     weights = rm.merge_weights(torch.tensor([3., 1, 2, 5]), groups)
-    mg.merge_model(model, {"groups": [groups], "weights": [weights]})
+    merging.merge_model(model, {"groups": [groups], "weights": [weights]})
     y = bl.expert_outputs(block.experts, x)                      # merged experts [T, K, H]
     lut = {e: gi for gi, g in enumerate(groups) for e in g}
     want = torch.zeros(6, 16)

@@ -16,6 +16,7 @@ from helpers import tiny_qwen3_moe
 from rolemerge import baselines as bl
 from rolemerge import calibrate as cal
 from rolemerge import comparators as cp
+from rolemerge import blocks as blk
 
 
 BATCHES = [{"input_ids": torch.tensor([[1, 5, 7, 9, 2], [3, 4, 0, 0, 0]]),
@@ -40,7 +41,7 @@ def _random_layer(N=4, I=3, H=5, seed=0):
 
 def test_recorder_sums_match_a_brute_force_pass_over_non_padding_tokens():
     model = tiny_qwen3_moe(N=6)
-    block = cal.moe_blocks(model)[0][1]
+    block = blk.moe_blocks(model)[0][1]
     seen = []
     h = block.experts.register_forward_hook(lambda m, a, o: seen.append((a[0].detach(), a[1])))
     feats = cp.collect(model, BATCHES, sample_tokens=5)[0]
@@ -89,7 +90,7 @@ def test_recorder_sample_is_uniform_over_all_tokens_and_bounded():
     model = tiny_qwen3_moe(N=4, layers=1)
     batches = [{"input_ids": torch.tensor([[(3 * i + 1) % 32 for i in range(j, j + 10)]]),
                 "attention_mask": torch.ones(1, 10, dtype=torch.long)} for j in range(0, 60, 10)]
-    block = cal.moe_blocks(model)[0][1]
+    block = blk.moe_blocks(model)[0][1]
     seen = []
     h = block.experts.register_forward_hook(lambda m, a, o: seen.append(a[0].detach()))
     with torch.no_grad():
@@ -501,7 +502,7 @@ def test_merged_tiny_qwen3_moe_loads_and_generates(method, tmp_path):
     model = tiny_qwen3_moe(N=6, k=2, layers=2)
     feats = cp.collect(model, BATCHES, methods=(method,), sample_tokens=12)
     K = 3
-    for (name, block), f in zip(cal.moe_blocks(model), feats):
+    for (name, block), f in zip(blk.moe_blocks(model), feats):
         W = _weights(block)
         out = cp.merge_layer(method, W, f, K)
         assert len(out["groups"]) == K and sorted(e for g in out["groups"] for e in g) == list(range(6))
@@ -513,7 +514,7 @@ def test_merged_tiny_qwen3_moe_loads_and_generates(method, tmp_path):
         block.experts.down_proj = torch.nn.Parameter(out["down"], requires_grad=False)
         block.gate.weight = torch.nn.Parameter(router, requires_grad=False)
         for mod in (block, block.gate, block.experts):
-            for attr in cal.EXPERT_FIELDS:
+            for attr in blk.EXPERT_FIELDS:
                 if isinstance(getattr(mod, attr, None), int):
                     setattr(mod, attr, K)
     model.config.num_experts = K

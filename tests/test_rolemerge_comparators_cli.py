@@ -5,22 +5,26 @@ the router operators ("bound": the M-SMoE / HC-SMoE codes' N slots bound to thei
 DeepSeek-V3 with a router bias) and DeepSeek-VL2 layouts."""
 import json
 import os
-import sys
 import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import rolemerge
-
 from common import backbone as bb
 from helpers import error_of, tiny_qwen3_moe
 from rolemerge import baselines as bl
 from rolemerge import calibrate as cal
+from rolemerge import comparators
 from rolemerge import infer
 from rolemerge import merge as mg
 from rolemerge import model as rm
+from rolemerge import blocks as blk
+from rolemerge import stats as rstats
+from rolemerge import shards as sh
+from rolemerge import planning
+from rolemerge import merging
+from rolemerge.planning import MergeConfig
 
 
 def on_disk(path):
@@ -43,7 +47,7 @@ def test_bound_operator_hand_computed_and_equal_to_oracle_routing():
     under `infer.oracle_routing`; with singleton groups it is the unmerged model."""
     import copy
     base = tiny_qwen3_moe(N=8)
-    blk0 = cal.moe_blocks(base)[0][1]
+    blk0 = blk.moe_blocks(base)[0][1]
     W0 = blk0.gate.weight.detach().clone()
     mass = torch.tensor([3.0, 1, 2, 5, 4, 1, 1, 2])
     weights = rm.merge_weights(mass, GROUPS)
@@ -63,33 +67,33 @@ def test_bound_operator_hand_computed_and_equal_to_oracle_routing():
             a, b = (mgu[g] @ x[t]).chunk(2)
             want[t] += w[t, j] * (mdn[g] @ (torch.nn.functional.silu(a) * b))
     bound = copy.deepcopy(base)
-    mg.merge_model(bound, {"groups": [GROUPS], "weights": [weights], "router": "bound", "K": 4})
-    bb_ = cal.moe_blocks(bound)[0][1]
+    merging.merge_model(bound, {"groups": [GROUPS], "weights": [weights], "router": "bound", "K": 4})
+    bb_ = blk.moe_blocks(bound)[0][1]
     assert bb_.gate.weight.shape[0] == 8 and torch.equal(bb_.gate.weight, W0)       # router untouched
     assert torch.equal(bb_.experts.down_proj[1], bb_.experts.down_proj[5])           # members share the merge
     with torch.no_grad():
         got = bb_(x[None])[0]
     assert torch.allclose(got, want, atol=1e-5)
     avg = copy.deepcopy(base)
-    mg.merge_model(avg, {"groups": [GROUPS], "weights": [weights], "router": "average", "K": 4})
+    merging.merge_model(avg, {"groups": [GROUPS], "weights": [weights], "router": "average", "K": 4})
     with torch.no_grad(), infer.oracle_routing(avg, [W0], [GROUPS]):
-        oracle = cal.moe_blocks(avg)[0][1](x[None])[0]
+        oracle = blk.moe_blocks(avg)[0][1](x[None])[0]
     assert torch.allclose(got, oracle, atol=1e-5)
     with torch.no_grad():                                   # the averaged K-row router is another function
-        assert not torch.allclose(cal.moe_blocks(avg)[0][1](x[None])[0], want, atol=1e-3)
+        assert not torch.allclose(blk.moe_blocks(avg)[0][1](x[None])[0], want, atol=1e-3)
     single = copy.deepcopy(base)
-    mg.merge_model(single, {"groups": [[[e] for e in range(8)]], "weights": [[[1.0]] * 8], "router": "bound", "K": 8})
+    merging.merge_model(single, {"groups": [[[e] for e in range(8)]], "weights": [[[1.0]] * 8], "router": "bound", "K": 8})
     with torch.no_grad():
-        assert torch.equal(cal.moe_blocks(single)[0][1](x[None])[0], blk0(x[None])[0])
+        assert torch.equal(blk.moe_blocks(single)[0][1](x[None])[0], blk0(x[None])[0])
 
 
 def test_router_operator_defaults_and_refusals():
-    assert mg.router_operator("msmoe") == mg.router_operator("hcsmoe") == "bound"
-    assert mg.router_operator("rolemerge") == mg.router_operator("reap") == "average"
-    assert mg.router_operator("hcsmoe", "average") == "average" and mg.router_operator("rolemerge", "bound") == "bound"
+    assert planning.router_operator("msmoe") == planning.router_operator("hcsmoe") == "bound"
+    assert planning.router_operator("rolemerge") == planning.router_operator("reap") == "average"
+    assert planning.router_operator("hcsmoe", "average") == "average" and planning.router_operator("rolemerge", "bound") == "bound"
     for m in ("reap", "prune"):
         with pytest.raises(mg.MergeError, match="prunes experts"):
-            mg.router_operator(m, "bound")
+            planning.router_operator(m, "bound")
 
 
 # ----------------------------------------------------------------------------- calibration features
@@ -127,7 +131,7 @@ def _build(family, tok, dtype=None):
                                **extra)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     if family == "deepseek_v3":                          # a non-zero score-correction bias, merged too
-        for _, b in cal.moe_blocks(model):
+        for _, b in blk.moe_blocks(model):
             b.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1)
     if dtype is not None:
         model = model.to(dtype)
@@ -150,7 +154,7 @@ def _calibrated(family, tok, tmp_path, dtype=None):
                           features=True)
     sp = str(tmp_path / "stats.safetensors")
     feats = stats.pop("features")
-    cal.save_stats(stats, sp)
+    rstats.save_stats(stats, sp)
     bl.save_features(feats, bl.features_path(sp), {"fingerprint": stats["fingerprint"]})
     return src, sp, stats, feats
 
@@ -161,7 +165,7 @@ def test_features_count_the_same_tokens_as_the_stats(family, tok, tmp_path):
     statistics count (prefill non-padding positions + fed-back answer tokens): their per-expert
     top-k counts equal the stats' counts summed over phases, their token count the stats' tokens."""
     _, sp, stats, feats = _calibrated(family, tok, tmp_path)
-    tot = cal.total_counts(stats)
+    tot = rstats.total_counts(stats)
     assert all(torch.equal(f["count"], tot[l].sum(0).double()) for l, f in enumerate(feats))
     assert all(f["tokens"] == int(sum(s["tokens"].sum() for s in stats["sources"].values())) for f in feats)
     back, meta = bl.load_features(bl.features_path(sp))
@@ -185,7 +189,7 @@ def _wavg_module():
         groups = [[2 * i, 2 * i + 1] for i in range(N // 2)][::-1]          # unsorted on purpose
         weights = rm.merge_weights(feats["count"], groups)
         seen.append(groups)
-        out = {k: torch.stack([mg.weighted_sum([W[k][e] for e in g], w, torch.float32) for g, w in zip(groups, weights)])
+        out = {k: torch.stack([merging.weighted_sum([W[k][e] for e in g], w, torch.float32) for g, w in zip(groups, weights)])
                for k in ("gate", "up", "down")}
         return dict(out, groups=groups, router=None, bias=None)
 
@@ -199,16 +203,16 @@ def test_own_tensor_hook_equals_the_weighted_sum_path_bit_for_bit(family, dtype,
     layout in, checkpoint layout and dtype out, router None -> averaged rows) writes exactly the
     bytes of the weighted-sum path with the same groups, in memory and streaming."""
     fake = _wavg_module()
-    monkeypatch.setitem(sys.modules, "rolemerge.comparators", fake)
-    monkeypatch.setattr(rolemerge, "comparators", fake, raising=False)   # `from rolemerge import comparators` reads the attribute first
+    monkeypatch.setattr(planning, "comparators", fake)     # the modules that dispatch to the comparators
+    monkeypatch.setattr(merging, "comparators", fake)
     src, sp, stats, feats = _calibrated(family, tok, tmp_path, dtype)
-    mass = cal.total_counts(stats).double().sum(1)
+    mass = rstats.total_counts(stats).double().sum(1)
     groups = [[[2 * i, 2 * i + 1] for i in range(4)] for _ in stats["layers"]]
     plan = {"groups": groups, "weights": [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)], "K": 4,
             "routing": {}, "router": "average"}
-    mg.merge_streaming(src, str(tmp_path / "ref"), plan)
-    rep = mg.run_merge(src, sp, str(tmp_path / "stream"), k=4, method="wavg")
-    mg.run_merge(src, sp, str(tmp_path / "mem"), k=4, method="wavg", streaming=False)
+    merging.merge_streaming(src, str(tmp_path / "ref"), plan)
+    rep = mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "stream"), k=4, method="wavg"))
+    mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "mem"), k=4, method="wavg", in_memory=True))
     assert rep["streaming"] and rep["groups"] == groups and rep["weights"] == plan["weights"] and len(fake.seen) == 2 * len(groups)
     ref = on_disk(tmp_path / "ref")
     for d in ("stream", "mem"):
@@ -245,7 +249,7 @@ def calibrated(tmp_path_factory):
     return out
 
 
-METHODS = ["rolemerge", "msmoe", "hcsmoe", "reap"] + [m for m in mg.comparator_methods() if m not in rm.METHODS]
+METHODS = ["rolemerge", "msmoe", "hcsmoe", "reap"] + list(comparators.COMPARATORS)
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "vl2"])
@@ -254,16 +258,16 @@ def test_every_method_by_command_loads_and_generates(calibrated, name, method, t
     src, sp, data = calibrated[name]
     out = str(tmp_path / "m")
     mg.main(["--model", src, "--stats", sp, "--k", "4", "--method", method, "--out", out, "--threads", "1"])
-    rep = json.load(open(f"{out}/{mg.REPORT}"))
+    rep = json.load(open(f"{out}/{sh.REPORT}"))
     bound = rep["router"] == "bound"
     assert rep["streaming"] and bound == (method in ("msmoe", "hcsmoe"))
     cfg = json.load(open(f"{out}/config.json"))
     n = (cfg.get("text_config") or cfg.get("language_config"))
-    assert next(n[f] for f in cal.EXPERT_FIELDS if f in n) == (8 if bound else 4)
+    assert next(n[f] for f in blk.EXPERT_FIELDS if f in n) == (8 if bound else 4)
     assert rep["expert_slots"] == (8 if bound else 4) and rep["unique_experts"] == [4] * len(rep["groups"])
     assert (rep["unique_params"] < rep["params"]) == bound
     model, proc = cal.load_model(out)                    # plain transformers (DeepSeek-VL2: our loader)
-    blocks = cal.moe_blocks(model)
+    blocks = blk.moe_blocks(model)
     assert all(b.gate.weight.shape[0] == (8 if bound else 4) for _, b in blocks)
     if bound:                                            # members of a group hold one merged expert
         g = next(g for g in rep["groups"][0] if len(g) > 1)
@@ -285,12 +289,12 @@ def test_bound_streaming_equals_in_memory_and_adaptive_counts(calibrated, tmp_pa
                      str(tmp_path / f"o{i}{len(mode)}"), "--threads", "1"] + extra + mode)
         a, b = on_disk(tmp_path / f"o{i}0"), on_disk(tmp_path / f"o{i}1")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rep = json.load(open(tmp_path / "o10" / mg.REPORT))
+    rep = json.load(open(tmp_path / "o10" / sh.REPORT))
     feats, _ = bl.load_features(bl.features_path(sp))
     ks = bl.msmoe_layer_counts([f["count"] for f in feats], 4)
     assert rep["adaptive"] and rep["unique_experts"] == ks and [l["K"] for l in rep["layers"]] == ks
     assert sum(ks) == pytest.approx(4 * len(ks), abs=len(ks))
-    rep = json.load(open(tmp_path / "o20" / mg.REPORT))
+    rep = json.load(open(tmp_path / "o20" / sh.REPORT))
     assert rep["distance"] == "cosine" and rep["router"] == "average"
 
 
@@ -299,7 +303,7 @@ def test_command_errors(calibrated, tmp_path, capsys):
     import shutil
     bare = str(tmp_path / "bare.safetensors")
     shutil.copy(sp, bare)
-    shutil.copy(cal.summary_path(sp), cal.summary_path(bare))
+    shutil.copy(rstats.summary_path(sp), rstats.summary_path(bare))
     base = ["--model", src, "--k", "4", "--out", str(tmp_path / "x"), "--threads", "1"]
     err = error_of(mg.main, base + ["--stats", bare, "--method", "hcsmoe"], capsys)
     assert "rolemerge.calibrate" in err and "--features" in err and "bare.features.safetensors" in err
@@ -384,22 +388,22 @@ def test_own_tensor_hook_on_the_transposed_fused_layout(tok, tmp_path, monkeypat
     from safetensors.torch import save_file
     from common.checkpoint import safetensors_files
     fake = _wavg_module()
-    monkeypatch.setitem(sys.modules, "rolemerge.comparators", fake)
-    monkeypatch.setattr(rolemerge, "comparators", fake, raising=False)   # `from rolemerge import comparators` reads the attribute first
+    monkeypatch.setattr(planning, "comparators", fake)     # the modules that dispatch to the comparators
+    monkeypatch.setattr(merging, "comparators", fake)
     src, sp, stats, feats = _calibrated("qwen3_vl_moe", tok, tmp_path)
     for f in safetensors_files(src):
         t = load_file(f)
         save_file({k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
                        else v) for k, v in t.items()}, f, metadata={"format": "pt"})
-    mass = cal.total_counts(stats).double().sum(1)
+    mass = rstats.total_counts(stats).double().sum(1)
     groups = [[[2 * i, 2 * i + 1] for i in range(4)] for _ in stats["layers"]]
     plan = {"groups": groups, "weights": [rm.merge_weights(mass[l], g) for l, g in enumerate(groups)], "K": 4,
             "routing": {}, "router": "average"}
-    mg.merge_streaming(src, str(tmp_path / "ref"), plan)
+    merging.merge_streaming(src, str(tmp_path / "ref"), plan)
     seen = []
-    real = mg.own_merge
-    monkeypatch.setattr(mg, "own_merge", lambda p, li, W, K: seen.append(W) or real(p, li, W, K))
-    mg.run_merge(src, sp, str(tmp_path / "own"), k=4, method="wavg")
+    real = merging.own_merge
+    monkeypatch.setattr(merging, "own_merge", lambda p, li, W, K: seen.append(W) or real(p, li, W, K))
+    mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "own"), k=4, method="wavg"))
     ref, got = on_disk(tmp_path / "ref"), on_disk(tmp_path / "own")
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
     I, H = seen[0]["gate"].shape[1:]
@@ -455,4 +459,4 @@ def test_merge_with_two_stats_files_of_unequal_and_equal_samples(calibrated, kee
     for method in ("mergemoe", "ream"):
         out = str(tmp_path / method)
         mg.main(["--model", src, "--stats", sp, sp2, "--k", "4", "--method", method, "--out", out, "--threads", "1"])
-        assert os.path.exists(os.path.join(out, mg.REPORT))
+        assert os.path.exists(os.path.join(out, sh.REPORT))

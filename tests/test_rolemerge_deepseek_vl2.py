@@ -18,6 +18,10 @@ from helpers import error_of
 from rolemerge import calibrate as cal
 from rolemerge import deepseek_vl2 as vl2
 from rolemerge import merge as mg
+from rolemerge import blocks as blk
+from rolemerge import stats as rstats
+from rolemerge import planning
+from rolemerge.planning import MergeConfig
 
 SPECIAL = dict(bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad="<｜▁pad▁｜>")
 
@@ -405,9 +409,9 @@ def test_calibrate_merge_reload_generate(tok, tmp_path, mla, topk_method, n_grou
     n_img = sum(vl2.image_token_count(*((2, 1) if i % 2 else (1, 1)), 42, 14, 2) for i in range(4))
     assert int(sum(s["tokens"][0] for s in stats["sources"].values())) == n_img
     sp = str(tmp_path / "stats.safetensors")
-    cal.save_stats(stats, sp)
-    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), rho=0.5, streaming=False)
-    mg.run_merge(src, sp, str(tmp_path / "stream"), rho=0.5, streaming=True)
+    rstats.save_stats(stats, sp)
+    rep = mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "mem"), rho=0.5, in_memory=True))
+    mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "stream"), rho=0.5))
     assert rep["K"] == 4 and rep["routing"] == {}
     if n_group == 2:                                       # merged only within routing groups {0..3}, {4..7}
         assert all(len({e // 4 for e in g}) == 1 for lay in rep["groups"] for g in lay)
@@ -423,13 +427,13 @@ def test_calibrate_merge_reload_generate(tok, tmp_path, mla, topk_method, n_grou
             open(os.path.join(src, "config.json")))["vision_config"]
         assert c.get("n_routed_experts", 4) == 4 and ("n_routed_experts" in c) == mla
     m2, p2 = cal.load_model(str(tmp_path / "stream"))
-    assert all(blk.gate.weight.shape[0] == 4 for _, blk in cal.moe_blocks(m2))
+    assert all(blk.gate.weight.shape[0] == 4 for _, blk in blk.moe_blocks(m2))
     from common import data
     from common import shapes
     out = m2.generate(**p2.encode([data.load_image(recs[1]["image"]), None], ["what is here?", "hi"]),
                       max_new_tokens=4, eos_token_id=p2.eos_token_id, pad_token_id=p2.pad_token_id)
     assert out.shape[0] == 2
-    mg.run_merge(src, sp, str(tmp_path / "k8"), rho=1.0)
+    mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "k8"), rho=1.0))
     m8 = vl2.load(str(tmp_path / "k8"))
     inp = proc.encode([data.load_image(recs[0]["image"])], ["is there a circle?"])
     assert torch.allclose(m8(**inp).logits, model(**inp).logits, atol=1e-6)
@@ -444,7 +448,7 @@ def test_cli_calibrate_and_merge(tok, tmp_path):
     cal.main(["--model", src, "--data", str(path), "--out", str(tmp_path / "s.safetensors"), "--max-new-tokens", "3",
               "--batch-size", "2", "--threads", "1"])
     mg.main(["--model", src, "--stats", str(tmp_path / "s.safetensors"), "--k", "2", "--out", str(tmp_path / "m"),
-             "--streaming", "--threads", "1"])
+             "--threads", "1"])
     assert json.load(open(tmp_path / "m" / "config.json"))["language_config"]["n_routed_experts"] == 2
     from rolemerge import infer
     infer.main(["--model", str(tmp_path / "m"), "--data", str(path), "--max-new-tokens", "3", "--threads", "1",
@@ -456,10 +460,10 @@ def test_cli_calibrate_and_merge(tok, tmp_path):
 def test_routing_groups_of_vl2_configs():
     """DeepSeek-VL2 base routes noaux_tc (V3-style groups: >= 2 experts per group); Tiny / Small
     greedy (no groups)."""
-    assert mg.routing_groups("deepseek_vl_v2", dict(topk_method="greedy", n_group=1, topk_group=1), 8, 4, 2) == (1, {})
-    assert mg.routing_groups("deepseek_vl_v2", dict(topk_method="noaux_tc", n_group=4, topk_group=2), 8, 4, 2) == \
+    assert planning.routing_groups("deepseek_vl_v2", dict(topk_method="greedy", n_group=1, topk_group=1), 8, 4, 2) == (1, {})
+    assert planning.routing_groups("deepseek_vl_v2", dict(topk_method="noaux_tc", n_group=4, topk_group=2), 8, 4, 2) == \
         (2, {"n_group": 2, "topk_group": 1})
-    assert mg.routing_groups("deepseek_vl_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    assert planning.routing_groups("deepseek_vl_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
                              8, 4, 2) == (4, {})
 
 

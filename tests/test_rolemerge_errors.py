@@ -24,6 +24,9 @@ from common import data
 from common import shapes
 from rolemerge import calibrate as cal
 from rolemerge import merge as mg
+from rolemerge import shards as sh
+from rolemerge import stats as rstats
+from rolemerge.planning import MergeConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +40,7 @@ def moe(tmp_path_factory):
     recs = data.read_llava_json(str(root / "val.json"))
     stats = cal.calibrate(model, proc, {"val": recs}, batch_size=3, max_new_tokens=4, model_id="tiny-moe",
                           progress=False)
-    cal.save_stats(stats, str(root / "stats.safetensors"))
+    rstats.save_stats(stats, str(root / "stats.safetensors"))
     return model, proc, recs, root, str(root / "stats.safetensors")
 
 
@@ -81,7 +84,7 @@ def test_k_outside_top_k_and_n(moe, tmp_path):
     for k, msg in (("1", "K=1 is smaller than the model's top_k=2: every token routes to 2 experts, so at least 2 "
                          "must remain (use a larger rho)"),
                    ("9", "K=9 exceeds the 8 experts per layer"), ("0", "K=0 must be a positive number of experts")):
-        assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", out, "--k", k, "--streaming"]) \
+        assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", out, "--k", k]) \
             == f"error: {msg}"
     assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
 
@@ -99,8 +102,6 @@ def test_choice_typos_and_dtype_flag(moe, tmp_path, capsys):
         cal.main(["--model", "tiny-moe", "--data", "x.json", "--out", "s.safetensors", "--dtype", "bf16x"])
     assert e.value.code == 2 and "invalid choice: 'bf16x' (choose from 'auto', 'float32', 'bfloat16', 'float16')" \
         in capsys.readouterr().err
-    assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", out, "--rho", ".5", "--streaming",
-                       "--dtype", "bfloat16"]).startswith("error: --dtype applies to the in-memory merge only")
     assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", out, "--rho", ".5",
                        "--dtype", "bfloat16"]).startswith("error: --dtype applies to the in-memory merge only")
     mg.main(["--model", "tiny-moe", "--stats", stats, "--out", out, "--rho", ".5", "--dtype", "bfloat16", "--in-memory"])
@@ -177,7 +178,7 @@ def test_stats_from_another_model(moe, tmp_path):
     save_file({k: (v[:3] if k.startswith("counts/") else v) for k, v in t.items()}, str(tmp_path / "l3.safetensors"),
               metadata={"rolemerge": json.dumps(meta)})
     assert _merge_cli(["--model", "tiny-moe", "--stats", str(tmp_path / "l3.safetensors"), "--out",
-                       str(tmp_path / "o"), "--rho", ".5", "--streaming"]).startswith(
+                       str(tmp_path / "o"), "--rho", ".5"]).startswith(
         "error: statistics were recorded on a different model (layers: stats [0, 1, 2] vs checkpoint [0, 1, 2, 3]")
     n = os.path.getsize(stats)
     shutil.copy(stats, tmp_path / "trunc.safetensors")
@@ -246,17 +247,17 @@ def test_force_never_deletes_a_tmp_or_old_folder_it_did_not_write(moe, tmp_path)
     (tmp_path / "o.tmp" / "notes.txt").write_text("mine")
     for extra in ([], ["--overwrite"]):
         assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(out), "--rho", ".5", *extra]) == (
-            f"error: {out}.tmp exists and is not a RoleMerge temp folder (no {mg.TMP_MARK} or {mg.REPORT}); "
+            f"error: {out}.tmp exists and is not a RoleMerge temp folder (no {sh.TMP_MARK} or {sh.REPORT}); "
             f"refusing to delete it: move it away or choose a new --out")
     (tmp_path / "o.tmp" / "notes.txt").rename(tmp_path / "notes.txt")
-    mg.run_merge("tiny-moe", stats, str(out), rho=0.5)     # an empty leftover .tmp is fine
+    mg.run_merge(MergeConfig(model="tiny-moe", stats=stats, out=str(out), rho=0.5))     # an empty leftover .tmp is fine
     (tmp_path / "o.old").mkdir()
     (tmp_path / "o.old" / "notes.txt").write_text("mine")
     assert _merge_cli(["--model", "tiny-moe", "--stats", stats, "--out", str(out), "--rho", ".5", "--overwrite"]) == (
-        f"error: {out}.old exists and is not a previous RoleMerge output (no {mg.REPORT}); refusing to delete it "
+        f"error: {out}.old exists and is not a previous RoleMerge output (no {sh.REPORT}); refusing to delete it "
         f"even with --overwrite: move it away or choose a new --out")
-    assert (tmp_path / "o.old" / "notes.txt").read_text() == "mine" and (out / mg.REPORT).exists()
-    assert not (out / mg.TMP_MARK).exists() and not (tmp_path / "o.tmp").exists()
+    assert (tmp_path / "o.old" / "notes.txt").read_text() == "mine" and (out / sh.REPORT).exists()
+    assert not (out / sh.TMP_MARK).exists() and not (tmp_path / "o.tmp").exists()
 
 
 # ----------------------------------------------------------------------------- interruption, determinism
@@ -267,21 +268,23 @@ sys.path.insert(0, {root!r})
 import torch
 torch.set_num_threads(1)
 from rolemerge import merge as mg
+from rolemerge import shards as sh
+from rolemerge.planning import MergeConfig
 seen = {{}}
-write = mg._write_one
+write = sh.write_one
 def killing_write(f, *args):      # SIGKILL after 2 tensors of the second output shard
     write(f, *args)
     f.flush()
     seen[f.name] = seen.get(f.name, 0) + 1
     if len(seen) == 2 and seen[f.name] == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-mg._write_one = killing_write
-mg.run_merge({src!r}, {stats!r}, {out!r}, rho=0.5, streaming=True)
+sh.write_one = killing_write
+mg.run_merge(MergeConfig(model={src!r}, stats={stats!r}, out={out!r}, rho=0.5))
 """
 
 
 def _files(d):
-    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d)) if f != mg.REPORT}
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d)) if f != sh.REPORT}
 
 
 def test_killed_streaming_merge_leaves_no_output_and_rerun_is_identical(moe, tmp_path):
@@ -295,7 +298,7 @@ def test_killed_streaming_merge_leaves_no_output_and_rerun_is_identical(moe, tmp
     shards = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
     assert len(shards) >= 3
     ref = str(tmp_path / "ref")
-    mg.run_merge(src, stats, ref, rho=0.5, streaming=True)
+    mg.run_merge(MergeConfig(model=src, stats=stats, out=ref, rho=0.5))
     out = str(tmp_path / "out")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, "-c", CHILD.format(root=ROOT, src=src, stats=stats, out=out)], env=env,
@@ -303,18 +306,18 @@ def test_killed_streaming_merge_leaves_no_output_and_rerun_is_identical(moe, tmp
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert not os.path.exists(out)                          # nothing that can be taken for complete
     partial = sorted(os.listdir(out + ".tmp"))
-    assert mg.TMP_MARK in partial                           # marks the leftover as ours: the rerun may delete it
-    partial.remove(mg.TMP_MARK)
-    assert mg.REPORT not in partial and "config.json" not in partial and partial == shards[:2]
+    assert sh.TMP_MARK in partial                           # marks the leftover as ours: the rerun may delete it
+    partial.remove(sh.TMP_MARK)
+    assert sh.REPORT not in partial and "config.json" not in partial and partial == shards[:2]
     assert os.path.getsize(os.path.join(out + ".tmp", shards[1])) < os.path.getsize(os.path.join(ref, shards[1]))
-    rep = mg.run_merge(src, stats, out, rho=0.5, streaming=True)     # rerun: starts the .tmp over
+    rep = mg.run_merge(MergeConfig(model=src, stats=stats, out=out, rho=0.5))     # rerun: starts the .tmp over
     assert not os.path.exists(out + ".tmp")
     assert _files(out) == _files(ref) and len(_files(out)) > len(shards)
-    ref_rep = json.load(open(os.path.join(ref, mg.REPORT)))
+    ref_rep = json.load(open(os.path.join(ref, sh.REPORT)))
     assert {k: v for k, v in rep.items() if k not in ("merge_seconds", "plan_seconds")} == \
         {k: v for k, v in ref_rep.items() if k not in ("merge_seconds", "plan_seconds")}
     for i in range(2):
-        mg.run_merge(src, stats, str(tmp_path / f"mem{i}"), rho=0.5, streaming=False)
+        mg.run_merge(MergeConfig(model=src, stats=stats, out=str(tmp_path / f"mem{i}"), rho=0.5, in_memory=True))
     assert _files(str(tmp_path / "mem0")) == _files(str(tmp_path / "mem1"))
 
 

@@ -19,6 +19,9 @@ import torch
 from rolemerge import calibrate as cal
 from rolemerge import merge as mg
 from rolemerge import model as rm
+from rolemerge import blocks as blk
+from rolemerge import merging
+from rolemerge.planning import MergeConfig
 
 FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 FIELD_RE = re.compile(r"^\s*(?:self\.)?(%s)\s*[:=]" % "|".join(FIELDS), re.M)
@@ -79,7 +82,7 @@ def model_type_of(family):
     from transformers.models.auto import configuration_auto as ca, modeling_auto as ma
     causal, vlm, base = (ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
                          ma.MODEL_MAPPING_NAMES)
-    if family in cal.SUPPORTED and family in vlm:        # the supported VLMs merge as the VLM
+    if family in blk.SUPPORTED and family in vlm:        # the supported VLMs merge as the VLM
         return family, vlm[family]
     if family + "_text" in causal:
         return family + "_text", causal[family + "_text"]
@@ -157,9 +160,9 @@ def build(family):
 
 def expert_count(model):
     """N from the text config's expert-count field (8 when the family has none we read)."""
-    tc = cal.text_config(model.config)
+    tc = blk.text_config(model.config)
     for f in FIELDS:
-        v = cal._int_field(tc, f)
+        v = blk._int_field(tc, f)
         if isinstance(v, int):
             return v
     return 8
@@ -198,29 +201,29 @@ def test_the_family_list_is_the_installed_transformers_one():
 def test_every_moe_family_merges_or_is_refused_untouched(family, tmp_path):
     model = build(family)
     N = expert_count(model)
-    blocks = cal.moe_blocks(model)
+    blocks = blk.moe_blocks(model)
     plan = pair_plan(len(blocks) or 2, N)
     before = snapshot(model)
-    supported = model.config.model_type in cal.SUPPORTED
+    supported = model.config.model_type in blk.SUPPORTED
     if not supported:
         with pytest.raises(cal.CalibrationError) as e:
-            mg.merge_model(model, plan)
+            merging.merge_model(model, plan)
         msg = str(e.value)
         assert model.config.model_type in msg and "Qwen3-MoE" in msg and "DeepSeek-V3" in msg   # family + the list
         assert_untouched(model, before)
         return
     # a supported family: merged, saved, reloaded strictly, generates
     K = len(plan["groups"][0])
-    mg.merge_model(model, plan)
-    tc = cal.text_config(model.config)
-    assert getattr(tc, cal.expert_count_field(model.config)) == K
+    merging.merge_model(model, plan)
+    tc = blk.text_config(model.config)
+    assert getattr(tc, blk.expert_count_field(model.config)) == K
     merged = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.save_pretrained(tmp_path)
     loaded, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
     sd = loaded.state_dict()
     assert sd.keys() == merged.keys() and all(torch.equal(sd[k], merged[k]) for k in merged)
-    assert all(b.gate.weight.shape[0] == K and b.experts.gate_up_proj.shape[0] == K for _, b in cal.moe_blocks(loaded))
+    assert all(b.gate.weight.shape[0] == K and b.experts.gate_up_proj.shape[0] == K for _, b in blk.moe_blocks(loaded))
     ids = torch.tensor([[3, 5, 7, 9]])
     out = loaded.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
                                  min_new_tokens=2, do_sample=False, pad_token_id=0)
@@ -231,7 +234,7 @@ def test_families_merged_are_the_supported_ones():
     """The split the report lists: every family whose model_type is in SUPPORTED merges (above),
     all others are refused; the in-transformers supported families are all found by the scan."""
     found = {model_type_of(f)[0] for f in FAMILIES}
-    assert set(cal.SUPPORTED) - {"deepseek_vl_v2"} <= found        # DeepSeek-VL2 is not in transformers
+    assert set(blk.SUPPORTED) - {"deepseek_vl_v2"} <= found        # DeepSeek-VL2 is not in transformers
 
 
 # ----------------------------------------------------------------------------- the structure checks
@@ -245,7 +248,7 @@ def qwen3():
 def _refused(model, plan, match):
     before = snapshot(model)
     with pytest.raises(cal.CalibrationError, match=match):
-        mg.merge_model(model, plan)
+        merging.merge_model(model, plan)
     assert_untouched(model, before)
 
 
@@ -286,7 +289,7 @@ def test_the_supported_families_pass_the_check_as_calibrate_builds_them():
     """check_mergeable accepts every supported tiny family (no false refusal in the merge tests)."""
     for fam in ("qwen2_moe", "deepseek_v3"):
         m = build(fam)
-        cal.check_mergeable(m, pair_plan(len(cal.moe_blocks(m)), 8))
+        blk.check_mergeable(m, pair_plan(len(blk.moe_blocks(m)), 8))
 
 
 def test_run_merge_refusal_leaves_no_output(tmp_path):
@@ -295,14 +298,14 @@ def test_run_merge_refusal_leaves_no_output(tmp_path):
     m.save_pretrained(tmp_path / "src")
     out = tmp_path / "out"
     with pytest.raises(cal.CalibrationError, match="Phimoe|phimoe"):
-        mg.run_merge(str(tmp_path / "src"), str(tmp_path / "none.safetensors"), str(out), rho=0.5)
+        mg.run_merge(MergeConfig(model=str(tmp_path / "src"), stats=str(tmp_path / "none.safetensors"), out=str(out), rho=0.5))
     assert not out.exists() and not (tmp_path / "out.tmp").exists()
 
 
 def test_streaming_refuses_a_plan_for_another_layer_count_before_writing(qwen3, tmp_path):
     qwen3.save_pretrained(tmp_path / "src")
     with pytest.raises(mg.MergeError, match="the plan has 1 layers, the checkpoint 2"):
-        mg.merge_streaming(str(tmp_path / "src"), str(tmp_path / "dst"), pair_plan(1, 8))
+        merging.merge_streaming(str(tmp_path / "src"), str(tmp_path / "dst"), pair_plan(1, 8))
     assert not (tmp_path / "dst").exists()
-    mg.merge_streaming(str(tmp_path / "src"), str(tmp_path / "dst"), pair_plan(2, 8))    # the right plan merges
+    merging.merge_streaming(str(tmp_path / "src"), str(tmp_path / "dst"), pair_plan(2, 8))    # the right plan merges
     assert (tmp_path / "dst" / "config.json").exists()

@@ -11,10 +11,14 @@ from rolemerge import calibrate as cal
 from rolemerge import merge as mg
 from rolemerge import model as rm
 from tests.test_rolemerge_merge import DS, QUESTIONS, TEXT, save, tok  # noqa: F401  (tok: fixture)
+from rolemerge import blocks as blk
+from rolemerge import stats as rstats
+from rolemerge import planning
+from rolemerge.planning import MergeConfig
 
 
 def test_routing_groups_hand_values():
-    v3 = lambda N, k, n, tg, K: mg.routing_groups("deepseek_v3", dict(n_group=n, topk_group=tg), N, K, k)
+    v3 = lambda N, k, n, tg, K: planning.routing_groups("deepseek_v3", dict(n_group=n, topk_group=tg), N, K, k)
     assert v3(8, 2, 4, 2, 8) == (4, {})                                        # unmerged: unchanged
     assert v3(8, 2, 2, 1, 4) == (2, {})                                        # 2 per group, 1 group x 2 >= 2
     assert v3(8, 2, 4, 2, 4) == (2, {"n_group": 2, "topk_group": 1})           # 1 per group < 2: coarsen
@@ -22,12 +26,12 @@ def test_routing_groups_hand_values():
     assert v3(8, 2, 4, 1, 4) == (2, {"n_group": 2, "topk_group": 1})
     assert v3(16, 4, 4, 1, 8) == (4, {"n_group": 4, "topk_group": 2})          # keep groups, widen topk_group
     assert v3(16, 2, 8, 4, 12) == (4, {"n_group": 4, "topk_group": 2})         # 8 does not divide 12; 4 groups of 3, half kept
-    v2 = lambda topk_method, n, tg, K: mg.routing_groups("deepseek_v2", dict(topk_method=topk_method, n_group=n,
+    v2 = lambda topk_method, n, tg, K: planning.routing_groups("deepseek_v2", dict(topk_method=topk_method, n_group=n,
                                                                            topk_group=tg), 8, K, 2)
     assert v2("greedy", 4, 1, 3) == (1, {})                                     # not group-limited
     assert v2("group_limited_greedy", 4, 2, 4) == (4, {})                       # V2 needs only 1 per group
     assert v2("group_limited_greedy", 4, 1, 4) == (4, {"n_group": 4, "topk_group": 2})
-    assert mg.routing_groups("qwen3_moe", {}, 8, 3, 2) == (1, {})
+    assert planning.routing_groups("qwen3_moe", {}, 8, 3, 2) == (1, {})
     with pytest.raises(mg.MergeError, match=r"K=1 leaves no valid group-limited routing.*valid K: \[2, 3"):
         v3(8, 1, 1, 1, 1)                                                       # V3 scores groups by their top-2
     with pytest.raises(mg.MergeError, match=r"valid K: \[3, 4, 5"):
@@ -57,7 +61,7 @@ def build_ds(tok, family, N, top_k, n_group, topk_group, seed=0):
                                first_k_dense_replace=1, **ds, **extra)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     if family == "deepseek_v3":      # a non-zero score-correction bias, merged with the router rows
-        for _, b in cal.moe_blocks(model):
+        for _, b in blk.moe_blocks(model):
             b.gate.e_score_correction_bias.normal_(0, 0.1)
     return model
 
@@ -81,7 +85,7 @@ def masked_picks(model, batch):
         bad[0] += int((~ok).sum())
         total[0] += ok.numel()
 
-    hs = [b.gate.register_forward_hook(hook) for _, b in cal.moe_blocks(model)]
+    hs = [b.gate.register_forward_hook(hook) for _, b in blk.moe_blocks(model)]
     with torch.no_grad():
         model(**batch)
     for h in hs:
@@ -107,16 +111,16 @@ def test_group_limited_merge_loads_runs_routes_inside_groups(case, tok, tmp_path
     stats = cal.calibrate(model, tok, {"a": [{"question": q} for q in QUESTIONS]}, batch_size=3, max_new_tokens=3,
                           model_id=src, progress=False)
     sp = str(tmp_path / "stats.safetensors")
-    cal.save_stats(stats, sp)
-    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), k=K, streaming=False)
-    mg.run_merge(src, sp, str(tmp_path / "stream"), k=K, streaming=True)
-    blk = N // want[0]
+    rstats.save_stats(stats, sp)
+    rep = mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "mem"), k=K, in_memory=True))
+    mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "stream"), k=K))
+    width = N // want[0]
     for layer in rep["groups"]:                 # every merged expert inside one routing group of the merged model
-        assert all(len({e // blk for e in g}) == 1 and g[0] // blk == i // (K // want[0]) for i, g in enumerate(layer))
+        assert all(len({e // width for e in g}) == 1 and g[0] // width == i // (K // want[0]) for i, g in enumerate(layer))
     batch = cal.text_inputs(tok, QUESTIONS)
     for d in ("mem", "stream"):
         m2 = AutoModelForCausalLM.from_pretrained(str(tmp_path / d)).eval()
-        tc = cal.text_config(m2.config)
+        tc = blk.text_config(m2.config)
         assert (tc.n_routed_experts, tc.n_group, tc.topk_group) == (K, *want)
         frac, n = masked_picks(m2, batch)
         assert n > 0 and frac == 0.0
@@ -132,7 +136,7 @@ def test_group_limited_no_valid_k_is_a_clear_error(tok, tmp_path):
     src = save(model, tok, tmp_path / "src")
     stats = cal.calibrate(model, tok, {"a": [{"question": q} for q in QUESTIONS[:2]]}, batch_size=2,
                           max_new_tokens=2, model_id=src, progress=False)
-    cal.save_stats(stats, str(tmp_path / "s.safetensors"))
+    rstats.save_stats(stats, str(tmp_path / "s.safetensors"))
     with pytest.raises(mg.MergeError, match="valid K"):
-        mg.run_merge(src, str(tmp_path / "s.safetensors"), str(tmp_path / "out"), k=1)
+        mg.run_merge(MergeConfig(model=src, stats=str(tmp_path / "s.safetensors"), out=str(tmp_path / "out"), k=1))
     assert not (tmp_path / "out").exists()

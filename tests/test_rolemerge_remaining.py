@@ -190,10 +190,10 @@ def test_search_claims_t0_and_the_papers_reading():
 
 
 def test_reuse_keeps_only_arms_whose_groups_replan_identically(tmp_path, monkeypatch):
-    from rolemerge import calibrate as cal
     from rolemerge import model as rm
+    from rolemerge import stats as rstats
     counts = torch.tensor([[[5., 3, 0, 1, 0, 2], [1, 0, 4, 2, 0, 1], [0, 2, 1, 0, 6, 1]]])   # [L=1, B=3, N=6]
-    monkeypatch.setattr(cal, "load_stats", lambda path: {"sources": {"a": {"counts": counts}}})
+    monkeypatch.setattr(rstats, "load_stats", lambda path: {"sources": {"a": {"counts": counts}}})
     same, _ = rm.plan(counts, 3, "rolemerge")
     other = [[[0, 1], [2, 3], [4, 5]]]
     assert other != same

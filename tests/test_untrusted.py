@@ -15,6 +15,7 @@ from common import backbone as bb
 from common import checkpoint as ck
 from rolemerge import calibrate as cal
 from rolemerge import merge as mg
+from rolemerge.planning import MergeConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVIL_PY = "open({marker!r}, 'w').write('code ran')\n"   # runs at import of the shipped module
@@ -89,7 +90,7 @@ def test_pickle_only_checkpoint_is_refused_everywhere(tmp_path):
         stats = str(tmp_path / "none.safetensors")
         for streaming in (False, True):
             with pytest.raises(cal.CalibrationError, match=msg):
-                mg.run_merge(str(d), stats, str(tmp_path / "o"), rho=0.5, streaming=streaming)
+                mg.run_merge(MergeConfig(model=str(d), stats=stats, out=str(tmp_path / "o"), rho=0.5, in_memory=not streaming))
     assert not os.path.exists(marker) and not os.path.exists(tmp_path / "o")
 
 

@@ -14,6 +14,7 @@ from common.cli import run_cli
 from helpers import error_of
 from rolemerge import calibrate as cal
 from rolemerge import merge as mg
+from rolemerge import stats as rstats
 
 ON_WRITE = (errno.ENOSPC, errno.EFBIG)   # the disk fills up while writing
 ON_OPEN = (errno.EROFS, errno.EACCES)    # the folder cannot be written at all
@@ -67,7 +68,7 @@ def stats(tmp_path_factory):
     recs = data.read_llava_json(str(root / "val.json"))
     st = cal.calibrate(model, proc, {"val": recs}, batch_size=2, max_new_tokens=3, model_id="tiny-moe",
                        progress=False)
-    cal.save_stats(st, str(root / "stats.safetensors"))
+    rstats.save_stats(st, str(root / "stats.safetensors"))
     return str(root / "stats.safetensors")
 
 

@@ -40,8 +40,20 @@ import os
 import subprocess
 import sys
 import time
+from importlib import metadata
 
 import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from common.cli import add_threads, entry_parser, fail, number, run_cli, set_threads
+from common.files import atomic_write_text
+from rolemerge import baselines as bl
+from rolemerge import blocks as blk
+from rolemerge.merging import merge_block
 
 VERSION = "0.14.0.1"
 TORCH_RANGE = ((2, 10), (2, 14))     # llmcompressor 0.14.0.1: torch>=2.10.0,<=2.14.0
@@ -88,7 +100,6 @@ def ensure_venv(venv):
     if installed_version(venv) == VERSION:
         print(f"reusing {venv} (llmcompressor {VERSION})")
         return
-    from importlib import metadata
     tv = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     if not TORCH_RANGE[0] <= tv <= TORCH_RANGE[1]:
         raise RuntimeError(f"this torch {torch.__version__} is outside llmcompressor {VERSION}'s range 2.10-2.14; "
@@ -121,10 +132,6 @@ def ensure_venv(venv):
 def build_model(path, seed):
     """Tiny Qwen3-MoE (SHAPE) with seeded random float32 weights and a word-level tokenizer
     (token i = "t{i}", t0 = padding), saved to `path` as safetensors."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**SHAPE, pad_token_id=0)).eval()
     model.save_pretrained(path)
@@ -152,8 +159,7 @@ def calibration_batches(seed, n_batches=8, batch=4, lengths=(6, 32)):
 def prune_layer(block, keep):
     """Remove every expert of a Qwen3-MoE sparse block except `keep` (router rows and expert
     tensors), as llmcompressor's prune step does; the block keeps working with len(keep) experts.
-    Pruning is RoleMerge's block merge with singleton groups of weight 1 (`rolemerge.merge.merge_block`)."""
-    from rolemerge.merge import merge_block
+    Pruning is RoleMerge's block merge with singleton groups of weight 1 (`rolemerge.merging.merge_block`)."""
     merge_block(block, [[e] for e in keep], [[1.0] for _ in keep])
 
 
@@ -163,7 +169,6 @@ def features(model, batches, masked, attention):
     (our `collect_features`), else every position (what llmcompressor's hooks see); attention:
     the model gets its usual causal + padding mask, else an all-zero additive 4D mask (every
     position attends to every position: what llmcompressor's sequential pipeline ran, see README)."""
-    from rolemerge import baselines as bl
     if masked and attention:
         return bl.collect_features(model, batches)
     rec = bl.FeatureRecorder(model)
@@ -178,17 +183,14 @@ def features(model, batches, masked, attention):
 
 
 def entry(feats, K):
-    from rolemerge import baselines as bl
     s = bl.reap_saliency(feats["reap_sum"], feats["count"])
     return {"kept": [g[0] for g in bl.reap_groups(s, K)], "saliency": s.tolist(), "count": feats["count"].tolist()}
 
 
 def run_ours(path, batches, keep):
     """{run: {K: {layer name: {"kept", "saliency", "count"}}}} for every run in OURS."""
-    from transformers import AutoModelForCausalLM
-    from rolemerge import calibrate as cal
     load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    names = [n for n, _ in cal.moe_blocks(load())]
+    names = [n for n, _ in blk.moe_blocks(load())]
     out = {}
     for run, (masked, layerwise, attention) in OURS.items():
         if not layerwise:                       # one pass; the kept sets of every K from the same saliency
@@ -200,7 +202,7 @@ def run_ours(path, batches, keep):
             model, res = load(), {}
             for li, name in enumerate(names):
                 res[name] = entry(features(model, batches, masked, attention)[li], K)
-                prune_layer(cal.moe_blocks(model)[li][1], res[name]["kept"])
+                prune_layer(blk.moe_blocks(model)[li][1], res[name]["kept"])
             out[run][str(K)] = res
     return out
 
@@ -255,8 +257,6 @@ def report(results, keep):
 
 
 def main():
-    from common.cli import add_threads, entry_parser, fail, number, run_cli, set_threads
-    from common.data import atomic_write_text
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--out", default="out/reap_llmcompressor", help="folder for the model, data, venv and report.json")
     p.add_argument("--venv", default=None, help="llmcompressor's venv (default: OUT/venv); created if missing, else reused")
@@ -277,7 +277,6 @@ def main():
     model_dir, calib = os.path.join(a.out, "model"), os.path.join(a.out, "calib.safetensors")
     build_model(model_dir, a.seed)
     batches = calibration_batches(a.seed)
-    from safetensors.torch import save_file
     save_file({f"{k}.{i}": v.contiguous() for i, b in enumerate(batches) for k, v in b.items()}, calib)
     real = sum(int(b["attention_mask"].sum()) for b in batches)
     total = sum(b["attention_mask"].numel() for b in batches)

@@ -9,7 +9,7 @@
 2. times, side by side in one run: a raw sequential read of the shard files (the physical
    limit), a plain safetensors copy (`load_file` + `save_file` of every shard, in a child
    process: what any tool that rewrites a checkpoint pays), and the merge to rho = .5 with
-   `rolemerge.merge.run_merge(streaming=True)` in a child process (planning included);
+   `rolemerge.merge.run_merge` (streaming, the default) in a child process (planning included);
 3. prints merge / copy and merge / raw-read time ratios (goal: merge <= 1.5 x copy), the
    planning seconds alone, and the peak RSS of copy and merge next to the child's RSS after
    imports (the interpreter + torch floor) and the bound the design aims at: floor + one
@@ -26,6 +26,14 @@ import sys
 import time
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from common.cli import entry_parser
+from common.files import atomic_write_text
+from rolemerge import blocks as blk
+from rolemerge import planning
+from rolemerge import stats as rstats
 
 # ru_maxrss survives fork + exec on Linux (it would report the parent's peak): read VmHWM,
 # the high-water mark of this process's own address space, instead
@@ -33,9 +41,10 @@ CHILD = r"""
 import json, sys, time
 hwm = lambda: int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
 from rolemerge import merge as mg
+from rolemerge.planning import MergeConfig
 base = hwm()
 t = time.perf_counter()
-rep = mg.run_merge(sys.argv[1], sys.argv[2], sys.argv[3], rho=float(sys.argv[4]), streaming=True)
+rep = mg.run_merge(MergeConfig(model=sys.argv[1], stats=sys.argv[2], out=sys.argv[3], rho=float(sys.argv[4])))
 print(json.dumps({"seconds": time.perf_counter() - t, "rss_floor_kb": base, "K": rep["K"], "peak_rss_kb": hwm(),
                   "plan_seconds": rep.get("plan_seconds")}))
 """
@@ -69,8 +78,6 @@ def drop_cache(paths):
 
 def write_checkpoint(path, layers, hidden, inter, experts, top_k, shard_gb, seed=0):
     """Synthetic Qwen3-MoE checkpoint + its config; returns the shard paths."""
-    from safetensors.torch import save_file
-    from rolemerge import calibrate as cal
     os.makedirs(path)
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
@@ -118,22 +125,20 @@ def write_checkpoint(path, layers, hidden, inter, experts, top_k, shard_gb, seed
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": wmap}, f)
     first_router = None
-    from safetensors import safe_open
     with safe_open(os.path.join(path, wmap["model.layers.0.mlp.gate.weight"]), "pt") as f:
         first_router = f.get_tensor("model.layers.0.mlp.gate.weight")
-    return [os.path.join(path, n) for n, _ in shards], cal.router_fingerprint(first_router)
+    return [os.path.join(path, n) for n, _ in shards], blk.router_fingerprint(first_router)
 
 
 def write_stats(path, layers, experts, top_k, fingerprint, seed=0):
     """Random phase-separated counts (Dirichlet-ish skew per phase) stamped for the checkpoint."""
-    from rolemerge import calibrate as cal
     g = torch.Generator().manual_seed(seed)
     counts = (torch.rand(layers, 3, experts, generator=g) ** 4 * 1000).long()
     stats = {"model_id": "synthetic", "model_type": "qwen3_moe", "layer_names": [f"model.layers.{l}.mlp" for l in range(layers)],
              "layers": list(range(layers)), "num_experts": experts, "top_k": top_k, "fingerprint": fingerprint,
              "buckets": ["image", "question", "answer"],
              "sources": {"synthetic": {"counts": counts, "tokens": counts.sum(-1)[0] // top_k, "examples": 0}}}
-    cal.save_stats(stats, path)
+    rstats.save_stats(stats, path)
 
 
 def raw_read(paths, buf_mb=64):
@@ -160,7 +165,6 @@ def child(code, *args):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--dir", default="out/bench_rolemerge", help="work directory (checkpoint, stats, merged output)")
     p.add_argument("--layers", type=int, default=16, help="MoE layers")
@@ -218,17 +222,14 @@ def main(argv=None):
     print(f"peak RSS: merge {peak / 1e9:.2f} GB, copy {res['copy_peak_rss_gb']:.2f} GB (floor {floor / 1e9:.2f} GB; "
           f"bound floor+shard+layer {res['rss_bound_gb']:.2f} GB, merge/bound {res['peak_rss_over_bound']:.2f}, goal < 1)")
     # planning alone at Qwen3-30B-A3B's shape (48 MoE layers x 128 experts), in this process
-    from rolemerge import calibrate as cal
-    from rolemerge import merge as mg
     s48 = os.path.join(a.dir, "stats48.safetensors")
     write_stats(s48, 48, 128, a.top_k, fp)
-    st = cal.load_stats([s48])
+    st = rstats.load_stats([s48])
     t, c = time.perf_counter(), time.process_time()
-    mg.make_plan(st, 64)
+    planning.make_plan(st, 64)
     res.update(plan48_wall_s=time.perf_counter() - t, plan48_cpu_s=time.process_time() - c)
     print(f"planning 48 layers x 128 experts (K = 64): {res['plan48_wall_s']:.2f}s wall, {res['plan48_cpu_s']:.2f}s CPU "
           f"(goal <= 1 s)")
-    from common.data import atomic_write_text
     atomic_write_text(os.path.join(a.dir, "bench.json"), json.dumps(res, indent=1))
     if not a.keep:
         for d in (src, out, cp):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from common.cli import entry_parser, run_cli
-from common.data import atomic_write_text
+from common.files import atomic_write_text
 from rolemerge.comparators import kmeans
 
 SKLEARN = """

@@ -17,18 +17,22 @@ import json
 import os
 import sys
 
+import torch
+import transformers
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# deferred: llmcompressor is optional (installed only in the bench's own venv), so this file imports without it
+
 
 def main(spec_path):
-    spec = json.load(open(spec_path))
-    os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
-    import torch
-    torch.set_num_threads(spec["threads"])
-    from safetensors.torch import load_file
-    from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import llmcompressor
     from llmcompressor import oneshot
     from llmcompressor.modifiers.pruning.reap import REAPPruningModifier
+    spec = json.load(open(spec_path))
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
+    torch.set_num_threads(spec["threads"])
 
     seen = {}                                   # layer name -> saliency / count before its pruning
     original = REAPPruningModifier.on_sequential_epoch_end
@@ -48,7 +52,7 @@ def main(spec_path):
                 for b in padded for r, m in enumerate(b["attention_mask"])]
     tok = AutoTokenizer.from_pretrained(spec["model"])
     out = {"versions": {"llmcompressor": llmcompressor.__version__, "torch": torch.__version__,
-                        "transformers": __import__("transformers").__version__}, "runs": {}}
+                        "transformers": transformers.__version__}, "runs": {}}
     for run, cfg in spec["runs"].items():
         out["runs"][run] = {}
         for K in spec["keep"]:

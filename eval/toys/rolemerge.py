@@ -29,15 +29,33 @@ import json
 import os
 import re
 import shutil
+import statistics
+import subprocess
+import sys
 import time
+from itertools import combinations
 
+import numpy as np
 import torch
+from PIL import Image, ImageDraw
 
 from common import backbone as bb
 from common import data
 from common import shapes
-from eval.metrics import two_level_bootstrap
+from common.cli import Deprecated, add_threads, entry_parser, set_threads
+from eval.evaluate import evaluate, family_rows
+from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap
 from eval.metrics import verdict as verdict_rule
+from eval.tools.pretrain import LOOKS
+from rolemerge import baselines as bl
+from rolemerge import blocks as blk
+from rolemerge import calibrate as cal
+from rolemerge import comparators
+from rolemerge import infer
+from rolemerge import merge as mg
+from rolemerge import model as rm
+from rolemerge import stats as rstats
+from rolemerge.planning import MergeConfig
 
 VARIANTS = {  # name -> (method, linkage)
     "rolemerge": ("rolemerge", "single"),
@@ -67,8 +85,6 @@ def _scalar(name, metric, value, n):
 def _evaluate(name, path, test, cfg, extra):
     """Load a checkpoint with plain from_pretrained (timed), evaluate, measure speed.
     Returns (per-example results, scalar dict)."""
-    from eval.evaluate import evaluate
-    from rolemerge import infer
     model, proc, load_s = infer.load_timed(path)
     with torch.inference_mode():
         res = evaluate(model, proc, test, batch_size=50, max_new_tokens=MAX_NEW, desc=f"eval {name}")
@@ -85,10 +101,6 @@ def _evaluate(name, path, test, cfg, extra):
 def run(quick, data_dir, out_dir, base="tiny-moe", threads=None):
     """Calibrate, merge every (rho, variant), evaluate; return report rows and write
     {out_dir}/results.json (results_quick.json in quick mode)."""
-    from eval.evaluate import family_rows
-    from eval.metrics import paired_bootstrap
-    from rolemerge import calibrate as cal
-    from rolemerge import merge as mg
     if threads:
         torch.set_num_threads(threads)
     cfg = QUICK if quick else FULL
@@ -103,9 +115,9 @@ def run(quick, data_dir, out_dir, base="tiny-moe", threads=None):
     model, proc = cal.load_model(base)
     stats = cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=MAX_NEW, model_id=base)
     stats_path = os.path.join(ck, "stats.safetensors")
-    cal.save_stats(stats, stats_path)
+    rstats.save_stats(stats, stats_path)
     del model
-    tot = cal.total_counts(stats)
+    tot = rstats.total_counts(stats)
     summary = {"calibration": {"seconds": time.time() - t, "examples": sum(len(s) for s in sources.values()),
                                "tokens": dict(zip(stats["buckets"], sum(s["tokens"] for s in stats["sources"].values()).tolist())),
                                "counts_per_layer": tot.tolist()}}
@@ -119,7 +131,8 @@ def run(quick, data_dir, out_dir, base="tiny-moe", threads=None):
             method, linkage = VARIANTS[v]
             path = os.path.join(ck, f"{v}_rho{rho}")
             t = time.time()
-            rep = mg.run_merge(base, stats_path, path, rho=rho, method=method, linkage=linkage, force=True)
+            rep = mg.run_merge(MergeConfig(model=base, stats=stats_path, out=path, rho=rho, method=method,
+                                           linkage=linkage, overwrite=True))
             merge_s = time.time() - t
             name = f"rolemerge/{v}@{rho}"
             res, scal = _evaluate(name, path, test, cfg, {"K": rep["K"], "acr_pct": 100 * rep["acr_mean"],
@@ -198,12 +211,7 @@ PAPER_ARMS = {  # name -> (method, linkage, evaluate with oracle routing too, ru
     "kmeans": ("kmeans", "single", False, {}),
     "empirical_prior": ("empirical_prior", "single", False, {}),
 }
-try:                       # the comparators of rolemerge/comparators.py, when that module provides them
-    from rolemerge import comparators as _comparators
-except ImportError:
-    _comparators = None
-if hasattr(_comparators, "COMPARATORS") and hasattr(_comparators, "merge_layer"):
-    PAPER_ARMS.update({c: (c, "single", False, {}) for c in _comparators.COMPARATORS})
+PAPER_ARMS.update({c: (c, "single", False, {}) for c in comparators.COMPARATORS})   # Table 1's comparators
 TABLE1_ARMS = tuple(PAPER_ARMS)   # the Table-1 experiment's arms (--part table1); the later parts add theirs below
 BOUND_IS_ORACLE = True     # tests/test_rolemerge_comparators_cli.py: bound router == oracle routing of the merge
 # H1 of the Table-1 pre-registration (eval/logs/rolemerge.md): RoleMerge against every comparator
@@ -245,10 +253,8 @@ MAX_NEW_BY_LOOK = {"none": 8, "objects": 32, "full": 64}   # new tokens by the b
 
 def premise(stats):
     """Per-phase token shares and per-layer answer concentration kappa of calibration stats."""
-    from rolemerge import calibrate as cal
-    from rolemerge import model as rm
     tok = sum(s["tokens"] for s in stats["sources"].values()).double()
-    tot = cal.total_counts(stats).double()
+    tot = rstats.total_counts(stats).double()
     return {"token_share": dict(zip(stats["buckets"], (tok / tok.sum()).tolist())),
             "tokens": dict(zip(stats["buckets"], tok.tolist())),
             "kappa": [rm.answer_concentration(rm.phase_distributions(tot[l])[-1]) for l in range(tot.shape[0])]}
@@ -258,7 +264,6 @@ def gold_turn(record, look):
     """The assistant turn a `look` base ("full" / "objects" / "none", eval.tools.pretrain.LOOKS) was
     trained to produce for a shapes record: its look step (from the raw record's "scene", or the
     part of `data.read_llava_json`'s "target" before " Answer:") + answer."""
-    from eval.tools.pretrain import LOOKS
     look = {True: "full", False: "none"}.get(look, look)
     scene = record["scene"] if "scene" in record else record.get("target", "").rsplit(" Answer:", 1)[0]
     if look == "full":
@@ -271,7 +276,6 @@ def gold_turn(record, look):
 
 
 def _eval_acc(model, proc, test, max_new, desc):
-    from eval.evaluate import evaluate
     with torch.inference_mode():
         res = evaluate(model, proc, test, batch_size=50, max_new_tokens=max_new, desc=desc)
     return [bool(r["correct"]) for r in res], [r["family"] for r in res]
@@ -296,7 +300,6 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=TABLE1_ARMS, reuse=None):
     {out_dir}/{base name}.json after every arm and arms already there are skipped. reuse: a
     committed per-question file of this base whose grouping arms are kept where the calibration
     reproduces their groups (`_reuse`)."""
-    from rolemerge import calibrate as cal
     name, path, res, test, val = _base_run(base, out_dir, data_dir, cfg)
     sources = {f: [r for r in val if r["family"] == f][: cfg["n_cal"]] for f in shapes.FAMILIES}
     look = json.load(open(os.path.join(base, "pretrain_log.json")))["args"].get("look", True) \
@@ -307,22 +310,21 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=TABLE1_ARMS, reuse=None):
     ck = os.path.join(out_dir, "ckpt", name)
     stats_path = os.path.join(ck, "stats.safetensors")
     model, proc = cal.load_model(base)
-    from rolemerge import baselines as bl
     if not os.path.exists(stats_path) or not os.path.exists(bl.features_path(stats_path)):
         t = time.time()   # the baselines' features come from the same decoded tokens as the routing statistics
         stats = cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"], model_id=base,
                               features=True)
         feats = stats.pop("features")
-        cal.save_stats(stats, stats_path)
+        rstats.save_stats(stats, stats_path)
         bl.save_features(feats, bl.features_path(stats_path), {"fingerprint": stats["fingerprint"]})
         res["calibration_s"] = time.time() - t
-    res["premise"] = premise(cal.load_stats(stats_path))
+    res["premise"] = premise(rstats.load_stats(stats_path))
     print(f"[paper] {name}: token shares {res['premise']['token_share']} kappa {res['premise']['kappa']}", flush=True)
     if reuse:
         kept, dropped = _reuse(res, reuse, stats_path, arms, cfg["rhos"])
         print(f"[paper] {name}: reused {len(kept)} arms of {reuse} (same groups); rerunning {dropped or 'none'}",
               flush=True)
-    routers = [b.gate.weight.detach().clone() for _, b in cal.moe_blocks(model)]
+    routers = [b.gate.weight.detach().clone() for _, b in blk.moe_blocks(model)]
     if "full" not in res["arms"]:
         acc, fam = _eval_acc(model, proc, test, cfg["max_new"], "full")
         res["arms"]["full"], res["families"] = {"correct": acc}, fam
@@ -344,9 +346,8 @@ def _cell(base, stats_path, out, rho, method, linkage, opts, test, max_new, rout
     """Merge `base` with one (method, rho) into `out`, evaluate it on `test` (and, given the base's
     `routers`, with oracle routing), delete the checkpoint; returns the arm's result row (K, ACR,
     MI retention, groups, per-question correct, router; the search methods' partition scores)."""
-    from rolemerge import infer
-    from rolemerge import merge as mg
-    rep = mg.run_merge(base, stats_path, out, rho=rho, method=method, linkage=linkage, force=True, **opts)
+    rep = mg.run_merge(MergeConfig(model=base, stats=stats_path, out=out, rho=rho, method=method, linkage=linkage,
+                                   overwrite=True, **opts))
     m, p, _ = infer.load_timed(out)
     row = {"K": rep["K"], "acr": rep["acr_mean"], "mi_retention": rep["mi_retention"], "groups": rep["groups"]}
     row["correct"], _ = _eval_acc(m, p, test, max_new, label)
@@ -380,7 +381,6 @@ def compare(results, ka, kb, field="correct"):
 def paper_report(results, out_dir):
     """Markdown tables + PNG figures from the per-base result dicts (pooled over bases: the
     examples of every base are concatenated, paired by (base, example))."""
-    from eval.metrics import bootstrap_ci
     rhos = results[0]["config"]["rhos"]
     arms = [a for a in PAPER_ARMS if all(f"{a}@{rhos[0]}" in r["arms"] for r in results)]
     fams = list(dict.fromkeys(f for r in results for f in r["families"]))
@@ -501,7 +501,6 @@ def table1_rows(results):
     concatenated): the full model, then each TABLE1 method present at every rho, with
     acc_K / ret_K (% of the full model kept) / lo_K, hi_K (95% bootstrap CI) / per_seed_K
     ("a / b / c", the bases in order) for K = round(1000 rho): field names without a dot."""
-    from eval.metrics import bootstrap_ci
     rhos = results[0]["config"]["rhos"]
     full = pooled(results, "full")
     f = sum(full) / len(full) or float("nan")   # a pool that scores 0: % of full undefined, not an error
@@ -566,7 +565,6 @@ def result_rows(results, everyone, log):
     """Rows of the result file (eval/report.py format) for the Table-1 experiment: per-base
     accuracy and % of full per (arm, rho) for every base in `everyone`, and the pooled claims
     over `results` (the bases that passed the usability check). `log`: the log entry's link."""
-    from eval.metrics import bootstrap_ci
     rhos = results[0]["config"]["rhos"]
     pool = "+".join(_name(r) for r in results)
     rows = []
@@ -619,7 +617,6 @@ PALETTE = [(220, 50, 47), (38, 139, 210), (133, 153, 0), (211, 54, 130), (42, 16
 
 def accuracy_png(curves, full_acc, path, W=760, H=480):
     """Accuracy vs rho per method with 95% CI bars (the paper's main-figure layout), Pillow."""
-    from PIL import Image, ImageDraw
     im = Image.new("RGB", (W, H), "white")
     dr = ImageDraw.Draw(im)
     L, R, T, B = 60, 200, 30, 50
@@ -653,11 +650,8 @@ def accuracy_png(curves, full_acc, path, W=760, H=480):
 def grouping_png(stats_path, groups_by_arm, layer, path):
     """One layer's grouping per arm: every expert a box, boxes of a group side by side, colour =
     the expert's phase role q_e (red = image, green = question, blue = answer share)."""
-    from PIL import Image, ImageDraw
-    from rolemerge import calibrate as cal
-    from rolemerge import model as rm
-    stats = cal.load_stats(stats_path)
-    _, q = rm.role_profiles(rm.phase_distributions(cal.total_counts(stats).double()[layer]))
+    stats = rstats.load_stats(stats_path)
+    _, q = rm.role_profiles(rm.phase_distributions(rstats.total_counts(stats).double()[layer]))
     rows = list(groups_by_arm.items())
     N = q.shape[0]
     cell, gap = 18, 8
@@ -717,10 +711,8 @@ def _reuse(res, reuse, stats_path, arms, rhos):
     without features), the groups are planned again from `stats_path` and the row is kept only if
     they are identical (same groups -> same checkpoint -> same greedy answers); the full model's
     row is kept with them. Returns (kept keys, dropped keys)."""
-    from rolemerge import calibrate as cal
-    from rolemerge import model as rm
     old = json.load(open(reuse))
-    counts = cal.total_counts(cal.load_stats(stats_path)).double()
+    counts = rstats.total_counts(rstats.load_stats(stats_path)).double()
     kept, dropped = [], []
     for arm in arms:
         method, linkage, _, opts = PAPER_ARMS[arm]
@@ -755,7 +747,6 @@ def audit_cells(families, audit=AUDIT, rhos=PAPER["rhos"]):
     `size{n}` = n examples of every family, every rho (App. F Table 11); source count at a fixed
     budget of audit["budget"] examples, at audit["rho"] only (App. F.2): `src1:{f}` (all from one
     family), `src2:{f}+{g}` (half each); the five-source set is `size{budget / 5}`."""
-    from itertools import combinations
     B = audit["budget"]
     cells = [(f"size{n}", {f: n for f in families}, tuple(rhos)) for n in audit["sizes"]]
     cells += [(f"src1:{f}", {f: B}, (audit["rho"],)) for f in families]
@@ -787,8 +778,6 @@ def run_source_audit(base, data_dir, out_dir, cfg=PAPER, rho=AUDIT["rho"]):
     cell (`src5:all`) is run_paper's rolemerge arm on the same statistics. Not budget-matched: a
     set of s sources holds s * n_cal questions. Results in res["audit"]; resumable per cell.
     Raises ValueError if run_paper has not calibrated the base or run its rolemerge arm at rho."""
-    from itertools import combinations
-    from rolemerge import calibrate as cal
     name = os.path.basename(base.rstrip("/"))
     path = os.path.join(out_dir, f"{name}.json")
     ck = os.path.join(out_dir, "ckpt", name)
@@ -800,7 +789,7 @@ def run_source_audit(base, data_dir, out_dir, cfg=PAPER, rho=AUDIT["rho"]):
     res = json.load(open(path))
     test = data.read_llava_json(os.path.join(data_dir, "test.json"))[: cfg["n_test"]]
     cfg = _base_cfg(base, cfg)
-    stats = cal.load_stats(stats_path)
+    stats = rstats.load_stats(stats_path)
     fams = list(stats["sources"])
     res["audit_meta"] = dict(res.get("audit_meta", {}), source_rho=rho, per_source=cfg["n_cal"], budget_matched=False)
     aud = res.setdefault("audit", {})
@@ -812,7 +801,7 @@ def run_source_audit(base, data_dir, out_dir, cfg=PAPER, rho=AUDIT["rho"]):
             continue
         sp = os.path.join(ck, "stats_" + cell.replace(":", "_").replace("+", "_") + ".safetensors")
         if not os.path.exists(sp):
-            cal.save_stats(dict(stats, sources={f: stats["sources"][f] for f in keep}), sp)
+            rstats.save_stats(dict(stats, sources={f: stats["sources"][f] for f in keep}), sp)
         aud[key] = dict(_cell(base, sp, os.path.join(ck, "audit"), rho, "rolemerge", "single", {}, test,
                               cfg["max_new"], None, f"{name} audit {key}"), examples={f: cfg["n_cal"] for f in keep})
         data.atomic_write_text(path, json.dumps(res))
@@ -826,7 +815,6 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
     paper's settings) with the statistics of every `audit_cells` cell and evaluate it on the test
     split. Results go to res["audit"][f"{cell}@{rho}"] of the base's run_paper file; resumable
     per cell."""
-    from rolemerge import calibrate as cal
     name, path, res, test, val = _base_run(base, out_dir, data_dir, cfg)
     cfg = _base_cfg(base, cfg)
     c, n_max = audit["chunk"], max(max(audit["sizes"]), audit["budget"])
@@ -843,11 +831,11 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
         sources = {f"{f}#{i}": [r for r in val if r["family"] == f][i * c:(i + 1) * c]
                    for f in fams for i in range(n_max // c)}
         model, proc = cal.load_model(base)
-        cal.save_stats(cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"],
+        rstats.save_stats(cal.calibrate(model, proc, sources, batch_size=16, max_new_tokens=cfg["max_new"],
                                      model_id=base), chunk_path)
         del model
         res.setdefault("audit_meta", {})["calibration_s"] = time.time() - t
-    stats = cal.load_stats(chunk_path)
+    stats = rstats.load_stats(chunk_path)
     res.setdefault("audit_meta", {}).update(chunk=c, budget=audit["budget"], rho=audit["rho"], sizes=list(audit["sizes"]),
                                             budget_matched=True)
     aud = res.setdefault("audit", {})
@@ -858,7 +846,7 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
             if key in aud:
                 continue
             if not os.path.exists(sp):
-                cal.save_stats(subset_stats(stats, take, c), sp)
+                rstats.save_stats(subset_stats(stats, take, c), sp)
             aud[key] = dict(_cell(base, sp, os.path.join(ck, "audit"), rho, "rolemerge", "single", {}, test,
                                   cfg["max_new"], None, f"{name} audit {key}"), examples=take)
             data.atomic_write_text(path, json.dumps(res))
@@ -878,7 +866,6 @@ def task_equal_bootstrap(a, b, tasks, n_resamples=10_000, seed=0, level=0.95):
     the task means with equal weight (so a large task gets no more weight); the CI is the
     percentile interval over `n_resamples` replicates (numpy, seeded).
     Returns dict(diff, ci_low, ci_high, n, tasks). Raises ValueError on a length mismatch."""
-    import numpy as np
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if not (a.shape == b.shape == (len(tasks),)):
         raise ValueError(f"task_equal_bootstrap: {a.shape}, {b.shape} and {len(tasks)} tasks must agree")
@@ -928,8 +915,6 @@ def sensitivity_rows(results, log=""):
     setting, its difference to the reference (single link, lambda .03) with the paired bootstrap
     (pooled questions) and each base's difference; k-means++ as the mean over its five seeds
     (per question) with the std of the five seeds' pooled accuracies."""
-    import statistics
-    from eval.metrics import paired_bootstrap
     rhos = results[0]["config"]["rhos"]
     full = pooled(results, "full")
     f = sum(full) / len(full)
@@ -971,7 +956,6 @@ def _claim(label, tags, ds, per_seed, reading, results, log):
 def _diff_claim(results, rhos, a, b, label, log, rule):
     """Claim row for arm a minus arm b (paired bootstrap, pooled questions) read by `rule`
     ("greater": verdict; "level": _level) at every rho."""
-    from eval.metrics import paired_bootstrap
     if not all(_has(r, x, rho) for r in results for rho in rhos for x in (a, b)):
         return []
     ds, per = [], []
@@ -998,7 +982,6 @@ def search_rows(results, log=""):
     """Table 15 panel A at every rho: accuracy of Greedy, Greedy+1Swap, Greedy+SwapC (pooled; per
     base), the change of the partition merge score Delta J = J / J_greedy - 1 summed over layers
     and bases, swaps made, and each variant minus Greedy (paired bootstrap, pooled questions)."""
-    from eval.metrics import paired_bootstrap
     rhos = results[0]["config"]["rhos"]
     rows = []
     for label, arm in SEARCH_ROWS:
@@ -1034,8 +1017,7 @@ def search_rows(results, log=""):
                           log, "greater")
     rows += t1
     if len(t1) == 2:                        # the paper's reading of Table 15 A
-        from eval.metrics import paired_bootstrap as pb
-        wins = {a: sum(verdict(pb(pooled(results, f"{a}@{rho}"), pooled(results, f"rolemerge@{rho}"))) == "supported"
+        wins = {a: sum(verdict(paired_bootstrap(pooled(results, f"{a}@{rho}"), pooled(results, f"rolemerge@{rho}"))) == "supported"
                        for rho in rhos) for a in ("greedy_1swap", "greedy_swapc")}
         rows.append({"kind": "claim", "method": "RoleMerge", "claim": f"T2 no search variant ahead at >= 2 of {len(rhos)} rho",
                      "verdict": "reproduced" if all(w < min(2, len(rhos)) for w in wins.values()) else "not reproduced",
@@ -1050,8 +1032,6 @@ def audit_rows(results, log=""):
     the fixed-budget source-count audit at one rho (each source set; the one- and two-source
     means), with the pre-registered claims: sizes 12 and 60 level with 24 (mean over rho, within
     +-.05); one-source and two-source means level with the five-source set."""
-    import numpy as np
-    from eval.metrics import paired_bootstrap
     meta = dict(AUDIT, **results[0]["audit_meta"])
     rhos = results[0]["config"]["rhos"]
     seeds = "+".join(_name(r) for r in results)
@@ -1120,7 +1100,6 @@ def bootstrap_rows(results, log=""):
     """App. D.2 on the Table-1 arms: RoleMerge minus each comparator with the per-task
     equal-weight paired bootstrap (tasks = the five families, items pooled over bases), beside
     the pooled example-level paired bootstrap of the Table-1 verdicts."""
-    from eval.metrics import paired_bootstrap
     rhos = results[0]["config"]["rhos"]
     rows = []
     for label, arm in TABLE1:
@@ -1164,8 +1143,6 @@ def rest_markdown(rows):
 
 def parser():
     """The command line (also used by the tests)."""
-    from common.cli import Deprecated, add_threads
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--quick", action="store_true", help="rho=.5 with RoleMerge and the two baselines only")
     p.add_argument("--data", default="out/data", help="shapes data directory (val + test generated if missing)")
@@ -1277,8 +1254,6 @@ def _bootstrap_main(p, a, argv):
 
 def retrain_bases(root, seeds, threads):
     """Train (or resume) the pre-registered base for each seed; returns the base directories."""
-    import subprocess
-    import sys
     out = []
     for s in seeds:
         d = os.path.join(root, f"seed{s}")
@@ -1320,7 +1295,6 @@ def rescore(p, a, argv):
 
 
 def main(argv=None):
-    from common.cli import set_threads
     p = parser()
     a = p.parse_args(argv)
     try:
