@@ -102,44 +102,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def entry_parser(module, description):
     """The argparse parser of an entry point: usage names the command a user types (`python -m
     {module}`), the description is shown as written and each option's default is appended
-    (`HelpFormatter`). Call as `entry_parser(__spec__.name, __doc__)`."""
-    return argparse.ArgumentParser(prog=f"python -m {module}", description=description, formatter_class=HelpFormatter)
-
-class Deprecated(argparse.Action):
-    """An old flag spelling kept for one release: stores into the new flag's dest and prints
-    `warning: --base is deprecated; use --model`. Usage:
-        p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)"""
-
-    def __init__(self, option_strings, dest, new=None, **kw):
-        kw["default"] = argparse.SUPPRESS  # the new flag's default stands
-        super().__init__(option_strings, dest, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"warning: {option_string} is deprecated; use {self.new} (the old spelling goes in the next "
-              f"release)", file=sys.stderr)
-        setattr(namespace, self.dest, values)
+    (`HelpFormatter`). A flag is taken only as spelled (allow_abbrev=False): `eval.evaluate --n 5` is an
+    error, not `--no-loglik` followed by a stray 5. Call as `entry_parser(__spec__.name, __doc__)`."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=description, formatter_class=HelpFormatter,
+                                   allow_abbrev=False)
 
 
-class DeprecatedSwitch(Deprecated):
-    """`Deprecated` for an on/off flag (no value): `--force` -> `--overwrite`. Usage:
-        p.add_argument("--force", dest="overwrite", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)"""
-
-    def __init__(self, option_strings, dest, new=None, **kw):
-        super().__init__(option_strings, dest, new=new, nargs=0, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        super().__call__(parser, namespace, True, option_string)
-
-
-def add_overwrite(p, what="--out", old_force=False):
+def add_overwrite(p, what="--out"):
     """Add `--overwrite` (replace an existing output; the one name in every entry point) to an
-    argparse parser; `old_force` also accepts the deprecated `--force`. Check it with
-    `check_overwrite` before anything slow runs."""
+    argparse parser. Check it with `check_overwrite` before anything slow runs."""
     p.add_argument("--overwrite", action="store_true",
                    help=f"replace an existing {what} (without it an existing one is refused, nothing is written)")
-    if old_force:
-        p.add_argument("--force", dest="overwrite", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
 
 
 def check_overwrite(path, overwrite, resume=None, flag="--out"):
@@ -155,14 +128,11 @@ def check_overwrite(path, overwrite, resume=None, flag="--out"):
 SAVE_EVERY = 100   # --save-every of every trainer: a checkpoint every 100 optimizer steps (0 = only at the end)
 
 
-def add_limit(p, default=0, what="records", dest="limit", old_n=False):
+def add_limit(p, default=0, what="records", dest="limit"):
     """Add `--limit N` (use only the first N records; 0 = all, the one meaning in every script) to an
-    argparse parser; a negative N stops at parse time. `old_n` also accepts the deprecated `--n`.
-    Apply it as `records[:N or None]`."""
+    argparse parser; a negative N stops at parse time. Apply it as `records[:N or None]`."""
     p.add_argument("--limit", dest=dest, metavar="N", type=number(min=0), default=default,
                    help=f"use only the first N {what} (0 = all; default {default or 'all'})")
-    if old_n:
-        p.add_argument("--n", dest=dest, type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
 
 
 def add_threads(p):

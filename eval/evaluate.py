@@ -42,7 +42,7 @@ import torch
 
 from common.backbone import TEXT_LMS, checkpoint_model_type, generate, load_backbone
 from common.cli import add_device_args, load_kwargs
-from common.cli import (Deprecated, RunError, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number,
+from common.cli import (RunError, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number,
                         run_cli, set_threads)
 from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
                          check_support, expand_turns, load_image, read_any)
@@ -276,8 +276,8 @@ def main(argv=None):
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, "Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
                                     "JSONL): per-family accuracy vs the best constant answer.")
-    p.add_argument("--model", default=None,  # required, checked after parsing so the old --base spelling counts
-                   help="required: checkpoint directory (save_pretrained format) or tiny-dense / tiny-chat / tiny-moe")
+    p.add_argument("--model", required=True,
+                   help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-chat / tiny-moe")
     p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     add_limit(p)
@@ -301,12 +301,8 @@ def main(argv=None):
                    help="continue a stopped run from its last finished batch (OUT.partial; the same flags, model "
                         "and data)")
     add_overwrite(p)
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
-    p.add_argument("--n", dest="limit", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
-    if a.model is None:
-        p.error("the following arguments are required: --model")
     set_threads(a.threads, a.model)
     for flag in ("batch_size", "max_new_tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:

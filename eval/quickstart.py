@@ -39,7 +39,7 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import DeprecatedSwitch, Interrupted, add_threads, fail, number, set_threads, sigterm_flag
+from common.cli import Interrupted, add_threads, fail, number, set_threads, sigterm_flag
 
 METHODS = ("mod", "rolemerge", "mole")
 BASES = ("tiny-dense", "tiny-moe", "tiny-chat")
@@ -197,7 +197,6 @@ def main(argv=None):
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="redo every stage: the earlier run's stage records and report are deleted first (default: "
                         "continue, reusing the stages an earlier, interrupted run finished)")
-    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
     from eval import evaluate as ev

@@ -30,7 +30,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.cli import Deprecated, add_limit, add_threads, number, run_cli, set_threads
+from common.cli import add_limit, add_threads, number, run_cli, set_threads
 from common.cli import add_device_args, load_kwargs
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
 from common.data import DataError, atomic_write_text, check_support, check_training_records, load_image, read_records
@@ -163,8 +163,6 @@ def main(argv=None):
     p.add_argument("--skip-bad", action="store_true", help=SKIP_BAD_HELP)
     p.add_argument("--num-return-sequences", dest="k", type=number(min=1), default=4,
                    help="answers sampled per question from the base model (the paper's K; transformers' name)")
-    p.add_argument("--k", dest="k", type=number(min=1), action=Deprecated, new="--num-return-sequences",
-                   help=argparse.SUPPRESS)
     p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="sampling temperature")
     p.add_argument("--ratios", type=ratios_arg, default=(1.0, 1.0, 1.0), help="relative weights of T_pos,T_rev,T_rob")
     p.add_argument("--min-priors", type=number(min=0), default=0, help="fewest prior responses R in a prompt")

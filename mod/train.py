@@ -51,7 +51,7 @@ from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher, atomic_write_te
 from common.cli import add_device_args, load_kwargs
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
-                        step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
+                        step_tokens, token_ce, add_threads, SAVE_EVERY)
 from common.routing import rank_mean
 from mod.data import load_records
 from mod.params import MOELORA_MATCHED
@@ -396,8 +396,6 @@ def main(argv=None):
     p.add_argument("--warmup-steps", dest="warmup", type=number(min=0), default=None,
                    help="linear warmup in optimizer steps (default: min(20, steps // 10), at least 1: 20 for --steps "
                         ">= 200)")
-    p.add_argument("--warmup", dest="warmup", type=number(min=0), action=Deprecated, new="--warmup-steps",
-                   help=argparse.SUPPRESS)
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient-norm clip (0 = off)")
     p.add_argument("--loss-reduction", default="mean", choices=["mean", "sum"],

@@ -21,7 +21,7 @@ import torch
 
 from common import data
 from common.cli import add_device_args, load_kwargs
-from common.cli import (Deprecated, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
+from common.cli import (add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
                         set_threads)
 from common.data import load_record_images
 from mole.model import ZSUM, ZVIS
@@ -83,12 +83,11 @@ def main(argv=None):
     p = entry_parser(__spec__.name, "MoLE latent diagnostics: latent similarity and attention-pattern KL "
                                     "(both x100) of a mole.train checkpoint on a data file.")
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help="base VLM to load (default: the one recorded in the checkpoint)")
     p.add_argument("--data", required=True, help="LLaVA JSON/JSONL or canonical JSONL with images")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
     p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
-    add_limit(p, default=100, dest="n", old_n=True)
+    add_limit(p, default=100, dest="n")
     add_threads(p)
     p.add_argument("--stage", type=int, choices=(1, 2), default=None,
                    help="attention stage (default: the checkpoint's, 2 unless stage 2 never ran)")

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from common import backbone as bb
 from common.answers import is_correct_for, score
 from common.cli import add_device_args, load_kwargs
-from common.cli import (Deprecated, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
+from common.cli import (add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
                         set_threads)
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, load_record_images
 from mole.model import ZSUM, ZVIS, MoLE, column_mask, topology_mask
@@ -164,12 +164,11 @@ def main(argv=None):
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None,
                    help="base VLM to load (default: the one recorded in the checkpoint; must be the same model)")
     p.add_argument("--data", required=True, help="LLaVA-format JSON/JSONL (e.g. out/data/test.json) or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
-    add_limit(p, dest="n", old_n=True)
+    add_limit(p, dest="n")
     add_threads(p)
     p.add_argument("--batch-size", type=number(min=1), default=64, help="generation batch size")
     p.add_argument("--max-new-tokens", type=number(min=1), default=48, help="generation length limit")

@@ -43,7 +43,7 @@ from common.data import IMAGE_ROOT_HELP, record_images
 from common.cli import add_device_args, load_kwargs
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
-                        step_tokens, token_ce, add_threads, Deprecated, SAVE_EVERY)
+                        step_tokens, token_ce, add_threads, SAVE_EVERY)
 from common.routing import rank_mean
 from mole.lora import add_lora
 from mole.checkpoint import (PlaceholderProcessor, build, copy_tensors, load_mole, mole_config,  # noqa: F401
@@ -63,7 +63,6 @@ def get_parser():
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--model", default="tiny-dense", help="base VLM: checkpoint directory or tiny-dense")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     p.add_argument("--data", default="out/data",
                    help="directory with <split>.json / <split>.jsonl (LLaVA format) + images, or one such file "
                         "(canonical JSONL too)")
@@ -108,14 +107,11 @@ def get_parser():
                         "(a toy value), required for any other --model")
     p.add_argument("--warmup-ratio", dest="warmup", type=number(float, min=0), default=0.05,
                    help="linear warmup as a fraction of all optimizer steps (0-1)")
-    p.add_argument("--warmup", dest="warmup", type=number(float, min=0), action=Deprecated, new="--warmup-ratio",
-                   help=argparse.SUPPRESS)
     p.add_argument("--weight-decay", type=number(float, min=0), default=0.0, help="AdamW weight decay")
     p.add_argument("--clip", type=number(float, min=0), default=1.0, help="gradient norm clip (0 = off)")
     # trainable set
     p.add_argument("--train", default="lora", choices=("lora", "full"), help="LoRA on the LLM, or the full LLM")
     p.add_argument("--r", dest="lora_r", type=number(min=1), default=8, help="LoRA rank r (peft's r)")
-    p.add_argument("--lora-r", dest="lora_r", type=number(min=1), action=Deprecated, new="--r", help=argparse.SUPPRESS)
     p.add_argument("--lora-alpha", type=number(float, above=0), default=16,
                    help="LoRA output scale alpha (peft's lora_alpha; scaling = lora_alpha / r: 2 by default)")
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target module name suffixes")

@@ -1105,7 +1105,7 @@ def main(argv=None):
                    help="load the model and merge it in memory (default: stream from the safetensors shards without "
                         "loading the model; identical tensors, bounded memory)")
     p.add_argument("--streaming", action="store_true", help=argparse.SUPPRESS)   # the default; kept so older commands run
-    add_overwrite(p, "output directory (a previous merge only, never other data)", old_force=True)
+    add_overwrite(p, "output directory (a previous merge only, never other data)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="load dtype of --in-memory (auto: the checkpoint's own; streaming always keeps the "
                         "checkpoint's dtypes)")

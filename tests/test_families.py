@@ -315,7 +315,7 @@ def test_every_entry_point_runs_on_the_family(family, shapes_data, tmp_path):
     test, out = str(shapes_data / "test.json"), str(tmp_path)
     rows = evaluate.main(["--model", ck, "--data", test, "--out", out + "/ev.json", "--max-new-tokens", "3"])
     assert rows and json.load(open(out + "/ev.json"))["results"]
-    mdata.main(["--model", ck, "--data", test, "--out", out + "/md.json", "--k", "2", "--max-new-tokens", "3"])
+    mdata.main(["--model", ck, "--data", test, "--out", out + "/md.json", "--num-return-sequences", "2", "--max-new-tokens", "3"])
     res = mtrain.main(["--model", ck, "--data", str(shapes_data / "train.json"), "--out", out + "/mod", "--steps", "2",
                        "--batch-size", "2"])
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in res["log"])

@@ -157,8 +157,6 @@ def test_lr_required_for_a_big_base(shapes, tmp_path, capsys):
     err = error_of(mt.main, train_args(shapes, tmp_path / "o", "--model", str(big)), capsys)
     assert "error: --lr is required with --model" in err and "hidden size 3584" in err
     assert not (tmp_path / "o").exists()
-    err = error_of(mt.main, train_args(shapes, tmp_path / "o", "--base", str(big)), capsys)  # the old spelling
-    assert "--base is deprecated" in err and "error: --lr is required with --model" in err
     assert mt.toy_lr("tiny-dense") == 2e-3
 
 
@@ -295,10 +293,9 @@ def test_infer_and_diagnostics_take_limit_and_check_out_first(shapes, run, tmp_p
         err = error_of(main, ["--ckpt", "nowhere", "--data", test, "--limit", "-1"], capsys)
         assert "argument --limit: must be >= 0, got -1" in err
     assert os.listdir(tmp_path) == []
-    for flag in ("--limit", "--n"):
-        res = minfer.main(["--ckpt", str(run), "--data", test, flag, "1", "--max-new-tokens", "2", "--device", "cpu",
-                           "--out", str(tmp_path / "sub" / f"p{flag}.json")])
-        assert len(res) == 1 and len(json.load(open(tmp_path / "sub" / f"p{flag}.json"))) == 1
+    res = minfer.main(["--ckpt", str(run), "--data", test, "--limit", "1", "--max-new-tokens", "2", "--device", "cpu",
+                       "--out", str(tmp_path / "sub" / "p.json")])
+    assert len(res) == 1 and len(json.load(open(tmp_path / "sub" / "p.json"))) == 1
     assert mdiag.main(["--ckpt", str(run), "--data", test, "--limit", "2", "--device", "cpu"])["n"] == 2
 
 

@@ -130,9 +130,9 @@ def test_evaluate_twice_into_one_file(data_file, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["r.json"]
 
 
-def test_force_is_the_deprecated_spelling_of_overwrite(tmp_path, capsys):
+def test_force_is_not_a_spelling_of_overwrite(tmp_path, capsys):
     from rolemerge import calibrate as cal
     out = _file(tmp_path / "s.safetensors")
     err = error_of(cal.main, ["--model", NOWHERE, "--data", str(tmp_path / "none.json"), "--out", out, "--force"],
                    capsys)
-    assert "warning: --force is deprecated; use --overwrite" in err and "already exists" not in err
+    assert "unrecognized arguments: --force" in err and open(out).read() == "{\"kept\": true}\n"

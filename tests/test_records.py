@@ -85,7 +85,7 @@ def _text_only(tmp_path):
 
 
 @pytest.mark.parametrize("entry,argv", [
-    ("mole.infer", ["--ckpt", "nowhere"]), ("mole.train", ["--base", "nowhere", "--out", "OUT"])])
+    ("mole.infer", ["--ckpt", "nowhere"]), ("mole.train", ["--model", "nowhere", "--out", "OUT"])])
 def test_text_only_records_are_refused_before_the_model_loads(entry, argv, tmp_path, capsys):
     """mole.infer used to crash with a TypeError after loading the model; every entry point that
     needs an image says so first (the model path 'nowhere' is never reached)."""
@@ -185,7 +185,7 @@ def test_evaluate_scores_each_pair_as_its_own_item(tmp_path):
 
 @pytest.mark.parametrize("entry,argv", [("mole.infer", ["--ckpt", "nowhere"]),
                                         ("mod.infer", ["--model", "nowhere", "--methods", "base"]),
-                                        ("mole.train", ["--base", "nowhere", "--out", "OUT"]),
+                                        ("mole.train", ["--model", "nowhere", "--out", "OUT"]),
                                         ("mod.data", ["--model", "nowhere", "--out", "OUT/x.json"])])
 def test_multi_turn_refused_where_not_supported(entry, argv, tmp_path, capsys):
     import importlib
@@ -204,7 +204,7 @@ def test_multi_turn_refused_where_not_supported(entry, argv, tmp_path, capsys):
     ("mod.train", ["--model", "nowhere", "--out", "OUT"], "nowhere"),
     ("mod.data", ["--model", "nowhere", "--out", "OUT/x.json"], "nowhere"),
     ("mole.infer", ["--ckpt", "nowhere"], "nowhere"),
-    ("mole.train", ["--base", "nowhere", "--out", "OUT"], "nowhere"),
+    ("mole.train", ["--model", "nowhere", "--out", "OUT"], "nowhere"),
     ("rolemerge.infer", ["--model", "nowhere"], "nowhere"),
     ("rolemerge.calibrate", ["--model", "nowhere", "--out", "OUT/s.safetensors"], "nowhere")])
 def test_image_root_on_every_data_reading_entry_point(entry, argv, after, tmp_path, capsys):

@@ -49,8 +49,8 @@ def test_pipelines_run_every_entry_point_with_the_device_flags_on_cpu(tmp_path, 
 
 
 def test_run_entry_names_a_failing_command():
-    with pytest.raises(AssertionError, match=r"python -m mod.data --k 0: exit status 2"):
-        gpu_check.run_entry("mod.data", ["--k", "0"])
+    with pytest.raises(AssertionError, match=r"python -m mod.data --num-return-sequences 0: exit status 2"):
+        gpu_check.run_entry("mod.data", ["--num-return-sequences", "0"])
 
 
 def test_mod_decode_speed_times_every_variant_on_cpu(tmp_path, monkeypatch):

@@ -22,9 +22,9 @@ def test_cell_accuracy_hand_values():
     assert cell_accuracy("tl red circle", GOLD) == 1 / 9  # missing cells count as wrong
 
 
-def test_toys_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch, capsys, tmp_path):
-    """eval.toys.mole has the entry-point vocabulary (--model, --base deprecated, --threads) and
-    hands mole.train --model, never the deprecated --base."""
+def test_toys_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch, tmp_path):
+    """eval.toys.mole has the entry-point vocabulary (--model, --threads) and hands mole.train
+    --model and --threads."""
     import eval.toys.mole as tm
     from mole import train as mt
     seen = []
@@ -37,17 +37,14 @@ def test_toys_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatc
     monkeypatch.setattr(tm, "set_threads", lambda threads, model: seen.append(("threads", threads, model)) or 1)
     monkeypatch.setattr(tm.world, "ensure_splits", lambda *a, **k: None)
     monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
-    for flag in ("--model", "--base"):
-        seen.clear()
-        try:
-            tm.main(["--quick", flag, "tiny-dense", "--threads", "1", "--out", str(tmp_path)])
-        except SystemExit:
-            pass
-        assert seen[0] == ("threads", 1, "tiny-dense")
-        argv = next(x for x in seen if isinstance(x, list))
-        assert argv[argv.index("--model") + 1] == "tiny-dense" and "--base" not in argv
-        assert argv[argv.index("--threads") + 1] == "1"
-    assert "--base is deprecated; use --model" in capsys.readouterr().err
+    try:
+        tm.main(["--quick", "--model", "tiny-dense", "--threads", "1", "--out", str(tmp_path)])
+    except SystemExit:
+        pass
+    assert seen[0] == ("threads", 1, "tiny-dense")
+    argv = next(x for x in seen if isinstance(x, list))
+    assert argv[argv.index("--model") + 1] == "tiny-dense"
+    assert argv[argv.index("--threads") + 1] == "1"
 
 
 def test_pick_lr_best_validation_accuracy_and_the_preregistered_tie_rule():

@@ -179,10 +179,8 @@ def main(argv=None):
     p.add_argument("--torch", choices=["cpu", "pypi"], default="cpu",
                    help="torch of a new venv: cpu = our local CPU wheel (no torchvision: lmms-eval's stock Qwen-VL "
                         "classes cannot run), pypi = the index's build of the same version + torchvision (~3 GB)")
-    from common.cli import DeprecatedSwitch
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="redo every step (not the venv; default: continue, skipping the steps done)")
-    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     out = os.path.abspath(a.out)
     if a.fresh:

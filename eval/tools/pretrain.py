@@ -35,7 +35,7 @@ from common import backbone as bb
 from common import data
 from common import shapes
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
-from common.cli import SAVE_EVERY, Deprecated, DeprecatedSwitch, add_threads, fail, number, set_threads
+from common.cli import SAVE_EVERY, add_threads, fail, number, set_threads
 
 
 LOOKS = ("full", "objects", "none")
@@ -219,8 +219,6 @@ def main():
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--warmup-ratio", dest="warmup", type=float, default=0.05,
                    help="linear warmup as a fraction of all optimizer steps (0-1)")
-    p.add_argument("--warmup", dest="warmup", type=float, action=Deprecated, new="--warmup-ratio",
-                   help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, default=128, help="text hidden size")
     p.add_argument("--layers", type=int, default=4, help="text decoder layers")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer (MoE arch)")
@@ -247,13 +245,10 @@ def main():
                    help="with --chat-mix: probability that a prior response in a prompt is wrong (0 = all agree)")
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="discard an existing {out}.ckpt and start over (default: continue it)")
-    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
     p.add_argument("--save-every", dest="ckpt_every", type=int, default=SAVE_EVERY,
                    help="also checkpoint (atomically) every N optimizer steps (0 = only at the end)")
-    p.add_argument("--ckpt-every", dest="ckpt_every", type=int, action=Deprecated, new="--save-every",
-                   help=argparse.SUPPRESS)
     a = p.parse_args()
     set_threads(a.threads)  # the tiny bases: one thread unless asked
     chat_mix = None
@@ -289,7 +284,7 @@ def main():
     try:
         tensors, state = load_train_state(ckpt, opt)
     except CheckpointError as e:
-        fail(f"{e}; or pass --fresh to start over")
+        fail(f"{e}; or pass --overwrite to start over")
     if tensors is not None:
         saved = dict(state.get("recipe", recipe))
         if isinstance(saved.get("look"), bool):                     # older checkpoints: --no-look as a bool
@@ -297,7 +292,7 @@ def main():
         diff = {k: (saved[k], v) for k, v in recipe.items() if k in saved and saved[k] != v}  # keys both define
         if diff:
             fail(f"{ckpt} was written with other settings {diff} (saved, now); "
-                             f"rerun with those settings to resume, or pass --fresh to start over")
+                             f"rerun with those settings to resume, or pass --overwrite to start over")
         model.load_state_dict(tensors)
         step, log = state["step"], state["log"]
         print(f"resumed from {ckpt} at step {step}")

@@ -42,7 +42,7 @@ import torch
 from common import data
 from common import shapes
 from common.backbone import load_backbone
-from common.cli import Deprecated, add_threads, set_threads
+from common.cli import add_threads, set_threads
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
@@ -208,7 +208,6 @@ def main(argv=None):
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
     p.add_argument("--model", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--debate-arms", default="", help="debate part: arms to train / score when missing, comma "
                    "separated folder names (default: all; every arm on disk is reported)")

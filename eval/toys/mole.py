@@ -33,7 +33,7 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import Deprecated, add_threads, number, set_threads
+from common.cli import add_threads, number, set_threads
 from eval.metrics import accuracy, two_level_bootstrap, verdict_text
 
 MAIN = {  # name -> extra mole.train flags
@@ -1630,7 +1630,6 @@ def main(argv=None):
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
     threads = set_threads(a.threads, a.model)  # passed on to every mole.train run

@@ -1164,7 +1164,7 @@ def rest_markdown(rows):
 
 def parser():
     """The command line (also used by the tests)."""
-    from common.cli import Deprecated, add_threads
+    from common.cli import add_threads
     from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--quick", action="store_true", help="rho=.5 with RoleMerge and the two baselines only")
@@ -1172,7 +1172,6 @@ def parser():
     p.add_argument("--out", default="out/rolemerge", help="output directory (results.json, merged checkpoints)")
     p.add_argument("--model", default="tiny-moe",
                    help="MoE-VLM to merge (tiny-moe = the committed tiny Qwen3-VL-MoE)")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--paper", default="",
                    help="comma-separated base directories with the paper's structure (eval.tools.pretrain "
