@@ -9,6 +9,7 @@ sets a flag: the loop finishes its step, writes a checkpoint and raises `Interru
 """
 import argparse
 import errno
+import gc
 import hashlib
 import json
 import math
@@ -18,6 +19,8 @@ import sys
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from common.checkpoint import read_state
 from common.tiny import TINY, TINY_DIR
@@ -125,6 +128,15 @@ def check_overwrite(path, overwrite, resume=None, flag="--out"):
     raise RunError(f"{flag} {path} already exists; pass --overwrite to replace it{more}, or choose another {flag}")
 
 
+def refuse_existing(path, overwrite, flag="--out"):
+    """`check_overwrite` for a command line without --resume: an existing `path` without
+    `overwrite` prints `error: ...` and exits with status 2 (`fail`). Call before anything slow runs."""
+    try:
+        check_overwrite(path, overwrite, flag=flag)
+    except RunError as e:
+        fail(e)
+
+
 SAVE_EVERY = 100   # --save-every of every trainer: a checkpoint every 100 optimizer steps (0 = only at the end)
 
 
@@ -179,7 +191,6 @@ def load_kwargs(args):
 def _small_checkpoint(path, max_hidden=512):
     """True if `path` is a local checkpoint whose language model is tiny (hidden size <=
     `max_hidden`, e.g. a RoleMerge merge or a MoLE run of a tiny base): one thread suits it."""
-    import json
     try:
         with open(os.path.join(str(path), "config.json")) as f:
             cfg = json.load(f)
@@ -199,7 +210,6 @@ def set_threads(threads, model=None):
     (`os.sched_getaffinity`, which respects taskset / cgroup CPU sets, unlike os.cpu_count).
     0 leaves torch's own default. Measured in the README (Setup): on a 2-core machine busy
     with other jobs, torch's default threads made a 200-example evaluation ~10x slower."""
-    import torch
     if threads is None:
         tiny = (model is None or model in TINY or os.path.abspath(str(model)).startswith(TINY_DIR)
                 or _small_checkpoint(model))
@@ -341,8 +351,6 @@ def step_tokens(micro_labels, world=1):
     their tokens in the whole step."""
     n = sum(label_tokens(lab) for lab in micro_labels)
     if world > 1:
-        import torch
-        import torch.distributed as dist
         t = torch.tensor(float(n), device=micro_labels[0].device)
         dist.all_reduce(t)
         return float(t) / world
@@ -355,7 +363,6 @@ def token_ce(logits, labels, n_tokens):
     optimizer step (`step_tokens`). Summed over a step's micro-batches this is the token-mean
     CE of the step however it is split, so gradient accumulation (--grad-accum) gives the
     gradient of one big batch: each token weighs the same, not each micro-batch."""
-    import torch.nn.functional as F
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum") / n_tokens
 
@@ -380,8 +387,6 @@ def step_means(values, world=1):
     which would leave the others waiting in a collective)."""
     if world <= 1:
         return values
-    import torch
-    import torch.distributed as dist
     keys = sorted(values)
     device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"  # NCCL: GPU tensors only
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
@@ -399,8 +404,6 @@ def end_distributed():
     while the wrapper was alive, the process hung in the wrapper's teardown after `train()`
     returned (faulthandler: the last Python frame was the return from `train()`), and torchrun
     waited for it. No-op when no process group is initialised."""
-    import gc
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
     gc.collect()

@@ -40,18 +40,18 @@ from collections import Counter
 
 import torch
 
+from common.answers import (ANSWER_TYPE, UNLABELLED, is_multiple_choice,  # noqa: F401  (eval.evaluate.options_of)
+                            options_of, score)
 from common.backbone import TEXT_LMS, checkpoint_model_type, generate, load_backbone
-from common.cli import add_device_args, load_kwargs
-from common.cli import (RunError, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number,
-                        run_cli, set_threads)
+from common.cli import (RunError, add_device_args, add_limit, add_overwrite, add_threads, check_out_file,
+                        check_overwrite, entry_parser, load_kwargs, run_cli, set_threads)
 from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
                          check_support, expand_turns, load_image, read_any)
 from common.predictions import PredictionLog, fingerprint, model_digest
-from common.answers import ANSWER_TYPE, UNLABELLED, is_multiple_choice, options_of, score  # noqa: F401  (eval.evaluate.options_of)
 from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
                           option_letters, pope_prf, record_answer_type, short_answer)
-from eval.scores import SCORERS, benchmark_scores, format_scores
 from eval.readers import parse_options
+from eval.scores import SCORERS, benchmark_scores, format_scores
 
 # lmms-eval's settings per model_type (its lmms_eval/models/simple/<family>.py defaults): the system
 # turn it writes and the image processor's pixel bounds. Families absent here run as the checkpoint says.
@@ -273,7 +273,6 @@ def extra_metrics(results):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
                                     "JSONL): per-family accuracy vs the best constant answer.")
     p.add_argument("--model", required=True,

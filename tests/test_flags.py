@@ -160,12 +160,13 @@ def test_the_old_two_meaning_flags_are_gone(flags):
     assert flags["--save-every"]["mod.train"][0] == flags["--save-every"]["mole.train"][0]
 
 
-# The spellings the entry points accepted with a deprecation warning before the first release; now unknown.
+# Old spellings the entry points accepted besides the current ones (with a deprecation warning; pretrain's
+# --no-look as a synonym of --look none) before the first release; now unknown arguments.
 OLD_SPELLINGS = {"eval.evaluate": ("--base", "--n"), "eval.quickstart": ("--fresh",), "mod.data": ("--k",),
                  "mod.train": ("--warmup",), "mole.train": ("--base", "--warmup", "--lora-r"),
                  "mole.infer": ("--base", "--n"), "mole.diagnostics": ("--base", "--n"),
                  "rolemerge.calibrate": ("--n", "--force"), "rolemerge.merge": ("--force",),
-                 "rolemerge.infer": ("--n",), "eval.tools.pretrain": ("--warmup", "--fresh", "--ckpt-every"),
+                 "rolemerge.infer": ("--n",), "eval.tools.pretrain": ("--warmup", "--fresh", "--ckpt-every", "--no-look"),
                  "eval.tools.lm_harness_check": ("--fresh",), "eval.tools.lmms_check": ("--fresh",),
                  "eval.toys.mod": ("--base",), "eval.toys.mole": ("--base",), "eval.toys.rolemerge": ("--base",)}
 

@@ -38,6 +38,8 @@ import subprocess
 import sys
 
 from eval.tools import lmms_check
+# deferred: lm_eval, torch, transformers, eval.lm_harness (the check starts from the standard library
+# alone and makes its own venv; these load only in the steps it runs inside that venv)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = lmms_check.PINS

@@ -22,19 +22,26 @@ Per row: accuracy per family [95% bootstrap CI], paired-bootstrap difference vs 
 train and inference wall time, and for latent models the latent similarity / attention-KL
 diagnostics (x100). Results are what this run measures; nothing is copied from the paper.
 """
-import argparse
 import json
 import os
 import re
 import time
 
 import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
 
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import add_threads, number, set_threads
-from eval.metrics import accuracy, two_level_bootstrap, verdict_text
+from common.cli import add_threads, entry_parser, number, set_threads
+from eval.evaluate import evaluate as plain_evaluate
+from eval.metrics import accuracy, bootstrap_ci, by_family, paired_bootstrap, two_level_bootstrap, verdict_text
+from mole import train as mt
+from mole.checkpoint import load_mole
+from mole.diagnostics import latent_stats
+from mole.infer import evaluate as mole_evaluate
+from mole.model import ZSUM, ZVIS, MoLE, MoLEConfig, MoLEPass, topology_mask
 
 MAIN = {  # name -> extra mole.train flags
     "sft": ["--method", "sft"],
@@ -78,8 +85,6 @@ def _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads, m
     --lr (None: its toy default, TABLE_LR); a finished checkpoint is loaded, not retrained
     (mole.train --resume), and "steps_s" (the sum of its recorded step times) says what the
     training cost when it ran."""
-    from mole import train as mt
-    from mole.diagnostics import latent_stats
     path = path or os.path.join(tab_dir, f"{name}_seed{seed}.json")
     if os.path.exists(path):
         return _json(path), None, None
@@ -113,7 +118,6 @@ def _interventions(tab_dir, seed, net, stage, test, mole_evaluate):
     """MoLE of {tab_dir}/ckpt/mole_seed{seed} (`net` if already loaded) evaluated on `test` with
     each latent intervention (INTERVENTIONS); one atomic {tab_dir}/mole_{kind}_seed{seed}.json
     each, skipped when it exists."""
-    from mole.checkpoint import load_mole
     for kind in INTERVENTIONS:
         path = os.path.join(tab_dir, f"mole_{kind}_seed{seed}.json")
         if os.path.exists(path):
@@ -154,8 +158,6 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,), p
     result file and checkpoint, and every file is written atomically under a per-process
     temporary name; only the data images are written under a fixed temporary name, so two
     processes must not generate the data at the same time."""
-    from eval.evaluate import evaluate as plain_evaluate
-    from mole.infer import evaluate as mole_evaluate
     if threads:
         torch.set_num_threads(threads)
     cfg = QUICK if quick else FULL
@@ -233,7 +235,6 @@ def _summary_rows(res):
     have; "sd" = sd of the per-item difference of the seed means, "mdd" = 2.8 sd / sqrt(n), the
     difference an items-only test detects at alpha 0.05 two-sided with power 0.8; the two-level
     rule needs more, eval/logs/mole.md). Training CE points (`_ce_points`)."""
-    from eval.metrics import bootstrap_ci, by_family, paired_bootstrap
     corr = lambda r: [float(x["correct"]) for x in r["items"]]
     rows = []
     for name in [n for n in TABLE_ORDER if any(k[0] == n for k in res)]:
@@ -298,7 +299,6 @@ def summarise_table(out_dir, quick=False, data_dir=None):
             "two-stage table: accuracy on the test items (all families)", w=1400, order=TABLE_ORDER, label=11)
     ckpt = os.path.join(tab_dir, "ckpt", "mole_seed0")
     if not quick and os.path.exists(os.path.join(ckpt, "state.json")) and ("mole", 0) in res:
-        from mole.checkpoint import load_mole
         net, _, stage = load_mole(ckpt)
         dd = data_dir or os.path.join(out_dir, "data")
         rec = data.read_llava_json(os.path.join(dd, "test.json"))[0] if os.path.isdir(dd) else None
@@ -401,8 +401,6 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     deadline: time.time() after which no new training starts (--max-minutes; what is done is summarised).
     Raises SystemExit (error) if a validation item is also a training item.
     Returns `summarise_lr`'s summary."""
-    from eval.evaluate import evaluate as plain_evaluate
-    from mole.infer import evaluate as mole_evaluate
     if threads:
         torch.set_num_threads(threads)
     cfg = FULL
@@ -461,8 +459,6 @@ def run_fixed_lr(data_dir, out_dir, lr, rows, seeds, base="tiny-dense", threads=
     TABLE_MAIN) at one learning rate `lr` for `seeds`, into lr_dir(out_dir, lr) (files that
     exist are kept), to compare rows at equal lr. Returns `_summary_rows` of those rows at that
     lr (their comparisons with each other as in TABLE_REFS)."""
-    from eval.evaluate import evaluate as plain_evaluate
-    from mole.infer import evaluate as mole_evaluate
     bad = [r for r in rows if r not in TABLE_MAIN]
     if bad:
         raise SystemExit(f"error: --rows takes main rows {list(TABLE_MAIN)}, got {bad}")
@@ -635,7 +631,6 @@ def cell_ce(net, recs, stage=1, batch_size=50):
     content tokens (" empty" or an object name, one token each in the tiny tokenizer), and over
     the object cells only. Continuous, so it separates arms that greedy decoding ties (e.g. all
     writing "empty"). Returns two lists (all cells, object cells; nan for an item without objects)."""
-    import torch.nn.functional as F
     tok = net.proc.tokenizer
     empty = tok(" empty", add_special_tokens=False)["input_ids"]
     objs = {tok(" " + n, add_special_tokens=False)["input_ids"][0] for n in world.OBJECT_NAMES}
@@ -668,8 +663,6 @@ def _bottleneck_one(name, lr, seed, steps, recs, data_dir, out_dir, base, thread
     """Train one arm in stage 1 only (resumable checkpoint), evaluate it with stage-1
     attention on `recs`, write {out_dir}/{tag}.json atomically and return it. A result
     file that exists is returned as is (the experiment resumes where it stopped)."""
-    from mole import train as mt
-    from mole.infer import evaluate as mole_evaluate
     path = os.path.join(out_dir, f"{tag}.json")
     if os.path.exists(path):
         return _json(path)
@@ -781,7 +774,6 @@ def summarise_bottleneck(out_dir):
         bar_png(summary["rows"], m, os.path.join(out_dir, f"bottleneck_{m}.png"), f"stage-1 bottleneck: {what}")
     ckpt = os.path.join(out_dir, "ckpt", "mole_seed0")
     if os.path.exists(os.path.join(ckpt, "state.json")) and os.path.exists(os.path.join(out_dir, "mole_seed0.json")):
-        from mole.checkpoint import load_mole
         net, _, _ = load_mole(ckpt)
         dd = os.path.join(out_dir, "data")
         dd = dd if os.path.isdir(dd) else os.path.join(os.path.dirname(os.path.abspath(out_dir)), "data")
@@ -793,7 +785,6 @@ def summarise_bottleneck(out_dir):
 def bottleneck_summary(results, sweep, lr_of):
     """Per arm and seed: cell / answer accuracy with bootstrap CIs and the paired-bootstrap
     difference vs plain latents; per arm the mean over seeds and the range."""
-    from eval.metrics import bootstrap_ci, paired_bootstrap
     rows = []
     for (name, seed), r in results.items():
         row = {"arm": name, "seed": seed, "lr": lr_of[name], "train_s": r["train_s"]}
@@ -824,7 +815,6 @@ def bar_png(rows, metric, path, title, w=640, h=360, order=None, label=14):
     """Accuracy per arm with 95% CIs (one bar per arm and seed, seeds side by side), drawn
     with Pillow. rows: [{"arm", "seed", metric: {"value","ci_low","ci_high"}}]; arms in
     `order` (default the bottleneck arms), names cut to `label` characters."""
-    from PIL import Image, ImageDraw
     order = list(order or BOTTLENECK_ARMS)
     arms = sorted(dict.fromkeys(r["arm"] for r in rows), key=lambda a: order.index(a) if a in order else len(order))
     seeds = sorted({r["seed"] for r in rows})
@@ -863,8 +853,6 @@ def image_dependence(out_dir, seeds=(0,), data_dir=None):
     image of the next item (a wrong image of the same distribution), paired bootstrap of
     (wrong - own): > 0 with the CI above 0 means the cell predictions use the image.
     Writes {out_dir}/image_dependence.json; returns it."""
-    from eval.metrics import paired_bootstrap
-    from mole.checkpoint import load_mole
     cfg = BOTTLENECK
     test = data.read_llava_json(os.path.join(data_dir or os.path.join(out_dir, "data"), "test.json"))[: cfg["n_test"]]
     wrong = [dict(r, image=test[(i + 1) % len(test)]["image"]) for i, r in enumerate(test)]
@@ -896,7 +884,6 @@ def routing_png(net, rec, path, stage=1, cell=24):
     decoder layer and one column per visual expert, each a heat map over the merged visual
     tokens (3 x 3 for the 84-px shapes images) of that expert's attention (mean over heads;
     white = 0, black = the largest weight in the figure). Unrouted tokens get exactly 0."""
-    from PIL import Image, ImageDraw
     img = data.load_image(rec["image"], rec["id"]).convert("RGB")
     b = net.encode([img], [rec["question"]])
     out = net(b, stage, record=True)
@@ -969,7 +956,6 @@ def ensure_family_data(data_dir, sizes, families, look=True):
 
 def _ci_of(items, key="correct"):
     """{"acc", "ci_low", "ci_high", "n"} of the items' `key` (bootstrap CI, eval.metrics)."""
-    from eval.metrics import bootstrap_ci
     x = [float(i[key]) for i in items]
     lo, hi = bootstrap_ci(x)
     return {"acc": sum(x) / len(x), "ci_low": lo, "ci_high": hi, "n": len(x)}
@@ -981,7 +967,6 @@ def headroom_check(data_dir, out_dir, base="tiny-dense"):
     of HEADROOM_LRS found in {out_dir}/lr_sweep; passes if the base's accuracy is at most
     HEADROOM["base_max"] and SFT's (at every lr) at most HEADROOM["sft_max"].
     Writes {out_dir}/headroom.json; returns it."""
-    from eval.evaluate import evaluate as plain_evaluate
     val = data.read_llava_json(os.path.join(data_dir, "val.json"))[: HEADROOM["n_val"]]
     path = os.path.join(out_dir, "headroom_base_val.json")
     if not os.path.exists(path):
@@ -1019,8 +1004,6 @@ def run_headroom(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0, 1
     bad = [x for x in arms if x not in HEADROOM_ROWS + HEADROOM_ABLATIONS]
     if bad:
         raise SystemExit(f"error: --arms takes {list(HEADROOM_ROWS + HEADROOM_ABLATIONS)} for --part headroom, got {bad}")
-    from eval.evaluate import evaluate as plain_evaluate
-    from mole.infer import evaluate as mole_evaluate
     if threads:
         torch.set_num_threads(threads)
     cfg = FULL
@@ -1136,7 +1119,6 @@ def answer_ce(net, recs, stage=1, batch_size=50):
     """Teacher-forced cross-entropy (nats) of the answer word of each record's target (its last
     token before the end token, one token for the colour words of the tiny tokenizer), per item:
     continuous, so it separates arms that all answer right (or all wrong)."""
-    import torch.nn.functional as F
     out = []
     for i in range(0, len(recs), batch_size):
         chunk = recs[i:i + batch_size]
@@ -1190,9 +1172,6 @@ def _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads, 
     the diagnostics (latent similarity and attention KL x100, routing entropy, gradient norms)
     on the first CONTROL["n_diag"]; write {out_dir}/{split}_{name}_lr{lr}_seed{seed}.json
     atomically and return it (kept as is if it exists)."""
-    from mole import train as mt
-    from mole.diagnostics import latent_stats
-    from mole.infer import evaluate as mole_evaluate
     path = os.path.join(out_dir, f"{split}_{name}_lr{lr:g}_seed{seed}.json")
     if os.path.exists(path):
         return _json(path)
@@ -1280,7 +1259,6 @@ def summarise_control(out_dir):
     ones [95% CI], own minus swapped (paired bootstrap: > 0 with the CI above 0 = the arm leaves
     the image-blind floor), the difference vs plain latents, the diagnostics; per arm the seed
     mean. Writes {out_dir}/control.json; returns it."""
-    from eval.metrics import paired_bootstrap
     sweep, res = {}, {}
     for f in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
         m = re.fullmatch(r"(val|test)_(.+)_lr([0-9.e-]+)_seed(\d+)\.json", f)
@@ -1417,7 +1395,6 @@ def export_headroom(out_dir, results_dir, log_anchor):
     kind "acc"; each HEADROOM_CLAIMS comparison, kind "claim", with its verdict) and
     {results_dir}/headroom_per_question.json (per row and seed the per-item correctness on the
     test items, in the test split's order, for a seed + item bootstrap)."""
-    from eval.metrics import bootstrap_ci
     s = summarise_headroom(out_dir)
     src = (f"python -m eval.toys.mole --part headroom --threads 1 (out/mole/headroom/results_headroom.json and "
            f"the per-row files; --phase summary rebuilds it)")
@@ -1564,9 +1541,6 @@ def position_shift(data_dir, n=64, base="tiny-dense", stage=2, n_lat=8):
     CE = mean over the assistant-turn tokens (answer + <|im_end|>), as in training.
     The latents are plain causal tokens (no router / ESVA), as in the plain-latent arm.
     Returns {condition: CE}."""
-    from mole.model import MoLEPass, topology_mask, ZSUM, ZVIS
-    import torch.nn.functional as F
-    from mole.model import MoLE, MoLEConfig
     model, proc = bb.load_backbone(base)
     model.eval()
     world.ensure_splits(data_dir, {"val": n})
@@ -1599,7 +1573,6 @@ def position_shift(data_dir, n=64, base="tiny-dense", stage=2, n_lat=8):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--quick", action="store_true", help="main rows only, small budget (~3 CPU minutes)")
     p.add_argument("--part", default="full", choices=("full", "bottleneck", "shift", "headroom", "control"),
