@@ -260,3 +260,27 @@ def test_majority_per_form_is_the_image_blind_answer():
           ("How many small shapes are there?", "1"), ("What colour is the circle?", "red")]
     got = majority_per_form([{"question": q, "answer": a} for q, a in qa])
     assert got == ["no", "no", "no", "1", "1", "1", "red"]
+
+
+def test_run_order_main_rows_and_interventions_per_seed_then_the_ablations(monkeypatch, tmp_path):
+    """run(): for each seed the main rows (the interventions right after mole), then for each seed
+    the ablations; quick mode: sft, plain latents and MoLE of seed 0, no interventions."""
+    import eval.toys.mole as tm
+    calls = []
+    monkeypatch.setattr(tm, "_ensure_data", lambda *a: None)
+    monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
+    monkeypatch.setattr(tm, "_base_row", lambda *a: calls.append("base"))
+    monkeypatch.setattr(tm, "_table_one", lambda name, flags, seed, *a: calls.append((name, seed)) or
+                        ({"items": [{"correct": True}]}, None, 1))
+    monkeypatch.setattr(tm, "_interventions", lambda tab_dir, seed, *a: calls.append(("interventions", seed)))
+    monkeypatch.setattr(tm, "summarise_table", lambda *a: "summary")
+    assert tm.run(False, str(tmp_path / "d"), str(tmp_path), seeds=(0, 1)) == "summary"
+    want = ["base"]
+    for s in (0, 1):
+        for n in tm.TABLE_MAIN:
+            want += [(n, s), ("interventions", s)] if n == "mole" else [(n, s)]
+    want += [(n, s) for s in (0, 1) for n in tm.ABLATIONS]
+    assert calls == want
+    calls.clear()
+    tm.run(True, str(tmp_path / "d"), str(tmp_path), seeds=(0, 1))
+    assert calls == [("sft", 0), ("plain_latent", 0), ("mole", 0)]

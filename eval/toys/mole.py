@@ -171,22 +171,16 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,), p
     if phase == "data":
         return None
     main_rows = {k: MAIN[k] for k in ("sft", "plain_latent", "mole")} if quick else TABLE_MAIN
-    for seed in seeds:
-        for name, flags in main_rows.items():
-            r, net, stage = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
-                                       mole_evaluate, plain_evaluate)
-            print(f"[toy_mole] {name} seed {seed}: acc {_acc(r['items']):.3f} "
-                  f"train {r.get('train_s', 0):.0f}s", flush=True)
-            if name != "mole" or quick:
-                continue
-            _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
+    runs = [(seed, name, flags) for seed in seeds for name, flags in main_rows.items()]
     if not quick:
-        for seed in seeds:
-            for name, flags in ABLATIONS.items():
-                r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
-                                     mole_evaluate, plain_evaluate)
-                print(f"[toy_mole] {name} seed {seed}: acc "
-                      f"{_acc(r['items']):.3f}", flush=True)
+        runs += [(seed, name, flags) for seed in seeds for name, flags in ABLATIONS.items()]
+    for seed, name, flags in runs:
+        r, net, stage = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
+                                   mole_evaluate, plain_evaluate)
+        print(f"[toy_mole] {name} seed {seed}: acc {_acc(r['items']):.3f} train {r.get('train_s', 0):.0f}s",
+              flush=True)
+        if name == "mole" and not quick:
+            _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
     return summarise_table(out_dir, quick, data_dir)
 
 
@@ -439,7 +433,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
                                        mole_evaluate, plain_evaluate, lr=picked[name])
             print(f"[toy_mole] {name} lr {picked[name]:g} seed {seed}: acc "
                   f"{_acc(r['items']):.3f}", flush=True)
-            if name == "mole":
+            if name == "mole" and not quick:
                 _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
     tab_dir = lr_dir(out_dir, picked["mole"])
     for seed in seeds:
