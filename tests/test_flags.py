@@ -41,6 +41,8 @@ MEANINGS = {
     "--lr": ("peak learning rate (AdamW, warmup, then decay)", "toy-scale defaults of each recipe; MoLE requires it "
              "on a real base (none)"),
     "--mad-rounds": ("debate rounds of the multi-agent-debate baseline", "eval.toys.mod sweeps several"),
+    "--max-minutes": ("a run-length limit: no training or scoring starts after this many minutes (rerun the same "
+                      "command to continue)", None),
     "--max-new-tokens": ("cap on generated tokens per answer", "each command's answers: shapes answers (48), debate "
                          "JSON (64-96), calibration decoding (32)"),
     "--method": ("which method the command runs (adapter, MoLE variant, merge method), or in eval.scores the "

@@ -1,6 +1,7 @@
 """README tables equal what `python -m eval.report` renders from `eval/results/`, and the
 renderer itself is pinned by hand cases (a table that cannot drift from its result files)."""
 import json
+import re
 
 import pytest
 
@@ -67,9 +68,28 @@ def test_marker_rewrite_and_missing_marker(tmp_path, monkeypatch):
         report.build_readmes()
 
 
-@pytest.mark.parametrize("readme, limit", [("README.md", 3000), ("mod/README.md", 4000),
-                                           ("rolemerge/README.md", 4000), ("mole/README.md", 4000)])
-def test_readmes_stay_tutorials(readme, limit):
-    """Word budgets (`wc -w`): plans, amendments and per-run tables live in eval/logs/."""
-    words = len((report.ROOT / readme).read_text().split())
-    assert words <= limit, f"{readme}: {words} words > {limit}; move run details to eval/logs/"
+READMES = ("README.md", "mod/README.md", "rolemerge/README.md", "mole/README.md", "common/README.md",
+           "eval/README.md", "eval/tools/README.md")
+
+
+def reading_minutes(text):
+    """N of the "Reading time: about N minutes" note in a README's first five lines, or None."""
+    m = re.search(r"^Reading time: about (\d+) minutes?\b", "\n".join(text.splitlines()[:5]), re.M)
+    return int(m.group(1)) if m else None
+
+
+def test_reading_minutes_reads_the_note_in_the_first_lines_only():
+    assert reading_minutes("# T\n\nReading time: about 7 minutes.\n") == 7
+    assert reading_minutes("# T\n\nReading time: about 1 minute.\n") == 1
+    assert reading_minutes("# T\n" + "x\n" * 5 + "Reading time: about 7 minutes.\n") is None
+    assert reading_minutes("# T\n\nabout 7 minutes\n") is None
+
+
+@pytest.mark.parametrize("readme", READMES)
+def test_readme_states_its_reading_time(readme):
+    """Each README opens with "Reading time: about N minutes", N = words / 200 (`wc -w`), within
+    one minute (so a small edit does not need a new note)."""
+    text = (report.ROOT / readme).read_text()
+    n, words = reading_minutes(text), len(text.split())
+    assert n is not None, f"{readme}: no 'Reading time: about N minutes' in its first lines"
+    assert abs(n - words / 200) <= 1, f"{readme}: says {n} minutes, {words} words read in {words / 200:.1f}"

@@ -19,13 +19,22 @@ instruction following:
      router, sqrt-product vs product vs mean, with vs without the aux loss (expert usage
      entropy), plus the router-A per-family heatmap.
 
+One command drives every part (`--part`, below); the resumable parts reuse everything on disk, so
+a stopped run resumes with the same command, and `--max-minutes N` starts no training or scoring
+after N minutes (rerun to continue):
+
     python -m eval.toys.mod --quick      # main rows only, ~1-3 CPU minutes
-    python -m eval.toys.mod --part e2e   # the pipeline below -> out/mod/results.json (~20 CPU minutes)
+    python -m eval.toys.mod --part e2e   # the pipeline above -> out/mod/results.json (~20 CPU minutes)
     python -m eval.toys.mod --part mechanism   # frozen single-layer mechanism experiments -> out/mod/mechanism/
     python -m eval.toys.mod --part debate      # end to end with headroom, one lr -> out/mod/debate/
+    python -m eval.toys.mod --part debate-lr   # per-arm lr on a validation split -> out/mod/debate/lr/
+    python -m eval.toys.mod                    # mechanism, debate and e2e; out/mod/results.json lists every part's report
+    python -m eval.toys.mod --part main-a & python -m eval.toys.mod --part main-b   # the main setting, two processes
+    python -m eval.toys.mod --part main-report # its report: 600 questions, 500 steps, seeds 0-2, per-arm lr
+    python -m eval.toys.mod --part paper-rounds --threads 1   # MoD-Multi with one debate round, MAD by rounds
     python -m eval.toys.mod --part mad-rounds  # MAD 1-3 debate rounds beside MoD: tokens, wall time -> out/mod/mad_rounds.json
-    python -m eval.toys.mod              # mechanism, debate and e2e; out/mod/results.json lists every part's report
-    bash eval/toys/mod_main.sh a|b|report      # the debate part's main setting (per-arm lr, 600 questions, 3 seeds)
+    python -m eval.toys.mod --part mad-protocols --debate-seeds 0,1,2 --debate-test 64 --batch1-test 16 --threads 1
+    python -m eval.toys.mod --part results     # eval/results/mod/paper_rounds.json, mad_rounds.json, mad_protocols.json
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
@@ -34,18 +43,19 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 
 import torch
 
-from common import data
 from common import shapes
 from common.backbone import load_backbone
-from common.cli import add_threads, set_threads
+from common.cli import add_threads, entry_parser, fail, number, set_threads
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
+from eval.toys import mod_debate as toy_debate
+from eval.toys import mod_mad as toy_mad
+from eval.toys import mod_mechanism as toy_mechanism
 from mod import data as vs
 from mod.infer import (heatmap_png, misled, mod_debate, multi_agent_debate, plain, routing_trace,
                        self_correction, summarize, usage_entropy)
@@ -201,21 +211,176 @@ def run(quick=True, data_dir="out/data", out_dir="out/mod", base_name="tiny-chat
     return rows
 
 
+# ---- the main setting and the paper-rounds runs (pre-registered in eval/logs/mod.md) ----
+# Every (arm, seed) is one debate-lr call at a fixed lr on the first 600 test questions, 500 steps.
+MAIN = dict(n_test=600, steps=500, seeds=(0, 1, 2))
+MAIN_A = [[("MoD", 1e-2, s), ("MoE-LoRA", 5e-3, s), ("LoRA", 5e-3, s)] for s in MAIN["seeds"]]   # per seed
+MAIN_B = [("LoRA_r4", 1e-2), ("MoD_shared", 1e-2)]
+MIX_ARMS = ("MoD_pos", "MoD_pos_rev")    # the data-mix arms: lr from their own sweep (`_mix_sweep`)
+PAPER_ROUNDS_MAD_TEST = 64               # MAD by debate rounds: the first 64 test questions (one batch)
+PARTS = {
+    "all": "mechanism, debate and e2e (--quick: e2e only)",
+    "mechanism": "frozen single-layer experiments (eval/toys/toy_mechanism.py, -> OUT/mechanism/)",
+    "debate": "end to end with headroom (eval/toys/toy_debate.py, -> OUT/debate/)",
+    "debate-lr": "per-arm lr of the --debate-arms (default MoD,MoE-LoRA; the first two are the references every "
+                 "further arm is compared with) picked on the val split, then --debate-seeds at the picks "
+                 "(-> OUT/debate/lr/; makes the debate data when missing)",
+    "e2e": "the shapes-world pipeline of this module's docstring (-> OUT/results.json)",
+    "mad-rounds": "MAD with --mad-rounds debate rounds beside MoD-Single / MoD-Multi 1 and 2 rounds on the first "
+                  "--debate-test questions, tokens and wall time per question (eval/toys/toy_mad.py, "
+                  "-> OUT/mad_rounds.json)",
+    "mad-protocols": "MoD-Single / MoD-Multi of each --debate-seeds MoD adapter (trained when missing) against MAD "
+                     "Du and MAD Liang on the first --debate-test questions, batch 64 and 1 (eval/toys/toy_mad.py, "
+                     "-> OUT/protocols/runs/)",
+    "main-a": "the main setting, first process: MoD, MoE-LoRA token and LoRA r=17 per seed 0-2, MoD-Multi 2 and "
+              "3 rounds, MoE-LoRA window (waits for main-b's validation scores)",
+    "main-b": "the main setting, second process: the data-mix lr sweep, the data-mix arms, LoRA r=4 and MoD "
+              "shared router, seeds 0-2",
+    "main-report": "the main setting's report over what is on disk, trains nothing (-> OUT/debate/lr/results_main.json, "
+                   "table_main.md, figures)",
+    "paper-rounds": "MoD at 1e-2 per seed 0-2, single round and MoD-Multi 1 round, then MAD 1-3 rounds beside MoD "
+                    "(mad-rounds on the first 64 questions) and MoD-Multi 2 rounds (-> "
+                    "OUT/debate/lr/results_paper_rounds.json, OUT/mad_rounds.json)",
+    "results": "write --results/paper_rounds.json, mad_rounds.json and mad_protocols.json from what is on disk",
+}
+RESUMABLE = ("debate-lr", "mad-rounds", "mad-protocols", "main-a", "main-b", "paper-rounds")   # take --max-minutes
+
+
+def lr_settings(arms=(), seeds=(0,), n_test=300, rounds=None, steps=0, lrs=(), n_val=150, tag="", picks=None,
+                metrics=(), train=True):
+    """(S, L) of one debate-lr call (`eval.toys.mod_debate.run_lr`) from the --debate-* values: arms / picks by
+    folder name (`eval.toys.mod_debate.SLUGS`; picks {name: lr} fixes the lr, no sweep, and gives the arms
+    in its order), rounds None = no MoD-Multi, steps / lrs / metrics empty = the defaults."""
+    slugs = toy_debate.SLUGS
+    S = dict(toy_debate.SETTINGS, arms=list(arms) or None, seeds=tuple(seeds), n_test=n_test,
+             rounds=tuple(rounds) if rounds is not None else toy_debate.SETTINGS["rounds"])
+    S["steps"] = steps or S["steps"]
+    picks = {slugs[x]: lr for x, lr in (picks or {}).items()}
+    lr_arms = tuple(picks) or tuple(slugs[x] for x in arms) or toy_debate.LR_SETTINGS["lr_arms"]
+    L = dict(toy_debate.LR_SETTINGS, lrs=tuple(lrs) or toy_debate.LR_SETTINGS["lrs"], n_val=n_val, lr_arms=lr_arms,
+             train=train, tag=tag, picks=picks or None, rounds=tuple(rounds or ()),
+             metrics=tuple(metrics) or toy_debate.METRICS)
+    return S, L
+
+
+def _clock(deadline, log):
+    """The drivers' `one(a, arm, lr, seed, ...)`: one `run_lr` call for `arm` at the fixed `lr` and
+    `seed` (an int or a tuple) in the main setting (600 questions, 500 steps), logged with the
+    minutes since the start; skipped with a note once `deadline` has passed. Returns run_lr's
+    report, None when skipped."""
+    t0 = time.time()
+
+    def one(a, arm, lr, seed, tag="_step", rounds=None, train=True, **kw):
+        if toy_debate.late(deadline):
+            log(f"--max-minutes reached: {arm}={lr:g} seed {seed} not run")
+            return None
+        log(f"[{(time.time() - t0) / 60:.0f} min] {arm}={lr:g} seed {seed}" + (f", rounds {rounds}" if rounds else ""))
+        S, L = lr_settings(seeds=(seed,) if isinstance(seed, int) else seed, n_test=MAIN["n_test"],
+                           steps=MAIN["steps"], picks={arm: lr}, tag=tag, rounds=rounds, train=train, **kw)
+        return toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log, deadline=deadline)
+    return one
+
+
+def mix_picks(out_dir):
+    """{folder name: lr} of the data-mix arms, picked by main-b's sweep (OUT/debate/lr/results_mix_sweep.json).
+    Raises FileNotFoundError naming the part to run first."""
+    f = os.path.join(out_dir, "debate", "lr", "results_mix_sweep.json")
+    if not os.path.exists(f):
+        raise FileNotFoundError(f"{f} missing: the data-mix sweep of --part main-b is not finished")
+    with open(f) as fh:
+        picks = json.load(fh)["picks"]
+    return {x: picks[toy_debate.SLUGS[x]] for x in MIX_ARMS}
+
+
+def run_main(a, deadline=None, log=print):
+    """The main setting (eval/logs/mod.md), `a.part` main-a / main-b / main-report: each (arm, seed)
+    one `run_lr` call at its validated lr (600 questions, 500 steps); main-a waits for main-b's
+    validation scores (OUT/debate/lr/base_val.json). No call starts after `deadline`."""
+    one = _clock(deadline, log)
+    lroot = os.path.join(a.out, "debate", "lr")
+    if a.part == "main-a":
+        while not os.path.exists(os.path.join(lroot, "base_val.json")):   # main-b makes prep.json and the val scores
+            if toy_debate.late(deadline):
+                log("--max-minutes reached before main-b's validation scores: nothing run")
+                return
+            time.sleep(20)
+        for per_seed in MAIN_A:
+            for arm, lr, seed in per_seed:
+                one(a, arm, lr, seed)
+        for seed in MAIN["seeds"]:
+            one(a, "MoD", 1e-2, seed, rounds=(2, 3))
+        for seed in MAIN["seeds"]:
+            one(a, "MoE-LoRA_window", 5e-3, seed)
+    elif a.part == "main-b":
+        if toy_debate.late(deadline):
+            log("--max-minutes reached: the data-mix sweep not run")
+            return
+        S, L = lr_settings(arms=MIX_ARMS, n_test=MAIN["n_test"], tag="_mix_sweep")
+        if toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log, deadline=deadline) is not None:
+            mix = mix_picks(a.out)
+            for seed in MAIN["seeds"]:
+                for arm in MIX_ARMS:
+                    one(a, arm, mix[arm], seed)
+        for arm, lr in MAIN_B:
+            for seed in MAIN["seeds"]:
+                one(a, arm, lr, seed)
+    else:
+        picks = {"MoD": 1e-2, "MoE-LoRA": 5e-3, "LoRA": 5e-3, "LoRA_r4": 1e-2, "MoE-LoRA_window": 5e-3,
+                 "MoD_shared": 1e-2, **mix_picks(a.out)}
+        S, L = lr_settings(seeds=MAIN["seeds"], n_test=MAIN["n_test"], steps=MAIN["steps"], picks=picks,
+                           tag="_main", rounds=(2, 3), train=False)
+        toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log)
+
+
+def run_paper_rounds(a, deadline=None, log=print):
+    """MoD-Multi as the paper defines it (eval/logs/mod.md): MoD at 1e-2 per seed 0-2 (600 questions,
+    500 steps) scored on the single round and MoD-Multi 1 round (-> results_paper_rounds.json);
+    then MAD with 1-3 debate rounds beside MoD-Single / MoD-Multi of seed 0 on the first
+    `PAPER_ROUNDS_MAD_TEST` questions (`eval.toys.mod_mad.run`); then MoD-Multi 2 rounds on the seeds
+    trained; last the report over everything on disk. Nothing new starts after `deadline`."""
+    one = _clock(deadline, log)
+    kw = dict(tag="_paper_rounds", metrics=("single",))
+    done = [s for s in MAIN["seeds"] if one(a, "MoD", 1e-2, s, rounds=(1,), **kw) is not None]
+    if toy_debate.late(deadline):
+        log("--max-minutes reached: MAD by rounds and MoD-Multi 2 rounds not run")
+    else:
+        toy_mad.run(a.data, a.out, a.model, PAPER_ROUNDS_MAD_TEST, (1, 2, 3), log=log, deadline=deadline)
+        if done:
+            one(a, "MoD", 1e-2, tuple(done), rounds=(1, 2), train=False, **kw)
+    S, L = lr_settings(seeds=MAIN["seeds"], n_test=MAIN["n_test"], steps=MAIN["steps"], picks={"MoD": 1e-2},
+                       rounds=(1, 2), train=False, **kw)
+    toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log)
+
+
+def _ints(p, flag, text):
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"{flag} takes comma-separated integers, e.g. 0,1,2")
+
+
 def main(argv=None):
-    from common.cli import entry_parser
-    p = entry_parser(__spec__.name, "Toy reproduction of Mixture of Debaters on the shapes world.")
+    p = entry_parser(__spec__.name, "Toy reproduction of Mixture of Debaters on the shapes world: every MoD "
+                     "experiment of eval/results/mod/ is one --part.")
+    p.add_argument("--part", default="all", choices=list(PARTS),
+                   help="; ".join(f"{k}: {v}" for k, v in PARTS.items()))
     p.add_argument("--quick", action="store_true", help="main rows only (~3 CPU minutes)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
     p.add_argument("--model", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
     add_threads(p)
+    p.add_argument("--max-minutes", type=number(float, above=0), default=None,
+                   help=f"--part {', '.join(RESUMABLE)}: start no training or scoring after this many minutes "
+                        "(what is done is reported; rerun the same command to continue)")
     p.add_argument("--debate-arms", default="", help="debate part: arms to train / score when missing, comma "
                    "separated folder names (default: all; every arm on disk is reported)")
-    p.add_argument("--debate-seeds", default="0", help="debate part: training seeds, comma separated")
+    p.add_argument("--debate-seeds", default="0", help="debate, debate-lr, mad-protocols: training seeds, comma "
+                   "separated")
     p.add_argument("--debate-rounds", default=None, help="MoD-Multi rounds scored on the MoD arm's adapters, comma "
                    "separated (default: 2 in the debate part, none in debate-lr)")
-    p.add_argument("--debate-test", type=int, default=300, help="debate parts: test questions (the first N of the "
-                   "shapes test split, default 300; other sizes are scored into scores_test<N>.json)")
+    p.add_argument("--debate-test", type=int, default=300, help="debate parts, mad-rounds, mad-protocols: test "
+                   "questions (the first N of the shapes test split, default 300; in debate-lr other sizes are "
+                   "scored into scores_test<N>.json)")
     p.add_argument("--debate-lrs", default="", help="debate-lr part: the lr grid, comma separated (default "
                    "2e-3,5e-3,1e-2)")
     p.add_argument("--debate-val", type=int, default=150, help="debate-lr part: validation questions (the "
@@ -234,83 +399,71 @@ def main(argv=None):
     p.add_argument("--mad-rounds", default="1,2,3", help="mad-rounds part: MAD debate rounds, comma separated")
     p.add_argument("--mad-adapter", default="", help="mad-rounds part: the MoD adapter folder of the MoD-Single / "
                    "MoD-Multi rows (default OUT/debate/lr/MoD_lr0.01_steps500_s0, the main setting's seed 0; none: MAD rows only)")
-    p.add_argument("--part", default="all", choices=["all", "mechanism", "debate", "debate-lr", "e2e", "mad-rounds"],
-                   help="mechanism: frozen single-layer experiments (eval/toys/mod_mechanism.py, -> OUT/mechanism/); "
-                   "debate: end to end with headroom (eval/toys/mod_debate.py, -> OUT/debate/); "
-                   "debate-lr: per-arm lr of the --debate-arms (default MoD,MoE-LoRA; the first two are the "
-                   "references every further arm is compared with) picked on the val split, then --debate-seeds "
-                   "at the picks (-> OUT/debate/lr/; makes the debate data when missing); "
-                   "e2e: the shapes-world pipeline below; all: every part but debate-lr and mad-rounds (--quick runs "
-                   "e2e only); mad-rounds: MAD with --mad-rounds debate rounds beside MoD-Single / MoD-Multi 1 and 2 "
-                   "rounds on the first --debate-test questions, tokens and wall time per question "
-                   "(eval/toys/mod_mad.py, -> OUT/mad_rounds.json)")
+    p.add_argument("--batch1-test", type=number(min=1), default=None, help="mad-protocols part: at batch 1 only the "
+                   "first N of the --debate-test questions (per-question cost; default: all)")
+    p.add_argument("--results", default="eval/results/mod", help="results part: where the result files go "
+                   "(rewritten)")
     a = p.parse_args(argv)
-    from eval.toys import mod_debate as toy_mod_debate
+    SLUGS = toy_debate.SLUGS
     arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
-    if [x for x in arms if x not in toy_mod_debate.SLUGS]:
-        p.error(f"--debate-arms: unknown {[x for x in arms if x not in toy_mod_debate.SLUGS]}; "
-                f"choose from {sorted(toy_mod_debate.SLUGS)}")
-    try:
-        seeds = [int(x) for x in a.debate_seeds.split(",") if x.strip()]
-        rounds = [int(x) for x in (a.debate_rounds or "").split(",") if x.strip()]
-    except ValueError:
-        p.error("--debate-seeds / --debate-rounds take comma-separated integers, e.g. 0,1,2")
+    if [x for x in arms if x not in SLUGS]:
+        p.error(f"--debate-arms: unknown {[x for x in arms if x not in SLUGS]}; choose from {sorted(SLUGS)}")
+    seeds = _ints(p, "--debate-seeds", a.debate_seeds)
+    rounds = _ints(p, "--debate-rounds", a.debate_rounds or "")
     if not seeds or any(k < 1 for k in rounds) or a.debate_test < 1:
         p.error("--debate-seeds needs at least one seed; --debate-rounds values and --debate-test must be >= 1")
-    debate = dict(toy_mod_debate.SETTINGS, arms=arms or None, seeds=tuple(seeds), n_test=a.debate_test,
-                  rounds=tuple(rounds) if a.debate_rounds is not None else toy_mod_debate.SETTINGS["rounds"])
     try:
-        lrs = tuple(float(x) for x in a.debate_lrs.split(",") if x.strip()) or toy_mod_debate.LR_SETTINGS["lrs"]
+        lrs = tuple(float(x) for x in a.debate_lrs.split(",") if x.strip())
     except ValueError:
         p.error("--debate-lrs takes comma-separated numbers, e.g. 2e-3,5e-3,1e-2")
     if any(x <= 0 for x in lrs) or a.debate_val < 1:
         p.error("--debate-lrs values must be > 0 and --debate-val >= 1")
-    lr_arms = tuple(toy_mod_debate.SLUGS[x] for x in arms) or toy_mod_debate.LR_SETTINGS["lr_arms"]
     picks = {}
     for item in [x.strip() for x in a.debate_picks.split(",") if x.strip()]:
         slug, _, lr = item.partition("=")
         try:
-            picks[toy_mod_debate.SLUGS[slug.strip()]] = float(lr)
+            SLUGS[slug.strip()]
+            picks[slug.strip()] = float(lr)
         except (KeyError, ValueError):
-            p.error(f"--debate-picks: {item!r} is not ARM=LR with ARM in {sorted(toy_mod_debate.SLUGS)}, "
+            p.error(f"--debate-picks: {item!r} is not ARM=LR with ARM in {sorted(SLUGS)}, "
                     "e.g. MoD=1e-2,MoE-LoRA=5e-3")
     if a.debate_steps < 0 or any(v <= 0 for v in picks.values()):
         p.error("--debate-steps must be >= 1 (0 = the default 300) and --debate-picks lrs > 0")
-    lr_arms = tuple(picks) or lr_arms
-    metrics = tuple(x.strip() for x in a.debate_metrics.split(",") if x.strip()) or toy_mod_debate.METRICS
-    if [m for m in metrics if m not in toy_mod_debate.METRICS]:
-        p.error(f"--debate-metrics: choose from {','.join(toy_mod_debate.METRICS)}")
-    lr_part = dict(toy_mod_debate.LR_SETTINGS, lrs=lrs, n_val=a.debate_val, lr_arms=lr_arms,
-                   train=not a.debate_no_train, tag=a.debate_lr_tag, picks=picks or None, rounds=tuple(rounds),
-                   metrics=metrics)
-    try:
-        mad_rounds = tuple(int(x) for x in a.mad_rounds.split(",") if x.strip())
-    except ValueError:
-        p.error("--mad-rounds takes comma-separated integers, e.g. 1,2,3")
+    metrics = tuple(x.strip() for x in a.debate_metrics.split(",") if x.strip())
+    if [m for m in metrics if m not in toy_debate.METRICS]:
+        p.error(f"--debate-metrics: choose from {','.join(toy_debate.METRICS)}")
+    mad_rounds = tuple(_ints(p, "--mad-rounds", a.mad_rounds))
     if not mad_rounds or min(mad_rounds) < 1:
         p.error("--mad-rounds needs at least one value, each >= 1")
+    if a.max_minutes is not None and a.part not in RESUMABLE:
+        p.error(f"--max-minutes goes with --part {', '.join(RESUMABLE)}")
+    deadline = None if a.max_minutes is None else time.time() + 60 * a.max_minutes   # a run-length limit
     set_threads(a.threads, a.model)
-    if a.part == "mad-rounds":
-        from eval.toys import mod_mad
-        try:
-            mod_mad.run(a.data, a.out, a.model, a.debate_test, mad_rounds, a.mad_adapter or None)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
-        return
+    try:
+        if a.part == "results":
+            toy_mad.write_results(a.out, a.results)
+        elif a.part == "mad-rounds":
+            toy_mad.run(a.data, a.out, a.model, a.debate_test, mad_rounds, a.mad_adapter or None, deadline=deadline)
+        elif a.part == "mad-protocols":
+            toy_mad.run_protocols(a.data, a.out, a.model, a.debate_test, tuple(seeds), batch1_test=a.batch1_test,
+                                  deadline=deadline)
+        elif a.part in ("main-a", "main-b", "main-report"):
+            run_main(a, deadline)
+        elif a.part == "paper-rounds":
+            run_paper_rounds(a, deadline)
+        elif a.part == "debate-lr":
+            S, L = lr_settings(arms, seeds, a.debate_test, rounds if a.debate_rounds is not None else None,
+                               a.debate_steps, lrs, a.debate_val, a.debate_lr_tag, picks, metrics,
+                               not a.debate_no_train)
+            toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, deadline=deadline)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
     if a.part in ("all", "mechanism") and not a.quick:
-        from eval.toys import mod_mechanism as toy_mod_mechanism
-        toy_mod_mechanism.run(os.path.join(a.out, "mechanism"))
+        toy_mechanism.run(os.path.join(a.out, "mechanism"))
     if a.part in ("all", "debate") and not a.quick:
-        toy_mod_debate.run(a.data, a.out, a.model, S=debate)
-    if a.part == "debate-lr":
-        try:
-            toy_mod_debate.run_lr(a.data, a.out, a.model, S=dict(debate, steps=a.debate_steps or debate["steps"]),
-                                  L=lr_part)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2)
-    if a.part in ("mechanism", "debate", "debate-lr"):
+        S, _ = lr_settings(arms, seeds, a.debate_test, rounds if a.debate_rounds is not None else None)
+        toy_debate.run(a.data, a.out, a.model, S=S)
+    if a.part not in ("all", "e2e"):
         return
     rows = run(a.quick, a.data, a.out, a.model)
     main_rows = [r for r in rows if r["family"] == "all" and r["metric"] in ("accuracy", "tokens_per_question",

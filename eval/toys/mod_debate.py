@@ -36,14 +36,18 @@ import json
 import os
 import random
 import time
+from collections import Counter
 
+import numpy as np
 import torch
 
+from common import shapes
 from common.backbone import load_backbone
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
-from eval.metrics import paired_bootstrap, two_level_bootstrap
+from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap
 from eval.metrics import verdict as verdict_rule
+from eval.plots import bar_ci_png, line_png
 from mod import data as vs
 from mod.infer import misled, mod_debate, plain, run_rounds, _results, summarize
 from mod.model import AdapterConfig, attach, load_adapters, num_trainable, save_adapters
@@ -71,6 +75,12 @@ METRICS = ("single", "misled_own", "misled_ood")
 
 
 
+def late(deadline):
+    """True once time.time() has reached `deadline` (seconds since the epoch, from --max-minutes;
+    None: never). Every resumable part checks it before it starts a training or scores an arm."""
+    return deadline is not None and time.time() >= deadline
+
+
 def cached(path, fn):
     """json.load(path) if it exists (a finished step of a resumable run), else fn()'s result,
     written to path atomically first."""
@@ -86,7 +96,6 @@ def balanced_mix(records, pools, n_samples, ratios, max_priors, seed=0):
     rounding): category c gets round(n_samples * ratio_c / sum) samples, each from a question
     drawn uniformly among those that can form c (T_rev / T_rob need a wrong response).
     Returns (records, Counter). Raises ValueError when a category with weight > 0 has no question."""
-    from collections import Counter
     rng, out, counts = random.Random(seed), [], Counter()
     total = sum(ratios)
     for cat, w in zip(vs.CATEGORIES, ratios):
@@ -166,8 +175,6 @@ def load_data(data_dir, base_name, S):
     """The start both debate parts share: the shapes splits (generated when missing), the first
     S["n_train"] training and S["n_test"] test questions, and the frozen base.
     Returns (train, test, base, proc)."""
-    from common import data
-    from common import shapes
     shapes.ensure_splits(data_dir, {"train": max(S["n_train"], 2000), "test": max(S["n_test"], 600)})
     train = read_llava_json(os.path.join(data_dir, "train.json"))[:S["n_train"]]
     test = read_llava_json(os.path.join(data_dir, "test.json"))[:S["n_test"]]
@@ -278,8 +285,6 @@ def _paired(a, b, seeds):
 def report(results, root, S, prep, own, t0, log=print):
     """results {"base" or "arm|seed": scores} -> results.json (per arm, seed and metric; mean
     over seeds with paired comparisons) and the figures in root. Returns the dict."""
-    import numpy as np
-    from eval.metrics import bootstrap_ci
     table = {}
     for key, r in results.items():
         ref_key = f"MoE-LoRA token|{key.split('|')[1]}" if "|" in key else None
@@ -323,7 +328,6 @@ def report(results, root, S, prep, own, t0, log=print):
            "loss": {k: r.get("loss") for k, r in results.items()},
            "n_train": {k: r.get("n_train", len(prep["train_vs"])) for k, r in results.items() if k != "base"},
            "wall_s": time.time() - t0}
-    from eval.plots import bar_ci_png
     out["figures"] = []
 
     def label(arm, v):  # bar label: the arm on two lines, then its number of seeds
@@ -378,8 +382,6 @@ def val_questions(data_dir, n_val, *others):
     (e.g. the training and test questions). The text check also drops near twins the split's
     hash keeps apart: one-object scenes that differ only in the object's size (not in the text).
     Returns (records, ids dropped). Raises ValueError when fewer than n_val are left."""
-    from common import data
-    from common import shapes
     shapes.ensure_splits(data_dir, {"val": max(n_val, 500)})
     seen = {x for recs in others for r in recs for x in (("id", r["id"]), ("image", r["image"]), _pair_key(r))}
     val, dropped = [], []
@@ -448,7 +450,8 @@ def compare_arms(per, ref="MoD", other="MoE-LoRA token", min_seeds=3):
     return out
 
 
-def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTINGS, L=LR_SETTINGS, log=print):
+def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTINGS, L=LR_SETTINGS, log=print,
+           deadline=None):
     """Per-arm lr for the arms L["lr_arms"]: train each lr of L["lrs"] at seed 0 on the debate
     part's 600 samples (`prepare`: prep.json, made when missing; a data-mix arm trains on its
     categories of them), score validation single round and misled in distribution, pick per arm
@@ -457,7 +460,9 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     L["rounds"] on the MoD arm) and the frozen base on the same. The lr S["lr"] at the default
     steps reuses the debate part's own folders <slug>_s<seed>. Everything per (arm, lr, steps,
     seed) is written atomically under OUT/debate/lr/ and skipped when present; a scores file
-    for another test-set size raises ValueError. -> OUT/debate/lr/results<tag>.json, table<tag>.md."""
+    for another test-set size raises ValueError. -> OUT/debate/lr/results<tag>.json, table<tag>.md.
+    deadline (`late`, --max-minutes): no new training or test scoring starts after it; an
+    unfinished sweep returns None before any pick, else the report covers what is on disk."""
     t0 = time.time()
     root = os.path.join(out_dir, "debate")
     lroot = os.path.join(root, "lr")
@@ -525,13 +530,17 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
         return model.eval(), info
 
     # 1. the sweep: every lr at seed 0, scored on the validation questions
-    grid = {}
+    grid, unfinished = {}, False
     for arm in L["lr_arms"] if not L.get("picks") else ():
         for lr in L["lrs"]:
             vf = os.path.join(lroot, f"{ARMS[arm][0]}_lr{lr:g}{steps}_s0", "val.json")
             if not os.path.exists(vf):
                 if not L.get("train", True):
                     raise ValueError(f"{vf} missing: the sweep is not finished; run without --debate-no-train")
+                if late(deadline):
+                    log(f"  --max-minutes reached: sweep {arm} lr {lr:g} not run")
+                    unfinished = True
+                    continue
                 model, info = trained(arm, lr, 0)
                 t = time.time()
                 res = dict(val_scores(model), train=info)
@@ -545,6 +554,9 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             grid.setdefault(arm, {})[lr] = row
             log(f"  val {arm} lr {lr:g}: " + ", ".join(f"{m} {row[m]:.3f}" for m in L["select"])
                 + f", selection {row['selection']:.4f}, loss {row['loss']:.4f}")
+    if unfinished:
+        log("  the sweep is not finished: no pick, no test scores (rerun the same command to continue)")
+        return None
     picks = dict(L["picks"]) if L.get("picks") else {arm: pick_lr(g, L["select"]) for arm, g in grid.items()}
     log(f"  picked lr: {picks}")
     out = lr_report(root, S, L, grid, picks, base_val, {}, t0, log)
@@ -555,8 +567,9 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     for seed in S["seeds"]:
         for arm in L["lr_arms"]:
             d = folder(arm, picks[arm], seed)
-            if not L.get("train", True) and not os.path.exists(os.path.join(d, sfile)):
-                log(f"  {arm} seed {seed} at lr {picks[arm]:g}: not run")
+            if not os.path.exists(os.path.join(d, sfile)) and (not L.get("train", True) or late(deadline)):
+                log(f"  {arm} seed {seed} at lr {picks[arm]:g}: not run"
+                    + (" (--max-minutes reached)" if L.get("train", True) else ""))
                 continue
 
             def score(arm=arm, seed=seed, d=d):
@@ -569,7 +582,10 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             if {len(v) for k, v in res["results"].items() if k != "misled_own"} != {len(test)}:
                 raise ValueError(f"{os.path.join(d, sfile)} was scored on another test set than the {len(test)} "
                                  "questions asked: move it away to rescore")
-            if arm == "MoD":   # MoD-Multi, Alg. 2: from the adapters
+            missing = [k for k in L.get("rounds", ()) if f"multi{k}" not in res["results"]]
+            if arm == "MoD" and missing and late(deadline):
+                log(f"  MoD seed {seed}: MoD-Multi rounds {missing} not run (--max-minutes reached)")
+            elif arm == "MoD":   # MoD-Multi, Alg. 2: from the adapters
                 score_rounds(lambda: trained(arm, picks[arm], seed)[0], proc, test, res, L.get("rounds", ()),
                              os.path.join(d, sfile), log)
             with open(os.path.join(d, "log.jsonl")) as fh:
@@ -615,9 +631,6 @@ def lr_report(root, S, L, grid, picks, base_val, scores, t0, log=print):
     """The lr part's results.json and figures (OUT/debate/lr/): the validation grid, the picks,
     test accuracy per arm at its pick (mean over seeds [95% CI], per seed, final training loss)
     and MoD minus MoE-LoRA token paired over the seeds both have, with the 3-seed verdicts."""
-    import numpy as np
-    from eval.metrics import bootstrap_ci
-    from eval.plots import bar_ci_png, line_png
     lroot = os.path.join(root, "lr")
     out = {"settings": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in L.items()},
                         "steps": S["steps"], "batch_size": S["batch_size"], "seeds": list(S["seeds"])},

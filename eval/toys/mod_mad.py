@@ -10,8 +10,8 @@ gives MoD-Single and MoD-Multi (1 debate round); MAD Du-style (`multi_agent_deba
 MAD Liang (`liang_debate`, greedy: one run for all seeds) run on the frozen base; every arm at
 batch 64 and batch 1 -> OUT/protocols/runs/, then `protocol_rows` -> mad_protocols.json:
 
-    python -m eval.toys.mod_mad --protocols --seeds 0,1,2 --batch1-test 16 --threads 1
-    python -m eval.toys.mod_mad
+    python -m eval.toys.mod --part mad-protocols --debate-seeds 0,1,2 --debate-test 64 --batch1-test 16 --threads 1
+    python -m eval.toys.mod --part results
 
 **Du-style MAD by debate rounds** (`run`, "MoD-Multi as the paper defines it"):
 `mod.infer.multi_agent_debate` runs `rounds` debate rounds: 2 + 2 rounds + 1 generations per
@@ -22,24 +22,27 @@ MAD 3, ...). Each finished method is written to OUT/mad_rounds.json at once and 
 present (resumable).
 
     python -m eval.toys.mod --part mad-rounds --mad-rounds 1,2,3 --debate-test 200 --threads 1
+
+`write_results` (`python -m eval.toys.mod --part results`) turns these runs and the paper-rounds
+runs (`--part paper-rounds`) into eval/results/mod/paper_rounds.json, mad_rounds.json and
+mad_protocols.json.
 """
 import copy
+import glob
 import json
 import os
-import sys
-import time
 
+import numpy as np
 import torch
 
-from common.cli import add_threads, number, set_threads
 from common.data import atomic_write_text
 from eval.metrics import bootstrap_ci
+from eval.toys.mod_debate import SETTINGS, _paired, arm_records, late, load_data, prepare, verdict_over
 from mod.infer import liang_debate, mod_debate, multi_agent_debate, summarize
 from mod.model import AdapterConfig, attach, load_adapters, save_adapters
 from mod.train import fit
 
 DEFAULT_ADAPTER = os.path.join("debate", "lr", "MoD_lr0.01_steps500_s0")   # the main setting's MoD, seed 0
-
 
 
 def _tuned(base, adapter_dir):
@@ -48,6 +51,7 @@ def _tuned(base, adapter_dir):
     tuned = copy.deepcopy(base)
     load_adapters(tuned, adapter_dir)
     return tuned.eval()
+
 
 def order(rounds, mod_rounds=(1, 2)):
     """The interleaved method order: MoD-Single, then MAD k and MoD-Multi k alternating
@@ -62,19 +66,17 @@ def order(rounds, mod_rounds=(1, 2)):
 
 
 def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=200, rounds=(1, 2, 3),
-        adapter=None, batch_size=64, log=print):
+        adapter=None, batch_size=64, log=print, deadline=None):
     """Score every method of `order(rounds)` missing from OUT/mad_rounds.json on the first `n_test`
     shapes test questions -> that file: per method accuracy [95% bootstrap CI], tokens and wall
     seconds per question, generations per question, and ratios to MoD-Multi 1 round. `adapter`:
     a MoD adapter folder (default OUT/debate/lr/MoD_lr0.01_steps500_s0), "none": MAD rows only.
+    deadline (`late`, --max-minutes): no method starts after it (rerun to continue).
     Raises FileNotFoundError naming the folder when it holds no adapter."""
-    import copy
-    import numpy as np
-    from eval.toys.mod_debate import load_data, SETTINGS
     adapter = adapter or os.path.join(out_dir, DEFAULT_ADAPTER)
     if adapter != "none" and not os.path.exists(os.path.join(adapter, "adapter_model.safetensors")):
-        raise FileNotFoundError(f"{adapter} holds no MoD adapter: train it first (bash eval/toys/mod_paper_rounds.sh) "
-                                "or pass --mad-adapter DIR")
+        raise FileNotFoundError(f"{adapter} holds no MoD adapter: train it first (python -m eval.toys.mod --part "
+                                "paper-rounds) or pass --mad-adapter DIR")
     _, test, base, proc = load_data(data_dir, base_name, dict(SETTINGS, n_test=n_test))
     path = os.path.join(out_dir, "mad_rounds.json")
     out = {"settings": {"n_test": len(test), "rounds": list(rounds), "adapter": adapter, "batch_size": batch_size,
@@ -88,6 +90,9 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=20
     tuned = None
     for name in order(tuple(rounds), None if adapter == "none" else (1, 2)):
         if name in out["methods"]:
+            continue
+        if late(deadline):
+            log(f"  --max-minutes reached: {name} not run")
             continue
         if name.startswith("mod") and tuned is None:
             tuned = _tuned(base, adapter)
@@ -129,13 +134,17 @@ PROTOCOL_NAMES = {"mod_single": "MoD-Single", "mod_multi1": "MoD-Multi (1 round)
 PAPER_RATIOS = {"tokens": 0.13, "wall": 1 / 3.7}   # MoD over MAD: 87 % fewer tokens, 3.7x lower latency
 
 
+def mod_folder(root, seed):
+    """The folder of `seed`'s MoD adapter at the main setting's settings (`train_mod`)."""
+    return os.path.join(root, f"MoD_lr{PROTOCOL_LR:g}_steps{PROTOCOL_STEPS}_s{seed}")
+
+
 def train_mod(root, base, proc, prep, seed, log=print):
     """The MoD adapter of `seed` at the main setting's settings (`PROTOCOL_LR`, `PROTOCOL_STEPS`,
     batch 8, warm-up a tenth of the steps) on prep.json's 1:1:1 mix, in
     root/MoD_lr<LR>_steps<N>_s<seed> (resumable from its checkpoints; kept when finished).
     Returns (folder, {"loss", "wall_s", "step0_loss"})."""
-    from eval.toys.mod_debate import arm_records
-    d = os.path.join(root, f"MoD_lr{PROTOCOL_LR:g}_steps{PROTOCOL_STEPS}_s{seed}")
+    d = mod_folder(root, seed)
     info_f = os.path.join(d, "train.json")
     if os.path.exists(info_f) and os.path.exists(os.path.join(d, "adapter_model.safetensors")):
         with open(info_f) as fh:
@@ -153,15 +162,15 @@ def train_mod(root, base, proc, prep, seed, log=print):
 
 
 def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", n_test=64, seeds=(0, 1, 2),
-                  batch_sizes=(64, 1), train_only=False, batch1_test=None, log=print):
+                  batch_sizes=(64, 1), batch1_test=None, log=print, deadline=None):
     """MoD-Single / MoD-Multi (rounds=1) of each seed's MoD adapter (trained when missing, `train_mod`)
     and MAD Du (seed s) / MAD Liang on the frozen base, on the first `n_test` shapes test questions,
     at every batch size of `batch_sizes`, interleaved (`PROTOCOL_ARMS`). Each finished (arm, batch,
     seed) is written to OUT/protocols/runs/<arm>_b<batch>[_s<seed>].json at once and skipped when
     present (resumable): {"arm", "seed", "batch_size", "n", "wall_s", "threads", "results"}.
-    train_only: train the missing adapters of `seeds`, measure nothing. batch1_test: at batch 1
-    only the first `batch1_test` of the questions (per-question cost; None = all)."""
-    from eval.toys.mod_debate import SETTINGS, load_data, prepare
+    batch1_test: at batch 1 only the first `batch1_test` of the questions (per-question cost; None =
+    all). deadline (`late`, --max-minutes): no training and no (arm, batch, seed) run starts after
+    it (rerun to continue)."""
     S = dict(SETTINGS, n_test=n_test)
     train, test, base, proc = load_data(data_dir, base_name, S)
     root = os.path.join(out_dir, "protocols")
@@ -169,15 +178,19 @@ def run_protocols(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat",
     os.makedirs(runs, exist_ok=True)
     prep = prepare(root, base, proc, train, test, S, log)   # the main setting's data (its training part)
     for seed in seeds:
-        d, _ = train_mod(root, base, proc, prep, seed, log)
-        if train_only:
+        if not os.path.exists(os.path.join(mod_folder(root, seed), "train.json")) and late(deadline):
+            log(f"  --max-minutes reached: MoD seed {seed} not trained, its runs not run")
             continue
+        d, _ = train_mod(root, base, proc, prep, seed, log)
         tuned = None
         for b in batch_sizes:
             qs = test[:batch1_test] if b == 1 and batch1_test else test
             for arm in PROTOCOL_ARMS:
                 f = os.path.join(runs, f"{arm}_b{b}.json" if arm == "mad_liang" else f"{arm}_b{b}_s{seed}.json")
                 if os.path.exists(f):
+                    continue
+                if late(deadline):
+                    log(f"  --max-minutes reached: seed {seed} batch {b} {arm} not run")
                     continue
                 if arm.startswith("mod") and tuned is None:
                     tuned = _tuned(base, d)
@@ -210,7 +223,6 @@ def result_rows(out_dir="out/mod", tag="_paper_rounds"):
     per question, the paired comparisons with MoD-Single (`rounds` of the lr report, with their
     verdicts), the step-0 losses against the main setting's. None when MoD has no test score yet.
     Raises FileNotFoundError without the report file."""
-    import numpy as np
     lroot = os.path.join(out_dir, "debate", "lr")
     with open(os.path.join(lroot, f"results{tag}.json")) as fh:
         rep = json.load(fh)
@@ -283,16 +295,14 @@ def protocol_rows(out_dir="out/mod"):
     batch) MoD-Multi / MAD token and wall ratios per seed with `ratio_reading` against the
     paper's; per MAD protocol the paired accuracy difference MoD-Multi minus MAD (batch 64, the
     toy's `verdict_over`). Returns (rows, settings); raises FileNotFoundError when nothing ran."""
-    import glob
-    import numpy as np
-    from eval.toys.mod_debate import _paired, verdict_over
     runs = {}
     for f in sorted(glob.glob(os.path.join(out_dir, "protocols", "runs", "*.json"))):
         with open(f) as fh:
             d = json.load(fh)
         runs[(d["arm"], d["batch_size"], None if d["arm"] == "mad_liang" else d["seed"])] = d
     if not runs:
-        raise FileNotFoundError(f"{out_dir}/protocols/runs holds no run: python -m eval.toys.mod_mad --protocols first")
+        raise FileNotFoundError(f"{out_dir}/protocols/runs holds no run: python -m eval.toys.mod --part "
+                                "mad-protocols first")
     seeds = sorted({s for (a, _, s) in runs if a == "mod_multi1"})
     sizes = sorted({b for (_, b, _) in runs}, reverse=True)
     get = lambda arm, b, s: runs.get((arm, b, None if arm == "mad_liang" else s))
@@ -350,54 +360,30 @@ def protocol_rows(out_dir="out/mod"):
     return rows, {"seeds": seeds, "batch_sizes": sizes, "threads": threads}
 
 
-def main(argv=None):
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m eval.toys.mod_mad",
-                                description="Write eval/results/mod/paper_rounds.json (and mad_rounds.json when "
-                                            "OUT/mad_rounds.json exists) from the runs of eval/toys/mod_paper_rounds.sh.")
-    p.add_argument("--out", default="out/mod", help="the toy's output directory")
-    p.add_argument("--results", default="eval/results/mod", help="where the result files go (rewritten)")
-    p.add_argument("--protocols", action="store_true", help="measure MoD-Single / MoD-Multi against MAD Liang and MAD "
-                   "Du (`run_protocols`, -> OUT/protocols/runs/; resumable; trains a missing MoD adapter first) "
-                   "instead of writing result files")
-    p.add_argument("--train-only", action="store_true", help="with --protocols: train the missing adapters only")
-    p.add_argument("--seeds", default="0,1,2", help="with --protocols: MoD adapter / MAD Du seeds, comma separated")
-    p.add_argument("--n-test", type=number(min=1), default=64, help="with --protocols: the first N shapes test questions")
-    p.add_argument("--batch-sizes", default="64,1", help="with --protocols: generation batch sizes, comma separated")
-    p.add_argument("--batch1-test", type=number(min=1), default=None, help="with --protocols: at batch 1 only the first "
-                   "N of the --n-test questions (per-question cost; default: all)")
-    p.add_argument("--data", default="out/data", help="with --protocols: the shapes data folder (made when missing)")
-    p.add_argument("--model", default="tiny-chat", help="with --protocols: the frozen base")
-    add_threads(p)
-    a = p.parse_args(argv)
-    if a.protocols:
-        try:
-            seeds = tuple(int(x) for x in a.seeds.split(",") if x.strip())
-            sizes = tuple(int(x) for x in a.batch_sizes.split(",") if x.strip())
-        except ValueError:
-            p.error("--seeds and --batch-sizes take comma-separated integers, e.g. 0,1,2 and 64,1")
-        if not seeds or not sizes or min(sizes) < 1 or min(seeds) < 0:
-            p.error("--seeds needs seeds >= 0 and --batch-sizes sizes >= 1, at least one each")
-        set_threads(a.threads, a.model)
-        run_protocols(a.data, a.out, a.model, a.n_test, seeds, sizes, a.train_only, a.batch1_test)
-        return
-    src = ("bash eval/toys/mod_paper_rounds.sh (eval/logs/mod.md, 'MoD-Multi as the paper defines it'): MoD at lr 1e-2, "
-           "500 steps, the main setting's data (step-0 losses below), the first 600 shapes test questions, one thread; "
-           "pooled = the seed-averaged item correctness with its 95% bootstrap CI; compare = paired bootstrap of the "
-           "seed-averaged difference, verdict by eval.toys.mod_debate.verdict_over; then python -m eval.toys.mod_mad")
+def write_results(out_dir="out/mod", results_dir="eval/results/mod", log=print):
+    """Write the committed result files (eval.report format) from what is on disk under `out_dir`:
+    results_dir/paper_rounds.json (`result_rows`, when MoD has test scores), mad_rounds.json
+    (`mad_rows`, when OUT/mad_rounds.json exists) and mad_protocols.json (`protocol_rows`, when
+    OUT/protocols/runs exists); each file is rewritten atomically. Returns the names written."""
+    written = []
+    src = ("python -m eval.toys.mod --part paper-rounds --threads 1 (eval/logs/mod.md, 'MoD-Multi as the paper defines "
+           "it'): MoD at lr 1e-2, 500 steps, the main setting's data (step-0 losses below), the first 600 shapes test "
+           "questions, one thread; pooled = the seed-averaged item correctness with its 95% bootstrap CI; compare = "
+           "paired bootstrap of the seed-averaged difference, verdict by eval.toys.mod_debate.verdict_over; then "
+           "python -m eval.toys.mod --part results")
     try:
-        rows = result_rows(a.out)
+        rows = result_rows(out_dir)
     except FileNotFoundError:
         rows = None
     if rows:
-        atomic_write_text(os.path.join(a.results, "paper_rounds.json"),
+        atomic_write_text(os.path.join(results_dir, "paper_rounds.json"),
                           json.dumps({"experiment": "mod_paper_rounds", "source": src, "rows": rows}, indent=1) + "\n")
-        print(f"wrote {a.results}/paper_rounds.json")
+        written.append("paper_rounds.json")
     else:
-        print("no MoD test scores of bash eval/toys/mod_paper_rounds.sh yet: paper_rounds.json not written")
-    if os.path.exists(os.path.join(a.out, "mad_rounds.json")):
-        rows, st = mad_rows(a.out)
-        atomic_write_text(os.path.join(a.results, "mad_rounds.json"), json.dumps(
+        log("no MoD test scores of --part paper-rounds yet: paper_rounds.json not written")
+    if os.path.exists(os.path.join(out_dir, "mad_rounds.json")):
+        rows, st = mad_rows(out_dir)
+        atomic_write_text(os.path.join(results_dir, "mad_rounds.json"), json.dumps(
             {"experiment": "mod_mad_rounds", "source": f"python -m eval.toys.mod --part mad-rounds --mad-rounds "
              f"{','.join(map(str, st['rounds']))} --debate-test {st['n_test']}"
              + (" --mad-adapter none" if st["adapter"] == "none" else "") + " --threads 1 (eval/toys/mod_mad.py): the "
@@ -406,20 +392,22 @@ def main(argv=None):
              f"{st['n_test']} shapes test questions, batch {st['batch_size']}, one thread, one process, methods "
              "interleaved; wall time per question is load-dependent, tokens per question are not", "rows": rows},
             indent=1) + "\n")
-        print(f"wrote {a.results}/mad_rounds.json")
-    if os.path.isdir(os.path.join(a.out, "protocols", "runs")):
-        rows, st = protocol_rows(a.out)
-        atomic_write_text(os.path.join(a.results, "mad_protocols.json"), json.dumps(
-            {"experiment": "mod_mad_protocols", "source": "python -m eval.toys.mod_mad --protocols --seeds "
-             f"{','.join(map(str, st['seeds']))} --threads 1, then python -m eval.toys.mod_mad (eval/logs/mod.md, "
-             "'MoD-Multi against MAD as Liang et al.'s official protocol'): MoD adapters lr 1e-2, 500 steps, the main "
-             "setting's data; the frozen tiny-chat base for MAD; the first 64 shapes test questions, batch sizes "
-             f"{st['batch_sizes']}, threads {st['threads']}, one process, arms interleaved; accuracy = seed-averaged "
-             "item correctness with its 95% bootstrap CI; ratios = MoD-Multi / MAD per seed (paper: 0.13 tokens, "
-             "0.27 wall); wall time per question is load-dependent, tokens per question are not", "rows": rows},
-            indent=1) + "\n")
-        print(f"wrote {a.results}/mad_protocols.json")
-
-
-if __name__ == "__main__":
-    main()
+        written.append("mad_rounds.json")
+    if os.path.isdir(os.path.join(out_dir, "protocols", "runs")):
+        rows, st = protocol_rows(out_dir)
+        n = {r["batch_size"]: r["n"] for r in rows if r["kind"] == "protocol_arm"}
+        n_test = max(n.values())
+        batch1 = f" --batch1-test {n[1]}" if n.get(1, n_test) < n_test else ""
+        atomic_write_text(os.path.join(results_dir, "mad_protocols.json"), json.dumps(
+            {"experiment": "mod_mad_protocols", "source": "python -m eval.toys.mod --part mad-protocols --debate-seeds "
+             f"{','.join(map(str, st['seeds']))} --debate-test {n_test}{batch1} --threads 1, then python -m "
+             "eval.toys.mod --part results (eval/logs/mod.md, 'MoD-Multi against MAD as Liang et al.'s official "
+             "protocol'): MoD adapters lr 1e-2, 500 steps, the main setting's data; the frozen tiny-chat base for MAD; "
+             f"the first {n_test} shapes test questions, batch sizes {st['batch_sizes']}, threads {st['threads']}, one "
+             "process, arms interleaved; accuracy = seed-averaged item correctness with its 95% bootstrap CI; ratios = "
+             "MoD-Multi / MAD per seed (paper: 0.13 tokens, 0.27 wall); wall time per question is load-dependent, "
+             "tokens per question are not", "rows": rows}, indent=1) + "\n")
+        written.append("mad_protocols.json")
+    for name in written:
+        log(f"wrote {results_dir}/{name}")
+    return written

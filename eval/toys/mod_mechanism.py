@@ -37,6 +37,7 @@ import torch
 from common.data import atomic_write_text
 from common.routing import switch_rate
 from eval.metrics import bootstrap_ci, two_level_bootstrap
+from eval.plots import bar_ci_png, line_png
 from mod.model import AdapterConfig, MoDLinear, RoutingContext
 from mod.train import lr_at
 
@@ -212,7 +213,6 @@ def run_part(kind, arms, out_dir, seeds=3, S=SETTINGS, log=print):
 
 def figures(res, out_dir, S=SETTINGS):
     """PNG figures: error per arm with CI for both parts; switch rate and error vs W."""
-    from eval.plots import bar_ci_png, line_png
     paths = []
     for kind, title in (("pairing", "(a) pairing task: test error (normalised MSE), 3 seeds, 95% CI"),
                         ("stance", "(b) stance task: test error (normalised MSE), 3 seeds, 95% CI")):

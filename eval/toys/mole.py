@@ -433,7 +433,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
                                        mole_evaluate, plain_evaluate, lr=picked[name])
             print(f"[toy_mole] {name} lr {picked[name]:g} seed {seed}: acc "
                   f"{_acc(r['items']):.3f}", flush=True)
-            if name == "mole" and not quick:
+            if name == "mole":
                 _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
     tab_dir = lr_dir(out_dir, picked["mole"])
     for seed in seeds:
