@@ -284,3 +284,28 @@ def test_run_order_main_rows_and_interventions_per_seed_then_the_ablations(monke
     calls.clear()
     tm.run(True, str(tmp_path / "d"), str(tmp_path), seeds=(0, 1))
     assert calls == [("sft", 0), ("plain_latent", 0), ("mole", 0)]
+
+
+def test_run_lr_order_interventions_after_mole_at_its_picked_lr(monkeypatch, tmp_path):
+    """run_lr with a complete sweep: per seed the main rows at their picked lr with MoLE's
+    interventions right after it, then per seed the ablations at MoLE's lr."""
+    import eval.toys.mole as tm
+    calls = []
+    monkeypatch.setattr(tm, "_ensure_data", lambda *a: None)
+    monkeypatch.setattr(tm.world, "ensure_splits", lambda *a: None)
+    monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
+    sweep = {n: {lr: (1.0 if lr == 5e-3 else 0.5) for lr in tm.LR_GRID} for n in tm.LR_SWEPT}
+    monkeypatch.setattr(tm, "read_sweep", lambda out_dir: sweep)
+    monkeypatch.setattr(tm, "_table_one", lambda name, flags, seed, *a, lr=None, path=None: (
+        calls.append((name, seed, lr)) if path is None else None) or ({"items": [], "steps_s": 0}, None, 1))
+    monkeypatch.setattr(tm, "_interventions", lambda tab_dir, seed, *a: calls.append(("interventions", seed, tab_dir)))
+    monkeypatch.setattr(tm, "summarise_lr", lambda *a: "summary")
+    assert tm.run_lr(str(tmp_path / "d"), str(tmp_path), seeds=(2, 0)) == "summary"
+    want = []
+    for s in (2, 0):
+        for n in tm.LR_SWEPT:
+            want.append((n, s, 5e-3))
+            if n == "mole":
+                want.append(("interventions", s, tm.lr_dir(str(tmp_path), 5e-3)))
+    want += [(n, s, 5e-3) for s in (2, 0) for n in tm.ABLATIONS]
+    assert calls == want
