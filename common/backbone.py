@@ -16,7 +16,9 @@ built here with a byte-level BPE tokenizer and a Qwen2-VL image processor, pretr
 """
 import difflib
 import hashlib
+import io
 import json
+import math
 import os
 import random
 import shutil
@@ -25,6 +27,7 @@ import sys
 import numpy as np
 import torch
 import transformers
+from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForImageTextToText, LlavaNextConfig, LlavaNextImageProcessorPil,
                           ProcessorMixin, Qwen2Tokenizer)
@@ -166,8 +169,11 @@ class VLProcessor:
     <|im_end|>, </s>, <end_of_turn>; labels include it), pad_token_id (the tokenizer's pad,
     else generation_config's, else eos), model_input_keys (the token-type tensors the processor
     returns, e.g. mm_token_type_ids for Qwen-VL, token_type_ids for Gemma3), system (a system
-    turn to write, None: only what the template adds) and images_kwargs (image-processor
-    settings on top of the saved ones, e.g. lmms-eval's size bounds; see `eval.evaluate`).
+    turn to write, None: only what the template adds), images_kwargs (image-processor
+    settings on top of the saved ones, e.g. lmms-eval's size bounds), jpeg_quality (JPEG
+    re-encoding of each image before it is processed, None: none) and pre_resize ((factor,
+    min_pixels, max_pixels) of a resize before the image processor, `fit_to_grid`; None: none);
+    see `eval.evaluate.apply_prompt_settings`.
     Raises BackboneError when the processor has no chat template."""
 
     def __init__(self, processor, config, generation_config=None):
@@ -184,6 +190,8 @@ class VLProcessor:
         self.merge = getattr(self.image_processor, "merge_size", 1)
         self.images_kwargs = {}  # extra image-processor settings (e.g. size bounds), see `vision`
         self.system = None  # a system turn to write (None: only what the template itself adds)
+        self.jpeg_quality = None  # re-encode each image as JPEG at this quality first (None: as given), see `vision`
+        self.pre_resize = None  # (factor, min_pixels, max_pixels): resize each image first (`fit_to_grid`)
         self._cache = {}
         if not self.chat_template:
             raise BackboneError(f"{config.model_type}: the checkpoint's processor has no chat template; prompts are "
@@ -406,6 +414,10 @@ class VLProcessor:
             pv, grid = pixels
             return {"pixel_values": pv, "image_grid_thw": grid}, (grid.prod(-1) // self.merge ** 2).tolist()
         p, ip = self.processor, self.image_processor
+        if self.jpeg_quality:
+            images = [jpeg_roundtrip(im, self.jpeg_quality) for im in images]
+        if self.pre_resize:
+            images = [fit_to_grid(im, *self.pre_resize) for im in images]
         if not self.images_kwargs and self._keeps_size(images[0].size) and len({im.size for im in images}) == 1:
             pv, grid = patchify(torch.from_numpy(np.stack([np.asarray(im.convert("RGB")) for im in images])),
                                 patch=ip.patch_size, temporal=ip.temporal_patch_size, merge=ip.merge_size,
@@ -492,6 +504,33 @@ class VLProcessor:
         self.image_processor.save_pretrained(path)
         if not FAMILIES[self.config.model_type][1]:
             self.processor.save_pretrained(path)
+
+
+def jpeg_roundtrip(image, quality):
+    """`image` (PIL) saved as an RGB JPEG at `quality` and read back as RGB, as lmms-eval's simple
+    model classes send images (a JPEG data URL, decoded again before the processor)."""
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="JPEG", quality=quality)
+    buf.seek(0)
+    return Image.open(buf).convert("RGB")
+
+
+def fit_to_grid(image, factor, min_pixels, max_pixels):
+    """`image` (PIL) resized (bicubic) so both sides are multiples of `factor` and its area lies in
+    [min_pixels, max_pixels], keeping the aspect ratio: qwen_vl_utils' `fetch_image` /
+    `smart_resize` (0.0.14), the resize lmms-eval's Qwen-VL classes apply before the processor.
+    Raises ValueError for an aspect ratio above 200."""
+    w, h = image.size
+    if max(h, w) / min(h, w) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(h, w) / min(h, w)}")
+    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
+    if hb * wb > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        hb, wb = math.floor(h / beta / factor) * factor, math.floor(w / beta / factor) * factor
+    elif hb * wb < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    return image.resize((wb, hb), Image.Resampling.BICUBIC)
 
 
 def _counts(n):

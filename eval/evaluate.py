@@ -24,11 +24,11 @@ and be off-distribution). When the output has no "Answer:", the letter is scored
 start of the assistant turn, as for an instruct model that replies with just the letter.
 Single-letter continuations make length normalisation (acc_norm) moot.
 
-Prompt settings (`--prompt-settings`): `lmms-eval` (default) applies lmms-eval's own settings
-for the families its model files ship (`LMMS_EVAL`: Qwen2.5-VL gets the system turn "You are a
-helpful assistant." and images between 256 * 28 * 28 and 1,605,632 pixels, as lmms-eval's
-`qwen2_5_vl` model); `checkpoint` keeps the checkpoint's own (its chat template and image
-processor as saved). Either way generation is greedy and stops at the checkpoint's stop ids.
+Prompt settings (`--prompt-settings`): `lmms-eval` (default) applies lmms-eval 0.7.3's own
+settings for the families it ships a model class for (`LMMS_EVAL`, `apply_prompt_settings`: a
+system turn, image size bounds, JPEG re-encoding of each image, the stop id); `checkpoint` keeps
+the checkpoint's own (its chat template, image processor and generation_config as saved). Either
+way generation is greedy, as in lmms-eval's classes (temperature 0, one beam).
 """
 import argparse
 import difflib
@@ -53,19 +53,76 @@ from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, form
 from eval.readers import parse_options
 from eval.scores import SCORERS, benchmark_scores, format_scores
 
-# lmms-eval's settings per model_type (its lmms_eval/models/simple/<family>.py defaults): the system
-# turn it writes and the image processor's pixel bounds. Families absent here run as the checkpoint says.
-LMMS_EVAL = {"qwen2_5_vl": {"system": "You are a helpful assistant.",
-                            "images_kwargs": {"size": {"shortest_edge": 256 * 28 * 28, "longest_edge": 1605632}}}}
+# lmms-eval 0.7.3's settings per model_type, where they differ from the checkpoint's own (file:line
+# under lmms_eval/models/). `--model NAME` takes NAME's chat class where lmms-eval ships one
+# (__init__.py:126-138 AVAILABLE_CHAT_TEMPLATE_MODELS: llava_hf, qwen2_5_vl, qwen3_vl; registry_v2.py:88-97
+# takes chat_class_path first), else the simple class (qwen2_vl, gemma3). Keys (`apply_prompt_settings`):
+#   system        a system turn written before the user turn (absent: only what the template adds)
+#   images_kwargs image-processor settings on top of the saved ones (size bounds in pixels)
+#   jpeg_quality  each image re-encoded as JPEG at this quality first (the simple classes send images
+#                 as JPEG data URLs: _encode_image_data_url, quality=85)
+#   pre_resize    (factor, min_pixels, max_pixels) of qwen_vl_utils' resize before the processor
+#                 (process_vision_info -> fetch_image, vision_process.py:93-140; common.backbone.fit_to_grid)
+#   stop          "tokenizer": generation stops at the tokenizer's eos id only (the class passes
+#                 eos_token_id=tokenizer.eos_token_id to generate, which replaces generation_config's list)
+#   patch_size    the vision patch the class assumes; a checkpoint with another keeps its own settings
+# Every class decodes greedily (temperature 0, num_beams 1), as eval.evaluate does; the generation budget
+# is the task's (ours: --max-new-tokens). The image goes before the question in the user turn everywhere.
+LMMS_EVAL = {
+    # simple/qwen2_vl.py:42-45 (max_pixels 602112, min_pixels 3136, system_prompt), :73 (processor bounds),
+    # :252 (system turn), :290-296 (JPEG data URL, :173-180 quality 85), :414 (eos_token_id)
+    "qwen2_vl": {"class": "qwen2_vl (simple)", "system": "You are a helpful assistant.", "jpeg_quality": 85,
+                 "pre_resize": (28, 3136, 602112),
+                 "images_kwargs": {"size": {"shortest_edge": 3136, "longest_edge": 602112}}, "stop": "tokenizer"},
+    # chat/qwen2_5_vl.py:92 (the processor's template, no system turn of its own: Qwen2.5-VL's template adds
+    # "You are a helpful assistant."), :93 (qwen_vl_utils resize, patch 14, its default bounds of 4 and 16384
+    # tokens: vision_process.py:26-27,131-132), simple/qwen2_5_vl.py:44-45 + :91 (then the processor's
+    # bounds 256*28*28..1605632), chat/qwen2_5_vl.py:142 (eos_token_id)
+    "qwen2_5_vl": {"class": "qwen2_5_vl (chat)", "pre_resize": (28, 4 * 28 * 28, 16384 * 28 * 28),
+                   "images_kwargs": {"size": {"shortest_edge": 256 * 28 * 28, "longest_edge": 1605632}},
+                   "stop": "tokenizer"},
+    # chat/qwen3_vl.py:50 (system turn, simple/qwen3_vl.py:91), :66-70 (qwen_vl_utils resize with
+    # image_patch_size=16 and its default bounds of 4 and 16384 tokens), :86/:98 (then the processor with
+    # do_resize=False: a patch other than 16 fails), simple/qwen3_vl.py:255 (eos_token_id)
+    "qwen3_vl": {"class": "qwen3_vl (chat)", "system": "You are a helpful assistant.",
+                 "pre_resize": (32, 4 * 32 * 32, 16384 * 32 * 32), "images_kwargs": {"do_resize": False},
+                 "stop": "tokenizer", "patch_size": 16},
+    # chat/llava_hf.py:62 (the processor's template, image then text), :97 (eos_token_id = tokenizer eos)
+    "llava": {"class": "llava_hf (chat)", "stop": "tokenizer"},
+    # simple/gemma3.py:50 + :243 (system turn), :261 (JPEG data URL, :185 quality 85); generate keeps
+    # generation_config's stop ids (:320-329 passes no eos_token_id); the processor's own image size
+    "gemma3": {"class": "gemma3 (simple)", "system": "You are a helpful assistant.", "jpeg_quality": 85},
+}
+LMMS_EVAL["qwen3_vl_moe"] = LMMS_EVAL["qwen3_vl"]  # the same class (simple/qwen3_vl.py:114: MoE picked by path)
+LMMS_EVAL["llava_next"] = LMMS_EVAL["llava"]  # llava_hf serves both (simple/llava_hf.py:33-36)
 
 
 def apply_prompt_settings(model, proc, which):
     """Set `proc` (a VLProcessor) to lmms-eval's settings for the model's family (`LMMS_EVAL`)
-    when which == "lmms-eval"; "checkpoint" leaves the checkpoint's own. Returns the settings
-    applied ({} for none)."""
+    when which == "lmms-eval", or back to the checkpoint's own when which == "checkpoint":
+    proc.system (a system turn or None), proc.images_kwargs (image-processor settings),
+    proc.jpeg_quality (JPEG re-encoding or None), proc.pre_resize (qwen_vl_utils' resize before
+    the processor, or None) and proc.stop_ids (the tokenizer's eos id only,
+    or generation_config's stop ids). A family lmms-eval does not ship, a text LM, or a
+    checkpoint whose vision patch differs from the one the class assumes (`patch_size`: the
+    tiny Qwen3-VL bases have 14, lmms-eval's qwen3_vl class needs 16) keeps its own.
+    Returns the settings applied ({} for none)."""
+    if not hasattr(proc, "checkpoint_stop_ids"):
+        proc.checkpoint_stop_ids = list(proc.stop_ids)
     s = LMMS_EVAL.get(model.config.model_type, {}) if which == "lmms-eval" else {}
+    if s and proc.image_processor is None:
+        s = {}
+    patch = getattr(getattr(model.config, "vision_config", None), "patch_size", None)
+    if s.get("patch_size") not in (None, patch):
+        print(f"note: lmms-eval's {s['class']} class assumes vision patch {s['patch_size']}, this checkpoint has "
+              f"{patch}: its own prompt settings are kept")
+        s = {}
     proc.system = s.get("system")
     proc.images_kwargs = dict(s.get("images_kwargs", {}))
+    proc.jpeg_quality = s.get("jpeg_quality")
+    proc.pre_resize = s.get("pre_resize")
+    eos = proc.tokenizer.eos_token_id
+    proc.stop_ids = [eos] if s.get("stop") == "tokenizer" and eos is not None else list(proc.checkpoint_stop_ids)
     return s
 
 
@@ -287,8 +344,9 @@ def main(argv=None):
                    help="also score multiple-choice records by option log-likelihood")
     add_device_args(p, device_map=True)
     p.add_argument("--prompt-settings", default="lmms-eval", choices=["lmms-eval", "checkpoint"],
-                   help="lmms-eval: lmms-eval's system turn and image size bounds for the families it ships "
-                        "(Qwen2.5-VL); checkpoint: the checkpoint's own chat template and image processor as saved")
+                   help="lmms-eval: lmms-eval 0.7.3's system turn, image size, JPEG re-encoding and stop id for the "
+                        "families it ships (eval/README.md); checkpoint: the checkpoint's own chat template, image "
+                        "processor and generation_config as saved")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow checkpoint-shipped code (off by default: it executes code from the checkpoint)")
     p.add_argument("--out", default=None, help="output JSON (default out/eval/<model>_<data>.json)")

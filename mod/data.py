@@ -30,7 +30,8 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from common.cli import add_limit, add_threads, number, run_cli, set_threads
+from common.backbone import generate, load_backbone
+from common.cli import add_limit, add_threads, entry_parser, number, run_cli, set_threads
 from common.cli import add_device_args, load_kwargs
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP
 from common.data import DataError, atomic_write_text, check_support, check_training_records, load_image, read_records
@@ -69,7 +70,6 @@ def gold_response(record):
 def sample_responses(model, proc, records, k=4, temperature=1.0, batch_size=64, max_new_tokens=64, seed=0):
     """K temperature samples of the base model per record, on the plain question.
     Returns list (per record) of K generated texts."""
-    from common.backbone import generate
     torch.manual_seed(seed)
     flat = [r for r in records for _ in range(k)]
     texts = []
@@ -152,7 +152,6 @@ def ratios_arg(text):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "MoD viewpoint-shift data synthesis (§3.2).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
@@ -187,8 +186,6 @@ def main(argv=None):
 
 def run(args):
     """The body of `main` for parsed flags (writes args.out atomically)."""
-    from common.backbone import load_backbone
-    from common.data import DataError
     records = load_records(args.data, args.image_root, "mod.data", multi_turn=False,
                            skip_bad=args.skip_bad)[:args.limit or None]  # LLaVA JSON/JSONL or canonical JSONL, checked
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # fail before the sampling

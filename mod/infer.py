@@ -24,18 +24,25 @@ the text after the last "Answer" when the JSON is malformed.
     python -m mod.infer --model tiny-chat --adapter out/mod/run --data out/data/test.json --rounds 1
 """
 import json
+import math
 import os
+import random
 import time
 
 import torch
+from PIL import Image, ImageDraw
 
-from common.backbone import generate
-from common.cli import add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli, set_threads
+from common.backbone import generate, load_backbone
+from common.cli import (add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, entry_parser, number, run_cli,
+                        set_threads)
 from common.cli import add_device_args, load_kwargs
-from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher
-from common.predictions import PredictionLog
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher, atomic_write_text, check_support, read_records
+from common.predictions import PredictionLog, fingerprint, model_digest, rng_state, set_rng_state
+from common.routing import switch_rate
 from common.answers import is_correct_for
-from mod.data import debate_prompt, debater_prompt, judge_prompt, review_prompt, single_prompt
+from mod.data import (debate_prompt, debater_prompt, judge_prompt, review_prompt, single_prompt, to_json_response,
+                      wrong_response)
+from mod.model import CONFIG_NAME, adapter_layers, load_adapters, routing_context
 from mod.prompts import ROUND_NAMES, liang_decision, liang_prompt
 
 
@@ -51,7 +58,6 @@ def run_rounds(model, proc, records, prompt_fns, batch_size=64, max_new_tokens=9
     log: a `common.predictions.PredictionLog` (or its `scope`) keeping each finished batch of
     each call as phase "{phase}/{call}"; with sampled calls the random state after each batch
     is kept too, so a resumed run draws what the uninterrupted one draws."""
-    from common.predictions import PredictionLog, rng_state, set_rng_state
     log = log or PredictionLog(None, None)
     kws = sample_kw or [{}] * len(prompt_fns)
     n_batches = -(-len(records) // batch_size)
@@ -114,8 +120,6 @@ def misled(model, proc, records, batch_size=64, max_new_tokens=96, seed=0, log=N
     """Robustness to a misleading prior (what T_rev / T_rob train, §3.2): one greedy round on the
     debate prompt with a single *wrong* prior response (`mod.data.wrong_response`, seeded, in
     the debate JSON form). Returns (results, wall_s)."""
-    import random
-    from mod.data import to_json_response, wrong_response
     rng = random.Random(seed)
     wrong = {r["id"]: wrong_response(rng, r["question"], r["answer"], r["family"]) for r in records}
     t0 = time.time()
@@ -258,8 +262,6 @@ def routing_trace(model, proc, records, batch_size=64, max_new_tokens=96):
     whose top-1 A expert differs, "switch_rate_B": same for router B,
     "share_A"/"share_B": [layers][E] share of top-r selections per expert over generated
     tokens, "by_family_A"/"by_family_B": {family: [E] share averaged over layers}}."""
-    from common.routing import switch_rate
-    from mod.model import adapter_layers, routing_context
     ctx = routing_context(model)
     layers = adapter_layers(model)
     sizes = sorted({m.cfg.num_experts for _, m in layers})
@@ -304,7 +306,6 @@ def routing_trace(model, proc, records, batch_size=64, max_new_tokens=96):
 
 def usage_entropy(share):
     """Mean over layers of the normalised entropy (0 = one expert, 1 = uniform) of expert shares."""
-    import math
     ents = []
     for row in share:
         h = -sum(p * math.log(p) for p in row if p > 0)
@@ -315,7 +316,6 @@ def usage_entropy(share):
 def heatmap_png(by_family, path, cell=28):
     """Per-category expert-activation heatmap (rows: families, columns: experts), Pillow only.
     Darker = larger share; the share (in %) is written in each cell."""
-    from PIL import Image, ImageDraw
     fams = sorted(by_family)
     E = len(next(iter(by_family.values()))) if fams else 0
     left, top = 80, 20
@@ -349,7 +349,6 @@ LIANG_MAX_ROUNDS = 3   # the official code's max_round
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "MoD-Single / MoD-Multi self-debate, MAD and self-correction.")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--adapter", default="", help="adapter dir from mod.train (empty: base-model methods only)")
@@ -399,14 +398,13 @@ def main(argv=None):
 def _mad_rounds(args):
     """MAD's debate rounds: --mad-rounds, else 3 for --mad liang (the official code's max_round)
     and --rounds for --mad du."""
-    if getattr(args, "mad_rounds", None) is not None:
+    if args.mad_rounds is not None:
         return args.mad_rounds
-    return LIANG_MAX_ROUNDS if getattr(args, "mad", "liang") == "liang" else args.rounds
+    return LIANG_MAX_ROUNDS if args.mad == "liang" else args.rounds
 
 
 def run(args, methods):
     """The body of `main` for parsed flags. Returns the JSON-able summaries + results."""
-    from common.data import check_support, read_records
     for flag, path in (("--out", args.out), ("--heatmap", args.heatmap)):  # fail now, not after the whole run
         if path:
             check_out_file(path, flag)
@@ -415,18 +413,14 @@ def run(args, methods):
     records = read_records(args.data, args.image_root, args.skip_bad)[:args.limit or None]  # every image decoded
     check_support(records, "mod.infer", text_only=True)  # at most one image, one turn per record: before any model loads
     if {"misled", "base-misled"} & set(methods):  # every method's data check before any method runs
-        import random
-        from mod.data import wrong_response
         for r in records:
             wrong_response(random.Random(0), r["question"], r["answer"], r["family"])  # DataError: not shapes
     if args.adapter:   # a wrong --adapter path is refused before any model loads
-        from mod.model import CONFIG_NAME
         if not os.path.exists(os.path.join(args.adapter, CONFIG_NAME)):
             raise FileNotFoundError(f"{args.adapter}: no {CONFIG_NAME} (not an adapter directory written by "
                                     f"mod.train or peft)")
-    from common.predictions import PredictionLog, fingerprint, model_digest
     fp = fingerprint(records, model=model_digest(args.model), adapter=model_digest(args.adapter), methods=methods,
-                     rounds=args.rounds, mad=getattr(args, "mad", "liang"), mad_rounds=_mad_rounds(args), batch_size=args.batch_size,
+                     rounds=args.rounds, mad=args.mad, mad_rounds=_mad_rounds(args), batch_size=args.batch_size,
                      max_new_tokens=args.max_new_tokens,
                      device=args.device)
     with PredictionLog(args.out or None, fp, args.resume) as log:  # refusals before any model loads
@@ -435,9 +429,6 @@ def run(args, methods):
 
 def _run_methods(args, methods, records, log):
     """Load the models, run each method (every finished batch kept in `log`), write --out."""
-    from common.backbone import load_backbone
-    from common.data import atomic_write_text
-    from mod.model import load_adapters
     base, proc = load_backbone(args.model, **load_kwargs(args))
     tuned = None
     if args.adapter:
@@ -450,7 +441,7 @@ def _run_methods(args, methods, records, log):
                "single": lambda log: mod_debate(tuned, proc, records, 0, bs, mnt, log=log),
                "multi": lambda log: mod_debate(tuned, proc, records, args.rounds, bs, mnt, log=log),
                "mad": (lambda log: liang_debate(base, proc, records, _mad_rounds(args), bs, mnt, log=log))
-               if getattr(args, "mad", "liang") == "liang" else
+               if args.mad == "liang" else
                (lambda log: multi_agent_debate(base, proc, records, _mad_rounds(args), batch_size=bs,
                                                max_new_tokens=mnt, log=log)),
                "sc": lambda log: self_correction(base, proc, records, bs, mnt, log=log),

@@ -635,6 +635,23 @@ def attach(model, cfg):
     return names
 
 
+def unload(model):
+    """Undo `attach` (peft's `unload`): every wrapped layer back to its base nn.Linear, the
+    routing pre-hook removed, the adapters dropped. The base parameters stay frozen. Returns the
+    AdapterConfig; ValueError when no adapters are attached."""
+    adapter = getattr(model, "_adapter", None)
+    if adapter is None:
+        raise ValueError("no adapters attached to this model")
+    lm = text_model(model)
+    for n in adapter["names"]:
+        parent_name, _, child = n.rpartition(".")
+        parent = lm.get_submodule(parent_name) if parent_name else lm
+        setattr(parent, child, getattr(parent, child).base_layer)
+    adapter["hook"].remove()
+    model._adapter = None
+    return adapter["config"]
+
+
 def adapter_layers(model):
     """[(name, MoDLinear)] in model order."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoDLinear)]
@@ -705,16 +722,19 @@ def save_adapters(model, path):
 
 
 def load_config(path):
-    """-> (AdapterConfig, saved base identity or None for adapters saved before it was recorded).
-    Raises FileNotFoundError / ValueError naming the file when it is missing or unreadable."""
+    """-> (AdapterConfig, the identity of the base the adapters were trained on).
+    Raises FileNotFoundError / ValueError naming the file when it is missing, unreadable or not
+    written by `save_adapters` (no base_model)."""
     f = os.path.join(path, CONFIG_NAME)
     if not os.path.exists(f):
         raise FileNotFoundError(f"{path}: no {CONFIG_NAME} (not an adapter directory written by mod.train)")
     try:
         with open(f) as fh:
             meta = json.load(fh)
-        base = meta.pop("base_model", None)
+        base = meta.pop("base_model")
         return AdapterConfig(**meta), base
+    except KeyError:
+        raise ValueError(f"{f} records no base_model (not written by mod.train / save_adapters)") from None
     except (json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"{f} is not a valid adapter config ({e})") from None
 
@@ -738,12 +758,11 @@ def load_adapters(model, path):
     if is_peft(path):                                     # peft's LoRA format: renamed tensors, same maths
         return load_peft(model, path)
     cfg, saved = load_config(path)
-    if saved is not None:
-        now = base_identity(model)
-        diff = identity_mismatch(saved, now)
-        if diff:
-            raise ValueError(f"{path}: adapters were trained on base {saved['name_or_path'] or '?'} and do not fit "
-                             f"base {now['name_or_path'] or '?'} ({'; '.join(diff)})")
+    now = base_identity(model)
+    diff = identity_mismatch(saved, now)
+    if diff:
+        raise ValueError(f"{path}: adapters were trained on base {saved['name_or_path'] or '?'} and do not fit "
+                         f"base {now['name_or_path'] or '?'} ({'; '.join(diff)})")
     weights = os.path.join(path, WEIGHTS_NAME)
     try:
         state = load_file(weights)

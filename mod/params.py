@@ -19,7 +19,16 @@ the closest any uniform (E, k) gets there (`best_moelora`). `matched_moelora` gi
 projection kind one expert less (`--experts-pattern k_proj=10`, as peft's rank_pattern):
 +0.78 %. `python -m mod.params --model PATH` prints the matching flags for any checkpoint.
 """
+import argparse
+import itertools
+import json
+import os
+
+from transformers import AutoConfig, LlamaConfig, LlavaNextConfig, Qwen2_5_VLConfig
+
 from common.cli import RunError, add_overwrite, check_overwrite
+from common.data import atomic_write_text
+from common.tiny import TINY   # tiny-chat, tiny-dense, tiny-moe as every --model takes them
 from mod.model import AdapterConfig
 
 MOELORA_MATCHED = dict(num_experts=11, expert_rank=1)
@@ -78,7 +87,6 @@ def matched_moelora(shapes, cfg=None, expert_rank=1, r=4, tol=0.02):
     AdapterConfig()). Returns (num_experts E0, experts_pattern {module: E}, count, relative
     difference to MoD). Qwen2.5-VL-3B: (11, {}, -1.10 %); LLaVA-1.6-13B (every projection d -> d,
     where no uniform E is within 3.1 %): (11, {"k_proj": 10}, +0.78 %)."""
-    import itertools
     target = adapter_params(cfg or AdapterConfig(), shapes)
     kinds = sorted({m for m, _, _ in shapes})
     count = lambda E, pat: adapter_params(AdapterConfig(method="moelora", num_experts=E, experts_pattern=pat,
@@ -117,17 +125,12 @@ BASES = {"Qwen2.5-VL-3B": dict(hidden_size=2048, intermediate_size=11008, num_hi
 def base_config(name):
     """The transformers config of one of BASES (no weights, no hub access)."""
     if name.startswith("LLaVA"):
-        from transformers import LlamaConfig, LlavaNextConfig
         return LlavaNextConfig(text_config=LlamaConfig(**BASES[name]))
-    from transformers import Qwen2_5_VLConfig
     return Qwen2_5_VLConfig(text_config=dict(BASES[name]))
 
 
 def main(argv=None):
     """python -m mod.params [--out FILE]: MoD / MoE-LoRA / LoRA counts at BASES and tiny-chat."""
-    import argparse
-    import json
-    import os
     p = argparse.ArgumentParser(prog="python -m mod.params", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="", help="also write the rows as a result file (eval/report.py format)")
     add_overwrite(p)
@@ -144,9 +147,7 @@ def main(argv=None):
         check_overwrite(a.out, a.overwrite)
     except RunError as e:
         p.error(str(e))
-    from transformers import AutoConfig
     if a.model:
-        from common.tiny import TINY   # tiny-chat, tiny-dense, tiny-moe as every --model takes them
         path = TINY.get(a.model, a.model)
         if not os.path.isdir(path):
             p.exit(2, f"error: --model {a.model}: no such directory (pass a checkpoint directory or a tiny base "
@@ -184,7 +185,6 @@ def main(argv=None):
                          "flags": f" `{flags}`" if flags else ""})
             print(f"{base:14s} {arm:60s} {n:>12,} {n / ref - 1:+.2%} {flags}")
     if a.out:
-        from common.data import atomic_write_text
         atomic_write_text(a.out, json.dumps({"experiment": "mod_param_counts", "source": "python -m mod.params --out "
                                              f"{a.out}: trainable parameters on q/k/v/o from the bases' config numbers "
                                              "(mod.params.adapter_params; equal to attach on the meta device, "

@@ -31,7 +31,6 @@ SIGTERM or Ctrl-C finishes the current step, writes a checkpoint and exits (stat
 loss stops the run before the update and keeps the last checkpoint. User errors print
 `error: ...` and exit with status 2.
 """
-import argparse
 import json
 import math
 import os
@@ -39,20 +38,22 @@ import random
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from common.backbone import base_identity
+from common.backbone import base_identity, load_backbone
 from common.checkpoint import save_train_state
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, Batcher, atomic_write_text, name_path  # noqa: F401  (mod.train.Batcher: the trainer's batches)
-from common.cli import add_device_args, load_kwargs
+from common.cli import add_device_args, entry_parser, load_kwargs
 from common.cli import (Interrupted, RunError, check_labels, check_settings, data_fingerprint, diverged, end_distributed,
                         number, read_checkpoint, restore_optimizer, run_cli, set_threads, sigterm_flag, step_means,
                         step_tokens, token_ce, add_threads, SAVE_EVERY)
 from common.routing import rank_mean
+from common.schedule import lr_at
 from mod.data import load_records
 from mod.params import MOELORA_MATCHED
 from mod.model import (CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, adapter_state_dict, attach, aux_loss, compile_adapters,
@@ -123,6 +124,51 @@ def adapter_config(args):
                          shared_router=args.shared_router, noise_std=args.noise_std, aux_coef=args.aux_coef)
 
 
+@dataclass
+class TrainConfig:
+    """The settings of one training run, as `fit` takes them. Field names are the dest names of
+    mod.train's flags (`train_config` fills one from parsed flags; tests/test_mod_params.py checks
+    the names); the defaults are `fit`'s for callers that build one in code (the toys).
+
+    steps: optimizer steps. batch_size: records per optimizer step, all processes and
+    `grad_accum` micro-batches together. lr: peak AdamW learning rate; the schedule is
+    `common.schedule.lr_at` with `warmup` steps (None: `default_warmup(steps)`) and a floor of
+    MIN_LR_RATIO x lr. weight_decay: AdamW's. clip: gradient-norm clip (0 = off). aux_coef: lambda
+    of the load-balance loss (eq. 9). loss_reduction: "mean" or "sum" of L_reg (`accumulate`).
+    seed: batch sampling. save_every: also checkpoint every N steps (0 = only at the end).
+    log_every: a log.jsonl line every N steps (and the last). resume: continue out_dir/ckpt.
+    compile: torch.compile the adapters' hot path."""
+    steps: int = 300
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 2e-3
+    warmup: int | None = None
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    aux_coef: float = 0.01
+    loss_reduction: str = "mean"
+    seed: int = 0
+    save_every: int = 0
+    log_every: int = 10
+    resume: bool = False
+    compile: bool = False
+
+
+def train_config(args):
+    """The TrainConfig of parsed mod.train flags (each field from the flag of the same dest)."""
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+
+
+def check_batch(batch_size, grad_accum, world):
+    """RunError unless `batch_size` records per optimizer step split into `world` processes x
+    `grad_accum` micro-batches; returns the records of one micro-batch of one process."""
+    if batch_size % (world * grad_accum):
+        raise RunError(f"--batch-size {batch_size} (records per optimizer step) does not divide into {world} "
+                       f"process(es) x --grad-accum {grad_accum} micro-batches; pass a multiple of "
+                       f"{world * grad_accum}")
+    return batch_size // (world * grad_accum)
+
+
 # ----------------------------------------------------------------------------- data
 
 def batch_indices(n, batch_size, seed, step, micro, rank=0, world=1):
@@ -139,12 +185,7 @@ def default_warmup(steps):
     return min(20, max(1, steps // 10))
 
 
-def lr_at(step, steps, lr, warmup):
-    """Linear warmup then cosine decay to 10% of lr."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+MIN_LR_RATIO = 0.1  # the cosine decays to 10 % of --lr (`common.schedule.lr_at`)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -167,8 +208,8 @@ def same_lr_prefix(saved, now, done):
     """True if the `done` finished steps had the same learning rates under both settings'
     schedules (e.g. still in warmup): then changing --steps continues the run exactly."""
     try:
-        return all(lr_at(s, saved["steps"], saved["lr"], saved["warmup"]) == lr_at(s, now["steps"], now["lr"], now["warmup"])
-                   for s in range(done))
+        return all(lr_at(s, saved["steps"], saved["lr"], saved["warmup"], MIN_LR_RATIO)
+                   == lr_at(s, now["steps"], now["lr"], now["warmup"], MIN_LR_RATIO) for s in range(done))
     except KeyError:
         return False
 
@@ -265,52 +306,48 @@ def accumulate(run, raw, batches, aux_coef=0.0, amp=None, world=1, reduction="me
     return task_sum, aux_sum
 
 
-def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, lr=2e-3, warmup=None,
-        weight_decay=0.0, clip=1.0, seed=0, aux_coef=0.01, save_every=0, resume=False, compile=False,
-        log_every=10, rank=0, world=1, desc="train", quiet=False, batcher=None, loss_reduction="mean"):
-    """Train the attached adapters of `model` on (question, target) records.
+def fit(model, proc, records, out_dir, cfg=None, rank=0, world=1, desc="train", quiet=False, batcher=None):
+    """Train the attached adapters of `model` on (question, target) records with the settings
+    `cfg` (a TrainConfig; None: its defaults).
 
-    Writes out_dir/log.jsonl ({step, loss, aux, lr, s} every `log_every` steps) and the
-    checkpoint out_dir/ckpt (every `save_every` steps, at the end, and on SIGTERM). Returns
+    Writes out_dir/log.jsonl ({step, loss, aux, lr, s} every `cfg.log_every` steps) and the
+    checkpoint out_dir/ckpt (every `cfg.save_every` steps, at the end, and on SIGTERM). Returns
     {"loss", "aux", "wall_s", "steps", "log"}: loss / aux averaged over the last 10% of steps,
     log = one {step, loss, aux, lr, s} per step of the whole run (a resumed run included).
     With world > 1 the process group must be initialised. batcher: a `Batcher` of `records`
-    made earlier (its images already decoded), else one is made here.
+    made earlier (its images already decoded), else one is made here. desc / quiet: the
+    progress bar's label / no progress bar.
     Raises RunError when resuming a checkpoint of other settings, when a batch has no label
     to train on, and on a non-finite loss or gradient (the update is skipped, the last
     checkpoint kept); Interrupted after SIGTERM (step finished, checkpoint written).
-    batch_size: records per optimizer step, all processes and `grad_accum` micro-batches
-    together (each process draws batch_size / (world * grad_accum) records per micro-batch;
-    RunError when that does not divide). warmup None: `default_warmup(steps)`, resolved here, so
-    a checkpoint records (and --resume compares) the number of steps actually used. loss_reduction: "mean" (token mean of L_reg)
-    or "sum" (eq. 8's sum over the target tokens, see `accumulate`); the logged loss is that L_reg."""
-    if loss_reduction not in ("mean", "sum"):
-        raise RunError(f"loss_reduction must be mean or sum, not {loss_reduction!r}")
+    Each process draws batch_size / (world * grad_accum) records per micro-batch (RunError when
+    that does not divide). warmup None: `default_warmup(steps)`, resolved here, so a checkpoint
+    records (and --resume compares) the number of steps actually used. The logged loss is L_reg
+    as `cfg.loss_reduction` sums it."""
+    cfg = cfg or TrainConfig()
+    if cfg.loss_reduction not in ("mean", "sum"):
+        raise RunError(f"loss_reduction must be mean or sum, not {cfg.loss_reduction!r}")
     if not records:
         raise RunError("no training records")
-    warmup = default_warmup(steps) if warmup is None else warmup
-    if batch_size % (world * grad_accum):
-        raise RunError(f"--batch-size {batch_size} (records per optimizer step) does not divide into {world} "
-                       f"process(es) x --grad-accum {grad_accum} micro-batches; pass a multiple of "
-                       f"{world * grad_accum}")
-    micro = batch_size // (world * grad_accum)   # records per micro-batch of each process
+    steps, lr, grad_accum, log_every = cfg.steps, cfg.lr, cfg.grad_accum, cfg.log_every
+    warmup = default_warmup(steps) if cfg.warmup is None else cfg.warmup
+    micro = check_batch(cfg.batch_size, grad_accum, world)   # records per micro-batch of each process
     os.makedirs(out_dir, exist_ok=True)
     raw = model
     device = next(raw.parameters()).device
     params = [p for p in raw.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
     ckpt = os.path.join(out_dir, CKPT)
-    settings = run_settings(raw, records, steps=steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
-                            warmup=warmup, weight_decay=weight_decay, clip=clip, seed=seed, aux_coef=aux_coef,
-                            world_size=world, batch_size_unit=BATCH_UNIT,
-                            **({"loss_reduction": loss_reduction} if loss_reduction != "mean" else {}))
-    start, log = load_ckpt(ckpt, raw, opt, settings) if resume else (0, [])
+    settings = run_settings(raw, records, steps=steps, batch_size=cfg.batch_size, grad_accum=grad_accum, lr=lr,
+                            warmup=warmup, weight_decay=cfg.weight_decay, clip=cfg.clip, seed=cfg.seed,
+                            aux_coef=cfg.aux_coef, world_size=world, batch_size_unit=BATCH_UNIT,
+                            **({"loss_reduction": cfg.loss_reduction} if cfg.loss_reduction != "mean" else {}))
+    start, log = load_ckpt(ckpt, raw, opt, settings) if cfg.resume else (0, [])
     saved_at = start if start else None  # step of the last checkpoint of this run on disk
     run = raw
-    if compile:               # the adapters' hot path, in place, before DDP (the base model stays eager)
+    if cfg.compile:           # the adapters' hot path, in place, before DDP (the base model stays eager)
         compile_adapters(raw)
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
         run = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None)
         raw._adapter["ctx"].reduce = rank_mean  # the aux loss of the global batch, as one process computes it
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -326,23 +363,23 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
         with sigterm_flag() as flag:
             for step in bar:
                 for g in opt.param_groups:
-                    g["lr"] = lr_at(step, steps, lr, warmup)
+                    g["lr"] = lr_at(step, steps, lr, warmup, MIN_LR_RATIO)
                 batches = []
                 for m in range(grad_accum):
-                    recs = [records[i] for i in batch_indices(len(records), micro, seed, step, m, rank, world)]
+                    recs = [records[i] for i in batch_indices(len(records), micro, cfg.seed, step, m, rank, world)]
                     batch = {k: v.to(device) for k, v in batcher.encode(recs, answers=[r["target"] for r in recs]).items()}
                     check_labels(batch["labels"], step, recs)
                     batches.append(batch)
-                task_sum, aux_sum = accumulate(run, raw, batches, aux_coef, amp, world, loss_reduction)
+                task_sum, aux_sum = accumulate(run, raw, batches, cfg.aux_coef, amp, world, cfg.loss_reduction)
                 if world > 1:  # the global batch's losses (what one process logs), and one stop decision for all
                     mine = flag["stop"]  # read once: a signal arriving after the all-reduce counts next step
                     m = step_means({"task": task_sum, "aux": aux_sum, "stop": 1.0 if mine else 0.0}, world)
                     task_sum, aux_sum = m["task"], m["aux"]
                     agreed = (mine or "a signal to another process") if m["stop"] else False
-                gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+                gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else float("inf")))
                 if not all(map(math.isfinite, (task_sum, aux_sum, gnorm))):
                     raise diverged(step, f"loss {task_sum}, aux {aux_sum}, gradient norm {gnorm}", ckpt, saved_at,
-                                   save_every)
+                                   cfg.save_every)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 rec = {"step": step, "loss": task_sum, "aux": aux_sum, "lr": opt.param_groups[0]["lr"],
@@ -355,7 +392,7 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
                     except OSError as e:  # a full disk: `error: ...` names the log
                         raise name_path(e, log_path)
                     bar.set_postfix(loss=f"{task_sum:.3f}", aux=f"{aux_sum:.3f}")
-                if rank == 0 and save_every and (step + 1) % save_every == 0 and step + 1 < steps:
+                if rank == 0 and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
                     save_ckpt(ckpt, raw, opt, step + 1, settings, log)
                     saved_at = step + 1
                 stop = agreed if world > 1 else flag["stop"]
@@ -375,8 +412,9 @@ def fit(model, proc, records, out_dir, steps=300, batch_size=16, grad_accum=1, l
     return {"loss": mean("loss"), "aux": mean("aux"), "wall_s": time.time() - t0, "steps": steps - start, "log": log}
 
 
-def main(argv=None):
-    from common.cli import entry_parser
+def get_parser():
+    """The argparse parser of mod.train (every flag with its help): the run's inputs, the adapter
+    flags (`add_adapter_args`, an AdapterConfig) and the training flags (a TrainConfig)."""
     p = entry_parser(__spec__.name, "Train MoD / LoRA / MoE-LoRA adapters on a frozen VLM (MoD §3.3).")
     p.add_argument("--model", default="tiny-chat", help="base model: checkpoint dir or tiny-chat / tiny-dense")
     p.add_argument("--data", required=True,
@@ -404,6 +442,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of adapter init and batch sampling")
     p.add_argument("--save-every", type=number(min=0), default=SAVE_EVERY,
                    help="also checkpoint every N optimizer steps (0 = only at the end)")
+    p.add_argument("--log-every", type=number(min=1), default=TrainConfig.log_every,
+                   help="write a line of OUT/log.jsonl every N optimizer steps (and at the last)")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue the run in OUT from OUT/ckpt (same settings required)")
@@ -413,7 +453,11 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the adapters' forward (routing + expert mix; the base model stays eager; "
                         "worth it on GPU)")
     add_threads(p)
-    return run_cli(train, p.parse_args(argv))
+    return p
+
+
+def main(argv=None):
+    return run_cli(train, get_parser().parse_args(argv))
 
 
 def train(args):
@@ -421,10 +465,8 @@ def train(args):
     set_threads(args.threads, args.model)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cfg = adapter_config(args)  # before anything loads: a bad flag fails in seconds
-    if args.batch_size % (world * args.grad_accum):
-        raise RunError(f"--batch-size {args.batch_size} (records per optimizer step) does not divide into {world} "
-                       f"process(es) x --grad-accum {args.grad_accum} micro-batches; pass a multiple of "
-                       f"{world * args.grad_accum}")
+    tcfg = train_config(args)
+    check_batch(tcfg.batch_size, tcfg.grad_accum, world)
     stale = prepare_out(args.out, args.resume, args.overwrite) if rank == 0 else []
     records = load_records(args.data, args.image_root, skip_bad=args.skip_bad)  # before the model loads: bad data fails in seconds
     batcher = Batcher(None, records)  # decodes every image now: a truncated one fails here too
@@ -434,7 +476,6 @@ def train(args):
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
-    from common.backbone import load_backbone
     model, proc = load_backbone(args.model, dtype=load_kwargs(args)["dtype"], device=device)
     torch.manual_seed(args.seed)
     names = attach(model, cfg)
@@ -443,9 +484,7 @@ def train(args):
     if rank == 0:
         print(f"{cfg.method}: wrapped {len(names)} layers, {num_trainable(model):,} trainable parameters")
     try:
-        res = fit(model, proc, records, args.out, args.steps, args.batch_size, args.grad_accum, args.lr, args.warmup,
-                  args.weight_decay, args.clip, args.seed, cfg.aux_coef, args.save_every, args.resume, args.compile,
-                  rank=rank, world=world, batcher=batcher, loss_reduction=args.loss_reduction)
+        res = fit(model, proc, records, args.out, tcfg, rank=rank, world=world, batcher=batcher)
     except Interrupted:  # every rank stops after the same step (fit agrees on it), so all reach the barrier
         end_distributed()
         raise

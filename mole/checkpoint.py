@@ -44,7 +44,7 @@ def build(a, device, dtype=None):
     for n, prm in lm.named_parameters():
         if "lora_" in n:
             prm.requires_grad_(True)
-    if getattr(a, "placeholders", 0):  # checkpoints written before the flag have none
+    if a.placeholders:
         proc = PlaceholderProcessor(proc, a.placeholders)
     net = model if a.method == "sft" else MoLE(model, proc, mole_config(a))
     net.train()
@@ -102,7 +102,7 @@ def load_mole(path, device="cpu", base=None, dtype=None):
         raise RunError(f"{path} is not a mole.train checkpoint (its state.json has no 'args'; mod.train and "
                        f"eval.tools.pretrain write other checkpoints)")
     a = argparse.Namespace(**state["args"])
-    a.model = base or getattr(a, "model", None) or a.base   # checkpoints before the rename saved "base"
+    a.model = base or a.model
     net, proc, params = build(a, device, dtype)
     saved = state.get("base_model")
     if saved is not None:
@@ -141,7 +141,7 @@ def recorded_base(path):
     try:
         with open(os.path.join(path, "state.json")) as f:
             args = json.load(f)["args"]
-        return args.get("model") or args.get("base")
+        return args.get("model")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

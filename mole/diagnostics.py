@@ -14,17 +14,17 @@ latents used for answer generation?").
   ordered pairs i != j and layers, x100. Higher = more diverse. The paper's exact
   formulation (its App. A.6) is not in our copy of the paper; this is the plain reading.
 """
-import argparse
 import json
 
 import torch
 
 from common import data
 from common.cli import add_device_args, load_kwargs
-from common.cli import (add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
+from common.cli import (add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, entry_parser, number, run_cli,
                         set_threads)
-from common.data import load_record_images
-from mole.model import ZSUM, ZVIS
+from common.data import atomic_write_text, check_support, load_record_images, read_records
+from mole.checkpoint import load_mole, recorded_base
+from mole.model import ZSUM, ZVIS, MoLE
 
 
 def pairwise_sq_cos(h):
@@ -79,7 +79,6 @@ def latent_stats(mole, records, stage=2, batch_size=64):
 
 def main(argv=None):
     """Command line: a mole.train checkpoint + data -> printed (and optionally JSON) diagnostics."""
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "MoLE latent diagnostics: latent similarity and attention-pattern KL "
                                     "(both x100) of a mole.train checkpoint on a data file.")
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
@@ -100,9 +99,6 @@ def main(argv=None):
 
 def run(a):
     """The body of `main` for parsed flags. Returns the numbers as a dict."""
-    from common.data import atomic_write_text, check_support, read_records
-    from mole.model import MoLE
-    from mole.checkpoint import load_mole, recorded_base
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:
         check_out_file(a.out)

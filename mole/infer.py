@@ -12,7 +12,6 @@ from the 2-D attention mask and the cache, restricted to the columns the stage a
 The cache is the model's own (`DynamicCache(config=...)`: a sliding-window layer keeps only its
 window). Tested equal to one uncached forward, also past a sliding window.
 """
-import argparse
 import json
 import time
 
@@ -22,10 +21,13 @@ from transformers import DynamicCache
 from common import backbone as bb
 from common.answers import is_correct_for, score
 from common.cli import add_device_args, load_kwargs
-from common.cli import (add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number, run_cli,
+from common.cli import (add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, entry_parser, number, run_cli,
                         set_threads)
-from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, load_record_images
-from mole.model import ZSUM, ZVIS, MoLE, column_mask, topology_mask
+from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, atomic_write_text, check_support, load_record_images,
+                         read_records)
+from common.predictions import PredictionLog, fingerprint, model_digest
+from mole.checkpoint import load_mole, recorded_base, recorded_method
+from mole.model import ZSUM, ZVIS, MoLE, column_mask
 
 INTERVENTIONS = ("none", "random", "shuffle", "mask")
 
@@ -128,7 +130,6 @@ def evaluate(mole, records, stage=2, batch_size=64, max_new_tokens=48, intervent
     (the same rule as `eval.evaluate`). The intervention of the batch starting at record i
     is seeded with i. log: a `common.predictions.PredictionLog` keeping each finished batch
     (phase "generate") and holding those of a resumed run."""
-    from common.predictions import PredictionLog
 
     def one(b):
         i = b * batch_size
@@ -147,7 +148,6 @@ def evaluate_sft(model, proc, records, batch_size=64, max_new_tokens=48, log=Non
     """An SFT checkpoint (the plain VLM): standard greedy generation, the fields
     `eval.evaluate` writes ({id, family, pred, answer, answer_type, extracted, correct,
     n_tokens[, benchmark]}). log: as in `evaluate`."""
-    from common.predictions import PredictionLog
 
     def one(b):
         chunk = records[b * batch_size:(b + 1) * batch_size]
@@ -161,7 +161,6 @@ def evaluate_sft(model, proc, records, batch_size=64, max_new_tokens=48, log=Non
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--ckpt", required=True, help="MoLE checkpoint directory written by mole.train")
     p.add_argument("--model", default=None,
@@ -185,9 +184,6 @@ def main(argv=None):
 
 def run(a):
     """The body of `main` for parsed flags. Returns the per-example results."""
-    from common.data import atomic_write_text, check_support, read_records
-    from common.predictions import PredictionLog, fingerprint, model_digest
-    from mole.checkpoint import load_mole, recorded_base, recorded_method
     set_threads(a.threads, a.model or recorded_base(a.ckpt))
     if a.out:  # fail now, not after the whole evaluation
         check_out_file(a.out)

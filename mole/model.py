@@ -53,7 +53,7 @@ How it plugs into transformers (the traps it avoids are named below):
     out = mole(batch, stage=1)                              # dict: logits, loss, ce, balance, z, div
 """
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -318,7 +318,7 @@ class MoLE(nn.Module):
     """A VLM with MoLE latent experts. Owns the new parameters (latent embeddings, routers,
     ESVAs); the wrapped `model` is used as is (its own parameters are frozen or LoRA'd by
     the trainer). Registers "mole" attention on the text model and one routing pre-hook per
-    decoder layer.
+    decoder layer; `remove()` undoes both.
 
     model: a transformers VLM; proc: a `VLMAdapter` (the prompt format), or a processor from
     which `adapter_for` picks one (the repo's `VLProcessor` -> `QwenVLAdapter`, a transformers
@@ -354,6 +354,7 @@ class MoLE(nn.Module):
         self.esva = nn.ModuleList(ESVA(E, d_v, cfg.esva_hidden or d_v) for _ in layers) if cfg.esva else None
         self.to(device=model.device)
         vision_impl = getattr(model.config.vision_config, "_attn_implementation", None) or "sdpa"
+        self._attn_before = {"text_config": tcfg._attn_implementation, "vision_config": vision_impl}
         model.set_attn_implementation({"text_config": "mole", "vision_config": vision_impl})
         self._hooks = [layer.register_forward_pre_hook(self._route_hook(i), with_kwargs=True)
                        for i, layer in enumerate(layers)] if cfg.router else []
@@ -551,9 +552,12 @@ class MoLE(nn.Module):
             e.fn = fn
         return self
 
-    def trainable_state(self):
-        """The MoLE-owned parameters (latents, routers, ESVAs) as a state dict."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("model.")}
-
-    def config_dict(self):
-        return asdict(self.cfg)
+    def remove(self):
+        """Give the wrapped model back as it was: the routing pre-hooks removed and the text model's
+        attention implementation set back to the one it had. Returns the model; this MoLE no
+        longer routes afterwards (build a new one to use MoLE again)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.model.set_attn_implementation(self._attn_before)
+        return self.model

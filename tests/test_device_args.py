@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from common import backbone, shapes
+from common import shapes
 from common.cli import add_device_args, entry_parser, load_kwargs
 from rolemerge import calibrate
 
@@ -78,7 +78,7 @@ def fake_loader(*args, **kw):
 def test_mod_data_passes_device_and_dtype_to_the_loader(tmp_path, monkeypatch):
     from mod import data as mod_data
     shapes.generate_split(str(tmp_path), "train", 2)
-    monkeypatch.setattr(backbone, "load_backbone", fake_loader)
+    monkeypatch.setattr(mod_data, "load_backbone", fake_loader)
     with pytest.raises(Loaded) as e:
         mod_data.main(["--data", str(tmp_path / "train.json"), "--out", str(tmp_path / "out.json"),
                        "--device", "cuda:3", "--dtype", "bfloat16"])

@@ -350,7 +350,8 @@ def test_a_family_outside_the_list_is_refused_by_name_before_loading(entry, tmp_
 
 
 def test_evaluation_uses_lmms_evals_settings_for_qwen2_5_vl_unless_asked_otherwise(tmp_path_factory, tmp_path):
-    """Qwen2.5-VL in eval.evaluate: lmms-eval's system turn and pixel bounds by default (a
+    """Qwen2.5-VL in eval.evaluate: lmms-eval's chat class's settings by default (the template's
+    system turn, written once; its pixel bounds: a
     2800x2100 photo: at most 1,605,632 px = 2,048 visual tokens; an 84 px image: at least
     256 * 28 * 28 px = 256 tokens), the checkpoint's own with --prompt-settings checkpoint."""
     ck = save_family("qwen2_5_vl", str(tmp_path_factory.mktemp("q25") / "ckpt"))
@@ -358,7 +359,7 @@ def test_evaluation_uses_lmms_evals_settings_for_qwen2_5_vl_unless_asked_otherwi
     big, small = Image.new("RGB", (2800, 2100), (9, 9, 9)), Image.new("RGB", (84, 84), (9, 9, 9))
     assert evaluate.apply_prompt_settings(model, proc, "checkpoint") == {}
     own = proc.vision([big])[1] + proc.vision([small])[1]
-    assert evaluate.apply_prompt_settings(model, proc, "lmms-eval")["system"] == "You are a helpful assistant."
+    assert evaluate.apply_prompt_settings(model, proc, "lmms-eval")["class"] == "qwen2_5_vl (chat)"
     assert proc.vision([big])[1] == [2028] and proc.vision([small])[1] == [256]
     assert own == [12, 9]  # the tiny family's own processor keeps <= 112x112 px
     ids = proc.prompt_ids("Q?", 0)

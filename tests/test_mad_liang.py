@@ -194,9 +194,8 @@ def _questions(tmp_path):
                                         (["--mad", "du"], ("du", 1)), (["--mad", "du", "--rounds", "2"], ("du", 2))])
 def test_mad_flag_picks_the_protocol(tmp_path, monkeypatch, argv, want):
     """mod.infer --methods mad runs Liang's protocol by default (3 rounds at most), Du-style with --mad du."""
-    from common import backbone
     seen = []
-    monkeypatch.setattr(backbone, "load_backbone", lambda *a, **k: (None, None))
+    monkeypatch.setattr(infer, "load_backbone", lambda *a, **k: (None, None))
     monkeypatch.setattr(infer, "liang_debate", lambda m, p, recs, rounds, *a, **kw: (seen.append(("liang", rounds)) or [], 0.0))
     monkeypatch.setattr(infer, "multi_agent_debate", lambda m, p, recs, rounds, **kw: (seen.append(("du", rounds)) or [], 0.0))
     infer.main(["--data", _questions(tmp_path), "--methods", "mad", *argv])

@@ -10,7 +10,7 @@ from common import shapes
 from common.backbone import build_tiny
 from helpers import mod_layer_tol
 from mod.model import (AdapterConfig, MoDLinear, RoutingContext, adapter_layers, attach, aux_loss, load_adapters,
-                       num_trainable, routing_context, save_adapters)
+                       num_trainable, routing_context, save_adapters, unload)
 
 ARCHS = ["qwen3_vl", "qwen2_5_vl"]
 
@@ -232,3 +232,19 @@ def test_llava_next_architecture():
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     full = logits(model, dict(input_ids=out.sequences, attention_mask=torch.cat([mask, torch.ones(2, 6).long()], 1)))
     assert (full[:, 11:-1] - torch.stack(out.logits, 1)).abs().max() < 1e-4
+
+
+def test_unload_gives_the_base_back(tiny):
+    """unload undoes attach: the base layers are back, the model's pre-hook is gone, the output is
+    the base's again, and new adapters attach."""
+    base, _, batch, _ = tiny["qwen3_vl"]
+    model, *_ = wrapped(tiny, "qwen3_vl", method="mod")
+    randomise(model)
+    assert not torch.equal(logits(model, batch), logits(base, batch)) and len(model._forward_pre_hooks) == 1
+    assert unload(model).method == "mod"
+    assert adapter_layers(model) == [] and len(model._forward_pre_hooks) == 0
+    assert torch.equal(logits(model, batch), logits(base, batch))
+    with pytest.raises(ValueError, match="no adapters attached"):
+        unload(model)
+    attach(model, AdapterConfig(method="lora"))
+    assert len(adapter_layers(model)) > 0

@@ -289,6 +289,10 @@ def test_adapter_on_a_base_with_other_weights_is_refused(shapes, run, tmp_path, 
     del cfg["base_model"]["weights"]
     (old / "adapter_config.json").write_text(json.dumps(cfg))
     assert load_adapters(load_backbone("tiny-chat")[0], str(old)).method == "mod"
+    del cfg["base_model"]                      # no base recorded at all: refused, never loaded unchecked
+    (old / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="records no base_model"):
+        load_adapters(load_backbone("tiny-chat")[0], str(old))
 
 
 def test_resume_on_a_base_with_other_weights_is_refused(shapes, run, tmp_path, capsys):
@@ -383,11 +387,9 @@ def test_short_run_default_warmup_reaches_the_peak_lr(shapes, tmp_path):
 
 
 def test_a_wrong_adapter_path_is_refused_before_any_model_loads(shapes, tmp_path, capsys, monkeypatch):
-    import common.backbone as bb
-
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the --adapter path was checked")
-    monkeypatch.setattr(bb, "load_backbone", no_load)
+    monkeypatch.setattr(minfer, "load_backbone", no_load)
     err = error_of(minfer.main, ["--model", "tiny-chat", "--adapter", str(tmp_path / "none"), "--data",
                                  str(shapes / "val.json"), "--methods", "single", "--threads", "1"], capsys)
     assert "no adapter_config.json" in err and "not an adapter directory" in err

@@ -196,10 +196,10 @@ def test_mad_rounds_flag_reaches_mad(tmp_path, monkeypatch, argv, want):
     """mod.infer --mad-rounds sets MAD's debate rounds apart from MoD-Multi's --rounds (Du-style
     MAD's default: --rounds; Liang's default is tests/test_mad_liang.py's)."""
     import json
-    from common import backbone, data
+    from common import data
     from mod import infer
     seen = []
-    monkeypatch.setattr(backbone, "load_backbone", lambda *a, **k: (None, None))
+    monkeypatch.setattr(infer, "load_backbone", lambda *a, **k: (None, None))
     monkeypatch.setattr(infer, "multi_agent_debate", lambda m, p, recs, rounds, **kw: (seen.append(rounds) or [], 0.0))
     path = tmp_path / "q.json"
     data.atomic_write_text(str(path), json.dumps([{"id": "t0", "family": "mmlu", "answer": "B", "image": None,
@@ -207,3 +207,28 @@ def test_mad_rounds_flag_reaches_mad(tmp_path, monkeypatch, argv, want):
                                                                      {"from": "gpt", "value": "B"}]}]))
     infer.main(["--data", str(path), "--methods", "mad", "--mad", "du", *argv])
     assert seen == [want]
+
+
+def test_train_config_fields_are_the_flags():
+    """mod.train's TrainConfig fields are dest names of its flags; every other flag is a run input or
+    an adapter flag (AdapterConfig); train_config fills each field from its flag."""
+    import dataclasses
+    from mod.train import TrainConfig, get_parser, train_config
+    dests = vars(get_parser().parse_args(["--data", "d.json", "--out", "o"]))
+    train = [f.name for f in dataclasses.fields(TrainConfig)]
+    adapter = vars(_adapter_parser().parse_args([]))
+    inputs = {"model", "data", "image_root", "skip_bad", "out", "overwrite", "device", "dtype", "threads"}
+    assert set(train) <= set(dests)
+    assert set(dests) == set(train) | set(adapter) | inputs
+    argv = ["--data", "d.json", "--out", "o", "--steps", "7", "--warmup-steps", "2", "--aux-coef", "0.5",
+            "--log-every", "3", "--loss-reduction", "sum", "--resume"]
+    cfg = train_config(get_parser().parse_args(argv))
+    assert (cfg.steps, cfg.warmup, cfg.aux_coef, cfg.log_every, cfg.loss_reduction, cfg.resume) == (7, 2, 0.5, 3, "sum", True)
+    assert train_config(get_parser().parse_args(["--data", "d.json", "--out", "o"])).save_every > 0   # the flag's default
+
+
+def _adapter_parser():
+    from mod.train import add_adapter_args
+    p = argparse.ArgumentParser()
+    add_adapter_args(p)
+    return p

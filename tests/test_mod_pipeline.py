@@ -12,7 +12,7 @@ from common.backbone import build_tiny
 from mod import data as vs
 from mod.infer import heatmap_png, mod_debate, multi_agent_debate, routing_trace, self_correction, usage_entropy
 from mod.model import AdapterConfig, adapter_state_dict, attach
-from mod.train import fit
+from mod.train import TrainConfig, fit
 
 
 def test_json_response_and_prompts():
@@ -77,7 +77,7 @@ def test_sampling_pools_and_training_resume(setup, tmp_path):
         attach(m, AdapterConfig(window=4))
         if init is not None:
             m.load_state_dict(init, strict=False)
-        res = fit(m, proc, train_recs, str(out), steps=steps, batch_size=3, warmup=2, resume=resume, quiet=True)
+        res = fit(m, proc, train_recs, str(out), TrainConfig(steps=steps, batch_size=3, warmup=2, resume=resume), quiet=True)
         return m, res
 
     straight, res = trained(4, tmp_path / "a")
@@ -89,7 +89,7 @@ def test_sampling_pools_and_training_resume(setup, tmp_path):
     m = copy.deepcopy(base)
     torch.manual_seed(123)
     attach(m, AdapterConfig(window=4))
-    fit_again(m, proc, train_recs, str(tmp_path / "b"), steps=4, batch_size=3, warmup=2, resume=True, quiet=True)
+    fit_again(m, proc, train_recs, str(tmp_path / "b"), TrainConfig(steps=4, batch_size=3, warmup=2, resume=True), quiet=True)
     a, b = adapter_state_dict(straight), adapter_state_dict(m)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len((tmp_path / "a" / "log.jsonl").read_text().splitlines()) >= 2

@@ -264,3 +264,22 @@ def test_diagnostics_on_images_of_different_sizes(tmp_path):
     single = latent_stats(mole, recs, stage=2, batch_size=1)
     assert batched[1] > 0
     assert batched == pytest.approx(single, rel=1e-4, abs=1e-5)
+
+
+@torch.no_grad()
+def test_remove_gives_the_model_back_unchanged():
+    """MoLE.remove takes its routing hooks off the decoder layers and sets the text attention back:
+    the model then computes what it did before it was wrapped."""
+    model, proc = build_tiny("qwen3_vl", seed=0, layers=2)
+    model.eval()
+    imgs, qs, _ = examples(2)
+    batch = proc.encode(imgs, qs)
+    before = model(**batch).logits
+    layers = model.model.language_model.layers
+    mole = MoLE(model, proc, MoLEConfig())
+    assert all(len(layer._forward_pre_hooks) == 1 for layer in layers)
+    assert model.config.get_text_config()._attn_implementation == "mole"
+    assert mole.remove() is model
+    assert all(len(layer._forward_pre_hooks) == 0 for layer in layers)
+    assert model.config.get_text_config()._attn_implementation == "sdpa"
+    assert torch.equal(model(**batch).logits, before)

@@ -284,7 +284,7 @@ def test_generation_without_end_token_is_bounded(shapes, run):
 # ----------------------------------------------------------------------------- inference flags
 
 def test_infer_and_diagnostics_take_limit_and_check_out_first(shapes, run, tmp_path, capsys):
-    """--limit is an alias of --n (as in every other entry point); --out a directory is refused
+    """--limit caps the records (as in every other entry point); --out a directory is refused
     before the checkpoint loads (--ckpt nowhere is never reached); nothing is written."""
     test = str(shapes / "test.json")
     for main in (minfer.main, mdiag.main):

@@ -158,8 +158,8 @@ def test_two_image_records_train_and_infer_end_to_end(tmp_path):
     # the SFT control takes one image per record and says so
     err = None
     try:
-        mt.train(mt.get_parser().parse_args(["--data", str(f), "--out", str(tmp_path / "sft"), "--method", "sft",
-                                             "--quiet", "--device", "cpu"]))
+        mt.train(mt.parse_config(["--data", str(f), "--out", str(tmp_path / "sft"), "--method", "sft",
+                                  "--quiet", "--device", "cpu"]))
     except ValueError as e:
         err = str(e)
     assert err and "--method sft takes one image per record" in err

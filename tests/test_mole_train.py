@@ -83,7 +83,18 @@ def test_sft_placeholders_sit_where_moles_latents_sit(tmp_path):
     texts, _ = bb.generate(net, proc2, imgs[:1], qs[:1], max_new_tokens=2)
     assert len(texts) == 1
     try:
-        mt.train(mt.get_parser().parse_args(base + ["--out", str(tmp_path / "q"), "--placeholders", "8"]))
+        mt.train(mt.parse_config(base + ["--out", str(tmp_path / "q"), "--placeholders", "8"]))
         raise AssertionError("expected RunError")
     except mt.RunError as e:
         assert "--placeholders is for --method sft" in str(e)
+
+
+def test_train_config_fields_are_the_flags():
+    """TrainConfig's fields are the dest names of mole.train's flags, with the flags' defaults, and
+    parse_config fills every field from the command line."""
+    import dataclasses
+    parsed = vars(mt.get_parser().parse_args([]))
+    assert [f.name for f in dataclasses.fields(mt.TrainConfig)] == list(parsed)
+    assert dataclasses.asdict(mt.TrainConfig()) == parsed
+    cfg = mt.parse_config(["--r", "4", "--warmup-ratio", "0.1", "--n-vis", "6", "--model", "m"])
+    assert (cfg.lora_r, cfg.warmup, cfg.n_vis, cfg.model) == (4, 0.1, 6, "m")

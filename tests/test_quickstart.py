@@ -200,7 +200,7 @@ def test_mod_infer_checks_every_method_first_and_keeps_finished_methods(tmp_path
     out = tmp_path / "r.json"
     # base-misled cannot run on free-form data: refused before the model loads or any method runs
     with monkeypatch.context() as m:
-        m.setattr(bb, "load_backbone", lambda *a, **k: pytest.fail("the model loaded before the data check"))
+        m.setattr(infer, "load_backbone", lambda *a, **k: pytest.fail("the model loaded before the data check"))
         err = error_of(infer.main, ["--data", str(free), "--methods", "base,base-misled", "--out", str(out)],
                        capsys)
     assert "misled prompts need a shapes-world family" in err and not out.exists()

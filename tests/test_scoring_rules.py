@@ -107,7 +107,6 @@ def test_a_refusal_names_every_unsupported_kind_at_once():
 
 
 def test_mod_infer_names_both_kinds_of_one_record_before_loading(tmp_path, capsys, monkeypatch):
-    from common import backbone as bb
     from common import shapes
     from helpers import error_of
     from mod import infer
@@ -117,7 +116,7 @@ def test_mod_infer_names_both_kinds_of_one_record_before_loading(tmp_path, capsy
         {"from": "human", "value": "<image><image>\nSame shapes in both?"}, {"from": "gpt", "value": "yes"},
         {"from": "human", "value": "And colours?"}, {"from": "gpt", "value": "no"}]}
     (tmp_path / "two.json").write_text(json.dumps([rec]))
-    monkeypatch.setattr(bb, "load_backbone", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    monkeypatch.setattr(infer, "load_backbone", lambda *a, **k: pytest.fail("the model loaded before the check"))
     err = error_of(infer.main, ["--data", str(tmp_path / "two.json"), "--methods", "base"], capsys)
     assert "several images, e.g. ['r1']" in err and "several question/answer turns, e.g. ['r1']" in err
 

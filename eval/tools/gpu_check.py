@@ -48,7 +48,7 @@ from common.cli import add_overwrite, entry_parser, fail, refuse_existing
 from common.data import atomic_write_text
 from eval.tools.bench_mod_decode import variants
 from mod.model import AdapterConfig, attach, compile_adapters, routing_context
-from mod.train import Batcher, fit
+from mod.train import Batcher, TrainConfig, fit
 from mole.model import MoLE, MoLEConfig
 from rolemerge import calibrate as cal
 # deferred: peft (optional, not in requirements.txt: peft's LoRA is compared where it is installed)
@@ -72,7 +72,8 @@ def _tiny_mod(device, tmp, method="mod"):
 
 def check_mod_bf16(device, tmp, steps):
     model, proc, records = _tiny_mod(device, tmp)
-    res = fit(model, proc, records, os.path.join(tmp, "mod_bf16"), steps=steps, batch_size=4, quiet=True, log_every=1)
+    res = fit(model, proc, records, os.path.join(tmp, "mod_bf16"), TrainConfig(steps=steps, batch_size=4, log_every=1),
+              quiet=True)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     batch = Batcher(proc, records).encode(records[:2], answers=[r["target"] for r in records[:2]])
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -94,8 +95,8 @@ def check_mod_compile(device, tmp, steps):
         torch._dynamo.reset()
         model, proc, records = _tiny_mod(device, tmp)
         t = time.perf_counter()
-        res = fit(model, proc, records, os.path.join(tmp, f"mod_c{compiled}"), steps=steps, batch_size=4, quiet=True,
-                  log_every=1, compile=compiled)
+        res = fit(model, proc, records, os.path.join(tmp, f"mod_c{compiled}"),
+                  TrainConfig(steps=steps, batch_size=4, log_every=1, compile=compiled), quiet=True)
         log = res["log"]        # "s" is rounded to 10 ms: average over the steps after the first two
         out["compiled" if compiled else "eager"] = (log[-1]["s"] - log[1]["s"]) / max(len(log) - 2, 1)
         if compiled:

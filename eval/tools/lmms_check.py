@@ -12,21 +12,31 @@ Needs only the standard library to start: it
    folder (`python -m eval.lmms make-task`): `shapes` (greedy generation, scored by
    eval.metrics.is_correct) and `shapes_mc` (multiple choice by option log-likelihood);
 3. trains a small MoD adapter (mod.train on tiny-chat) and a small MoLE checkpoint
-   (mole.train), and merges tiny-moe with RoleMerge (calibrate + merge, rho 0.5);
+   (mole.train), merges tiny-moe with RoleMerge (calibrate + merge, rho 0.5), and saves a tiny
+   random LLaVA-NeXT and Gemma3 (`tests/test_families.py`'s `llava_next_vicuna`: Vicuna tokenizer
+   and template; `gemma3`: Gemma tokenizer and template; as `save_pretrained` writes them; the end
+   token's output row made to win where the token it generates most would, so that stopping is
+   exercised);
 4. scores each with our own entry points (mod.infer, mole.infer, eval.evaluate, and
    eval.evaluate.score_options for option log-likelihood) and with lmms-eval
-   (`python -m eval.lmms --model mod|mole ...`, and lmms-eval's stock `qwen3_vl` class on
-   the merged checkpoint), on the same records;
+   (`python -m eval.lmms --model mod|mole ...`, lmms-eval's stock `qwen3_vl` and `huggingface`
+   classes on the merged checkpoint, its stock `llava_hf` and `gemma3` classes on the LLaVA-NeXT
+   and Gemma3 ones, which `eval.evaluate --prompt-settings lmms-eval --batch-size 1` scores,
+   Gemma3 in bf16 as the class loads it), on the same records; for
+   LLaVA-NeXT it also compares, record by record, the prompt ids and pixels that `llava_hf`
+   builds (its own code, called in its venv) with those of eval.evaluate;
 5. prints both scores per run, the number of records whose verdict and whose generated text
    differ, and exits with 1 if any score differs or an lmms-eval run fails (2 for a setup
    error). Without torchvision (--torch cpu) the stock-class runs are skipped, not failed.
 
-Measured (mod/README.md, "lmms-eval"): with --torch cpu every comparison is equal; with
---torch pypi ours are equal too, and both stock classes fail on the tiny merged checkpoint
-(qwen3_vl: patch 16 assumed, our tiny bases have 14; huggingface: `audios=` refused by
-transformers 5), so that mode exits 1.
+Measured (mod/README.md, "lmms-eval"; eval/README.md for llava): with --torch cpu every
+comparison is equal; with --torch pypi ours are equal too, the stock llava_hf class gives the
+LLaVA-NeXT checkpoint the same prompt ids, pixels and texts as eval.evaluate, and both stock
+classes fail on the tiny merged checkpoint (qwen3_vl: patch 16 assumed, our tiny bases have 14;
+huggingface: `audios=` refused by transformers 5), so `--runs merged` exits 1.
 
-Every step's output stays in --out; a rerun redoes only what is missing (--overwrite redoes all).
+--runs picks which of mod, mole, merged, llava, gemma3 run (default all). Every step's output stays in
+--out; a rerun redoes only what is missing (--overwrite redoes all).
 Runs one thread per process (`--threads`); about 10 minutes on a busy 2-core CPU after the venv.
 """
 import argparse
@@ -40,6 +50,115 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
+DEFAULT_MAX_NEW_TOKENS = 48  # the generation budget of `eval.lmms make-task` and eval.evaluate
+RUNS = ("mod", "mole", "merged", "llava", "gemma3")
+# lmms-eval's stock classes: they need torchvision (AutoProcessor's video processors, qwen_vl_utils) and
+# decord (imported at the top of their modules), so only a --torch pypi venv runs them
+STOCK = ("merged qwen3_vl", "merged hf", "llava_hf", "gemma3")
+
+# a tiny random checkpoint of a family of tests/test_families.py in its real format (llava_next_vicuna:
+# llava-v1.6-vicuna-hf; gemma3: gemma-3-it). Random weights never pick the end token, so stopping would go
+# untested: its output row copies that of the token the model generates most on three test prompts
+# (times 1.001), so every time that token would win, the end token wins and generation stops, at a
+# different step per record.
+LLAVA_SNIPPET = """
+import os, shutil, sys
+from collections import Counter
+import torch
+sys.path.insert(0, "tests")
+from test_families import build_family
+from common.backbone import VLProcessor, generate
+from common.data import load_image, read_any
+model, hf = build_family({family!r})
+proc = VLProcessor(hf, model.config, model.generation_config)
+recs = read_any({test!r})[:3]
+batch = proc.encode([load_image(r["image"]) for r in recs], [r["question"] for r in recs])
+with torch.no_grad():
+    out = model.generate(**batch, max_new_tokens=48, do_sample=False, eos_token_id=proc.stop_ids,
+                         pad_token_id=proc.pad_token_id)[:, batch["input_ids"].shape[1]:]
+tok = Counter(out.flatten().tolist()).most_common(1)[0][0]
+eos = proc.eos_token_id  # the end token the template writes after an answer (</s>, <end_of_turn>)
+with torch.no_grad():
+    w = model.get_output_embeddings().weight
+    w[eos] = w[tok] * 1.001
+shutil.rmtree({tmp!r}, ignore_errors=True)
+model.save_pretrained({tmp!r})
+hf.save_pretrained({tmp!r})
+os.replace({tmp!r}, {path!r})
+"""
+
+# for the records whose texts differ under lmms-eval's gemma3 (simple) class: its inputs built by its own
+# steps (simple/gemma3.py:243-292: system turn, JPEG data URL, the processor's apply_chat_template), with
+# and without its pad_to_multiple_of=8, generated as it does (:320-329) and decoded as it does (:331)
+GEMMA_PAD_SNIPPET = """
+import json, os, torch
+torch.set_num_threads({threads})
+from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+from lmms_eval.models.model_utils.media_encoder import encode_image_to_data_url
+from common.backbone import load_backbone
+from common.data import load_image, read_any
+from eval.evaluate import apply_prompt_settings
+ours_text = {{r["id"]: r["pred"] for r in json.load(open({ours!r}))["results"]}}
+model = Gemma3ForConditionalGeneration.from_pretrained({path!r}, torch_dtype=torch.bfloat16).eval()
+processor = AutoProcessor.from_pretrained({path!r}, max_pixels=1605632, min_pixels=256 * 28 * 28)
+_, proc = load_backbone({path!r}, dtype=torch.bfloat16)
+apply_prompt_settings(model, proc, "lmms-eval")
+out = {{}}
+for r in read_any({test!r}):
+    if r["id"] not in {ids!r}:
+        continue
+    im = load_image(r["image"])
+    url = encode_image_to_data_url(im, image_format="JPEG", mime_type="image/jpeg", convert_rgb=True, quality=85)
+    msgs = [[{{"role": "system", "content": [{{"type": "text", "text": "You are a helpful assistant."}}]}},
+             {{"role": "user", "content": [{{"type": "image", "image": url}}, {{"type": "text", "text": r["question"]}}]}}]]
+    build = lambda **kw: processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                       return_tensors="pt", **kw).to("cpu", dtype=torch.bfloat16)
+    padded, plain = build(processor_kwargs={{"padding": True, "pad_to_multiple_of": 8}}), build()
+    ours = proc.encode([im], [r["question"]])
+    def text(b):
+        with torch.no_grad():
+            g = model.generate(**b, do_sample=False, max_new_tokens={max_new_tokens})[:, b["input_ids"].shape[1]:]
+        return processor.batch_decode(g, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
+    out[r["id"]] = {{"pad_tokens": int((padded["attention_mask"][0] == 0).sum()),
+                    "ids_equal_unpadded": plain["input_ids"].tolist() == ours["input_ids"].tolist(),
+                    "pixels_equal_unpadded": torch.equal(plain["pixel_values"], ours["pixel_values"].to(torch.bfloat16)),
+                    "unpadded_text_equals_ours": text(plain) == ours_text[r["id"]],
+                    "padded_text_equals_ours": text(padded) == ours_text[r["id"]]}}
+json.dump(out, open({out!r} + ".tmp", "w"), indent=1)
+os.replace({out!r} + ".tmp", {out!r})
+"""
+
+# the prompt ids and pixels of lmms-eval's llava_hf (chat) class, built by its own code
+# (models/chat/llava_hf.py:48-68: the task's auto messages, the processor's template, the processor
+# call), against eval.evaluate's (load_backbone + apply_prompt_settings + VLProcessor.encode)
+LLAVA_IDS_SNIPPET = """
+import json, os, torch
+torch.set_num_threads({threads})
+from lmms_eval.api.task import ConfigurableMessagesTask
+from lmms_eval.models.chat.llava_hf import LlavaHf
+from lmms_eval.protocol import ChatMessages
+from common.backbone import load_backbone
+from common.data import load_image, read_any
+from eval.evaluate import apply_prompt_settings
+lm = LlavaHf(pretrained={path!r}, device="cpu", device_map="cpu")
+model, proc = load_backbone({path!r})
+apply_prompt_settings(model, proc, "lmms-eval")
+rows = []
+for r in read_any({test!r}):
+    im = load_image(r["image"])
+    msgs = ChatMessages(messages=ConfigurableMessagesTask._build_user_turn([im], r["question"]))
+    visual, _, _ = msgs.extract_media()
+    text = lm._image_processor.apply_chat_template(msgs.model_dump()["messages"], tokenize=False,
+                                                   add_generation_prompt=True)
+    theirs = lm._image_processor(images=visual, text=text, return_tensors="pt")
+    ours = proc.encode([im], [r["question"]])
+    rows.append({{"id": r["id"], "ids_equal": ours["input_ids"].tolist() == theirs["input_ids"].tolist(),
+                 "pixels_equal": torch.equal(ours["pixel_values"], theirs["pixel_values"].to(ours["pixel_values"].dtype)),
+                 "image_sizes_equal": torch.equal(ours["image_sizes"], theirs["image_sizes"]),
+                 "prompt": text, "n_ids": len(theirs["input_ids"][0])}})
+json.dump(rows, open({out!r} + ".tmp", "w"), indent=1)
+os.replace({out!r} + ".tmp", {out!r})
+"""
 
 
 def log(msg, tool="lmms_check"):
@@ -134,7 +253,10 @@ def latest(pattern):
 
 def lmms_scores(out_dir, tasks_dir):
     """{task: (score, {doc id: 0/1}, {doc id: generated text})} from an lmms-eval output folder
-    (--log_samples). Samples name documents by their index in the task's JSONL (doc_id)."""
+    (--log_samples). Samples name documents by their index in the task's JSONL (doc_id). The text
+    is the raw generation, "resps": lmms-eval scores and logs it stripped ("filtered_resps",
+    api/reasoning.py:35) and leaves "resps" out of a sample where the two are equal
+    (loggers/evaluation_tracker.py:280)."""
     res = latest(os.path.join(out_dir, "**", "*_results.json"))
     if res is None:  # lmms-eval logs an evaluation error and still exits 0
         return None
@@ -153,18 +275,21 @@ def lmms_scores(out_dir, tasks_dir):
                 k = ids[int(s["doc_id"])]
                 per[k] = s.get("accuracy", s.get("acc"))
                 if key == "accuracy,none":
-                    t = s["filtered_resps"]
-                    text[k] = t if isinstance(t, str) else t[0]
+                    t = s.get("resps", s["filtered_resps"])
+                    while isinstance(t, list):
+                        t = t[0]
+                    text[k] = t
         out[task] = (metrics[key], per, text)
     return out
 
 
 def compare(rows, name, ref, got):
-    """Append a comparison row: ref and got are (score, {id: 0/1}, {id: text})."""
+    """Append a comparison row: ref and got are (score, {id: 0/1}, {id: text}); equal means equal
+    scores, verdicts and texts."""
     (a, pa, ta), (b, pb, tb) = ref, got
     differ = sum(1 for k in pa if k in pb and bool(pa[k]) != bool(pb[k]))
     texts = sum(1 for k in ta if k in tb and ta[k] != tb[k]) if ta and tb else None
-    rows.append((name, a, b, differ, texts, abs(a - b) < 1e-9 and differ == 0 and len(pa) == len(pb)))
+    rows.append((name, a, b, differ, texts, abs(a - b) < 1e-9 and differ == 0 and not texts and len(pa) == len(pb)))
 
 
 def main(argv=None):
@@ -177,11 +302,16 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="batch size, ours and lmms-eval's")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--torch", choices=["cpu", "pypi"], default="cpu",
-                   help="torch of a new venv: cpu = our local CPU wheel (no torchvision: lmms-eval's stock Qwen-VL "
-                        "classes cannot run), pypi = the index's build of the same version + torchvision (~3 GB)")
+                   help="torch of a new venv: cpu = our local CPU wheel (no torchvision: lmms-eval's stock classes "
+                        "cannot run), pypi = the index's build of the same version + torchvision (~3 GB)")
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help=f"comma-separated comparisons to run, of {', '.join(RUNS)} (default all)")
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="redo every step (not the venv; default: continue, skipping the steps done)")
     a = p.parse_args(argv)
+    want = [r.strip() for r in a.runs.split(",") if r.strip()]
+    if not want or set(want) - set(RUNS):
+        p.error(f"--runs {a.runs!r}: choose from {', '.join(RUNS)}")
     out = os.path.abspath(a.out)
     if a.fresh:
         shutil.rmtree(out, ignore_errors=True)
@@ -198,30 +328,38 @@ def main(argv=None):
     # data and task
     data = os.path.join(out, "data")
     if not os.path.exists(os.path.join(data, "test.json")):
-        run([py, "-m", "common.data", "--out", data, "--n-train", "300", "--n-val", "40", "--n-test", str(a.n),
+        run([py, "-m", "common.shapes", "--out", data, "--n-train", "300", "--n-val", "40", "--n-test", str(a.n),
              "--overwrite"], env, "shapes data")
     test = os.path.join(data, "test.json")
     tasks = os.path.join(out, "tasks")
     run([py, "-m", "eval.lmms", "make-task", "--data", test, "--out", tasks, "--overwrite"], env, "lmms-eval task")
 
-    # the three checkpoints
+    # the checkpoints
     mod_dir, mole_dir = os.path.join(out, "mod"), os.path.join(out, "mole")
     rm = os.path.join(out, "rolemerge")
     # lmms-eval's qwen3_vl class picks the MoE model class from the *path* (regex "A<n>B", as in
     # Qwen3-VL-30B-A3B): a merged checkpoint's folder must keep that pattern in its name.
     merged = os.path.join(rm, "tiny-moe-A1B-rho0.5")
-    if not os.path.exists(os.path.join(mod_dir, "adapter_config.json")):
+    llava = os.path.join(out, "llava_next")
+    gemma = os.path.join(out, "gemma3")
+    if "mod" in want and not os.path.exists(os.path.join(mod_dir, "adapter_config.json")):
         run([py, "-m", "mod.train", "--model", "tiny-chat", "--data", os.path.join(data, "train.json"), "--out",
              mod_dir, "--steps", "30", "--warmup-steps", "20", "--batch-size", "8", "--lr", "5e-3", "--overwrite"] + T, env, "MoD adapter")
-    if not os.path.exists(os.path.join(mole_dir, "state.json")):
+    if "mole" in want and not os.path.exists(os.path.join(mole_dir, "state.json")):
         run([py, "-m", "mole.train", "--data", data, "--out", mole_dir, "--max-steps", "30", "--batch-size", "8",
              "--overwrite", "--quiet"] + T, env, "MoLE checkpoint")
-    if not os.path.exists(os.path.join(merged, "config.json")):
+    if "merged" in want and not os.path.exists(os.path.join(merged, "config.json")):
         stats = os.path.join(rm, "stats.safetensors")
         run([py, "-m", "rolemerge.calibrate", "--model", "tiny-moe", "--data", os.path.join(data, "val.json"),
              "--limit", "20", "--out", stats, "--overwrite"] + T, env, "RoleMerge calibration")
         run([py, "-m", "rolemerge.merge", "--model", "tiny-moe", "--stats", stats, "--rho", "0.5", "--out", merged,
              "--overwrite"] + T, env, "RoleMerge merge")
+    if "llava" in want and has_tv and not os.path.exists(os.path.join(llava, "config.json")):
+        run([py, "-c", LLAVA_SNIPPET.format(family="llava_next_vicuna", test=test, tmp=llava + ".tmp", path=llava)],
+            env, "tiny LLaVA-NeXT checkpoint (random weights, Vicuna tokenizer and template)")
+    if "gemma3" in want and has_tv and not os.path.exists(os.path.join(gemma, "config.json")):
+        run([py, "-c", LLAVA_SNIPPET.format(family="gemma3", test=test, tmp=gemma + ".tmp", path=gemma)],
+            env, "tiny Gemma3 checkpoint (random weights, Gemma tokenizer and template)")
 
     # our own scores
     ref = os.path.join(out, "ref")
@@ -232,27 +370,47 @@ def main(argv=None):
         return (sum(r["correct"] for r in results) / len(results), {r["id"]: r["correct"] for r in results},
                 {r["id"]: r["pred"] for r in results if "pred" in r and r["pred"] is not None and "scores" not in r})
 
-    f = os.path.join(ref, "mod.json")
     done = lambda path: os.path.exists(path)  # each reference run writes its file last (atomically)
-    done(f) or run([py, "-m", "mod.infer", "--model", "tiny-chat", "--adapter", mod_dir, "--data", test, "--methods",
-         "single,multi", "--rounds", "1", "--max-new-tokens", "96", "--batch-size", B, "--out", f] + T, env,
-        "ours: mod.infer single,multi")
-    with open(f) as fh:
-        r = json.load(fh)["results"]
-    refs["mod single"], refs["mod multi"] = per(r["single"]), per(r["multi"])
-    f = os.path.join(ref, "mole.json")
-    done(f) or run([py, "-m", "mole.infer", "--ckpt", mole_dir, "--data", test, "--batch-size", B, "--out", f] + T, env,
-        "ours: mole.infer")
-    with open(f) as fh:
-        refs["mole"] = per(json.load(fh))
-    f = os.path.join(ref, "merged.json")
-    done(f) or run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", "1", "--dtype", "bfloat16",
-         "--out", f] + T, env, "ours: eval.evaluate on the merged checkpoint (bf16 and one record at a time, as "
-                               "lmms-eval's stock classes run it)")
-    with open(f) as fh:
-        refs["merged"] = per(json.load(fh)["results"])
-    f = os.path.join(ref, "loglik.json")
-    snippet = f"""
+    if "mod" in want:
+        f = os.path.join(ref, "mod.json")
+        done(f) or run([py, "-m", "mod.infer", "--model", "tiny-chat", "--adapter", mod_dir, "--data", test, "--methods",
+             "single,multi", "--rounds", "1", "--max-new-tokens", "96", "--batch-size", B, "--out", f] + T, env,
+            "ours: mod.infer single,multi")
+        with open(f) as fh:
+            r = json.load(fh)["results"]
+        refs["mod single"], refs["mod multi"] = per(r["single"]), per(r["multi"])
+    if "mole" in want:
+        f = os.path.join(ref, "mole.json")
+        done(f) or run([py, "-m", "mole.infer", "--ckpt", mole_dir, "--data", test, "--batch-size", B, "--out", f] + T,
+                       env, "ours: mole.infer")
+        with open(f) as fh:
+            refs["mole"] = per(json.load(fh))
+    if "merged" in want:
+        f = os.path.join(ref, "merged.json")
+        done(f) or run([py, "-m", "eval.evaluate", "--model", merged, "--data", test, "--batch-size", "1", "--dtype",
+                        "bfloat16", "--out", f] + T, env, "ours: eval.evaluate on the merged checkpoint (bf16 and one "
+                                                          "record at a time, as lmms-eval's stock classes run it)")
+        with open(f) as fh:
+            refs["merged"] = per(json.load(fh)["results"])
+    if "llava" in want and has_tv:  # (only the stock llava_hf class is compared with it)
+        f = os.path.join(ref, "llava.json")
+        done(f) or run([py, "-m", "eval.evaluate", "--model", llava, "--data", test, "--batch-size", "1",
+                        "--prompt-settings", "lmms-eval", "--out", f] + T, env,
+                       "ours: eval.evaluate --prompt-settings lmms-eval on the LLaVA-NeXT checkpoint (one record at a "
+                       "time, as lmms-eval's llava_hf runs it)")
+        with open(f) as fh:
+            refs["llava_hf"] = per(json.load(fh)["results"])
+    if "gemma3" in want and has_tv:
+        f = os.path.join(ref, "gemma3.json")
+        done(f) or run([py, "-m", "eval.evaluate", "--model", gemma, "--data", test, "--batch-size", "1",
+                        "--dtype", "bfloat16", "--prompt-settings", "lmms-eval", "--out", f] + T, env,
+                       "ours: eval.evaluate --prompt-settings lmms-eval on the Gemma3 checkpoint (bf16, one record at "
+                       "a time, as lmms-eval's gemma3 runs it)")
+        with open(f) as fh:
+            refs["gemma3"] = per(json.load(fh)["results"])
+    if "mod" in want or "mole" in want:
+        f = os.path.join(ref, "loglik.json")
+        snippet = f"""
 import json, torch
 torch.set_num_threads({a.threads})
 from common.backbone import load_backbone
@@ -262,23 +420,33 @@ from eval.lmms import loglik_mole
 from mod.model import load_adapters
 from mole.checkpoint import load_mole
 recs = [r for r in read_any({test!r}) if options_of(r)]
-model, proc = load_backbone("tiny-chat"); load_adapters(model, {mod_dir!r})
-out = {{"mod": [{{"id": r["id"], "correct": r["correct"]}} for r in score_options(model, proc, recs, batch_size={B})]}}
-mole, proc, stage = load_mole({mole_dir!r})
-res = []
-for r in recs:
-    opts = options_of(r)
-    lp = [x for x, _ in loglik_mole(mole, [(load_image(r["image"]), r["question"], L) for L, _ in opts], stage)]
-    pred = opts[max(range(len(lp)), key=lp.__getitem__)][0]
-    res.append({{"id": r["id"], "correct": pred == r["answer"]}})
-out["mole"] = res
+out = {{}}
+if {"mod" in want}:
+    model, proc = load_backbone("tiny-chat"); load_adapters(model, {mod_dir!r})
+    out["mod"] = [{{"id": r["id"], "correct": r["correct"]}} for r in score_options(model, proc, recs, batch_size={B})]
+if {"mole" in want}:
+    mole, proc, stage = load_mole({mole_dir!r})
+    res = []
+    for r in recs:
+        opts = options_of(r)
+        lp = [x for x, _ in loglik_mole(mole, [(load_image(r["image"]), r["question"], L) for L, _ in opts], stage)]
+        pred = opts[max(range(len(lp)), key=lp.__getitem__)][0]
+        res.append({{"id": r["id"], "correct": pred == r["answer"]}})
+    out["mole"] = res
 json.dump(out, open({f!r} + ".tmp", "w"))
 import os; os.replace({f!r} + ".tmp", {f!r})
 """
-    done(f) or run([py, "-c", snippet], env, "ours: option log-likelihood (eval.evaluate.score_options; MoLE: eval.lmms.loglik_mole)")
-    with open(f) as fh:
-        ll = json.load(fh)
-    refs["mod mc"], refs["mole mc"] = per(ll["mod"]), per(ll["mole"])
+        if done(f):
+            with open(f) as fh:
+                if not all(m in json.load(fh) for m in ("mod", "mole") if m in want):
+                    os.remove(f)
+        done(f) or run([py, "-c", snippet], env,
+                       "ours: option log-likelihood (eval.evaluate.score_options; MoLE: eval.lmms.loglik_mole)")
+        with open(f) as fh:
+            ll = json.load(fh)
+        for m in ("mod", "mole"):
+            if m in ll:
+                refs[f"{m} mc"] = per(ll[m])
 
     # lmms-eval's scores
     got = {}
@@ -293,15 +461,31 @@ import os; os.replace({f!r} + ".tmp", {f!r})
             ("merged qwen3_vl", "qwen3_vl", f"pretrained={merged},device_map=cpu,system_prompt=,"
                                             f"min_pixels=3136,max_pixels=12544", "shapes", ["--batch_size", "1"]),
             ("merged hf", "huggingface", f"pretrained={merged},device_map=cpu", "shapes",
-             ["--batch_size", "1"])]
+             ["--batch_size", "1"]),
+            # lmms-eval's stock llava_hf (its chat class: the processor's template; batch size 1 only)
+            ("llava_hf", "llava_hf", f"pretrained={llava},device_map=cpu", "shapes", ["--batch_size", "1"]),
+            # lmms-eval's stock gemma3 (simple class: system turn, JPEG data URLs, bf16)
+            ("gemma3", "gemma3", f"pretrained={gemma},device_map=cpu", "shapes", ["--batch_size", "1"])]
     failed, skipped = [], []
+    ids_check = None
     os.makedirs(os.path.join(out, "lmms"), exist_ok=True)
     for name, model, margs, task_list, extra in runs:
-        if name.startswith("merged") and not has_tv:
-            skipped.append((name, model, "not run: lmms-eval's stock Qwen-VL classes need torchvision (AutoProcessor's "
-                                        "video processor, qwen_vl_utils), which cannot load beside torch 2.13.0+cpu; "
-                                        "rerun with --torch pypi --venv ANOTHER_VENV"))
+        if name.split()[0].replace("llava_hf", "llava") not in want:
             continue
+        if name in STOCK and not has_tv:
+            skipped.append((name, model, "not run: lmms-eval's stock classes need torchvision (AutoProcessor's video "
+                                        "processors, qwen_vl_utils) and decord, which cannot load beside torch "
+                                        "2.13.0+cpu; rerun with --torch pypi --venv ANOTHER_VENV"))
+            continue
+        if name == "llava_hf":
+            f = os.path.join(ref, "llava_ids.json")
+            done(f) or run([py, "-c", LLAVA_IDS_SNIPPET.format(threads=a.threads, path=llava, test=test, out=f)], env,
+                           "prompt ids and pixels: lmms-eval's llava_hf vs eval.evaluate")
+            with open(f) as fh:
+                ids_rows = json.load(fh)
+            ids_check = {k: sum(not r[k] for r in ids_rows) for k in ("ids_equal", "pixels_equal", "image_sizes_equal")}
+            ids_check = {"n": len(ids_rows), **{k.replace("_equal", "_differ"): v for k, v in ids_check.items()},
+                         "prompt_example": ids_rows[0]["prompt"]}
         o = os.path.join(out, "lmms", name.replace(" ", "_"))
         shutil.rmtree(o, ignore_errors=True)
         p = run([py, "-m", "eval.lmms", "--model", model, "--model_args", margs, "--tasks", task_list,
@@ -321,18 +505,41 @@ import os; os.replace({f!r} + ".tmp", {f!r})
     rows = []
     for name in got:
         compare(rows, name, refs["merged" if name.startswith("merged") else name], got[name])
-    print("\nlmms-eval vs ours on the same records (shapes test split, n=%d; mc: %d records with options)"
-          % (len(refs["mole"][1]), len(refs["mod mc"][1])))
+    padding = None
+    if "gemma3" in got:  # why gemma3's texts differ, if they do: its padding to a multiple of 8?
+        ta, tb = refs["gemma3"][2], got["gemma3"][2]
+        differ = sorted(k for k in ta if k in tb and ta[k] != tb[k])
+        if differ:
+            f = os.path.join(ref, "gemma3_padding.json")
+            run([py, "-c", GEMMA_PAD_SNIPPET.format(threads=a.threads, path=gemma, test=test, ids=differ, out=f,
+                                                    ours=os.path.join(ref, "gemma3.json"),
+                                                    max_new_tokens=DEFAULT_MAX_NEW_TOKENS)],
+                env, "gemma3: the differing records again, with and without its pad_to_multiple_of=8")
+            with open(f) as fh:
+                padding = json.load(fh)
+    n = len(next(iter(refs.values()))[1]) if refs else 0
+    print(f"\nlmms-eval vs ours on the same records (shapes test split, n={n})")
     print(f"{'run':16s} {'ours':>7s} {'lmms-eval':>9s} {'verdicts differ':>15s} {'texts differ':>12s}  equal")
     for name, x, y, d, t, ok in rows:
         print(f"{name:16s} {x:7.4f} {y:9.4f} {d:15d} {'-' if t is None else t:>12}  {'yes' if ok else 'NO'}")
+    if ids_check:
+        print(f"llava_hf inputs: of {ids_check['n']} records, prompt ids differ in {ids_check['ids_differ']}, pixels "
+              f"in {ids_check['pixels_differ']}, image sizes in {ids_check['image_sizes_differ']}; its prompt: "
+              f"{ids_check['prompt_example']!r}")
+    if padding:
+        print(f"gemma3, the {len(padding)} records whose texts differ: without its padding to a multiple of 8 the class's "
+              f"inputs give our text in {sum(v['unpadded_text_equals_ours'] for v in padding.values())} (ids equal in "
+              f"{sum(v['ids_equal_unpadded'] for v in padding.values())}, pixels in "
+              f"{sum(v['pixels_equal_unpadded'] for v in padding.values())}), with it in "
+              f"{sum(v['padded_text_equals_ours'] for v in padding.values())}")
     for name, model, why in failed + skipped:
         print(f"{name:16s} lmms-eval --model {model}: {why}")
-    for n in notes:
-        print(f"venv: {n}")
+    for n_ in notes:
+        print(f"venv: {n_}")
     with open(os.path.join(out, "summary.json"), "w") as fh:
-        json.dump({"rows": rows, "failed": failed, "skipped": skipped, "notes": notes}, fh, indent=1)
-    bad = [r for r in rows if not r[5]] or failed
+        json.dump({"rows": rows, "inputs": ids_check, "gemma3_padding": padding, "failed": failed,
+                   "skipped": skipped, "notes": notes}, fh, indent=1)
+    bad = [r for r in rows if not r[5]] or failed or (ids_check and (ids_check["ids_differ"] or ids_check["pixels_differ"]))
     raise SystemExit(1 if bad else 0)
 
 

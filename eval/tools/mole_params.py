@@ -16,7 +16,7 @@ from common.backbone import load_backbone
 from common.cli import add_overwrite, add_threads, entry_parser, refuse_existing, set_threads
 from common.data import atomic_write_text
 from mole.checkpoint import build
-from mole.train import get_parser
+from mole.train import parse_config
 
 # the toy's main rows (eval/toys/mole.py MAIN): extra mole.train flags
 ARMS = {"MoLE (E = 4, S = 4)": [], "plain latents (8)": ["--n-vis", "8", "--n-sum", "0", "--no-router", "--no-esva",
@@ -45,8 +45,8 @@ def analytic(shape, n_vis=4, n_sum=4, router=True, esva=True, esva_hidden=0, lor
 
 def built(flags, model="tiny-dense"):
     """{part: parameters} of the model `mole.train` builds with these flags (requires_grad)."""
-    a = get_parser().parse_args(["--data", "unused", "--out", "unused", "--model", model, *flags])
-    _, _, params = build(a, "cpu")
+    cfg = parse_config(["--data", "unused", "--out", "unused", "--model", model, *flags])
+    _, _, params = build(cfg, "cpu")
     parts = {"lora": 0, "latents": 0, "routers": 0, "esva": 0}
     for n, p in params.items():
         key = ("lora" if "lora_" in n else "latents" if n == "latent" else "routers" if n.startswith("routers")

@@ -21,7 +21,6 @@ only ever saw agreeing priors and so learned to lean on them (misled by a wrong 
 MoD paper says real VLMs are), which is what viewpoint-shift training is meant to fix.
 """
 import json
-import math
 import os
 import random
 import shutil
@@ -35,6 +34,7 @@ from common import backbone as bb
 from common import data, shapes
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
 from common.cli import SAVE_EVERY, add_threads, entry_parser, fail, number, set_threads, step_tokens, token_ce
+from common.schedule import lr_at
 from mod import prompts as vs
 
 LOOKS = ("full", "objects", "none")
@@ -191,12 +191,6 @@ def teacher_forced_eval(model, proc, n=400, seed=12345, batch_size=100, look="fu
 RECIPE_KEYS = ("arch", "steps", "batch_size", "lr", "warmup", "hidden", "layers", "experts", "top_k", "seed",
                "answer_weight", "init", "chat_mix", "wrong_priors", "patch_size", "merge_size", "look",
                "expert_width")
-
-
-def lr_at(step, steps, lr, warmup):
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
 def main():

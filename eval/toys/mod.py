@@ -60,7 +60,7 @@ from mod import data as vs
 from mod.infer import (heatmap_png, misled, mod_debate, multi_agent_debate, plain, routing_trace,
                        self_correction, summarize, usage_entropy)
 from mod.model import AdapterConfig, attach, num_trainable, save_adapters
-from mod.train import fit
+from mod.train import TrainConfig, fit
 
 # (about) equal trainable parameters on the tiny chat/dense base (hidden 128, 4 layers, q/k/v/o):
 # MoD E=8 rank-1 experts per pool + 2 routers: 61,440; LoRA rank 17: 60,928;
@@ -104,8 +104,8 @@ def train_adapter(base, proc, recs, cfg_kw, steps, batch_size, out_dir, name, lo
     torch.manual_seed(0)
     cfg = AdapterConfig(**cfg_kw)
     attach(model, cfg)
-    res = fit(model, proc, recs, os.path.join(out_dir, name), steps=steps, batch_size=batch_size, lr=2e-3,
-              warmup=max(1, steps // 10), aux_coef=cfg.aux_coef, desc=f"train {name}")
+    res = fit(model, proc, recs, os.path.join(out_dir, name), TrainConfig(steps=steps, batch_size=batch_size, lr=2e-3,
+              warmup=max(1, steps // 10), aux_coef=cfg.aux_coef), desc=f"train {name}")
     save_adapters(model, os.path.join(out_dir, name))
     res["trainable"] = num_trainable(model)
     log(f"{name}: {res['trainable']:,} trainable, loss {res['loss']:.3f} aux {res['aux']:.3f}, "

@@ -51,7 +51,7 @@ from eval.plots import bar_ci_png, line_png
 from mod import data as vs
 from mod.infer import misled, mod_debate, plain, run_rounds, _results, summarize
 from mod.model import AdapterConfig, attach, load_adapters, num_trainable, save_adapters
-from mod.train import fit
+from mod.train import TrainConfig, fit
 
 # arm -> (folder name under OUT/debate, AdapterConfig kwargs); parameter counts as the e2e toy's
 MOELORA = dict(method="moelora", num_experts=4, expert_rank=4, r=2, lora_alpha=4.0)
@@ -247,8 +247,8 @@ def run(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETTING
                 model = copy.deepcopy(base)
                 torch.manual_seed(seed)
                 attach(model, AdapterConfig(**kw))
-                tr = fit(model, proc, arm_recs, os.path.join(root, name), steps=S["steps"], batch_size=S["batch_size"],
-                         lr=S["lr"], warmup=max(1, S["steps"] // 10), seed=seed, desc=f"train {name}", quiet=True)
+                tr = fit(model, proc, arm_recs, os.path.join(root, name), TrainConfig(steps=S["steps"], batch_size=S["batch_size"],
+                         lr=S["lr"], warmup=max(1, S["steps"] // 10), seed=seed), desc=f"train {name}", quiet=True)
                 save_adapters(model, os.path.join(root, name))
                 out = score_test(model.eval(), proc, test, own)
                 log(f"  {name}: loss {tr['loss']:.3f}, " + ", ".join(
@@ -520,8 +520,8 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
         torch.manual_seed(seed)
         attach(model, AdapterConfig(**kw))
         recs = arm_records(root, prep, arm)
-        tr = fit(model, proc, recs, d, steps=S["steps"], batch_size=S["batch_size"], lr=lr,
-                 warmup=max(1, S["steps"] // 10), seed=seed, desc=f"train {d}", quiet=True, save_every=100, resume=True)
+        tr = fit(model, proc, recs, d, TrainConfig(steps=S["steps"], batch_size=S["batch_size"], lr=lr,
+                 warmup=max(1, S["steps"] // 10), seed=seed, save_every=100, resume=True), desc=f"train {d}", quiet=True)
         info = {"loss": tr["loss"], "wall_s": tr["wall_s"], "step0_loss": tr["log"][0]["loss"], "lr": lr,
                 "trainable": num_trainable(model), "n_train": len(recs)}
         save_adapters(model, d)

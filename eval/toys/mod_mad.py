@@ -40,7 +40,7 @@ from eval.metrics import bootstrap_ci
 from eval.toys.mod_debate import SETTINGS, _paired, arm_records, late, load_data, prepare, verdict_over
 from mod.infer import liang_debate, mod_debate, multi_agent_debate, summarize
 from mod.model import AdapterConfig, attach, load_adapters, save_adapters
-from mod.train import fit
+from mod.train import TrainConfig, fit
 
 DEFAULT_ADAPTER = os.path.join("debate", "lr", "MoD_lr0.01_steps500_s0")   # the main setting's MoD, seed 0
 
@@ -152,8 +152,8 @@ def train_mod(root, base, proc, prep, seed, log=print):
     model = copy.deepcopy(base)
     torch.manual_seed(seed)
     attach(model, AdapterConfig(method="mod"))
-    tr = fit(model, proc, arm_records(root, prep, "MoD"), d, steps=PROTOCOL_STEPS, batch_size=8, lr=PROTOCOL_LR,
-             warmup=max(1, PROTOCOL_STEPS // 10), seed=seed, desc=f"train {d}", quiet=True, save_every=100, resume=True)
+    tr = fit(model, proc, arm_records(root, prep, "MoD"), d, TrainConfig(steps=PROTOCOL_STEPS, batch_size=8, lr=PROTOCOL_LR,
+             warmup=max(1, PROTOCOL_STEPS // 10), seed=seed, save_every=100, resume=True), desc=f"train {d}", quiet=True)
     save_adapters(model, d)
     info = {"loss": tr["loss"], "wall_s": tr["wall_s"], "step0_loss": tr["log"][0]["loss"]}
     atomic_write_text(info_f, json.dumps(info))

@@ -36,10 +36,11 @@ import torch
 
 from common.data import atomic_write_text
 from common.routing import switch_rate
+from common.schedule import lr_at
 from eval.metrics import bootstrap_ci, two_level_bootstrap
 from eval.plots import bar_ci_png, line_png
 from mod.model import AdapterConfig, MoDLinear, RoutingContext
-from mod.train import lr_at
+from mod.train import MIN_LR_RATIO
 
 D_C, D_Z, D_OUT, E = 8, 16, 16, 4
 D_IN = D_C + D_Z
@@ -136,7 +137,7 @@ def train_eval(task, cfg_kw, lr, seed, split, S=SETTINGS):
     layer.train()
     for step in range(S["steps"]):
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, S["steps"], lr, S["warmup"])
+            grp["lr"] = lr_at(step, S["steps"], lr, S["warmup"], MIN_LR_RATIO)
         x, y, _, _ = task.sample(shape, g)
         ctx.aux = []
         loss = ((layer(x) - y) ** 2).sum(-1).mean()
