@@ -36,6 +36,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -262,6 +263,8 @@ def prepare_out(out, resume, overwrite):
         raise RunError(f"--out {out} is a file, not a directory")
     found = [f for f in OWN if os.path.exists(os.path.join(out, f))]
     if not found:
+        if resume:
+            print(f"--resume: no run in {out}; starting at step 0", file=sys.stderr)
         return []
     if overwrite:
         return [os.path.join(out, f) for f in found]

@@ -393,3 +393,12 @@ def test_a_wrong_adapter_path_is_refused_before_any_model_loads(shapes, tmp_path
     err = error_of(minfer.main, ["--model", "tiny-chat", "--adapter", str(tmp_path / "none"), "--data",
                                  str(shapes / "val.json"), "--methods", "single", "--threads", "1"], capsys)
     assert "no adapter_config.json" in err and "not an adapter directory" in err
+
+
+def test_resume_with_nothing_to_resume_says_it_starts_fresh(tmp_path, capsys):
+    """`mod.train --resume` on an empty --out starts at step 0 and says so (it used to start silently)."""
+    from mod.train import prepare_out
+    assert prepare_out(str(tmp_path / "run"), resume=True, overwrite=False) == []
+    assert "no run in" in capsys.readouterr().err
+    assert prepare_out(str(tmp_path / "run2"), resume=False, overwrite=False) == []
+    assert capsys.readouterr().err == ""
