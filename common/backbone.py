@@ -14,22 +14,25 @@ The tiny defaults are real `transformers` architectures (Qwen3-VL dense, Qwen3-V
 built here with a byte-level BPE tokenizer and a Qwen2-VL image processor, pretrained by
 `python -m eval.tools.pretrain` and saved with `save_pretrained` under `common/tiny/`.
 """
+import difflib
 import hashlib
 import io
 import json
 import math
 import os
 import random
+import shutil
 import sys
 
 import numpy as np
 import torch
 import transformers
 from PIL import Image
-from transformers import ProcessorMixin
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import (AutoConfig, AutoModelForImageTextToText, LlavaNextConfig, LlavaNextImageProcessorPil,
+                          ProcessorMixin, Qwen2Tokenizer)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
-from transformers.utils.chat_template_utils import (_get_control_token_patterns, encode_marked_chat,
-                                                    mark_control_tokens)
+from transformers.utils.chat_template_utils import _get_control_token_patterns, encode_marked_chat, mark_control_tokens
 
 from common import shapes
 from common.checkpoint import CheckpointError, checked_weights
@@ -56,8 +59,6 @@ def build_tokenizer(vocab_size=400, seed=0):
     unknown words fall back to bytes), with the Qwen special tokens, one added token per
     object name / option / spatial mark (`common.shapes.mark_tokens`) and a chat template.
     Returns a `Qwen2Tokenizer`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
     rng, corpus = random.Random(seed), []
     for _ in range(3000):
         scene, family, q, a = shapes.sample_example(rng)
@@ -588,7 +589,6 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch
     mrope_section [2,7,7] so height/width get usable rotary frequencies, see NOTES), or
     "llava_next" (LLaVA-NeXT: CLIP tower, one 28 px any-resolution tile, Llama decoder).
     Raises ValueError on an unknown arch."""
-    from transformers import AutoConfig
     ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in [
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
@@ -618,7 +618,6 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch
         text.update(model_type="llama", rope_theta=1e4)
         vision = dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, image_size=28, patch_size=14, projection_dim=64)
-        from transformers import LlavaNextConfig
         return LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=ids["image_token_id"],
                                image_grid_pinpoints=[[28, 28]], vision_feature_layer=-1, tie_word_embeddings=False)
     else:
@@ -628,14 +627,12 @@ def tiny_config(arch, tokenizer, hidden=128, layers=4, experts=8, top_k=2, patch
 
 def build_tiny(arch="qwen3_vl", seed=0, **kw):
     """Randomly initialised tiny VLM + its VLProcessor (nothing downloaded)."""
-    from transformers import AutoModelForImageTextToText
     tok = build_tokenizer()
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(tiny_config(arch, tok, **kw))
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.pad_token_id = tok.pad_token_id
     if arch == "llava_next":  # 28 px tiles: 84x84 shapes images become 10 image tokens
-        from transformers import LlavaNextImageProcessorPil
         improc = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
                                             image_grid_pinpoints=[[28, 28]])
     else:
@@ -665,7 +662,6 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
     unreadable one, an architecture outside SUPPORTED_VLMS (or one that needs
     trust_remote_code), weights only in pickle files (pytorch_model.bin: pickles can run code,
     so they are never loaded), and a truncated / corrupt safetensors file (named)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
     path = resolve(path)
     old = path.rstrip("/") + ".old"
     if not os.path.exists(path) and os.path.exists(os.path.join(old, "config.json")):  # see save_backbone
@@ -681,7 +677,6 @@ def load_backbone(path, dtype=None, device="cpu", trust_remote_code=False, devic
                             f"or rebuild it with `python -m eval.tools.pretrain` (README)")
     elif path.startswith((".", os.sep, "~")) or path.count("/") != 1 or os.path.isdir(path.split("/")[0]):
         # (one slash under a local folder, `ckpt/qwen25v1`, is a typo of a local path, not a hub id)
-        import difflib
         parent, name = os.path.split(path.rstrip("/"))
         here = sorted(os.listdir(parent)) if parent and os.path.isdir(parent) else []
         near = difflib.get_close_matches(name, here, n=1, cutoff=0.6) if here else \
@@ -762,7 +757,6 @@ def save_backbone(model, proc, path):
     """save_pretrained model + tokenizer + image processor into `path` atomically
     (written to a temp dir, then renamed over; an existing `path` is moved aside first, so
     at every instant one complete checkpoint is at `path` or at `path.old`)."""
-    import shutil
     path = path.rstrip("/")
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)

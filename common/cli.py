@@ -9,6 +9,7 @@ sets a flag: the loop finishes its step, writes a checkpoint and raises `Interru
 """
 import argparse
 import errno
+import gc
 import hashlib
 import json
 import math
@@ -18,6 +19,8 @@ import sys
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from common.checkpoint import read_state
 from common.tiny import TINY, TINY_DIR
@@ -102,44 +105,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def entry_parser(module, description):
     """The argparse parser of an entry point: usage names the command a user types (`python -m
     {module}`), the description is shown as written and each option's default is appended
-    (`HelpFormatter`). Call as `entry_parser(__spec__.name, __doc__)`."""
-    return argparse.ArgumentParser(prog=f"python -m {module}", description=description, formatter_class=HelpFormatter)
-
-class Deprecated(argparse.Action):
-    """An old flag spelling kept for one release: stores into the new flag's dest and prints
-    `warning: --base is deprecated; use --model`. Usage:
-        p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)"""
-
-    def __init__(self, option_strings, dest, new=None, **kw):
-        kw["default"] = argparse.SUPPRESS  # the new flag's default stands
-        super().__init__(option_strings, dest, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"warning: {option_string} is deprecated; use {self.new} (the old spelling goes in the next "
-              f"release)", file=sys.stderr)
-        setattr(namespace, self.dest, values)
+    (`HelpFormatter`). A flag is taken only as spelled (allow_abbrev=False): `eval.evaluate --n 5` is an
+    error, not `--no-loglik` followed by a stray 5. Call as `entry_parser(__spec__.name, __doc__)`."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=description, formatter_class=HelpFormatter,
+                                   allow_abbrev=False)
 
 
-class DeprecatedSwitch(Deprecated):
-    """`Deprecated` for an on/off flag (no value): `--force` -> `--overwrite`. Usage:
-        p.add_argument("--force", dest="overwrite", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)"""
-
-    def __init__(self, option_strings, dest, new=None, **kw):
-        super().__init__(option_strings, dest, new=new, nargs=0, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        super().__call__(parser, namespace, True, option_string)
-
-
-def add_overwrite(p, what="--out", old_force=False):
+def add_overwrite(p, what="--out"):
     """Add `--overwrite` (replace an existing output; the one name in every entry point) to an
-    argparse parser; `old_force` also accepts the deprecated `--force`. Check it with
-    `check_overwrite` before anything slow runs."""
+    argparse parser. Check it with `check_overwrite` before anything slow runs."""
     p.add_argument("--overwrite", action="store_true",
                    help=f"replace an existing {what} (without it an existing one is refused, nothing is written)")
-    if old_force:
-        p.add_argument("--force", dest="overwrite", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
 
 
 def check_overwrite(path, overwrite, resume=None, flag="--out"):
@@ -152,17 +128,23 @@ def check_overwrite(path, overwrite, resume=None, flag="--out"):
     raise RunError(f"{flag} {path} already exists; pass --overwrite to replace it{more}, or choose another {flag}")
 
 
+def refuse_existing(path, overwrite, flag="--out"):
+    """`check_overwrite` for a command line without --resume: an existing `path` without
+    `overwrite` prints `error: ...` and exits with status 2 (`fail`). Call before anything slow runs."""
+    try:
+        check_overwrite(path, overwrite, flag=flag)
+    except RunError as e:
+        fail(e)
+
+
 SAVE_EVERY = 100   # --save-every of every trainer: a checkpoint every 100 optimizer steps (0 = only at the end)
 
 
-def add_limit(p, default=0, what="records", dest="limit", old_n=False):
+def add_limit(p, default=0, what="records", dest="limit"):
     """Add `--limit N` (use only the first N records; 0 = all, the one meaning in every script) to an
-    argparse parser; a negative N stops at parse time. `old_n` also accepts the deprecated `--n`.
-    Apply it as `records[:N or None]`."""
+    argparse parser; a negative N stops at parse time. Apply it as `records[:N or None]`."""
     p.add_argument("--limit", dest=dest, metavar="N", type=number(min=0), default=default,
                    help=f"use only the first N {what} (0 = all; default {default or 'all'})")
-    if old_n:
-        p.add_argument("--n", dest=dest, type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
 
 
 def add_threads(p):
@@ -209,7 +191,6 @@ def load_kwargs(args):
 def _small_checkpoint(path, max_hidden=512):
     """True if `path` is a local checkpoint whose language model is tiny (hidden size <=
     `max_hidden`, e.g. a RoleMerge merge or a MoLE run of a tiny base): one thread suits it."""
-    import json
     try:
         with open(os.path.join(str(path), "config.json")) as f:
             cfg = json.load(f)
@@ -229,7 +210,6 @@ def set_threads(threads, model=None):
     (`os.sched_getaffinity`, which respects taskset / cgroup CPU sets, unlike os.cpu_count).
     0 leaves torch's own default. Measured in the README (Setup): on a 2-core machine busy
     with other jobs, torch's default threads made a 200-example evaluation ~10x slower."""
-    import torch
     if threads is None:
         tiny = (model is None or model in TINY or os.path.abspath(str(model)).startswith(TINY_DIR)
                 or _small_checkpoint(model))
@@ -371,8 +351,6 @@ def step_tokens(micro_labels, world=1):
     their tokens in the whole step."""
     n = sum(label_tokens(lab) for lab in micro_labels)
     if world > 1:
-        import torch
-        import torch.distributed as dist
         t = torch.tensor(float(n), device=micro_labels[0].device)
         dist.all_reduce(t)
         return float(t) / world
@@ -385,7 +363,6 @@ def token_ce(logits, labels, n_tokens):
     optimizer step (`step_tokens`). Summed over a step's micro-batches this is the token-mean
     CE of the step however it is split, so gradient accumulation (--grad-accum) gives the
     gradient of one big batch: each token weighs the same, not each micro-batch."""
-    import torch.nn.functional as F
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum") / n_tokens
 
@@ -410,8 +387,6 @@ def step_means(values, world=1):
     which would leave the others waiting in a collective)."""
     if world <= 1:
         return values
-    import torch
-    import torch.distributed as dist
     keys = sorted(values)
     device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"  # NCCL: GPU tensors only
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
@@ -429,8 +404,6 @@ def end_distributed():
     while the wrapper was alive, the process hung in the wrapper's teardown after `train()`
     returned (faulthandler: the last Python frame was the return from `train()`), and torchrun
     waited for it. No-op when no process group is initialised."""
-    import gc
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
     gc.collect()

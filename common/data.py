@@ -13,9 +13,13 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 from PIL import Image, ImageOps
+from tqdm import tqdm
 
 from common.answers import ANSWER_TYPES, UNLABELLED, final_answer, parse_options  # noqa: F401  (common.data.parse_options)
 from common.files import atomic_target, atomic_write_text, follow_umask, name_path  # noqa: F401  (common.data.*)
@@ -428,7 +432,6 @@ def _open_image(path, rid):
     """Image.open with our size limits applied to the header (before any pixel is decoded).
     PIL warns above MAX_PIXELS and raises its own DecompressionBombError above twice that;
     both become one DataError."""
-    import warnings
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -499,12 +502,10 @@ def check_record_images(records, path="data", skip_bad=False, workers=None, prog
     stderr gives the count and lists each left-out record). Raises DataError listing EVERY
     record with a missing or unusable image (id, file, what is wrong) when skip_bad is off, and
     when skip_bad leaves no record. Cost: README "What happens when" (measured per image)."""
-    from concurrent.futures import ThreadPoolExecutor
     files = list(dict.fromkeys(p for r in records for p in r["images"]))
     if not files:
         return records
     workers = workers or min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    from tqdm import tqdm
     with tqdm(total=len(files), desc="check images", unit="img", leave=False,
               disable=not progress or len(files) < 500) as bar:
         def one(p):
@@ -561,7 +562,6 @@ def load_image(path, rid="?"):
         with _open_image(path, rid) as raw:
             im = ImageOps.exif_transpose(raw)
             if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-                import numpy as np
                 a = np.asarray(im, dtype=np.float64)
                 lo, hi = float(a.min()), float(a.max())
                 a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)

@@ -19,6 +19,7 @@ batches finished before it are kept). A resume with other settings, another mode
 data is refused, naming what differs. Without `--out` nothing is written (and `--resume` is
 refused).
 """
+import base64
 import hashlib
 import json
 import os
@@ -26,8 +27,13 @@ import signal
 import time
 from contextlib import nullcontext
 
+import numpy as np
+import torch
+from tqdm import tqdm
+
 from common.cli import Interrupted, RunError, sigterm_flag
 from common.data import atomic_write_text, name_path
+from common.tiny import TINY
 
 FORMAT = "predictions-partial/1"
 _CHUNK = 1 << 20  # bytes hashed at each end of a weight file
@@ -52,7 +58,6 @@ def model_digest(path):
     top-level *.json and *.safetensors file (`file_digest`), so another or retrained
     checkpoint at the same path is told apart while a copied one is not; a committed tiny
     name is resolved first; anything else (a hub id) is its text."""
-    from common.tiny import TINY
     if not path:
         return None
     d = TINY.get(path, path)
@@ -206,7 +211,6 @@ class PredictionLog:
         state() when given (e.g. the random generators'
         state after it, `rng_state`). After a batch, a pending Ctrl-C / SIGTERM stops the run
         with `Interrupted`; a second Ctrl-C stops at once, also as `Interrupted`."""
-        from tqdm import tqdm
         got = self.stored(phase)
         if len(got) > n:
             raise RunError(f"{self.path}: {len(got)} batches of {phase!r} stored, the run has {n}; delete it to "
@@ -282,8 +286,6 @@ class _Scope:
 def rng_state():
     """torch's CPU (and, once initialised, every CUDA device's) random state as JSON-able text,
     stored with each batch of a sampled pass so that `--resume` continues the same stream."""
-    import base64
-    import torch
     out = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
@@ -292,9 +294,6 @@ def rng_state():
 
 def set_rng_state(state):
     """Restore a state saved by `rng_state`."""
-    import base64
-    import numpy as np
-    import torch
     as_tensor = lambda t: torch.from_numpy(np.frombuffer(base64.b64decode(t), dtype=np.uint8).copy())
     torch.set_rng_state(as_tensor(state["cpu"]))
     if state.get("cuda") and torch.cuda.is_available():

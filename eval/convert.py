@@ -54,8 +54,10 @@ import re
 
 from PIL import Image
 
-from common.cli import add_limit, run_cli
-from common.data import DataError, atomic_target, atomic_write_text, check_unique_ids, gold_answers, load_records, note_changes
+from common.cli import add_limit, entry_parser, run_cli
+from common.data import (DataError, atomic_target, atomic_write_text, check_unique_ids, gold_answers, load_records,
+                         note_changes)
+# deferred: pyarrow (optional, not in requirements.txt: only parquet / arrow sources need it)
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 MC_PROMPT = "Answer with the option's letter from the given choices directly."
@@ -481,7 +483,6 @@ def convert(benchmark, src, out, image_dir=None, limit=None, overwrite=False, mu
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "Convert a public benchmark export (parquet / arrow / JSON / JSONL, "
                                     "the hub dataset's schema) to canonical JSONL with images beside it.")
     p.add_argument("--benchmark", required=True, choices=sorted(CONVERTERS), help="which schema --src is in")

@@ -40,18 +40,18 @@ from collections import Counter
 
 import torch
 
+from common.answers import (ANSWER_TYPE, UNLABELLED, is_multiple_choice,  # noqa: F401  (eval.evaluate.options_of)
+                            options_of, score)
 from common.backbone import TEXT_LMS, checkpoint_model_type, generate, load_backbone
-from common.cli import add_device_args, load_kwargs
-from common.cli import (Deprecated, RunError, add_limit, add_overwrite, add_threads, check_out_file, check_overwrite, number,
-                        run_cli, set_threads)
+from common.cli import (RunError, add_device_args, add_limit, add_overwrite, add_threads, check_out_file,
+                        check_overwrite, entry_parser, load_kwargs, run_cli, set_threads)
 from common.data import (IMAGE_ROOT_HELP, SKIP_BAD_HELP, DataError, atomic_write_text, check_record_images,
                          check_support, expand_turns, load_image, read_any)
 from common.predictions import PredictionLog, fingerprint, model_digest
-from common.answers import ANSWER_TYPE, UNLABELLED, is_multiple_choice, options_of, score  # noqa: F401  (eval.evaluate.options_of)
 from eval.metrics import (accuracy, anls, bootstrap_ci, by_family, extract, format_table, gold_list, is_correct,
                           option_letters, pope_prf, record_answer_type, short_answer)
-from eval.scores import SCORERS, benchmark_scores, format_scores
 from eval.readers import parse_options
+from eval.scores import SCORERS, benchmark_scores, format_scores
 
 # lmms-eval 0.7.3's settings per model_type, where they differ from the checkpoint's own (file:line
 # under lmms_eval/models/). `--model NAME` takes NAME's chat class where lmms-eval ships one
@@ -330,11 +330,10 @@ def extra_metrics(results):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "Evaluate a VLM on a benchmark file (LLaVA JSON or canonical "
                                     "JSONL): per-family accuracy vs the best constant answer.")
-    p.add_argument("--model", default=None,  # required, checked after parsing so the old --base spelling counts
-                   help="required: checkpoint directory (save_pretrained format) or tiny-dense / tiny-chat / tiny-moe")
+    p.add_argument("--model", required=True,
+                   help="checkpoint directory (save_pretrained format) or tiny-dense / tiny-chat / tiny-moe")
     p.add_argument("--data", required=True, help="benchmark file: LLaVA JSON/JSONL or canonical JSONL")
     p.add_argument("--image-root", default=None, help=IMAGE_ROOT_HELP)
     add_limit(p)
@@ -359,12 +358,8 @@ def main(argv=None):
                    help="continue a stopped run from its last finished batch (OUT.partial; the same flags, model "
                         "and data)")
     add_overwrite(p)
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
-    p.add_argument("--n", dest="limit", type=number(min=0), action=Deprecated, new="--limit", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
-    if a.model is None:
-        p.error("the following arguments are required: --model")
     set_threads(a.threads, a.model)
     for flag in ("batch_size", "max_new_tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:

@@ -48,7 +48,18 @@ import os
 import sys
 import time
 
-from common.cli import add_device_args, load_kwargs
+import torch
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+from common.backbone import resolve
+from common.checkpoint import CheckpointError, checked_weights
+from common.cli import (add_device_args, add_threads, check_out_file, entry_parser, load_kwargs, number, run_cli,
+                        set_threads)
+from common.data import atomic_write_text
+# deferred: lm_eval (optional, not in requirements.txt: the LM Evaluation Harness, in its own venv)
 
 LM_EVAL_VERSION = "0.4.13"
 TEXT3 = ("arc_easy", "piqa", "winogrande")
@@ -144,8 +155,6 @@ def loglikelihoods(model, tok, pairs, batch_size=16, max_length=None, desc="logl
     model's max_position_embeddings) as the harness cuts it. Right padding with an attention
     mask, one forward per batch, fp32 log-softmax; text only (a VLM is called without pixels).
     Returns [(ll, greedy)] in order. Raises HarnessError for an empty continuation."""
-    import torch
-    from tqdm import tqdm
     cfg = getattr(model.config, "text_config", None) or model.config
     max_length = max_length or getattr(cfg, "max_position_embeddings", None) or 2048
     enc = []
@@ -250,11 +259,6 @@ def load_lm(path, dtype=None, device="cpu", trust_remote_code=False, device_map=
     save_pretrained directory or tiny-moe / tiny-dense / tiny-chat. Safetensors only.
     Raises HarnessError for a missing directory / config.json, pickle-only or truncated
     weights, and a family with neither class."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
-    from common.backbone import resolve
-    from common.checkpoint import CheckpointError, checked_weights
     path = resolve(path)
     if not os.path.isdir(path):
         raise HarnessError(f"{path}: no such checkpoint directory (a save_pretrained folder, or tiny-moe)")
@@ -404,14 +408,12 @@ def load_result(path, settings, overwrite=False):
 
 def write_result(path, settings, rows, samples, source):
     """Write the result file atomically (`common.data.atomic_write_text`), Text3 row last."""
-    from common.data import atomic_write_text
     t3 = text3_row(rows)
     atomic_write_text(path, json.dumps({"experiment": "text3", "source": source, "settings": settings,
                                         "rows": rows + ([t3] if t3 else []), "samples": samples}, indent=1))
 
 
 def main(argv=None):
-    from common.cli import add_threads, check_out_file, entry_parser, number, set_threads
     p = entry_parser(__spec__.name if __spec__ else "eval.lm_harness", __doc__)
     p.add_argument("--model", required=True, help="checkpoint directory (full or merged) or tiny-moe / tiny-dense")
     p.add_argument("--tasks", default=",".join(TEXT3), help="comma-separated harness tasks (Text3's three)")
@@ -470,5 +472,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from common.cli import run_cli
     run_cli(main)  # HarnessError, missing lm-eval, bad --out: `error: ...`, exit status 2

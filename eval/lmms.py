@@ -40,6 +40,23 @@ import json
 import os
 import sys
 
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from common.backbone import generate, load_backbone
+from common.cli import add_limit, entry_parser, run_cli, set_threads
+from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, atomic_write_text, load_image, read_any
+from eval.evaluate import options_of
+from eval.metrics import extract, gold_list, is_correct, option_letters
+from mod.model import load_adapters
+from mod.prompts import debate_prompt, single_prompt
+from mole.checkpoint import load_mole, recorded_base
+from mole.infer import generate as mole_generate
+from mole.model import MoLE as _Net
+# deferred: lmms_eval (optional, not in requirements.txt: `import eval.lmms` works without it; the model
+# classes and the command line need it)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"mod": "MoD", "mole": "MoLE"}  # lmms-eval model id -> class name in this module
 DEFAULT_MAX_NEW_TOKENS = 48              # eval.evaluate's default generation budget
@@ -55,8 +72,6 @@ def record_to_doc(record):
     `eval.evaluate.options_of` reads them), "gold" (index of the gold option, -1 without)}.
     Raises ValueError for a record with several images or several turns (the shapes task, and
     our model classes, take one image and one question per document)."""
-    from eval.evaluate import options_of
-    from eval.metrics import gold_list, option_letters
     if len(record.get("images") or []) > 1 or record.get("history"):
         raise ValueError(f"record {record['id']}: several images or turns; the lmms-eval task takes one image "
                          f"and one question per record")
@@ -65,7 +80,6 @@ def record_to_doc(record):
     gold = -1
     if opts:
         letters = option_letters(opts, golds)
-        from eval.metrics import extract
         g = extract(golds[0], "letter", letters, opts)
         gold = next((i for i, (L, _) in enumerate(opts) if L == g), -1)
     return {"id": str(record["id"]), "image": os.path.abspath(record["image"]) if record.get("image") else "",
@@ -76,7 +90,6 @@ def record_to_doc(record):
 def doc_to_visual(doc):
     """The document's images as RGB PIL images ([] for a text-only one), read by
     `common.data.load_image`, the loader of every entry point (EXIF, 16-bit, alpha)."""
-    from common.data import load_image
     return [load_image(doc["image"], doc["id"])] if doc["image"] else []
 
 
@@ -98,7 +111,6 @@ def doc_to_choice(doc):
 def process_results(doc, results):
     """{"accuracy": 1.0 or 0.0}: the generated text scored by `eval.metrics.is_correct`, the
     scorer of eval.evaluate (answer-type aware, any acceptable answer, the record's options)."""
-    from eval.metrics import is_correct
     opts = [tuple(o) for o in doc["options"]] or None
     return {"accuracy": float(is_correct(results[0], doc["answers"], doc["family"], opts))}
 
@@ -137,7 +149,6 @@ def build_task(records, out_dir, name="shapes", max_new_tokens=DEFAULT_MAX_NEW_T
     Run it with `--tasks NAME[,NAME_mc] --include_path OUT`. Returns {task name: [doc ids]}.
     Raises FileExistsError if a file would be replaced without `overwrite`, ValueError for a
     record the task cannot hold (`record_to_doc`) or no records."""
-    from common.data import atomic_write_text
     if not records:
         raise ValueError("no records to build a task from")
     docs = [record_to_doc(r) for r in records]
@@ -184,7 +195,6 @@ def greedy_budget(gen_kwargs):
 def _one_image(visuals, where):
     """The single image of a request (None for none). Raises ValueError for several, or for
     something that is not an image (video paths, audio)."""
-    from PIL import Image
     vs = [v for v in (visuals or []) if v is not None]
     if len(vs) > 1:
         raise ValueError(f"{where}: {len(vs)} images in one request; these models take one image per question")
@@ -202,7 +212,6 @@ def loglik_plain(model, proc, rows, batch_size=32):
     one forward per batch:  logp = sum_t log softmax(logits[t-1])[ids[t]] over the
     continuation positions t;  greedy = every continuation token is the argmax there.
     Returns [(logp, greedy)] in order. Raises ValueError for an empty continuation."""
-    import torch
     out = []
     dev = model.device
     for s in range(0, len(rows), batch_size):
@@ -235,7 +244,6 @@ def loglik_mole(mole, rows, stage, batch_size=32):
     assistant header, routing, ESVA, the stage's attention topology): one teacher-forced
     `MoLE.forward` per batch over image + question + Z_vis + Z_sum + header + continuation.
     rows: [(image, context, continuation)], an image in every row. Returns [(logp, greedy)]."""
-    import torch
     out = []
     for s in range(0, len(rows), batch_size):
         chunk = rows[s:s + batch_size]
@@ -260,18 +268,11 @@ def loglik_mole(mole, rows, stage, batch_size=32):
 
 def _make_classes():
     """Define MoD and MoLE as subclasses of lmms-eval's `lmms` (imports lmms-eval)."""
-    import torch
+    # lmms-eval 0.7.3 passes every response through unwrap_generation_output, which turns a
+    # loglikelihood pair (float, bool) into its str(); a GenerationResult's .text passes unchanged
+    from lmms_eval.api.instance import GenerationResult, unwrap_generation_output
     from lmms_eval.api.model import lmms
-    from tqdm import tqdm
-
-    from common.cli import set_threads
-
-    try:  # lmms-eval 0.7.3 passes every response through unwrap_generation_output, which turns a
-        # loglikelihood pair (float, bool) into its str(); a GenerationResult's .text passes unchanged
-        from lmms_eval.api.instance import GenerationResult, unwrap_generation_output
-        mangled = not isinstance(unwrap_generation_output((-1.0, True))[0], tuple)
-    except ImportError:  # versions before GenerationResult: pairs pass as they are
-        mangled = False
+    mangled = not isinstance(unwrap_generation_output((-1.0, True))[0], tuple)
 
     def _ll_result(pair):
         return GenerationResult(text=pair) if mangled else pair
@@ -347,8 +348,6 @@ def _make_classes():
             if not adapter:
                 raise ValueError("mod: needs adapter=DIR (an adapter directory written by mod.train)")
             super().__init__(batch_size, device, dtype, threads, pretrained)
-            from common.backbone import load_backbone
-            from mod.model import load_adapters
             self.model, self.proc = load_backbone(pretrained, dtype=self.dtype, device=self.device,
                                                   trust_remote_code=str(trust_remote_code).lower() == "true")
             load_adapters(self.model, adapter)  # refuses adapters trained on another base
@@ -356,8 +355,6 @@ def _make_classes():
             self.method, self.rounds = method, int(rounds) if method == "multi" else 0
 
         def _generate(self, images, questions, max_new_tokens):
-            from common.backbone import generate
-            from mod.prompts import debate_prompt, single_prompt
             hist = [[] for _ in questions]
             for k in range(self.rounds + 1):  # round 0: single prompt; round k: debate over rounds < k
                 prompts = [single_prompt(q) if k == 0 else debate_prompt(q, h) for q, h in zip(questions, hist)]
@@ -384,19 +381,15 @@ def _make_classes():
                 raise ValueError("mole: needs pretrained=CKPT (a checkpoint directory written by mole.train)")
             if dtype not in (None, "auto"):
                 raise ValueError("mole: dtype is set by the checkpoint (its base's own dtype); leave it out")
-            from mole.checkpoint import load_mole, recorded_base
             super().__init__(batch_size, device, "auto", threads, base or recorded_base(pretrained))
             self.net, self.proc, self.stage = load_mole(pretrained, device=self.device, base=base)
-            from mole.model import MoLE as _Net
             self.is_mole = isinstance(self.net, _Net)
 
         def _generate(self, images, questions, max_new_tokens):
             if self.is_mole:
-                from mole.infer import generate
                 if any(im is None for im in images):
                     raise ValueError("mole: every request needs one image (its latent experts read visual tokens)")
-                return generate(self.net, images, questions, stage=self.stage, max_new_tokens=max_new_tokens)[0]
-            from common.backbone import generate
+                return mole_generate(self.net, images, questions, stage=self.stage, max_new_tokens=max_new_tokens)[0]
             return generate(self.net, self.proc, images, questions, max_new_tokens)[0]
 
         def _loglik(self, rows):
@@ -437,8 +430,6 @@ def register():
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["make-task"]:
-        from common.cli import add_limit, entry_parser, run_cli
-        from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, read_any
         p = entry_parser("eval.lmms make-task", "Write an lmms-eval task folder (YAML + JSONL + utils.py) from a "
                                                 "benchmark file of ours (LLaVA JSON or canonical JSONL).")
         p.add_argument("--data", required=True, help="benchmark file (e.g. out/data/test.json)")

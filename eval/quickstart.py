@@ -24,7 +24,6 @@ files mix in), and a rerun skips the stages already done with the same settings 
 so an interrupted --overwrite run is continued by a plain rerun and never reports an earlier
 run's rows.
 """
-import argparse
 import hashlib
 import importlib
 import json
@@ -39,7 +38,8 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import DeprecatedSwitch, Interrupted, add_threads, fail, number, set_threads, sigterm_flag
+from common.cli import Interrupted, add_threads, entry_parser, fail, number, set_threads, sigterm_flag
+from eval import evaluate as ev
 
 METHODS = ("mod", "rolemerge", "mole")
 BASES = ("tiny-dense", "tiny-moe", "tiny-chat")
@@ -184,7 +184,6 @@ def retrain_bases():
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--out", default="out/quickstart", help="report directory (each method's quick run in OUT/<method>)")
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
@@ -197,10 +196,8 @@ def main(argv=None):
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="redo every stage: the earlier run's stage records and report are deleted first (default: "
                         "continue, reusing the stages an earlier, interrupted run finished)")
-    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
-    from eval import evaluate as ev
     methods = [m for m in a.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS]
     if bad:

@@ -38,7 +38,10 @@ import string
 import sys
 from pathlib import Path
 
+from common.cli import entry_parser
+from common.data import atomic_write_text
 from eval.metrics import verdict as verdict_rule
+from eval.plots import bar_ci_png, line_png
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "eval" / "results"
@@ -149,7 +152,6 @@ def build_readmes():
 
 
 def draw_figures():
-    from eval.plots import bar_ci_png, line_png
     cache, written = {}, []
     for _, spec in specs():
         for f in spec.get("figures", []):
@@ -170,7 +172,6 @@ def draw_figures():
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     ap = entry_parser("eval.report", __doc__)
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a README table differs")
     args = ap.parse_args(argv)
@@ -184,7 +185,6 @@ def main(argv=None):
         for p in stale:
             print(f"stale: {p.relative_to(ROOT)} (run python -m eval.report)")
         return 1 if stale else 0
-    from common.data import atomic_write_text
     for p in stale:
         atomic_write_text(p, readmes[p][1])
     figs = draw_figures()

@@ -46,6 +46,8 @@ from collections import defaultdict
 import numpy as np
 
 from common.answers import score as answer_score
+from common.cli import add_overwrite, check_out_file, check_overwrite, entry_parser, run_cli
+from common.data import atomic_write_text, read_any
 from eval.metrics import _json_answer, extract, levenshtein, option_letters, option_pairs
 
 
@@ -711,8 +713,6 @@ def load_predictions(path, method=None):
 
 
 def main(argv=None):
-    from common.data import atomic_write_text, read_any
-    from common.cli import add_overwrite, check_out_file, check_overwrite, entry_parser
     p = entry_parser(__spec__.name, "Score saved predictions the way each benchmark defines it.")
     p.add_argument("--data", required=True,
                    help="the records the predictions answer: a converted benchmark JSONL (python -m eval.convert) or "
@@ -751,5 +751,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from common.cli import run_cli
     run_cli(main)  # ValueError / OSError: `error: ...`, exit status 2

@@ -37,8 +37,8 @@ from rolemerge import deepseek_vl2 as vl2
 from rolemerge.blocks import VLM_TYPES, CalibrationError, check_supported, model_info, moe_blocks
 from rolemerge.stats import check_nonempty, save_stats, summary_path
 
-# deferred: transformers and common.backbone (about 2 and 4.5 s of CPU to import) load models only; the stats
-# files and the streaming merge, which import this module, never need them
+# deferred: transformers, common.backbone (about 2 and 4.5 s of CPU to import: they load models only; the stats
+# files and the streaming merge, which import this module, never need them)
 
 # ----------------------------------------------------------------------------- recording
 
@@ -342,13 +342,13 @@ def main(argv=None):
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
     p.add_argument("--skip-bad", action="store_true", help=data.SKIP_BAD_HELP)
     p.add_argument("--out", required=True, help="stats file to write (.safetensors; a .json summary goes next to it)")
-    add_limit(p, default=128, what="examples of each source file", dest="n", old_n=True)
+    add_limit(p, default=128, what="examples of each source file", dest="n")
     add_threads(p)
     p.add_argument("--batch-size", type=int, default=16, help="calibration batch size (left-padded greedy decoding)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens decoded per example")
     add_device_args(p, device_map=True)
     p.add_argument("--trust-remote-code", action="store_true", help="allow code shipped with the checkpoint")
-    add_overwrite(p, "stats file at --out (and its features file)", old_force=True)
+    add_overwrite(p, "stats file at --out (and its features file)")
     p.add_argument("--features", action="store_true",
                    help="also collect the comparison methods' features (M-SMoE, HC-SMoE, REAP, rolemerge/comparators.py) "
                         "over the same decoded tokens, written to <out minus .safetensors>.features.safetensors; "

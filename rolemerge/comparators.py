@@ -132,6 +132,8 @@ import torch
 from rolemerge import baselines as bl
 from rolemerge.blocks import moe_blocks
 
+# deferred: scipy (optional, not in requirements.txt: the Hungarian assignment falls back to our own without it)
+
 COMPARATORS = ("submoe", "namex", "mergemoe", "ream")
 NEEDS = {
     "submoe": {"count", "tokens", "out_cos_sum"},
@@ -309,7 +311,6 @@ def _assign(cost):
     """The optimal assignment of `cost` [n, n]: scipy's when it is installed (faster on large I), else
     `linear_assignment` (the same optimum)."""
     try:
-        # deferred: scipy is optional (not in requirements.txt)
         from scipy.optimize import linear_sum_assignment
     except ImportError:
         return linear_assignment(cost)

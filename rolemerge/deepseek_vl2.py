@@ -45,8 +45,8 @@ from torch import nn
 
 from common.checkpoint import safetensors_files
 
-# deferred: transformers (about 2 s of CPU to import) is imported where a model, config or tokenizer is built,
-# so that the streaming merge, which imports this module, never pays it
+# deferred: transformers (about 2 s of CPU to import: only where a model, config or tokenizer is built, so
+# that the streaming merge, which imports this module, never pays it)
 
 MODEL_TYPE = "deepseek_vl_v2"
 

@@ -55,8 +55,8 @@ from rolemerge import stats as st
 from rolemerge.blocks import CalibrationError, MergeError
 from rolemerge.planning import MergeConfig
 
-# deferred: transformers (about 2 s of CPU to import) is imported by the in-memory merge alone, so the
-# streaming merge, the default, never pays it
+# deferred: transformers (about 2 s of CPU to import: the in-memory merge alone needs it, so the streaming
+# merge, the default, never pays it)
 
 
 def run_merge(cfg, features=None):
@@ -231,7 +231,7 @@ def parser():
     p.add_argument("--in-memory", action="store_true",
                    help="load the model and merge it in memory (default: stream from the safetensors shards without "
                         "loading the model; identical tensors, bounded memory)")
-    add_overwrite(p, "output directory (a previous merge only, never other data)", old_force=True)
+    add_overwrite(p, "output directory (a previous merge only, never other data)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="load dtype of --in-memory (auto: the checkpoint's own; streaming always keeps the "
                         "checkpoint's dtypes)")

@@ -162,6 +162,32 @@ def test_the_old_two_meaning_flags_are_gone(flags):
     assert flags["--save-every"]["mod.train"][0] == flags["--save-every"]["mole.train"][0]
 
 
+# Old spellings the entry points accepted besides the current ones (with a deprecation warning; pretrain's
+# --no-look as a synonym of --look none) before the first release; now unknown arguments.
+OLD_SPELLINGS = {"eval.evaluate": ("--base", "--n"), "eval.quickstart": ("--fresh",), "mod.data": ("--k",),
+                 "mod.train": ("--warmup",), "mole.train": ("--base", "--warmup", "--lora-r"),
+                 "mole.infer": ("--base", "--n"), "mole.diagnostics": ("--base", "--n"),
+                 "rolemerge.calibrate": ("--n", "--force"), "rolemerge.merge": ("--force",),
+                 "rolemerge.infer": ("--n",), "eval.tools.pretrain": ("--warmup", "--fresh", "--ckpt-every", "--no-look"),
+                 "eval.tools.lm_harness_check": ("--fresh",), "eval.tools.lmms_check": ("--fresh",),
+                 "eval.toys.mod": ("--base",), "eval.toys.mole": ("--base",), "eval.toys.rolemerge": ("--base",)}
+
+
+@pytest.mark.parametrize("module", sorted(OLD_SPELLINGS))
+def test_old_flag_spellings_are_unknown_arguments(module, capsys):
+    """No alias survives: each old spelling is argparse's error (exit 2), neither a warning nor an
+    abbreviation of a longer flag (--warmup of --warmup-steps)."""
+    with pytest.MonkeyPatch.context() as mp:
+        p = parser_of(module, mp)
+    for a in p._actions + p._mutually_exclusive_groups:
+        a.required = False       # only the old flag is on the command line
+    for old in OLD_SPELLINGS[module]:
+        with pytest.raises(SystemExit) as e:
+            p.parse_args([old, "1"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and re.search(rf"(unrecognized arguments|ambiguous option): {old}\b", err), (old, err)
+
+
 def test_readme_flag_table_is_the_rendered_one(flags):
     text = open(os.path.join(ROOT, "eval", "README.md"), encoding="utf-8").read()
     m = re.search(r"<!-- shared-flags -->\n(.*?)\n<!-- /shared-flags -->", text, re.S)

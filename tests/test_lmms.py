@@ -212,13 +212,28 @@ class Req:
         self.args = args
 
 
+class FakeGenerationResult:
+    def __init__(self, text, token_counts=None):
+        self.text, self.token_counts = text, token_counts
+
+
+def fake_unwrap_generation_output(output):
+    """lmms-eval 0.7.3's: a GenerationResult gives its text, any other non-string its str()."""
+    if isinstance(output, FakeGenerationResult):
+        return output.text, output.token_counts
+    return (output, None) if isinstance(output, str) else (str(output), None)
+
+
 @pytest.fixture
 def fake_lmms_eval(monkeypatch):
     pkg = types.ModuleType("lmms_eval")
     api = types.ModuleType("lmms_eval.api")
     model = types.ModuleType("lmms_eval.api.model")
     model.lmms = FakeLmms
-    for name, m in (("lmms_eval", pkg), ("lmms_eval.api", api), ("lmms_eval.api.model", model)):
+    instance = types.ModuleType("lmms_eval.api.instance")
+    instance.GenerationResult, instance.unwrap_generation_output = FakeGenerationResult, fake_unwrap_generation_output
+    for name, m in (("lmms_eval", pkg), ("lmms_eval.api", api), ("lmms_eval.api.model", model),
+                    ("lmms_eval.api.instance", instance)):
         monkeypatch.setitem(sys.modules, name, m)
     monkeypatch.setattr(L, "_CLASSES", {})
     yield
@@ -248,7 +263,8 @@ def test_mod_class_answers_as_mod_infer(tmp_path, fake_lmms_eval):
     # loglikelihood: (-sum log p, greedy), the sign lmms-eval's multiple_choice (argmin) expects
     ll = m.loglikelihood([Req(docs[0]["question"], "A", L.doc_to_visual, 0, "toy", "test")])
     want = L.loglik_plain(m.model, m.proc, [(data.load_image(recs[0]["image"]), docs[0]["question"], "A")])
-    assert ll == [(-want[0][0], want[0][1])] and ll[0][0] > 0
+    pairs = [fake_unwrap_generation_output(r)[0] for r in ll]   # the pair reaches the harness whole, not as a str
+    assert pairs == [(-want[0][0], want[0][1])] and pairs[0][0] > 0
     with pytest.raises(ValueError, match="greedy"):
         m.generate_until([Req("q", {"temperature": 0.5}, L.doc_to_visual, 0, "toy", "test")])
     with pytest.raises(ValueError, match="2 images"):

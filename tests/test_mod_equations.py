@@ -169,18 +169,16 @@ def test_text_only_rows_have_no_vision_markers():
     assert alone["input_ids"][0].tolist() == proc.prompt_ids("No image here.", 0)
 
 
-def test_toy_mod_takes_model_threads_and_the_deprecated_base(monkeypatch, capsys):
-    """eval.toys.mod speaks the entry points' vocabulary: --model (the old --base still works,
-    with a warning) and --threads."""
+def test_toy_mod_takes_model_and_threads(monkeypatch):
+    """eval.toys.mod speaks the entry points' vocabulary: --model and --threads."""
     from eval.toys import mod as toy_mod
     seen, before = [], torch.get_num_threads()
     monkeypatch.setattr(toy_mod, "run", lambda quick, data_dir, out_dir, model: seen.append(model) or [])
     try:
         toy_mod.main(["--quick", "--model", "m1", "--threads", "1"])
-        toy_mod.main(["--quick", "--base", "m2", "--threads", "1"])
     finally:
         torch.set_num_threads(before)
-    assert seen == ["m1", "m2"] and "--base is deprecated; use --model" in capsys.readouterr().err
+    assert seen == ["m1"]
 
 
 def test_debate_paired_comparison_over_seeds():

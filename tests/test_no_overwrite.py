@@ -130,9 +130,21 @@ def test_evaluate_twice_into_one_file(data_file, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["r.json"]
 
 
-def test_force_is_the_deprecated_spelling_of_overwrite(tmp_path, capsys):
+def test_force_is_not_a_spelling_of_overwrite(tmp_path, capsys):
     from rolemerge import calibrate as cal
     out = _file(tmp_path / "s.safetensors")
     err = error_of(cal.main, ["--model", NOWHERE, "--data", str(tmp_path / "none.json"), "--out", out, "--force"],
                    capsys)
-    assert "warning: --force is deprecated; use --overwrite" in err and "already exists" not in err
+    assert "unrecognized arguments: --force" in err and open(out).read() == "{\"kept\": true}\n"
+
+
+def test_refuse_existing_exits_2_naming_the_flag(tmp_path, capsys):
+    from common.cli import refuse_existing
+    refuse_existing(str(tmp_path / "none.json"), False)   # nothing there, or no output asked for: returns
+    refuse_existing("", False)
+    out = _file(tmp_path / "r.json")
+    refuse_existing(out, True)
+    with pytest.raises(SystemExit) as e:
+        refuse_existing(out, False, flag="--result")
+    assert e.value.code == 2
+    assert f"error: --result {out} already exists; pass --overwrite to replace it" in capsys.readouterr().err

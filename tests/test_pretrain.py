@@ -31,7 +31,21 @@ def test_resume_with_other_settings_is_refused(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         _run(monkeypatch, "--out", str(tmp_path / "a"), "--lr", "1e-3")
     assert e.value.code == 2
-    assert re.search("error: .*other settings.*--fresh", capsys.readouterr().err)
+    assert re.search("error: .*other settings.*--overwrite", capsys.readouterr().err)
+
+
+def test_resume_refuses_a_checkpoint_whose_recipe_lacks_a_setting(tmp_path, monkeypatch, capsys):
+    """Every recipe key is compared: a checkpoint that does not record one (say --look) is not
+    resumed as if it had the value asked for now."""
+    import json
+    _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "1")
+    st = tmp_path / "a.ckpt" / "state.json"
+    state = json.loads(st.read_text())
+    del state["recipe"]["look"]
+    st.write_text(json.dumps(state))
+    with pytest.raises(SystemExit) as e:
+        _run(monkeypatch, "--out", str(tmp_path / "a"))
+    assert e.value.code == 2 and "'look': (None, 'full')" in capsys.readouterr().err
 
 
 def test_chat_examples_have_the_inference_prompt_shapes():
@@ -107,7 +121,7 @@ def test_truncated_checkpoint_is_named_and_kept(tmp_path, monkeypatch, capsys):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(SystemExit) as e:
         _run(monkeypatch, "--out", str(tmp_path / "a"))
-    assert e.value.code == 2 and re.search(r"error: .*model\.safetensors.*--fresh", capsys.readouterr().err)
+    assert e.value.code == 2 and re.search(r"error: .*model\.safetensors.*--overwrite", capsys.readouterr().err)
     assert f.exists() and (tmp_path / "a.ckpt" / "state.json").exists()  # nothing deleted
 
 
@@ -118,14 +132,16 @@ def test_look_steps_full_objects_none_hand_case():
     rng = __import__("random").Random(3)
     scene, _, q, a = world.sample_example(rng)
     full = pretrain.look_target("full", scene, a, q)
-    assert full == world.target_text(scene, a, q) and pretrain.look_target(True, scene, a, q) == full
-    assert pretrain.look_target("none", scene, a, q) == pretrain.look_target(False, scene, a, q) == f"Answer: {a}"
+    assert full == world.target_text(scene, a, q)
+    assert pretrain.look_target("none", scene, a, q) == f"Answer: {a}"
     short = pretrain.look_target("objects", scene, a, q)
     # the short look keeps exactly the occupied cells of the full one, in raster order, with their marks
     assert short == world.short_look(full.rsplit(" Answer:", 1)[0]) + f" Answer: {a}"
     assert short.count(" ") < full.count(" ") and "empty" not in short
     with pytest.raises(ValueError, match="unknown look 'short'"):
         pretrain.look_target("short", scene, a, q)
+    with pytest.raises(ValueError, match="unknown look True"):   # no bool spelling of a look step
+        pretrain.look_target(True, scene, a, q)
 
 
 def test_short_look_hand_case_and_errors():
@@ -178,18 +194,3 @@ def test_objects_look_base_recipe_shapes():
         lab = batch["labels"][row][batch["labels"][row] != -100].tolist()
         assert lab[:len(tok(world.short_target_text(s, a, q)))] == tok(world.short_target_text(s, a, q))
     assert bb.tiny_config("qwen3_vl_moe", bb.build_tokenizer(), hidden=32).text_config.moe_intermediate_size == 32
-
-
-def test_resume_reads_an_older_bool_look_recipe(tmp_path, monkeypatch, capsys):
-    import json
-
-    _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "1", "--look", "none")
-    st = tmp_path / "a.ckpt" / "state.json"
-    state = json.loads(st.read_text())
-    state["recipe"]["look"] = False                                   # as the first --no-look runs wrote it
-    st.write_text(json.dumps(state))
-    _run(monkeypatch, "--out", str(tmp_path / "a"), "--stop-at", "2", "--no-look")
-    assert "resumed from" in capsys.readouterr().out
-    assert json.load(open(tmp_path / "a" / "pretrain_log.json"))["args"]["look"] == "none"
-    with pytest.raises(SystemExit):
-        _run(monkeypatch, "--out", str(tmp_path / "a"), "--look", "full")   # other look step: refused

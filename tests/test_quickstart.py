@@ -177,21 +177,6 @@ def test_help_formatter_appends_only_defaults_that_say_something():
     assert flat.count("(default:") == 2, flat                                 # not None, "", False
 
 
-def test_old_flag_spellings_still_work_with_a_warning(capsys):
-    import argparse
-    from common.cli import Deprecated
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="tiny-dense")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
-    p.add_argument("--limit", dest="n", type=int, default=0)
-    p.add_argument("--n", dest="n", type=int, action=Deprecated, new="--limit", help=argparse.SUPPRESS)
-    assert vars(p.parse_args([])) == {"model": "tiny-dense", "n": 0}          # the new flags' defaults stand
-    assert capsys.readouterr().err == ""
-    assert vars(p.parse_args(["--base", "x", "--n", "3"])) == {"model": "x", "n": 3}
-    err = capsys.readouterr().err
-    assert "--base is deprecated; use --model" in err and "--n is deprecated; use --limit" in err
-
-
 def test_threads_default_one_for_tiny_bases_all_cores_for_real_checkpoints(tmp_path):
     from common.cli import set_threads
     before = torch.get_num_threads()
@@ -247,15 +232,14 @@ def test_threads_default_one_for_a_merged_tiny_checkpoint(tmp_path):
         torch.set_num_threads(old)
 
 
-def test_evaluate_accepts_the_old_base_and_n_spellings(capsys):
-    """Newcomer trial: `eval.evaluate --base tiny-dense --n 1` said --model is required,
-    although the README promises the old spellings work this release."""
+def test_evaluate_refuses_the_old_base_and_n_spellings(capsys):
+    """`--base` / `--n` are unknown arguments (no alias, no abbreviation of --no-loglik)."""
     import pytest
     from eval import evaluate as ev
     with pytest.raises(SystemExit) as e:
-        ev.main(["--base", "tiny-dense", "--n", "-1", "--data", "nope.jsonl"])
+        ev.main(["--model", "tiny-dense", "--base", "tiny-dense", "--n", "1", "--data", "nope.jsonl"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "--base is deprecated" in err and "--n: must be >= 0, got -1" in err
+    assert e.value.code == 2 and "unrecognized arguments: --base tiny-dense --n 1" in err
     with pytest.raises(SystemExit):
         ev.main(["--data", "nope.jsonl"])
     assert "required: --model" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""`python -m eval.quickstart --fresh` stopped inside a stage, then rerun plainly.
+"""`python -m eval.quickstart --overwrite` stopped inside a stage, then rerun plainly.
 
-Reported: `--fresh` stopped with Ctrl-C in the MoD stage left the previous run's stage
+Reported: `--overwrite` stopped with Ctrl-C in the MoD stage left the previous run's stage
 records; the next plain rerun took 3 s, redid nothing and reported the old run's MoD /
 RoleMerge / MoLE rows ("mod (an earlier run)"), and out/quickstart/mod/ mixed both runs'
 adapters. Here the bases and the toys are stand-ins that tag their rows and files with the run
@@ -55,7 +55,7 @@ def test_interrupted_fresh_run_is_continued_and_never_reports_an_earlier_run(tmp
     assert {r["model"] for r in json.loads((out / "report.json").read_text())} >= {"mod-old", "mole-old"}
     run["id"] = "fresh"
     with pytest.raises(SystemExit) as e:
-        qs.main(argv + ["--fresh"])                                  # stopped inside the MoD stage
+        qs.main(argv + ["--overwrite"])                              # stopped inside the MoD stage
     assert e.value.code == 130
     done = sorted(p.stem for p in (out / "stages").glob("*.json"))
     assert done == ["eval_tiny-chat", "eval_tiny-dense", "eval_tiny-moe"]   # the fresh run's, nothing older

@@ -295,13 +295,12 @@ def test_oracle_routing_sends_each_token_to_its_original_experts_groups(groups):
         assert not torch.allclose(block(x[None])[0], want, atol=1e-3) or len(groups) == 4
 
 
-def test_toy_rolemerge_model_flag_with_deprecated_base_and_threads(capsys):
+def test_toy_rolemerge_model_and_threads_flags(capsys):
     from eval.toys import rolemerge as toy
     a = toy.parser().parse_args([])
     assert a.model == "tiny-moe" and a.threads is None and capsys.readouterr().err == ""
-    a = toy.parser().parse_args(["--base", "out/b", "--threads", "1"])
+    a = toy.parser().parse_args(["--model", "out/b", "--threads", "1"])
     assert a.model == "out/b" and a.threads == 1
-    assert "--base is deprecated; use --model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.parser().parse_args(["--threads", "-1"])
 
@@ -482,7 +481,7 @@ def test_committed_paper_structure_base_is_the_recipe():
     assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (32, 4, 32)
     args = json.load(open(os.path.join(d, "pretrain_log.json")))["args"]
     flags = dict(zip(toy.PAPER_RECIPE[::2], toy.PAPER_RECIPE[1::2]))
-    dest = {"--save-every": "ckpt_every"}   # pretrain keeps the dest of its old --ckpt-every spelling
+    dest = {"--save-every": "ckpt_every"}   # pretrain's --save-every stores into ckpt_every
     for k, v in flags.items():
         key = dest.get(k, k[2:].replace("-", "_"))
         assert str(args[key]) == v or float(args[key]) == float(v), k

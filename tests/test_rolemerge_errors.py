@@ -117,7 +117,7 @@ def test_calibrate_flags_are_checked_before_the_model_loads(moe, tmp_path, capsy
     d = str(root / "val.json")
     before = open(d).read()
     for argv, msg in ((["--max-new-tokens", "1"], "--max-new-tokens must be >= 2, got 1"),
-                      (["--limit", "-1"], "--limit: must be >= 0, got -1"), (["--n", "-1"], "--n: must be >= 0, got -1"),
+                      (["--limit", "-1"], "--limit: must be >= 0, got -1"), (["--n", "1"], "unrecognized arguments: --n 1"),
                       (["--batch-size", "-2"], "--batch-size must be >= 1")):
         with pytest.raises(SystemExit) as e:
             cal.main(["--model", "nowhere", "--data", d, "--out", str(tmp_path / "s.safetensors")] + argv)

@@ -57,9 +57,8 @@ def test_mod_decode_speed_times_every_variant_on_cpu(tmp_path, monkeypatch):
     """mod_decode_speed up to the device: bare, our LoRA (peft's where installed), MoD and MoD with
     compiled adapters (compile_adapters stubbed: a cold CPU compile takes minutes; tests/test_compile.py
     covers it), per-token medians and the ratios."""
-    from mod import model as mm
     compiled = []
-    monkeypatch.setattr(mm, "compile_adapters", lambda m, **kw: compiled.append(m))
+    monkeypatch.setattr(gpu_check, "compile_adapters", lambda m, **kw: compiled.append(m))
     res = gpu_check.check_mod_decode_speed(torch.device("cpu"), str(tmp_path), 3, width=64, rounds=1)
     assert len(compiled) == 1
     assert {"bare", "our LoRA", "MoD", "MoD compiled"} <= set(res["ms_per_token"])

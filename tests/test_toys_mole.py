@@ -22,9 +22,9 @@ def test_cell_accuracy_hand_values():
     assert cell_accuracy("tl red circle", GOLD) == 1 / 9  # missing cells count as wrong
 
 
-def test_toys_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch, capsys, tmp_path):
-    """eval.toys.mole has the entry-point vocabulary (--model, --base deprecated, --threads) and
-    hands mole.train --model, never the deprecated --base."""
+def test_toys_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatch, tmp_path):
+    """eval.toys.mole has the entry-point vocabulary (--model, --threads) and hands mole.train
+    --model and --threads."""
     import eval.toys.mole as tm
     from mole import train as mt
     seen = []
@@ -37,17 +37,14 @@ def test_toys_mole_takes_model_and_threads_and_calls_train_with_model(monkeypatc
     monkeypatch.setattr(tm, "set_threads", lambda threads, model: seen.append(("threads", threads, model)) or 1)
     monkeypatch.setattr(tm.world, "ensure_splits", lambda *a, **k: None)
     monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
-    for flag in ("--model", "--base"):
-        seen.clear()
-        try:
-            tm.main(["--quick", flag, "tiny-dense", "--threads", "1", "--out", str(tmp_path)])
-        except SystemExit:
-            pass
-        assert seen[0] == ("threads", 1, "tiny-dense")
-        argv = next(x for x in seen if isinstance(x, list))
-        assert argv[argv.index("--model") + 1] == "tiny-dense" and "--base" not in argv
-        assert argv[argv.index("--threads") + 1] == "1"
-    assert "--base is deprecated; use --model" in capsys.readouterr().err
+    try:
+        tm.main(["--quick", "--model", "tiny-dense", "--threads", "1", "--out", str(tmp_path)])
+    except SystemExit:
+        pass
+    assert seen[0] == ("threads", 1, "tiny-dense")
+    argv = next(x for x in seen if isinstance(x, list))
+    assert argv[argv.index("--model") + 1] == "tiny-dense"
+    assert argv[argv.index("--threads") + 1] == "1"
 
 
 def test_pick_lr_best_validation_accuracy_and_the_preregistered_tie_rule():
@@ -263,3 +260,52 @@ def test_majority_per_form_is_the_image_blind_answer():
           ("How many small shapes are there?", "1"), ("What colour is the circle?", "red")]
     got = majority_per_form([{"question": q, "answer": a} for q, a in qa])
     assert got == ["no", "no", "no", "1", "1", "1", "red"]
+
+
+def test_run_order_main_rows_and_interventions_per_seed_then_the_ablations(monkeypatch, tmp_path):
+    """run(): for each seed the main rows (the interventions right after mole), then for each seed
+    the ablations; quick mode: sft, plain latents and MoLE of seed 0, no interventions."""
+    import eval.toys.mole as tm
+    calls = []
+    monkeypatch.setattr(tm, "_ensure_data", lambda *a: None)
+    monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
+    monkeypatch.setattr(tm, "_base_row", lambda *a: calls.append("base"))
+    monkeypatch.setattr(tm, "_table_one", lambda name, flags, seed, *a: calls.append((name, seed)) or
+                        ({"items": [{"correct": True}]}, None, 1))
+    monkeypatch.setattr(tm, "_interventions", lambda tab_dir, seed, *a: calls.append(("interventions", seed)))
+    monkeypatch.setattr(tm, "summarise_table", lambda *a: "summary")
+    assert tm.run(False, str(tmp_path / "d"), str(tmp_path), seeds=(0, 1)) == "summary"
+    want = ["base"]
+    for s in (0, 1):
+        for n in tm.TABLE_MAIN:
+            want += [(n, s), ("interventions", s)] if n == "mole" else [(n, s)]
+    want += [(n, s) for s in (0, 1) for n in tm.ABLATIONS]
+    assert calls == want
+    calls.clear()
+    tm.run(True, str(tmp_path / "d"), str(tmp_path), seeds=(0, 1))
+    assert calls == [("sft", 0), ("plain_latent", 0), ("mole", 0)]
+
+
+def test_run_lr_order_interventions_after_mole_at_its_picked_lr(monkeypatch, tmp_path):
+    """run_lr with a complete sweep: per seed the main rows at their picked lr with MoLE's
+    interventions right after it, then per seed the ablations at MoLE's lr."""
+    import eval.toys.mole as tm
+    calls = []
+    monkeypatch.setattr(tm, "_ensure_data", lambda *a: None)
+    monkeypatch.setattr(tm.world, "ensure_splits", lambda *a: None)
+    monkeypatch.setattr(tm.data, "read_llava_json", lambda *a, **k: [])
+    sweep = {n: {lr: (1.0 if lr == 5e-3 else 0.5) for lr in tm.LR_GRID} for n in tm.LR_SWEPT}
+    monkeypatch.setattr(tm, "read_sweep", lambda out_dir: sweep)
+    monkeypatch.setattr(tm, "_table_one", lambda name, flags, seed, *a, lr=None, path=None: (
+        calls.append((name, seed, lr)) if path is None else None) or ({"items": [], "steps_s": 0}, None, 1))
+    monkeypatch.setattr(tm, "_interventions", lambda tab_dir, seed, *a: calls.append(("interventions", seed, tab_dir)))
+    monkeypatch.setattr(tm, "summarise_lr", lambda *a: "summary")
+    assert tm.run_lr(str(tmp_path / "d"), str(tmp_path), seeds=(2, 0)) == "summary"
+    want = []
+    for s in (2, 0):
+        for n in tm.LR_SWEPT:
+            want.append((n, s, 5e-3))
+            if n == "mole":
+                want.append(("interventions", s, tm.lr_dir(str(tmp_path), 5e-3)))
+    want += [(n, s, 5e-3) for s in (2, 0) for n in tm.ABLATIONS]
+    assert calls == want

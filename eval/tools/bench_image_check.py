@@ -16,11 +16,15 @@ import os
 import statistics
 import time
 
+import numpy as np
+from PIL import Image
+
+from common import data
+from common.cli import entry_parser, number
+
 
 def make_photos(folder, n, seed=0):
     """`n` 640 x 480 JPEGs in `folder` (photo_0000.jpg, ...); existing ones are kept."""
-    import numpy as np
-    from PIL import Image
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:480, 0:640]
@@ -36,14 +40,11 @@ def make_photos(folder, n, seed=0):
 
 
 def main(argv=None):
-    from common.cli import entry_parser, number
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--dir", default="/tmp/bench_photos", help="folder of the generated JPEGs (made if missing)")
     p.add_argument("--n", type=number(min=1), default=1000, help="number of images")
     p.add_argument("--rounds", type=number(min=1), default=3, help="interleaved rounds")
     a = p.parse_args(argv)
-    from PIL import Image
-    from common import data
     files = make_photos(a.dir, a.n)
     path = os.path.join(a.dir, "photos.json")
     with open(path, "w") as f:

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn as nn
 
+from common.cli import entry_parser
 from mod.model import AdapterConfig, MoDLinear, RoutingContext, combine_gates, topr_gates
 
 
@@ -65,7 +66,6 @@ def timed(fns, reps, sync, stat=statistics.median):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "MoD vs LoRA vs per-expert loop speed, and decoding cost vs context.")
     p.add_argument("--dim", type=int, default=2048, help="in = out features (Qwen2.5-VL-3B hidden: 2048)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per forward+backward")

@@ -25,9 +25,15 @@ import tempfile
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from common.backbone import build_tiny, load_backbone
+from common.cli import add_overwrite, entry_parser, refuse_existing
+from common.data import atomic_write_text, read_records
+from common.shapes import generate_split
+from mod.infer import mod_debate, multi_agent_debate
 from mod.model import AdapterConfig, MoDLinear, RoutingContext, attach
+# deferred: peft (optional, not in requirements.txt: peft's LoRA is compared where it is installed)
 
 
 class _Clock:
@@ -92,7 +98,6 @@ def op_counts(dim=128, E=8, r=4, W=16, rank=16):
     """aten operations (torch.profiler) of one decoding step of one adapted dim -> dim layer: MoD
     with its routing cache, our LoRA, the bare nn.Linear: {name: (top-level ops = dispatches
     from Python, all ops including nested ones)}."""
-    from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     base = torch.nn.Linear(dim, dim, bias=False)
     res = {}
@@ -120,9 +125,6 @@ def op_counts(dim=128, E=8, r=4, W=16, rank=16):
 def toy_walls(model_name, n_questions, batches, max_new_tokens, rounds):
     """{batch: {"MoD-Multi": s, "MAD": s, tokens...}} medians over interleaved rounds. MoD's
     adapters are random (same cost as trained ones); MAD runs on the frozen base."""
-    from common.data import read_records
-    from common.shapes import generate_split
-    from mod.infer import mod_debate, multi_agent_debate
     base, proc = load_backbone(model_name)
     tuned = copy.deepcopy(base)
     attach(tuned, AdapterConfig(method="mod"))
@@ -150,7 +152,6 @@ def toy_walls(model_name, n_questions, batches, max_new_tokens, rounds):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, "MoD greedy decoding per token vs peft LoRA / our LoRA / bare; MoD-Multi vs MAD.")
     p.add_argument("--model", default="tiny-dense", help="committed tiny base for the tiny-width rows")
     p.add_argument("--wide", type=int, default=2048, help="hidden size of the random 2-layer wide model (0 = skip)")
@@ -164,13 +165,9 @@ def main(argv=None):
     p.add_argument("--toy-rounds", type=int, default=3, help="interleaved rounds of the toy comparison")
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--out", default="", help="write the result file (eval/report.py format) here")
-    from common.cli import add_overwrite, check_overwrite, fail
     add_overwrite(p)
     args = p.parse_args(argv)
-    try:  # before anything runs: no silent overwrite of a measurement
-        check_overwrite(args.out, args.overwrite)
-    except ValueError as e:
-        fail(e)
+    refuse_existing(args.out, args.overwrite)  # before anything runs: no silent overwrite of a measurement
     torch.set_num_threads(args.threads)
     try:
         import peft
@@ -223,7 +220,6 @@ def main(argv=None):
                  "our_lora_ops": ops["our LoRA"][0], "bare_ops": ops["bare"][0], "mod_ops_all": ops["MoD"][1],
                  "our_lora_ops_all": ops["our LoRA"][1], "bare_ops_all": ops["bare"][1]})
     if args.out:
-        from common.data import atomic_write_text
         cmd = "python -m eval.tools.bench_mod_decode " + " ".join(sys.argv[1:] if argv is None else argv)
         atomic_write_text(args.out, json.dumps({"experiment": "MoD greedy decoding cost (CPU, one thread)",
                                                 "source": cmd + (f" (peft {peft.__version__})" if peft else ""),

@@ -20,17 +20,17 @@ import time
 
 import numpy as np
 import torch
+from transformers import AutoModelForImageTextToText
 
 from common import backbone as bb
-from common import data
-from common import shapes
+from common import data, shapes
+from common.cli import add_overwrite, entry_parser, refuse_existing
 from mole.lora import add_lora
 from mole.model import PLAIN_LATENT, MoLE, MoLEConfig
 
 
 def build(size, layers_3b):
     """(model, proc, image_size, batch) for a size name."""
-    from transformers import AutoModelForImageTextToText
     if size == "tiny":
         model, proc = bb.build_tiny("qwen3_vl")
         return model, proc, 84, 32
@@ -111,7 +111,6 @@ def bench_size(size, reps, layers_3b, compile=False):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--sizes", default="tiny,3b", help="comma list of sizes: tiny, 3b")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median)")
@@ -120,13 +119,9 @@ def main(argv=None):
     p.add_argument("--out", default="out/mole/bench.json", help="where to write the measurements")
     p.add_argument("--compile", action="store_true", help="also time MoLE with its hot functions compiled (cold-"
                    "compile seconds, compiled / eager train-step ratio; minutes of CPU)")
-    from common.cli import add_overwrite, check_overwrite, fail
     add_overwrite(p)
     a = p.parse_args(argv)
-    try:  # before anything runs: no silent overwrite of a measurement
-        check_overwrite(a.out, a.overwrite)
-    except ValueError as e:
-        fail(e)
+    refuse_existing(a.out, a.overwrite)  # before anything runs: no silent overwrite of a measurement
     if a.threads:
         torch.set_num_threads(a.threads)
     res = {"device": "cpu", "threads": torch.get_num_threads()}

@@ -10,19 +10,19 @@ is not a dependency of this repository: run it from a venv that has peft).
    logits must equal peft's.
 Prints the max |logit difference| of both directions and exits 1 if either exceeds 1e-5.
 """
+import random
 import sys
 import tempfile
 
 import torch
 
+from common import shapes
 from common.backbone import build_tiny
 from mod.model import AdapterConfig, attach, load_adapters, save_peft
+# deferred: peft (optional, not in requirements.txt: run from a venv with peft)
 
 
 def batch(proc):
-    from common import data
-    from common import shapes
-    import random
     rng = random.Random(0)
     ex = [shapes.sample_example(rng) for _ in range(2)]
     return proc.encode([shapes.render(s) for s, _, _, _ in ex], [q for _, _, q, _ in ex])

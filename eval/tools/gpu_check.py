@@ -31,6 +31,8 @@ import importlib
 import importlib.util
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,17 @@ import traceback
 from contextlib import nullcontext
 
 import torch
+
+from common import data, shapes
+from common.backbone import build_tiny, save_backbone
+from common.cli import add_overwrite, entry_parser, fail, refuse_existing
+from common.data import atomic_write_text
+from eval.tools.bench_mod_decode import variants
+from mod.model import AdapterConfig, attach, compile_adapters, routing_context
+from mod.train import Batcher, TrainConfig, fit
+from mole.model import MoLE, MoLEConfig
+from rolemerge import calibrate as cal
+# deferred: peft (optional, not in requirements.txt: peft's LoRA is compared where it is installed)
 
 CHECKS = ("mod_bf16", "mod_compile", "mod_decode", "mole_bf16", "rolemerge_map", "ddp", "pipelines",
           "mod_decode_speed")
@@ -50,10 +63,6 @@ class Skip(Exception):
 
 
 def _tiny_mod(device, tmp, method="mod"):
-    from common import data
-    from common import shapes
-    from common.backbone import build_tiny
-    from mod.model import AdapterConfig, attach
     shapes.generate_split(tmp, "train", 16)
     records = data.read_records(os.path.join(tmp, "train.json"))
     base, proc = build_tiny("qwen2_5_vl", hidden=64, layers=2)
@@ -62,13 +71,10 @@ def _tiny_mod(device, tmp, method="mod"):
 
 
 def check_mod_bf16(device, tmp, steps):
-    from mod.model import routing_context
-    from mod.train import TrainConfig, fit
     model, proc, records = _tiny_mod(device, tmp)
     res = fit(model, proc, records, os.path.join(tmp, "mod_bf16"), TrainConfig(steps=steps, batch_size=4, log_every=1),
               quiet=True)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    from mod.train import Batcher
     batch = Batcher(proc, records).encode(records[:2], answers=[r["target"] for r in records[:2]])
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     model.train()
@@ -84,7 +90,6 @@ def check_mod_bf16(device, tmp, steps):
 
 
 def check_mod_compile(device, tmp, steps):
-    from mod.train import TrainConfig, fit
     out = {}
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -101,8 +106,6 @@ def check_mod_compile(device, tmp, steps):
 
 
 def check_mod_decode(device, tmp, steps):
-    from common import data
-    from common import shapes
     model, proc, records = _tiny_mod(device, tmp)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -128,11 +131,6 @@ def check_mod_decode(device, tmp, steps):
 
 
 def check_mole_bf16(device, tmp, steps):
-    import random
-    from common import data
-    from common import shapes
-    from common.backbone import build_tiny
-    from mole.model import MoLE, MoLEConfig
     model, proc = build_tiny("qwen3_vl", layers=2)
     model.requires_grad_(False)
     mole = MoLE(model.to(device), proc, MoLEConfig())
@@ -153,7 +151,6 @@ def check_mole_bf16(device, tmp, steps):
 
 
 def check_rolemerge_map(device, tmp, steps):
-    from rolemerge import calibrate as cal
     if importlib.util.find_spec("accelerate") is None:
         try:
             cal.load_model("tiny-moe", device_map="auto")
@@ -168,9 +165,6 @@ def check_rolemerge_map(device, tmp, steps):
 
 
 def check_ddp(device, tmp, steps):
-    from common import data
-    from common import shapes
-    from common.backbone import build_tiny, save_backbone
     if device.type != "cuda":
         raise Skip("the DDP check runs on CUDA only")
     base, proc = build_tiny("qwen2_5_vl", hidden=64, layers=2)
@@ -208,8 +202,8 @@ def pipeline_commands(device, tmp, steps, dense, moe):
     # ATEN_CPU_CAPABILITY=avx2 / default, sdpa raises "pack_vnni2 is only supported when avx512 is supported")
     bf = dev + ["--dtype", "bfloat16" if device.type == "cuda" else "float32"]
     return [
-        ("mod.data", ["--model", dense, "--data", train, "--out", j("vs.json"), "--num-return-sequences", "2", "--limit", "4",
-                      "--max-new-tokens", "8", *bf]),
+        ("mod.data", ["--model", dense, "--data", train, "--out", j("vs.json"), "--num-return-sequences", "2",
+                      "--limit", "4", "--max-new-tokens", "8", *bf]),
         ("mod.train", ["--model", dense, "--data", j("vs.json"), "--out", j("mod"), "--steps", str(steps),
                        "--batch-size", "2", *dev]),
         ("mod.infer", ["--model", dense, "--adapter", j("mod"), "--data", test, "--methods", "single,multi",
@@ -229,8 +223,6 @@ def pipeline_commands(device, tmp, steps, dense, moe):
 
 
 def check_pipelines(device, tmp, steps, width=WIDTH):
-    from common import shapes
-    from common.backbone import build_tiny, save_backbone
     shapes.generate_split(os.path.join(tmp, "data"), "train", 8)
     shapes.generate_split(os.path.join(tmp, "data"), "test", 4)
     dense, moe = os.path.join(tmp, "dense"), os.path.join(tmp, "moe")
@@ -254,10 +246,6 @@ class _SyncClock:
 
 
 def check_mod_decode_speed(device, tmp, steps, width=WIDTH, context=64, rounds=5):
-    import statistics
-    from common.backbone import build_tiny
-    from eval.tools.bench_mod_decode import variants
-    from mod.model import compile_adapters
     try:
         import peft
     except ImportError:    # optional: our LoRA is the reference then (named in the result)
@@ -293,7 +281,6 @@ def default_out(device):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--device", default="cuda", help="cuda (default; skipped without a GPU) or cpu for a smoke run")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {CHECKS}")
@@ -302,26 +289,18 @@ def main(argv=None):
                    "mod_decode_speed")
     p.add_argument("--out", default="", help="where the figures go (JSON; default "
                    "eval/results/gpu_check/<device name>.json)")
-    from common.cli import add_overwrite, check_overwrite, fail
     add_overwrite(p)
     a = p.parse_args(argv)
     bad = [c for c in a.checks.split(",") if c not in CHECKS]
     if bad:
         fail(f"unknown checks {bad}; choose from {CHECKS}")
-    if a.out:  # before anything runs: no silent overwrite of a measurement
-        try:
-            check_overwrite(a.out, a.overwrite)
-        except ValueError as e:
-            fail(e)
+    refuse_existing(a.out, a.overwrite)  # before anything runs: no silent overwrite of a measurement
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: skipped, no CUDA device (pass --device cpu for a smoke run of the same code paths)")
         return {"skipped": "no CUDA device"}
     out = a.out or default_out(device)
-    try:  # the device-named default output, known once the device is
-        check_overwrite(out, a.overwrite)
-    except ValueError as e:
-        fail(e)
+    refuse_existing(out, a.overwrite)  # the device-named default output, known once the device is
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "checks": {}}
     for name in a.checks.split(","):
@@ -338,7 +317,6 @@ def main(argv=None):
         r["seconds"] = time.perf_counter() - t
         res["checks"][name] = r
         print(f"{name:14s} {r['status']:8s} {json.dumps({k: v for k, v in r.items() if k not in ('status', 'trace')})}")
-    from common.data import atomic_write_text
     atomic_write_text(out, json.dumps(res, indent=1))
     if any(r["status"] == "failed" for r in res["checks"].values()):
         sys.exit(1)

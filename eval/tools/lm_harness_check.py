@@ -38,6 +38,8 @@ import subprocess
 import sys
 
 from eval.tools import lmms_check
+# deferred: lm_eval, torch, transformers, eval.lm_harness (the check starts from the standard library
+# alone and makes its own venv; these load only in the steps it runs inside that venv)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = lmms_check.PINS
@@ -149,7 +151,7 @@ def drive(model_path, name, stock, tasks_dir, batch_size, tol, out_file):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m eval.tools.lm_harness_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--venv", default="out/venv-lmeval", help="venv for lm-eval (made if missing)")
     p.add_argument("--lm-eval-version", default="0.4.13", help="lm-eval version to install (default 0.4.13)")
     p.add_argument("--out", default="out/lm_harness_check", help="working folder (default out/lm_harness_check)")
@@ -158,10 +160,8 @@ def main(argv=None):
     p.add_argument("--tol", type=float, default=1e-4, help="largest |log-likelihood difference| in nats (default 1e-4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--result", default=None, help="also write the rows as a result file here (eval.report format)")
-    from common.cli import DeprecatedSwitch
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="redo every step (not the venv; default: continue, skipping the steps done)")
-    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     p.add_argument("--driver", nargs=4, metavar=("MODEL", "NAME", "STOCK", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--make", nargs=2, metavar=("WHAT", "DIR"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -39,7 +39,6 @@ huggingface: `audios=` refused by transformers 5), so `--runs merged` exits 1.
 --out; a rerun redoes only what is missing (--overwrite redoes all).
 Runs one thread per process (`--threads`); about 10 minutes on a busy 2-core CPU after the venv.
 """
-import argparse
 import glob
 import json
 import os
@@ -47,6 +46,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+# deferred: common.cli (it loads torch; the check starts from the standard library alone and makes its own venv)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINS = ("torch", "transformers", "tokenizers", "safetensors", "pillow", "tqdm", "numpy")
@@ -306,10 +307,8 @@ def main(argv=None):
                         "cannot run), pypi = the index's build of the same version + torchvision (~3 GB)")
     p.add_argument("--runs", default=",".join(RUNS),
                    help=f"comma-separated comparisons to run, of {', '.join(RUNS)} (default all)")
-    from common.cli import DeprecatedSwitch
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="redo every step (not the venv; default: continue, skipping the steps done)")
-    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     want = [r.strip() for r in a.runs.split(",") if r.strip()]
     if not want or set(want) - set(RUNS):

@@ -39,14 +39,30 @@ Writes out/memory_plan.json (each measurement as it finishes; a rerun skips what
 """
 import argparse
 import ctypes
+import gc
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import torch
+from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+
+from common import backbone as bb
+from common.cli import entry_parser, fail, step_tokens
+from common.data import atomic_write_text
+from mod import train as mod_train
+from mod.model import AdapterConfig, attach
+from mole import train as mole_train
+from mole.lora import add_lora
+from mole.model import MoLE, MoLEConfig
+from rolemerge import calibrate as cal
 
 GB = 1e9
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
@@ -96,7 +112,6 @@ def real_config(spec, layers, tok):
     """transformers config of `spec` (an entry of REAL, or a test's tiny one) with `layers`
     decoder layers; the special-token ids are those of `tok` (the repo's byte-level tokenizer:
     no hub access here; the ids only pick embedding rows, the vocabulary size is the real one)."""
-    from transformers import AutoConfig
     ids = {k: tok.convert_tokens_to_ids(t) for k, t in [
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
@@ -108,7 +123,6 @@ def real_config(spec, layers, tok):
 
 def image_processor(spec):
     """The checkpoint's image processor settings (min / max pixels, patch, merge, mean / std)."""
-    from transformers import Qwen2VLImageProcessorPil
     im = spec["image"]
     return Qwen2VLImageProcessorPil(size={"shortest_edge": im["min_pixels"], "longest_edge": im["max_pixels"]},
                                     patch_size=im["patch_size"], temporal_patch_size=im["temporal_patch_size"],
@@ -117,8 +131,6 @@ def image_processor(spec):
 
 def build(spec, layers, dtype=torch.bfloat16, device="cpu"):
     """Random-init VLM of `spec` with `layers` decoder layers in `dtype` + its VLProcessor."""
-    from transformers import AutoModelForImageTextToText
-    from common import backbone as bb
     tok = bb.build_tokenizer()
     cfg = real_config(spec, layers, tok)
     torch.manual_seed(0)
@@ -131,8 +143,6 @@ def build(spec, layers, dtype=torch.bfloat16, device="cpu"):
 def sample_inputs(proc, batch, image_size, q_tokens, a_tokens):
     """`batch` copies of one random image_size^2 RGB image, a question of q_tokens tokens and an
     answer of a_tokens tokens (a one-token word repeated), pixels through the processor."""
-    import numpy as np
-    from PIL import Image
     rng = np.random.default_rng(0)
     img = Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))
     word = " red circle"                     # one token of the repo's tokenizer (common.shapes.mark_tokens)
@@ -189,7 +199,6 @@ def rss_bytes():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
-        import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -215,7 +224,6 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return self
-        import gc
         gc.collect()
         release_free_memory()
         self.base = self.top = rss_bytes()
@@ -251,14 +259,10 @@ def timer_sync(device):
 def setup_job(job, model, proc):
     """Attach what the job trains, as the training script does. Returns (run, params, step_fn
     maker) pieces: (forward-able module, trainable params dict, encode function)."""
-    from common import backbone as bb
     if job == "mod":
-        from mod.model import AdapterConfig, attach
         attach(model, AdapterConfig())
         model.train()
         return model, proc.encode
-    from mole.lora import add_lora
-    from mole.model import MoLE, MoLEConfig
     model.requires_grad_(False)
     lm = bb.text_model(model)
     if job == "mole_full":
@@ -284,8 +288,6 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
     step), flops, step_s, seq_len, visual_tokens. optimizer_step=False stops after backward and
     reports the AdamW state as computed (2 x trainable bytes: torch keeps exp_avg / exp_avg_sq in
     the parameter dtype, + a 4-byte step per tensor; `optimizer_computed` True)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    from common.cli import step_tokens
     t_build = time.perf_counter()
     model, proc = build(spec, layers, device=device)
     t_build = time.perf_counter() - t_build
@@ -296,7 +298,6 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
            "cpu_s_start": time.process_time(), "visual_tokens": int(grid.prod(-1).sum()) // (proc.merge ** 2) // batch}
     trainable, opt, saved_bytes, grad_bytes, opt_peak = [], None, 0, 0, 0
     if job == "calib":
-        from rolemerge import calibrate as cal
         model.eval()
         params = list(model.parameters())
         inputs = {k: v.to(device) for k, v in proc.encode(None, qs, pixels=(pv, grid)).items()}
@@ -320,11 +321,9 @@ def measure(spec, job, layers, batch, device="cpu", image_size=448, q_tokens=32,
         rec["label_tokens"] = step_tokens([b["labels"]])
         amp = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
         if job == "mod":
-            from mod.train import accumulate
-            run = lambda: accumulate(net, net, [b], 0.01, amp)
+            run = lambda: mod_train.accumulate(net, net, [b], 0.01, amp)
         else:
-            from mole.train import accumulate
-            run = lambda: accumulate(net, [b], 1 if job == "mole1" else 2, amp)
+            run = lambda: mole_train.accumulate(net, [b], 1 if job == "mole1" else 2, amp)
         opt.zero_grad(set_to_none=True)
         with FlopCounterMode(display=False) as fc:
             t0, c0 = timer_sync(device), time.process_time()
@@ -578,7 +577,6 @@ def load_results(path):
 
 
 def main(argv=None):
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--models", default=",".join(REAL), help=f"comma list of {tuple(REAL)}")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {JOBS} (calib: MoE models only)")
@@ -593,7 +591,6 @@ def main(argv=None):
     p.add_argument("--no-optimizer-step", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--one", nargs=4, metavar=("MODEL", "JOB", "LAYERS", "BATCH"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    from common.cli import fail
     if a.one:                                     # worker: one measurement, JSON on stdout
         torch.set_num_threads(a.threads)
         name, job, L, B = a.one
@@ -604,7 +601,6 @@ def main(argv=None):
     bad = [m for m in models if m not in REAL] + [j for j in jobs if j not in JOBS]
     if bad:
         fail(f"unknown models / jobs {bad}; models: {tuple(REAL)}, jobs: {JOBS}")
-    from common.data import atomic_write_text
     results = load_results(a.out)
     todo = [] if a.plan_only else [(n, j, pts, kw) for n, j, pts, kw in RUNS if n in models and j in jobs]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MALLOC_MMAP_THRESHOLD_="65536")

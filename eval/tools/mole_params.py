@@ -12,6 +12,12 @@ import json
 import os
 import sys
 
+from common.backbone import load_backbone
+from common.cli import add_overwrite, add_threads, entry_parser, refuse_existing, set_threads
+from common.data import atomic_write_text
+from mole.checkpoint import build
+from mole.train import parse_config
+
 # the toy's main rows (eval/toys/mole.py MAIN): extra mole.train flags
 ARMS = {"MoLE (E = 4, S = 4)": [], "plain latents (8)": ["--n-vis", "8", "--n-sum", "0", "--no-router", "--no-esva",
                                                          "--latent-mixing", "causal"],
@@ -39,8 +45,6 @@ def analytic(shape, n_vis=4, n_sum=4, router=True, esva=True, esva_hidden=0, lor
 
 def built(flags, model="tiny-dense"):
     """{part: parameters} of the model `mole.train` builds with these flags (requires_grad)."""
-    from mole.checkpoint import build
-    from mole.train import parse_config
     cfg = parse_config(["--data", "unused", "--out", "unused", "--model", model, *flags])
     _, _, params = build(cfg, "cpu")
     parts = {"lora": 0, "latents": 0, "routers": 0, "esva": 0}
@@ -52,20 +56,13 @@ def built(flags, model="tiny-dense"):
 
 
 def main(argv=None):
-    from common.cli import add_threads, entry_parser, set_threads
-    from common.data import atomic_write_text
     p = entry_parser(__spec__.name, "Trainable parameters of MoLE, plain latents and SFT.")
     p.add_argument("--out", default="eval/results/mole/param_counts.json", help="result file")
     add_threads(p)
-    from common.cli import add_overwrite, check_overwrite, fail
     add_overwrite(p)
     a = p.parse_args(argv)
-    try:  # before anything runs: no silent overwrite of a measurement
-        check_overwrite(a.out, a.overwrite)
-    except ValueError as e:
-        fail(e)
+    refuse_existing(a.out, a.overwrite)  # before anything runs: no silent overwrite of a measurement
     set_threads(a.threads, "tiny-dense")
-    from common.backbone import load_backbone
     tcfg = load_backbone("tiny-dense")[0].config.get_text_config()
     tiny = {k: getattr(tcfg, k) for k in QWEN25_VL_7B}
     rows = []

@@ -20,10 +20,10 @@ answer); the target is always correct. The committed `tiny-chat` used --wrong-pr
 only ever saw agreeing priors and so learned to lean on them (misled by a wrong prior, as the
 MoD paper says real VLMs are), which is what viewpoint-shift training is meant to fix.
 """
-import argparse
 import json
 import os
 import random
+import shutil
 import time
 
 import numpy as np
@@ -31,12 +31,11 @@ import torch
 from tqdm import tqdm
 
 from common import backbone as bb
-from common import data
-from common import shapes
+from common import data, shapes
 from common.checkpoint import CheckpointError, load_train_state, save_train_state
-from common.cli import SAVE_EVERY, Deprecated, DeprecatedSwitch, add_threads, fail, number, set_threads
+from common.cli import SAVE_EVERY, add_threads, entry_parser, fail, number, set_threads, step_tokens, token_ce
 from common.schedule import lr_at
-
+from mod import prompts as vs
 
 LOOKS = ("full", "objects", "none")
 
@@ -44,9 +43,7 @@ LOOKS = ("full", "objects", "none")
 def look_target(look, scene, answer, question):
     """The assistant turn a base is trained on, by look step: "full" (`shapes.target_text`, all nine
     cells marked), "objects" (`shapes.short_target_text`, the occupied cells only), "none" (the short
-    "Answer: {answer}"). A bool is read as in older logs (True = "full", False = "none").
-    Raises ValueError for an unknown look."""
-    look = {True: "full", False: "none"}.get(look, look)
+    "Answer: {answer}"). Raises ValueError for an unknown look."""
     if look == "full":
         return shapes.target_text(scene, answer, question)
     if look == "objects":
@@ -81,7 +78,6 @@ def chat_example(rng, ex, fmt, wrong_priors=0.5):
     prior agrees with the target, so copying the prior's answer is as good as reading the image
     and the base may learn to anchor on priors. The answer tail is the target's
     last characters that hold the short answer (weighted by --answer-weight)."""
-    from mod import prompts as vs
     scene, family, q, a = ex
     gold = shapes.target_text(scene, a, q)
 
@@ -139,7 +135,6 @@ def accumulate(model, batch, answer_mask, grad_accum=1, answer_weight=1.0, is_mo
     1 x 4, 2 x 2 and 4 x 1 give the same gradient. The MoE router aux loss
     (router_aux_loss_coef * aux, a per-micro-batch mean) weighs 1 / grad_accum per micro-batch.
     Returns the step's loss (a detached scalar tensor)."""
-    from common.cli import step_tokens, token_ce
     B = batch["input_ids"].shape[0]
     parts = [list(range(m, B, grad_accum)) for m in range(min(grad_accum, B))]
     n_lab = step_tokens([batch["labels"]])
@@ -199,7 +194,6 @@ RECIPE_KEYS = ("arch", "steps", "batch_size", "lr", "warmup", "hidden", "layers"
 
 
 def main():
-    from common.cli import entry_parser
     p = entry_parser(__spec__.name, __doc__)
     p.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"],
                    help="transformers architecture of the tiny base")
@@ -213,8 +207,6 @@ def main():
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--warmup-ratio", dest="warmup", type=float, default=0.05,
                    help="linear warmup as a fraction of all optimizer steps (0-1)")
-    p.add_argument("--warmup", dest="warmup", type=float, action=Deprecated, new="--warmup-ratio",
-                   help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, default=128, help="text hidden size")
     p.add_argument("--layers", type=int, default=4, help="text decoder layers")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer (MoE arch)")
@@ -227,7 +219,6 @@ def main():
     p.add_argument("--look", default="full", choices=LOOKS,
                    help="assistant turn: full (all nine cells marked, then the answer), objects (the occupied "
                         "cells only: a short look step), none (the short 'Answer: yes' only)")
-    p.add_argument("--no-look", dest="look", action="store_const", const="none", help="same as --look none")
     p.add_argument("--answer-weight", type=float, default=1.0,
                    help="weight of the extra CE term on the short answer after 'Answer:' (0 = plain CE)")
     p.add_argument("--stop-at", type=int, default=0,
@@ -241,13 +232,10 @@ def main():
                    help="with --chat-mix: probability that a prior response in a prompt is wrong (0 = all agree)")
     p.add_argument("--overwrite", dest="fresh", action="store_true",
                    help="discard an existing {out}.ckpt and start over (default: continue it)")
-    p.add_argument("--fresh", dest="fresh", action=DeprecatedSwitch, new="--overwrite", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--eval-every", type=int, default=500, help="teacher-forced validation every N steps")
     p.add_argument("--save-every", dest="ckpt_every", type=int, default=SAVE_EVERY,
                    help="also checkpoint (atomically) every N optimizer steps (0 = only at the end)")
-    p.add_argument("--ckpt-every", dest="ckpt_every", type=int, action=Deprecated, new="--save-every",
-                   help=argparse.SUPPRESS)
     a = p.parse_args()
     set_threads(a.threads)  # the tiny bases: one thread unless asked
     chat_mix = None
@@ -275,7 +263,6 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.98), weight_decay=0.01)
     ckpt, step, log = a.out.rstrip("/") + ".ckpt", 0, []
     if a.fresh:
-        import shutil
         shutil.rmtree(ckpt, ignore_errors=True)
     recipe = {k: getattr(a, k) for k in RECIPE_KEYS}
     if a.init:  # the starting weights, not the path they were read from
@@ -283,15 +270,13 @@ def main():
     try:
         tensors, state = load_train_state(ckpt, opt)
     except CheckpointError as e:
-        fail(f"{e}; or pass --fresh to start over")
+        fail(f"{e}; or pass --overwrite to start over")
     if tensors is not None:
-        saved = dict(state.get("recipe", recipe))
-        if isinstance(saved.get("look"), bool):                     # older checkpoints: --no-look as a bool
-            saved["look"] = "full" if saved["look"] else "none"
-        diff = {k: (saved[k], v) for k, v in recipe.items() if k in saved and saved[k] != v}  # keys both define
+        saved = state["recipe"]
+        diff = {k: (saved.get(k), v) for k, v in recipe.items() if saved.get(k) != v}
         if diff:
             fail(f"{ckpt} was written with other settings {diff} (saved, now); "
-                             f"rerun with those settings to resume, or pass --fresh to start over")
+                             f"rerun with those settings to resume, or pass --overwrite to start over")
         model.load_state_dict(tensors)
         step, log = state["step"], state["log"]
         print(f"resumed from {ckpt} at step {step}")

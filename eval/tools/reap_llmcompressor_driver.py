@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-# deferred: llmcompressor is optional (installed only in the bench's own venv), so this file imports without it
+# deferred: llmcompressor (optional: installed only in the bench's own venv, so this file imports without it)
 
 
 def main(spec_path):

@@ -39,7 +39,6 @@ after N minutes (rerun to continue):
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
 """
-import argparse
 import copy
 import json
 import os
@@ -49,7 +48,7 @@ import torch
 
 from common import shapes
 from common.backbone import load_backbone
-from common.cli import Deprecated, add_threads, entry_parser, fail, number, set_threads
+from common.cli import add_threads, entry_parser, fail, number, set_threads
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
@@ -368,7 +367,6 @@ def main(argv=None):
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mod", help="output directory (results.json, adapters, heatmaps)")
     p.add_argument("--model", default="tiny-chat", help="frozen base model: checkpoint dir or tiny-chat")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--max-minutes", type=number(float, above=0), default=None,
                    help=f"--part {', '.join(RESUMABLE)}: start no training or scoring after this many minutes "

@@ -22,7 +22,6 @@ Per row: accuracy per family [95% bootstrap CI], paired-bootstrap difference vs 
 train and inference wall time, and for latent models the latent similarity / attention-KL
 diagnostics (x100). Results are what this run measures; nothing is copied from the paper.
 """
-import argparse
 import json
 import os
 import re
@@ -35,7 +34,7 @@ from PIL import Image, ImageDraw
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import Deprecated, add_threads, entry_parser, number, set_threads
+from common.cli import add_threads, entry_parser, number, set_threads
 from eval.evaluate import evaluate as plain_evaluate
 from eval.metrics import accuracy, bootstrap_ci, by_family, paired_bootstrap, two_level_bootstrap, verdict_text
 from mole import train as mt
@@ -172,22 +171,16 @@ def run(quick, data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0,), p
     if phase == "data":
         return None
     main_rows = {k: MAIN[k] for k in ("sft", "plain_latent", "mole")} if quick else TABLE_MAIN
-    for seed in seeds:
-        for name, flags in main_rows.items():
-            r, net, stage = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
-                                       mole_evaluate, plain_evaluate)
-            print(f"[toy_mole] {name} seed {seed}: acc {_acc(r['items']):.3f} "
-                  f"train {r.get('train_s', 0):.0f}s", flush=True)
-            if name != "mole" or quick:
-                continue
-            _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
+    runs = [(seed, name, flags) for seed in seeds for name, flags in main_rows.items()]
     if not quick:
-        for seed in seeds:
-            for name, flags in ABLATIONS.items():
-                r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
-                                     mole_evaluate, plain_evaluate)
-                print(f"[toy_mole] {name} seed {seed}: acc "
-                      f"{_acc(r['items']):.3f}", flush=True)
+        runs += [(seed, name, flags) for seed in seeds for name, flags in ABLATIONS.items()]
+    for seed, name, flags in runs:
+        r, net, stage = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
+                                   mole_evaluate, plain_evaluate)
+        print(f"[toy_mole] {name} seed {seed}: acc {_acc(r['items']):.3f} train {r.get('train_s', 0):.0f}s",
+              flush=True)
+        if name == "mole" and not quick:
+            _interventions(tab_dir, seed, net, stage, test, mole_evaluate)
     return summarise_table(out_dir, quick, data_dir)
 
 
@@ -1604,7 +1597,6 @@ def main(argv=None):
     p.add_argument("--data", default="out/data", help="shapes data directory (generated if missing)")
     p.add_argument("--out", default="out/mole", help="output directory (results.json, checkpoints)")
     p.add_argument("--model", default="tiny-dense", help="base VLM (checkpoint directory or tiny-dense)")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     add_threads(p)
     a = p.parse_args(argv)
     threads = set_threads(a.threads, a.model)  # passed on to every mole.train run

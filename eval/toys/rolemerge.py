@@ -24,7 +24,6 @@ table1 (Table 1 and its controls), sensitivity (Tables 3 / 14: lambda .01 / .10,
 k-means++, linkages), search (Table 15 A: Greedy+1Swap, Greedy+SwapC), calibration (App. F: size
 sweep and number of sources) and bootstrap (App. D.2 on committed per-question files, no runs).
 """
-import argparse
 import json
 import os
 import re
@@ -42,7 +41,7 @@ from PIL import Image, ImageDraw
 from common import backbone as bb
 from common import data
 from common import shapes
-from common.cli import Deprecated, add_threads, entry_parser, set_threads
+from common.cli import add_threads, entry_parser, set_threads
 from eval.evaluate import evaluate, family_rows
 from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap
 from eval.metrics import verdict as verdict_rule
@@ -1149,7 +1148,6 @@ def parser():
     p.add_argument("--out", default="out/rolemerge", help="output directory (results.json, merged checkpoints)")
     p.add_argument("--model", default="tiny-moe",
                    help="MoE-VLM to merge (tiny-moe = the committed tiny Qwen3-VL-MoE)")
-    p.add_argument("--base", dest="model", action=Deprecated, new="--model", help=argparse.SUPPRESS)
     add_threads(p)
     p.add_argument("--paper", default="",
                    help="comma-separated base directories with the paper's structure (eval.tools.pretrain "
