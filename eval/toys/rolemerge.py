@@ -1151,7 +1151,7 @@ def parser():
     add_threads(p)
     p.add_argument("--paper", default="",
                    help="comma-separated base directories with the paper's structure (eval.tools.pretrain "
-                        "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --no-look): run the pre-registered "
+                        "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --look objects, PAPER_RECIPE): run the pre-registered "
                         "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
     p.add_argument("--part", default="table1", choices=list(PARTS),
                    help="--paper experiment: table1 (Table 1 and its controls), sensitivity (Tables 3 / 14: lambda "
