@@ -2,10 +2,13 @@
 renderer itself is pinned by hand cases (a table that cannot drift from its result files)."""
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from eval import report
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_readme_tables_equal_the_results():
@@ -93,3 +96,15 @@ def test_readme_states_its_reading_time(readme):
     n, words = reading_minutes(text), len(text.split())
     assert n is not None, f"{readme}: no 'Reading time: about N minutes' in its first lines"
     assert abs(n - words / 200) <= 1, f"{readme}: says {n} minutes, {words} words read in {words / 200:.1f}"
+
+
+def test_top_readme_layout_names_every_module():
+    """The top README's layout tree has a line for every module of common/, the methods and eval/
+    (eval/toys and eval/tools by name on their lines)."""
+    text = (ROOT / "README.md").read_text()
+    tree = text.split("## Layout", 1)[1].split("```")[1]
+    missing = [str(p.relative_to(ROOT)) for folder in ("common", "mod", "rolemerge", "mole", "eval", "eval/toys",
+                                                          "eval/tools")
+               for p in sorted((ROOT / folder).glob("*.py"))
+               if p.name != "__init__.py" and not re.search(rf"(^|[\s,(]){re.escape(p.name)}\b", tree, re.M)]
+    assert not missing, f"README.md's layout tree misses {missing}"
