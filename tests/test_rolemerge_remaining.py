@@ -216,3 +216,39 @@ def test_reuse_flag_refuses_a_file_that_is_not_a_result_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         toy.main(["--part", "search", "--paper", "common/tiny/moe32", "--reuse", str(bad)])
     assert e.value.code == 2 and "--reuse" in capsys.readouterr().err
+
+
+def test_max_minutes_starts_no_audit_cell_after_the_limit(tmp_path, monkeypatch):
+    """--max-minutes: the source audit checks the clock before every cell; cells finished before
+    the limit are on disk, the next one never starts (TimeUp), and a rerun continues."""
+    base = tmp_path / "seed7"
+    ck = tmp_path / "ckpt" / "seed7"
+    ck.mkdir(parents=True)
+    (ck / "stats.safetensors").write_bytes(b"")
+    (tmp_path / "seed7.json").write_text(json.dumps({"base": str(base), "arms": {"rolemerge@0.5": {"correct": [1]}}}))
+    monkeypatch.setattr(toy.rstats, "load_stats", lambda p: {"sources": {"a": 1, "b": 2, "c": 3}})
+    monkeypatch.setattr(toy.rstats, "save_stats", lambda s, p: None)
+    monkeypatch.setattr(toy.data, "read_llava_json", lambda p: [])
+    monkeypatch.setattr(toy, "_base_cfg", lambda b, cfg: dict(cfg, max_new=8))
+    clock, calls = [100.0], []
+
+    def cell(*args):
+        calls.append(args[-1])
+        clock[0] += 60.0          # each cell takes a minute
+        return {"correct": [1]}
+    monkeypatch.setattr(toy, "_cell", cell)
+    monkeypatch.setattr(toy.time, "time", lambda: clock[0])
+    cfg = dict(toy.PAPER, n_cal=4, n_test=1, deadline=100.0 + 2 * 60.0 - 1)   # room for two cells
+    with pytest.raises(toy.TimeUp):
+        toy.run_source_audit(str(base), str(tmp_path), str(tmp_path), cfg, rho=0.5)
+    assert len(calls) == 2
+    saved = json.loads((tmp_path / "seed7.json").read_text())["audit"]
+    assert sum(k.startswith(("src1:", "src2:")) for k in saved) == 2
+    toy.run_source_audit(str(base), str(tmp_path), str(tmp_path), dict(cfg, deadline=None), rho=0.5)
+    assert len(calls) == 6     # 3 single + 3 pair cells in all: the rerun ran only the 4 missing ones
+
+
+def test_max_minutes_needs_the_paper_bases():
+    with pytest.raises(SystemExit) as e:
+        toy.main(["--max-minutes", "5"])
+    assert e.value.code == 2

@@ -41,7 +41,7 @@ from PIL import Image, ImageDraw
 from common import backbone as bb
 from common import data
 from common import shapes
-from common.cli import add_threads, entry_parser, set_threads
+from common.cli import add_threads, entry_parser, number, set_threads
 from eval.evaluate import evaluate, family_rows
 from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap
 from eval.metrics import verdict as verdict_rule
@@ -333,12 +333,24 @@ def run_paper(base, data_dir, out_dir, cfg=PAPER, arms=TABLE1_ARMS, reuse=None):
             key = f"{arm}@{rho}"
             if key in res["arms"]:
                 continue
+            _check_time(cfg, f"{name} {key}")
             method, linkage, oracle, opts = PAPER_ARMS[arm]
             res["arms"][key] = _cell(base, stats_path, os.path.join(ck, key), rho, method, linkage, opts, test,
                                      cfg["max_new"], routers if oracle else None, f"{name} {key}")
             data.atomic_write_text(path, json.dumps(res))
     data.atomic_write_text(path, json.dumps(res))
     return res
+
+
+class TimeUp(Exception):
+    """--max-minutes reached before a cell started; everything finished is on disk."""
+
+
+def _check_time(cfg, what):
+    """Raise TimeUp if cfg["deadline"] (seconds since the epoch, from --max-minutes; None = never)
+    has passed, naming the cell `what` that would start next."""
+    if cfg.get("deadline") is not None and time.time() >= cfg["deadline"]:
+        raise TimeUp(what)
 
 
 def _cell(base, stats_path, out, rho, method, linkage, opts, test, max_new, routers=None, label=""):
@@ -798,6 +810,7 @@ def run_source_audit(base, data_dir, out_dir, cfg=PAPER, rho=AUDIT["rho"]):
         key = f"{cell}@{rho}"
         if key in aud:
             continue
+        _check_time(cfg, f"{name} audit {key}")
         sp = os.path.join(ck, "stats_" + cell.replace(":", "_").replace("+", "_") + ".safetensors")
         if not os.path.exists(sp):
             rstats.save_stats(dict(stats, sources={f: stats["sources"][f] for f in keep}), sp)
@@ -844,6 +857,7 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
             key = f"{cell}@{rho}"
             if key in aud:
                 continue
+            _check_time(cfg, f"{name} audit {key}")
             if not os.path.exists(sp):
                 rstats.save_stats(subset_stats(stats, take, c), sp)
             aud[key] = dict(_cell(base, sp, os.path.join(ck, "audit"), rho, "rolemerge", "single", {}, test,
@@ -1153,6 +1167,9 @@ def parser():
                    help="comma-separated base directories with the paper's structure (eval.tools.pretrain "
                         "--experts 32 --top-k 4 --patch-size 7 --merge-size 1 --look objects, PAPER_RECIPE): run the pre-registered "
                         "experiment of rolemerge/README.md on each and write {out}/paper/ tables + figures")
+    p.add_argument("--max-minutes", type=number(float, above=0), default=None,
+                   help="--paper: start no new cell (merge + evaluation) after this many minutes; every finished cell "
+                        "is on disk and a rerun continues")
     p.add_argument("--part", default="table1", choices=list(PARTS),
                    help="--paper experiment: table1 (Table 1 and its controls), sensitivity (Tables 3 / 14: lambda "
                         ".01 / .10, five-seed k-means++, linkages), search (Table 15 A: Greedy+1Swap, Greedy+SwapC), "
@@ -1204,7 +1221,7 @@ def _write_rows(a, argv, experiment, rows):
 
 def _rest_main(p, a, argv, bases, outp, cfg, arms, reuse):
     """--part sensitivity / search / calibration on every --paper base, then the part's rows."""
-    src = "python -m eval.toys.rolemerge " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    src = "python -m eval.toys.rolemerge " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         if a.part == "calibration" and a.audit == "sources":
             every = [run_source_audit(b, a.data, outp, cfg) for b in bases]
@@ -1313,6 +1330,8 @@ def main(argv=None):
         return rescore(p, a, argv)
     if a.retrain_base and a.paper:
         p.error("--retrain-base trains the bases it evaluates; leave out --paper")
+    if a.max_minutes is not None and not (a.paper or a.retrain_base):
+        p.error("--max-minutes limits the --paper cells; add --paper BASES")
     set_threads(a.threads, a.paper.split(",")[0] if a.paper else a.model)
     if a.retrain_base:
         a.paper = ",".join(retrain_bases(a.retrain_base, seeds, a.threads))
@@ -1349,10 +1368,16 @@ def main(argv=None):
                 reuse[_name(json.load(open(f)))] = f
             except (OSError, ValueError, KeyError) as e:
                 p.error(f"--reuse {f}: not a per-question result file ({e})")
-        if a.part != "table1":
-            return _rest_main(p, a, argv, bases, outp, cfg, arms, reuse)
+        if a.max_minutes is not None:
+            cfg["deadline"] = time.time() + 60 * a.max_minutes   # a run-length limit, checked before every cell
         try:
+            if a.part != "table1":
+                return _rest_main(p, a, argv, bases, outp, cfg, arms, reuse)
             every = [run_paper(b, a.data, outp, cfg, arms, reuse.get(_name({"base": b}))) for b in bases]
+        except TimeUp as e:
+            print(f"[paper] --max-minutes reached before {e}; every finished cell is on disk: rerun the same "
+                  f"command to continue", flush=True)
+            return
         except (ValueError, OSError) as e:   # e.g. a base without MoE layers: the library's message, no traceback
             p.exit(2, f"error: {e}\n")
         res = [r for r in every if not names or _name(r) in names]
