@@ -33,6 +33,16 @@ def decoder_depth(config, positions, adapter=0):
     return c.num_hidden_layers * layer + c.hidden_size
 
 
+def logits_tol(model, positions, logits, adapter=0):
+    """`tol` for a decoder's fp32 logits computed two ways that differ only in rounding (cached
+    against full, batched against single, another attention kernel): decoder_depth(model.config,
+    positions, adapter) steps relative to max(1, max |logits|) (the scale `test_mod_copy` uses).
+    model: a transformers model (or its config); logits: either side's tensor."""
+    config = getattr(model, "config", model)
+    scale = max(1.0, logits.detach().abs().max().item())
+    return tol(torch.float32, decoder_depth(config, positions, adapter), scale)
+
+
 def mod_layer_tol(layer, x):
     """`tol` for an output of a MoD / MoE-LoRA / LoRA layer (mod.model.MoDLinear) on input x [..., in]
     computed two ways in fp32: the base term (a length-in dot, scale sum |x_i w_i| + |bias|), the
@@ -105,3 +115,16 @@ def tiny_qwen3_moe(N=4, k=2, H=16, layers=1):
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.5)
     return m
+
+
+def attention_tol(q, k, v, scaling, prior=0.0):
+    """`tol` for fp32 attention softmax(scaling q k^T + prior) v ([..., H, L, D], k / v with H or
+    fewer heads) computed two ways: the scores' error (a length-D dot, scale scaling * max_ij
+    sum_d |q_id k_jd| + max |prior|) moves the output by at most 2 max|v| per unit (the softmax's
+    Jacobian against values in [-max|v|, max|v|]); the normalisation and the weighted sum over L keys
+    add L + 2 steps of max|v|."""
+    H, Hkv = q.shape[-3], k.shape[-3]
+    ka = k.detach().abs().float().repeat_interleave(H // Hkv, -3)
+    s = scaling * (q.detach().abs().float() @ ka.transpose(-1, -2)).max().item() + float(prior)
+    vmax = v.detach().abs().max().item()
+    return tol(torch.float32, q.shape[-1] + 2, s) * 2 * vmax + tol(torch.float32, k.shape[-2] + 2, vmax)
