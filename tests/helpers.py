@@ -43,6 +43,18 @@ def logits_tol(model, positions, logits, adapter=0):
     return tol(torch.float32, decoder_depth(config, positions, adapter), scale)
 
 
+def adapter_depth(model):
+    """`decoder_depth`'s `adapter` for a model with MoD / MoE-LoRA / LoRA layers (mod.model.MoDLinear):
+    the largest in_features + rows of A (experts, or the LoRA rank) + routing window of any adapted
+    projection (the adapter's dots, the mix of its rows, the router input's window mean); 0 without."""
+    d = 0
+    for m in model.modules():
+        if hasattr(m, "base_layer") and hasattr(m, "cfg") and hasattr(m.cfg, "method"):
+            A = m.A if m.cfg.method == "mod" else m.lora_A
+            d = max(d, m.base_layer.in_features + A.shape[0] + m.cfg.route_window)
+    return d
+
+
 def mod_layer_tol(layer, x):
     """`tol` for an output of a MoD / MoE-LoRA / LoRA layer (mod.model.MoDLinear) on input x [..., in]
     computed two ways in fp32: the base term (a length-in dot, scale sum |x_i w_i| + |bias|), the
