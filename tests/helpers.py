@@ -140,3 +140,21 @@ def attention_tol(q, k, v, scaling, prior=0.0):
     s = scaling * (q.detach().abs().float() @ ka.transpose(-1, -2)).max().item() + float(prior)
     vmax = v.detach().abs().max().item()
     return tol(torch.float32, q.shape[-1] + 2, s) * 2 * vmax + tol(torch.float32, k.shape[-2] + 2, vmax)
+
+
+def expert_tol(experts, x):
+    """`tol` for fp32 outputs [T, N, H] of fused MoE experts (transformers 5 layout: gate_up_proj
+    [N, 2I, H], down_proj [N, H, I], act(gate) * up with |act(g)| <= |g| as for SiLU) on tokens
+    x [T, H], computed two ways: depth H + I + 2 relative to the largest entry of the network of
+    absolute values |down| (|gate| |x| * |up| |x|), which bounds every sum of |terms| on the way."""
+    xa = x.detach().abs().float()
+    gu = torch.einsum("th,nih->tni", xa, experts.gate_up_proj.detach().abs().float())
+    g, u = gu.chunk(2, dim=-1)
+    s = torch.einsum("tni,nhi->tnh", g * u, experts.down_proj.detach().abs().float())
+    return tol(torch.float32, x.shape[-1] + g.shape[-1] + 2, s.max())
+
+
+def router_tol(x, weight):
+    """`tol` for fp32 router logits x [T, H] @ weight [N, H]^T: a length-H dot, scale the largest
+    sum_h |x_h w_h|."""
+    return tol(torch.float32, x.shape[-1], (x.detach().abs().float() @ weight.detach().abs().float().T).max())
