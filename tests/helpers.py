@@ -17,6 +17,7 @@ def tol(dtype, depth, scale=1.0):
     largest |value| of the compared tensor. A worst-case bound, not one machine's rounding: it
     holds under ATEN_CPU_CAPABILITY avx512, avx2 and default alike. Where the depth of a whole
     model is unknowable, compare against a float64 reference instead."""
+    scale = scale.detach() if torch.is_tensor(scale) else scale
     return depth * torch.finfo(dtype).eps * float(scale)
 
 
