@@ -292,7 +292,7 @@ def test_bound_streaming_equals_in_memory_and_adaptive_counts(calibrated, tmp_pa
     feats, _ = bl.load_features(bl.features_path(sp))
     ks = bl.msmoe_layer_counts([f["count"] for f in feats], 4)
     assert rep["adaptive"] and rep["unique_experts"] == ks and [l["K"] for l in rep["layers"]] == ks
-    assert sum(ks) == pytest.approx(4 * len(ks), abs=len(ks))
+    assert sum(ks) == pytest.approx(4 * len(ks), abs=len(ks))      # integer counts: each layer rounds by <= 1
     rep = json.load(open(tmp_path / "o20" / mg.REPORT))
     assert rep["distance"] == "cosine" and rep["router"] == "average"
 
