@@ -17,6 +17,7 @@ def tol(dtype, depth, scale=1.0):
     largest |value| of the compared tensor. A worst-case bound, not one machine's rounding: it
     holds under ATEN_CPU_CAPABILITY avx512, avx2 and default alike. Where the depth of a whole
     model is unknowable, compare against a float64 reference instead."""
+    scale = scale.detach() if torch.is_tensor(scale) else scale
     return depth * torch.finfo(dtype).eps * float(scale)
 
 
@@ -31,6 +32,28 @@ def decoder_depth(config, positions, adapter=0):
     inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
     layer = c.hidden_size + hd + positions + c.num_attention_heads * hd + c.hidden_size + inter + 2 * adapter
     return c.num_hidden_layers * layer + c.hidden_size
+
+
+def logits_tol(model, positions, logits, adapter=0):
+    """`tol` for a decoder's fp32 logits computed two ways that differ only in rounding (cached
+    against full, batched against single, another attention kernel): decoder_depth(model.config,
+    positions, adapter) steps relative to max(1, max |logits|) (the scale `test_mod_copy` uses).
+    model: a transformers model (or its config); logits: either side's tensor."""
+    config = getattr(model, "config", model)
+    scale = max(1.0, logits.detach().abs().max().item())
+    return tol(torch.float32, decoder_depth(config, positions, adapter), scale)
+
+
+def adapter_depth(model):
+    """`decoder_depth`'s `adapter` for a model with MoD / MoE-LoRA / LoRA layers (mod.model.MoDLinear):
+    the largest in_features + rows of A (experts, or the LoRA rank) + routing window of any adapted
+    projection (the adapter's dots, the mix of its rows, the router input's window mean); 0 without."""
+    d = 0
+    for m in model.modules():
+        if hasattr(m, "base_layer") and hasattr(m, "cfg") and hasattr(m.cfg, "method"):
+            A = m.A if m.cfg.method == "mod" else m.lora_A
+            d = max(d, m.base_layer.in_features + A.shape[0] + m.cfg.route_window)
+    return d
 
 
 def mod_layer_tol(layer, x):
@@ -105,3 +128,34 @@ def tiny_qwen3_moe(N=4, k=2, H=16, layers=1):
     for p in m.parameters():
         torch.nn.init.normal_(p, std=0.5)
     return m
+
+
+def attention_tol(q, k, v, scaling, prior=0.0):
+    """`tol` for fp32 attention softmax(scaling q k^T + prior) v ([..., H, L, D], k / v with H or
+    fewer heads) computed two ways: the scores' error (a length-D dot, scale scaling * max_ij
+    sum_d |q_id k_jd| + max |prior|) moves the output by at most 2 max|v| per unit (the softmax's
+    Jacobian against values in [-max|v|, max|v|]); the normalisation and the weighted sum over L keys
+    add L + 2 steps of max|v|."""
+    H, Hkv = q.shape[-3], k.shape[-3]
+    ka = k.detach().abs().float().repeat_interleave(H // Hkv, -3)
+    s = scaling * (q.detach().abs().float() @ ka.transpose(-1, -2)).max().item() + float(prior)
+    vmax = v.detach().abs().max().item()
+    return tol(torch.float32, q.shape[-1] + 2, s) * 2 * vmax + tol(torch.float32, k.shape[-2] + 2, vmax)
+
+
+def expert_tol(experts, x):
+    """`tol` for fp32 outputs [T, N, H] of fused MoE experts (transformers 5 layout: gate_up_proj
+    [N, 2I, H], down_proj [N, H, I], act(gate) * up with |act(g)| <= |g| as for SiLU) on tokens
+    x [T, H], computed two ways: depth H + I + 2 relative to the largest entry of the network of
+    absolute values |down| (|gate| |x| * |up| |x|), which bounds every sum of |terms| on the way."""
+    xa = x.detach().abs().float()
+    gu = torch.einsum("th,nih->tni", xa, experts.gate_up_proj.detach().abs().float())
+    g, u = gu.chunk(2, dim=-1)
+    s = torch.einsum("tni,nhi->tnh", g * u, experts.down_proj.detach().abs().float())
+    return tol(torch.float32, x.shape[-1] + g.shape[-1] + 2, s.max())
+
+
+def router_tol(x, weight):
+    """`tol` for fp32 router logits x [T, H] @ weight [N, H]^T: a length-H dot, scale the largest
+    sum_h |x_h w_h|."""
+    return tol(torch.float32, x.shape[-1], (x.detach().abs().float() @ weight.detach().abs().float().T).max())

@@ -14,6 +14,7 @@ import torch
 from common import data
 from common import shapes as world
 from eval import lmms as L
+from helpers import logits_tol, tol
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,7 +165,14 @@ def test_loglik_plain_equals_eval_evaluate_score_options(tmp_path):
     ref = score_options(model, proc, recs, batch_size=5)
     rows = [(data.load_image(r["image"]), r["question"], letter) for r in recs for letter, _ in options_of(r)]
     got = L.loglik_plain(model, proc, rows, batch_size=5)
-    assert [x for x, _ in got] == pytest.approx([s for r in ref for s in r["scores"]], abs=1e-4)
+    # two forwards of other batch shapes: each log-prob of the (at most 2-token) letter moves by at most
+    # 2 x the logits' error (helpers.logits_tol on the prompt's logits, 2 positions more), then the log-softmax
+    batch = proc.encode([r[0] for r in rows[:1]], [rows[0][1]])
+    with torch.no_grad():
+        logits = model(**batch).logits
+    n = batch["input_ids"].shape[1] + 2
+    bound = 2 * 2 * logits_tol(model, n, logits) + tol(torch.float32, logits.shape[-1] + 2, logits.abs().max())
+    assert [x for x, _ in got] == pytest.approx([s for r in ref for s in r["scores"]], rel=0, abs=bound)
     # greedy: the letter is the argmax of the first assistant token exactly for the best-scoring option
     for k, r in enumerate(ref):
         flags = [g for _, g in got[4 * k:4 * k + 4]]
@@ -192,7 +200,10 @@ def test_loglik_mole_matches_cached_generation(tmp_path):
         conts = [proc.decode(row) for row in new.tolist()]
         assert all(proc.text_ids(c) == row for c, row in zip(conts, new.tolist()))  # the text re-tokenizes the same
         got = L.loglik_mole(mole, [(im, r["question"], c) for im, r, c in zip(imgs, recs, conts)], stage)
-        assert [x for x, _ in got] == pytest.approx(want.tolist(), abs=1e-4)
+        # 4 log-probs, each moved by at most 2 x the logits' error, then the log-softmax and the sum
+        bound = 2 * 4 * logits_tol(model, ids.shape[1], steps) + tol(torch.float32, steps.shape[-1] + 4,
+                                                                      want.abs().max())
+        assert [x for x, _ in got] == pytest.approx(want.tolist(), rel=0, abs=bound)
         assert all(greedy for _, greedy in got)
     with pytest.raises(ValueError, match="one image"):
         L.loglik_mole(mole, [(None, "q", "a")], 2)

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from common import shapes
 from common.backbone import build_tiny
-from helpers import mod_layer_tol, tol
+from helpers import adapter_depth, logits_tol, mod_layer_tol, tol
 from mod import model as mm
 from mod.model import AdapterConfig, MoDLinear, RoutingContext, adapter_layers, attach
 
@@ -71,7 +71,7 @@ def test_long_cached_decoding_equals_full_forward_after_the_ring_wraps(tiny, mon
                 mm_token_type_ids=torch.cat([batch["mm_token_type_ids"], 0 * ones], 1))
     with torch.no_grad():
         want = model(**full).logits[:, L - 1:-1]
-    assert (gen - want).abs().max() < 1e-3
+    assert (gen - want).abs().max() <= logits_tol(model, seq.shape[1], want, adapter_depth(model))
 
 
 @pytest.mark.parametrize("granularity,want", [("window", [1.0, 1.5, 1.5, 3.0, 5.0]),
@@ -92,7 +92,7 @@ def test_decode_step_window_by_hand(granularity, want):
             ptr = win.cache[0].data_ptr()
         if i > 0:                                                    # static ring: W slots + a dump slot, same storage
             assert win.cache[0].shape == (1, 3, 1) and win.cache[0].data_ptr() == ptr
-    assert got == pytest.approx(want)
+    assert got == want  # small integers and their halves: exact in fp32
 
 
 def test_decode_step_equals_full_path_per_layer_with_pads_and_batch():

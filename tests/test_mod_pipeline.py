@@ -9,6 +9,7 @@ import torch
 from common import data
 from common import shapes
 from common.backbone import build_tiny
+from helpers import tol
 from mod import data as vs
 from mod.infer import heatmap_png, mod_debate, multi_agent_debate, routing_trace, self_correction, usage_entropy
 from mod.model import AdapterConfig, adapter_state_dict, attach
@@ -110,7 +111,7 @@ def test_inference_drivers_and_diagnostics(setup, tmp_path):
     assert all(4 < r["n_tokens"] <= 8 for r in sc)
     diag = routing_trace(model, proc, recs, max_new_tokens=6)
     assert 0.0 <= diag["switch_rate"] <= 1.0
-    assert all(abs(sum(row) - 1) < 1e-5 for row in diag["share_A"])
+    assert all(abs(sum(row) - 1) <= tol(torch.float32, len(row) + 1) for row in diag["share_A"])  # shares of 1
     assert 0 < usage_entropy(diag["share_A"]) <= 1
     png = heatmap_png(diag["by_family_A"], str(tmp_path / "h.png"))
     assert os.path.getsize(png) > 100

@@ -13,6 +13,8 @@ from mole import train as mt
 from mole.infer import evaluate, generate
 from mole.model import VIS, ZVIS, MoLE, MoLEConfig
 
+from helpers import logits_tol
+
 
 def two_image_examples(n, seed=0):
     """n questions "Is there a <object> in both images?" over two rendered scenes each.
@@ -103,10 +105,12 @@ def test_visual_experts_route_over_both_images():
     b2 = mole.encode(imgs2, qs, ans)
     o2 = mole(b2, 1)
     zv = out["types"] == ZVIS
-    assert not torch.allclose(out["logits"][0][zv[0]], o2["logits"][0][zv[0]], atol=1e-5)
-    assert torch.allclose(out["logits"][1], o2["logits"][1], atol=1e-5)  # row 1 untouched
+    bound = logits_tol(mole.model, zv.shape[1], out["logits"])  # rounding of another batch's kernels
+    assert (out["logits"][0][zv[0]] - o2["logits"][0][zv[0]]).abs().max() > bound
+    torch.testing.assert_close(out["logits"][1], o2["logits"][1], rtol=0, atol=bound)  # row 1 untouched
     after = (out["types"][0] != VIS) & (torch.arange(zv.shape[1]) > zv[0].nonzero().max())
-    assert torch.allclose(out["logits"][0][after], o2["logits"][0][after], atol=1e-5)  # bottleneck holds
+    # bottleneck holds: the masked keys add exact zeros, the rest is the same arithmetic
+    assert torch.equal(out["logits"][0][after], o2["logits"][0][after])
 
 
 @torch.no_grad()
@@ -122,7 +126,7 @@ def test_two_image_cached_generation_equals_uncached_forward():
     fb = dict(prompt, input_ids=full[:, : L + n - 1], attention_mask=am,
               mm_token_type_ids=torch.cat([prompt["mm_token_type_ids"], torch.zeros(2, n - 1, dtype=torch.long)], 1))
     logits = mole(fb, 2)["logits"][:, L - 1:].float()
-    assert torch.allclose(logits, steps, atol=1e-4), (logits - steps).abs().max()
+    torch.testing.assert_close(logits, steps, rtol=0, atol=logits_tol(mole.model, L + n, logits))
 
 
 def test_two_image_records_train_and_infer_end_to_end(tmp_path):

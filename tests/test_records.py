@@ -13,7 +13,7 @@ from PIL import Image
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from helpers import error_of
+from helpers import adapter_depth, decoder_depth, error_of, logits_tol, tol
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONV = [{"from": "human", "value": "<image>\nIs there a red circle?"}, {"from": "gpt", "value": "yes"}]
@@ -294,7 +294,8 @@ def test_one_image_path_same_visual_tokens_everywhere(tmp_path, tiny):
     eighty = [world.render(world.sample_scene(__import__("random").Random(i))) for i in range(3)]
     fast, slow = proc.images(eighty), proc.image_processor(images=eighty, return_tensors="pt")
     assert torch.equal(fast[1], slow["image_grid_thw"])
-    assert torch.allclose(fast[0], slow["pixel_values"], atol=1e-5)
+    # rescale, normalise (x / 255 - mean) / std: 4 fp32 steps of the largest |value|
+    torch.testing.assert_close(fast[0], slow["pixel_values"], rtol=0, atol=tol(torch.float32, 4, fast[0].abs().max()))
 
 
 # ----------------------------------------------------------------------------- training signals
@@ -354,9 +355,20 @@ def _grads(params):
     return g
 
 
-def _same_grads(gs):
+def _grad_depth(model, batch):
+    """fp32 steps behind a gradient of the 4-record step: the forward's (decoder_depth with the
+    adapters', over the longest record) twice, as the backward retraces it, plus the sum over all tokens."""
+    n = batch["input_ids"].numel()
+    return 2 * decoder_depth(model.config, batch["input_ids"].shape[1], adapter_depth(model)) + n
+
+
+def _same_grads(gs, depth):
+    """The gradient vectors of the splits agree within `depth` fp32 steps of the first one's norm
+    (the rounding of other micro-batch shapes); a per-micro-batch normalisation moves them by more
+    (2.9% of the norm in the pretrain case, against a bound of 0.02%)."""
     for g in gs[1:]:
-        assert torch.allclose(g, gs[0], rtol=1e-4, atol=1e-7), float((g - gs[0]).norm() / gs[0].norm())
+        err = (g - gs[0]).norm()
+        assert err <= tol(torch.float32, depth, gs[0].norm()), float(err / gs[0].norm())
 
 
 def test_grad_accum_normalises_by_step_tokens_mod(small):
@@ -376,7 +388,7 @@ def test_grad_accum_normalises_by_step_tokens_mod(small):
     for split in SPLITS:
         accumulate(model, model, [enc(rows) for rows in split])
         gs.append(_grads(params))
-    _same_grads(gs)
+    _same_grads(gs, _grad_depth(model, enc([0, 1, 2, 3])))
 
 
 def test_grad_accum_normalises_by_step_tokens_mole(small):
@@ -397,14 +409,15 @@ def test_grad_accum_normalises_by_step_tokens_mole(small):
                                        pixels=(b["pixel_values"], b["image_grid_thw"])))
         accumulate(mole, batches, stage=2)
         gs.append(_grads(params))
-    _same_grads(gs)
+    b = enc([0, 1, 2, 3])
+    _same_grads(gs, _grad_depth(model, b) + 4 * (mole.cfg.n_vis + mole.cfg.n_sum))   # the latent rows too
     model.requires_grad_(True)  # the sft path: the plain VLM
     params = [p for p in model.parameters() if p.requires_grad]
     gs = []
     for split in SPLITS:
         accumulate(model, [enc(rows) for rows in split])
         gs.append(_grads(params))
-    _same_grads(gs)
+    _same_grads(gs, _grad_depth(model, b))
 
 
 def test_grad_accum_normalises_by_step_tokens_pretrain(small):
@@ -418,8 +431,14 @@ def test_grad_accum_normalises_by_step_tokens_pretrain(small):
     for g in (1, 2, 4):
         losses.append(float(accumulate(model, batch, answer_mask, g)))
         gs.append(_grads(params))
-    _same_grads(gs)
-    assert max(losses) - min(losses) < 1e-4
+    _same_grads(gs, _grad_depth(model, batch))
+    # the token-mean CE moves by at most 2 x the logits' error, plus its sum over the step's tokens
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    L = batch["input_ids"].shape[1]
+    bound = 2 * logits_tol(model, L, logits) + tol(torch.float32, batch["input_ids"].numel() + logits.shape[-1],
+                                                   max(losses))
+    assert max(losses) - min(losses) <= bound
 
 
 # ----------------------------------------------------------------------------- splits, layering

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import tol
 from rolemerge import model as rm
 
 # 5 experts; d_norm = integer matrix / 5; p_ans = (2, 1, 1, 1, 1) / 6; lambda / tau = 2, K = 3
@@ -68,7 +69,8 @@ def test_swaps_keep_group_sizes_and_never_raise_the_score():
         for depth in (1, None):
             gs, n = rm.swap_search(d, p, g0, lam=.5, max_swaps=depth)
             assert sorted(map(len, gs)) == sorted(map(len, g0)) and sorted(sum(gs, [])) == list(range(8))
-            assert rm.partition_score(d, p, gs, .5) <= s0 + 1e-12
+            # float64 scores of 8 experts (MST edges <= 1, collision terms): 64 steps of the score
+            assert rm.partition_score(d, p, gs, .5) <= s0 + tol(torch.float64, 64, max(1.0, s0))
             assert n <= (1 if depth else 10 ** 6)
 
 
@@ -93,7 +95,7 @@ def test_plan_dispatches_the_search_variants_and_reports_scores():
             assert groups[l] == want and info[l]["swaps"] == n
             assert info[l]["J_greedy"] == pytest.approx(rm.partition_score(d, p[-1], base[l], info[l]["lambda"], tau))
             assert info[l]["J"] == pytest.approx(rm.partition_score(d, p[-1], want, info[l]["lambda"], tau))
-            assert info[l]["J"] <= info[l]["J_greedy"] + 1e-12
+            assert info[l]["J"] <= info[l]["J_greedy"] + tol(torch.float64, 64, max(1.0, abs(info[l]["J_greedy"])))
             if depth is None:                                       # a local optimum: no swap lowers it further
                 assert rm.swap_search(d, p[-1], groups[l], info[l]["lambda"], tau, None)[1] == 0
     assert "J" not in rm.plan(counts, 3, "rolemerge")[1][0]
