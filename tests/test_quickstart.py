@@ -285,7 +285,7 @@ def test_readme_lists_the_supported_models_the_code_supports():
     """Newcomer trial: the README's supported-model lists disagreed with the code (LLaVA-NeXT,
     DeepSeek-OCR-2, DeepSeek-VL2 missing in places)."""
     from common.backbone import SUPPORTED_VLMS
-    from rolemerge.calibrate import SUPPORTED
+    from rolemerge.blocks import SUPPORTED
     names = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
              "qwen3_vl_moe": "Qwen3-VL-MoE", "llava_next": "LLaVA-NeXT", "llava": "LLaVA-1.5", "gemma3": "Gemma3"}
     top = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
