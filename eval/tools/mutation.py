@@ -1,0 +1,148 @@
+"""Mutation pass over the method equations: one target file against its own fast tests, with mutmut.
+
+    python -m eval.tools.mutation --target common/routing.py --mutmut VENV/bin/mutmut
+    python -m eval.tools.mutation --target common/routing.py --mutmut VENV/bin/mutmut --summary   # counts only
+
+mutmut is a development tool, not a dependency: install it in its own venv (`python -m venv VENV &&
+VENV/bin/pip install mutmut==3.8.1`) that also sees this project's packages (a `.pth` file naming the
+project venv's site-packages, or `pip install -r requirements.txt` there). mutmut 3.8.1 reads its
+settings from `setup.cfg` / `pyproject.toml` in the directory it runs in; this repository has
+neither, so each target gets a work directory `out/mutation/<target>/` holding a generated
+`setup.cfg`, links to the packages and mutmut's own state (`mutants/`). A rerun resumes there;
+`--fresh` starts over (needed after a test is added: mutmut maps tests to functions once).
+
+Each mutant of the target runs the target's tests (`TARGETS`) that call the mutated function; a test
+failure kills it. `EQUIVALENT` lists the survivors that behave like the original for every input,
+each with its reason. The summary (`out/mutation/<target>/summary.json`) counts mutants, killed,
+equivalent, timeouts, survived (not equivalent) and not checked; it exits 1 while any survive.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from common.cli import entry_parser, fail, run_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGES = ["common", "mod", "mole", "rolemerge", "eval", "tests"]
+
+# target -> its fast equation tests (the slow end-to-end tests stay out: each mutant reruns these).
+TARGETS = {
+    "common/routing.py": ["tests/test_routing.py", "tests/test_routing_mutants.py"],
+    "rolemerge/model.py": ["tests/test_rolemerge.py", "tests/test_rolemerge_groups.py",
+                           "tests/test_rolemerge_search.py", "tests/test_rolemerge_mutations.py",
+                           "tests/test_rolemerge_mutants.py"],
+    "mod/model.py": ["tests/test_mod_equations.py", "tests/test_mod.py", "tests/test_mod_mutants.py"],
+    "mole/model.py": ["tests/test_mole.py", "tests/test_mole_router.py", "tests/test_mole_mutants.py"],
+    "rolemerge/comparators.py": ["tests/test_rolemerge_comparators.py", "tests/test_rolemerge_hcsmoe.py",
+                                 "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py"],
+}
+
+# mutant name -> why it behaves like the original for every input (checked by reading it).
+EQUIVALENT = {}
+
+# mutmut's status words -> the summary's columns
+COLUMNS = {"killed": "killed", "survived": "survived", "timeout": "timeout", "not checked": "not_checked",
+           "no tests": "no_tests", "suspicious": "suspicious", "skipped": "skipped",
+           "caught by type check": "killed", "segfault": "killed"}
+
+
+def slug(target):
+    """`common/routing.py` -> `common_routing` (the work directory's name)."""
+    return target[:-3].replace("/", "_")
+
+
+def setup_cfg(target, tests):
+    """The `[mutmut]` section that mutates `target` alone and selects `tests` (mutmut 3.8.1 keys)."""
+    lines = ["[mutmut]", "source_paths =", *[f"    {p}" for p in PACKAGES if p != "tests"],
+             "only_mutate =", f"    {target}",
+             "pytest_add_cli_args_test_selection =", *[f"    {t}" for t in tests],
+             "pytest_add_cli_args =", "    -q", "    -p", "    no:cacheprovider", ""]
+    return "\n".join(lines)
+
+
+def workdir(target, fresh):
+    """out/mutation/<slug>/ with links to the packages and a generated setup.cfg; `fresh` drops mutmut's state."""
+    tests = [t for t in TARGETS[target] if os.path.exists(os.path.join(ROOT, t))]
+    d = os.path.join(ROOT, "out", "mutation", slug(target))
+    if fresh and os.path.isdir(os.path.join(d, "mutants")):
+        shutil.rmtree(os.path.join(d, "mutants"))
+    os.makedirs(d, exist_ok=True)
+    for p in PACKAGES:
+        link = os.path.join(d, p)
+        if not os.path.islink(link):
+            os.symlink(os.path.join(ROOT, p), link)
+    cfg = setup_cfg(target, tests)
+    path = os.path.join(d, "setup.cfg")
+    if not os.path.exists(path) or open(path).read() != cfg:
+        with open(path, "w") as f:
+            f.write(cfg)
+    return d
+
+
+def results(mutmut, d):
+    """{mutant name: mutmut status} from `mutmut results --all true` in work directory `d`."""
+    out = subprocess.run([mutmut, "results", "--all", "true"], cwd=d, capture_output=True, text=True, check=True)
+    status = {}
+    for line in out.stdout.splitlines():
+        name, sep, word = line.strip().rpartition(": ")
+        if sep and "__mutmut_" in name:
+            status[name] = word.strip()
+    return status
+
+
+def summarise(target, status):
+    """Counts per column; an equivalent survivor leaves `survived` for `equivalent`."""
+    counts = {"mutants": len(status), "killed": 0, "equivalent": 0, "timeout": 0, "survived": 0,
+              "not_checked": 0, "no_tests": 0, "suspicious": 0, "skipped": 0}
+    survivors = []
+    for name, word in sorted(status.items()):
+        col = COLUMNS.get(word)
+        if col is None:
+            raise ValueError(f"unknown mutmut status {word!r} for {name}")
+        if col in ("survived", "no_tests") and name in EQUIVALENT:
+            col = "equivalent"
+        elif col in ("survived", "no_tests"):
+            survivors.append(name)
+        counts[col] += 1
+    return {"target": target, "tests": TARGETS[target], **counts, "survivors": survivors,
+            "equivalent_reasons": {n: EQUIVALENT[n] for n in sorted(status) if n in EQUIVALENT}}
+
+
+def main(args):
+    if args.target not in TARGETS:
+        fail(f"--target {args.target} has no test list; pick one of {', '.join(TARGETS)}")
+    if shutil.which(args.mutmut) is None:
+        fail(f"--mutmut {args.mutmut} not found; install mutmut==3.8.1 in its own venv and pass its bin/mutmut")
+    d = workdir(args.target, args.fresh)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    if not args.summary:
+        cmd = ["nice", "-n", str(args.nice), args.mutmut, "run", "--max-children", str(args.max_children),
+               *args.mutants]
+        rc = subprocess.run(cmd, cwd=d, env=env).returncode
+        if rc != 0:
+            fail(f"mutmut run exited {rc} in {d}; its output is above")
+    summary = summarise(args.target, results(args.mutmut, d))
+    with open(os.path.join(d, "summary.json.tmp"), "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(os.path.join(d, "summary.json.tmp"), os.path.join(d, "summary.json"))
+    print(json.dumps({k: v for k, v in summary.items() if k != "equivalent_reasons"}, indent=1))
+    return 1 if summary["survived"] or summary["not_checked"] else 0
+
+
+def parser():
+    p = entry_parser(__spec__.name if __spec__ else "eval.tools.mutation", __doc__)
+    p.add_argument("--target", required=True, help=f"the file to mutate: {', '.join(TARGETS)}")
+    p.add_argument("--mutmut", default="mutmut", help="mutmut 3.8.1's executable (its own venv)")
+    p.add_argument("--max-children", type=int, default=1, help="mutants tested at once")
+    p.add_argument("--nice", type=int, default=10, help="niceness of the run")
+    p.add_argument("--fresh", action="store_true", help="drop mutmut's state and start over")
+    p.add_argument("--summary", action="store_true", help="only count the recorded results")
+    p.add_argument("mutants", nargs="*", help="mutant names to (re)run (default: every unfinished one)")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, parser().parse_args()))
