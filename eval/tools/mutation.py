@@ -40,6 +40,19 @@ TARGETS = {
                                  "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py"],
 }
 
+# target -> pytest -k expression leaving out its slow end-to-end tests (whole merges on tiny checkpoints)
+KEEP_OUT = {"rolemerge/model.py": "not group_limited_merge_loads_runs_routes_inside_groups"}
+
+# target -> the functions that implement the paper's equations (`--equations` mutates these only)
+EQUATIONS = {
+    "common/routing.py": ["topk_gates", "load_balance_loss", "z_loss", "window_mean", "region_mean", "switch_rate",
+                          "rank_mean", "_count", "_flat_mask", "_rank_sums", "_ranged_mean"],
+    "rolemerge/model.py": ["phase_distributions", "role_profiles", "_xlogy_ratio", "pair_loss", "normalise_by_max",
+                           "mutual_information", "answer_concentration", "layer_lambdas", "collision",
+                           "collision_increment", "_pair_collision", "collision_scale", "merge_weights", "acr",
+                           "_group_index"],
+}
+
 # mutant name -> why it behaves like the original for every input (checked by reading it).
 EQUIVALENT = {
     # common/routing.py
@@ -79,7 +92,8 @@ def setup_cfg(target, tests):
     lines = ["[mutmut]", "source_paths =", *[f"    {p}" for p in PACKAGES if p != "tests"],
              "only_mutate =", f"    {target}",
              "pytest_add_cli_args_test_selection =", *[f"    {t}" for t in tests],
-             "pytest_add_cli_args =", "    -q", "    -p", "    no:cacheprovider", ""]
+             "pytest_add_cli_args =", "    -q", "    -p", "    no:cacheprovider",
+             *(["    -k", f"    {KEEP_OUT[target]}"] if target in KEEP_OUT else []), ""]
     return "\n".join(lines)
 
 
@@ -139,12 +153,23 @@ def main(args):
     d = workdir(args.target, args.fresh)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if not args.summary:
-        cmd = ["nice", "-n", str(args.nice), args.mutmut, "run", "--max-children", str(args.max_children),
-               *args.mutants]
+        names = list(args.mutants)
+        if args.equations:
+            if args.target not in EQUATIONS:
+                fail(f"--equations: no equation list for {args.target}; name mutants instead")
+            module = args.target[:-3].replace("/", ".")
+            names += [f"{module}.x_{f}__mutmut_*" for f in EQUATIONS[args.target]]
+        cmd = ["nice", "-n", str(args.nice), args.mutmut, "run", "--max-children", str(args.max_children), *names]
         rc = subprocess.run(cmd, cwd=d, env=env).returncode
         if rc != 0:
             fail(f"mutmut run exited {rc} in {d}; its output is above")
-    summary = summarise(args.target, results(args.mutmut, d))
+    status = results(args.mutmut, d)
+    if args.equations and args.target in EQUATIONS:
+        module = args.target[:-3].replace("/", ".")
+        status = {n: w for n, w in status.items() if n.split("__mutmut_")[0] in
+                  {f"{module}.x_{f}" for f in EQUATIONS[args.target]}}
+    summary = summarise(args.target, status)
+    summary["scope"] = "equation functions" if args.equations else "whole file"
     with open(os.path.join(d, "summary.json.tmp"), "w") as f:
         json.dump(summary, f, indent=1)
     os.replace(os.path.join(d, "summary.json.tmp"), os.path.join(d, "summary.json"))
@@ -160,6 +185,8 @@ def parser():
     p.add_argument("--nice", type=int, default=10, help="niceness of the run")
     p.add_argument("--fresh", action="store_true", help="drop mutmut's state and start over")
     p.add_argument("--summary", action="store_true", help="only count the recorded results")
+    p.add_argument("--equations", action="store_true",
+                   help="mutate (and count) only the target's equation functions (EQUATIONS), not the whole file")
     p.add_argument("mutants", nargs="*", help="mutant names to (re)run (default: every unfinished one)")
     return p
 
