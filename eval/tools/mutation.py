@@ -34,14 +34,16 @@ TARGETS = {
     "rolemerge/model.py": ["tests/test_rolemerge.py", "tests/test_rolemerge_groups.py",
                            "tests/test_rolemerge_search.py", "tests/test_rolemerge_mutations.py",
                            "tests/test_rolemerge_mutants.py"],
-    "mod/model.py": ["tests/test_mod_equations.py", "tests/test_mod.py", "tests/test_mod_mutants.py"],
+    "mod/model.py": ["tests/test_mod_equations.py", "tests/test_mod_decode.py", "tests/test_mod_mutants.py"],
     "mole/model.py": ["tests/test_mole.py", "tests/test_mole_router.py", "tests/test_mole_mutants.py"],
     "rolemerge/comparators.py": ["tests/test_rolemerge_comparators.py", "tests/test_rolemerge_hcsmoe.py",
                                  "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py"],
 }
 
 # target -> pytest -k expression leaving out its slow end-to-end tests (whole merges on tiny checkpoints)
-KEEP_OUT = {"rolemerge/model.py": "not group_limited_merge_loads_runs_routes_inside_groups"}
+KEEP_OUT = {"rolemerge/model.py": "not group_limited_merge_loads_runs_routes_inside_groups",
+            "mod/model.py": "not train_and_infer and not text_only_rows and not llava_next_image_tokens "
+                            "and not debate_lr"}
 
 # target -> the functions that implement the paper's equations (`--equations` mutates these only)
 EQUATIONS = {
@@ -51,6 +53,9 @@ EQUATIONS = {
                            "mutual_information", "answer_concentration", "layer_lambdas", "collision",
                            "collision_increment", "_pair_collision", "collision_scale", "merge_weights", "acr",
                            "_group_index"],
+    "mod/model.py": ["topr_gates", "combine_gates", "_decode_plan"],
+    "mole/model.py": ["esva_delta", "latent_scores", "diversity_loss", "topology_mask", "column_mask",
+                      "init_latents", "embedding_output_scale"],
 }
 
 # mutant name -> why it behaves like the original for every input (checked by reading it).
