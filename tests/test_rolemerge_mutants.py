@@ -1,0 +1,76 @@
+"""Hand-computed cases for RoleMerge's scoring equations in rolemerge/model.py, written for the
+mutants the other RoleMerge tests let through (`python -m eval.tools.mutation --target
+rolemerge/model.py --equations`; see eval/logs/mutation.md). Every expected number is worked out
+in the comment above it."""
+
+import pytest
+import torch
+
+from rolemerge.model import _pair_collision, acr, answer_concentration, collision_increment, layer_lambdas, merge_weights
+
+
+def test_collision_increment_subtracts_both_parts():
+    # p_ans = [.5, .3, .2], G = {0}, H = {1, 2}: R(H) = .5 / .3 - 1 = 2/3, R(G) = 0,
+    # R(G u H) = 1 / .5 - 1 = 1; Delta R = 1 - 0 - 2/3 = 1/3 (adding R(H) would give 5/3)
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    assert collision_increment(p, [0], [1, 2]) == pytest.approx(1 / 3)
+    assert collision_increment(p, [1, 2], [0]) == pytest.approx(1 / 3)
+
+
+def test_collision_increment_passes_eps_to_every_term():
+    # eps = .1. G = {0}, H = {1}, p = [.5, .5]: R(G u H) = 1 / (.5 + .1) - 1 = 2/3 (eps 1e-12: 1);
+    # the singletons are 0 either way
+    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    assert collision_increment(p, [0], [1], eps=0.1) == pytest.approx(2 / 3)
+    # G = {0, 1}, H = {2}, p = [.4, .4, .2]: R(G) = .8 / .5 - 1 = .6 (eps 1e-12: 1.0), R(H) = 0,
+    # R(G u H) = 1 / .5 - 1 = 1; Delta R = .4 in either order
+    p = torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64)
+    assert collision_increment(p, [0, 1], [2], eps=0.1) == pytest.approx(0.4)
+    assert collision_increment(p, [2], [0, 1], eps=0.1) == pytest.approx(0.4)
+
+
+def test_merge_weights_fractional_and_zero_mass():
+    # masses [.2, .6] (below 1 in total): omega = [.2, .6] / .8 = [.25, .75]
+    assert merge_weights(torch.tensor([0.2, 0.6]), [[0, 1]])[0] == pytest.approx([0.25, 0.75])
+    # a zero-mass group of three: uniform 1/3, computed in float64 (float32 would give .33333334)
+    w = merge_weights([0.0, 0.0, 0.0, 5.0], [[0, 1, 2], [3]])
+    assert w == [[1 / 3, 1 / 3, 1 / 3], [1.0]]
+
+
+def test_empty_grouping():
+    # no group: no weights, nothing recovered
+    assert merge_weights([1.0, 2.0], []) == []
+    assert acr([0.5, 0.5], []) == 0.0
+
+
+def test_acr_sums_in_float64():
+    # p = [.1, .2] as a list, two singletons: ACR = .1 + .2 in float64 = 0.30000000000000004
+    # (float32 would give 0.30000001192092896)
+    assert acr([0.1, 0.2], [[0], [1]]) == 0.1 + 0.2
+
+
+def test_answer_concentration_hand_computed():
+    # kappa = 1 - H(p) / log N. N = 2, p = [1, 0]: H = 0 -> 1.0; N = 4, p = [.5, .5, 0, 0]:
+    # H = ln 2, log N = ln 4 -> .5
+    assert answer_concentration(torch.tensor([1.0, 0.0], dtype=torch.float64)) == pytest.approx(1.0)
+    assert answer_concentration(torch.tensor([0.5, 0.5, 0.0, 0.0], dtype=torch.float64)) == pytest.approx(0.5)
+    # N = 1 (log N = 0) and an all-zero distribution: 0 by definition
+    assert answer_concentration(torch.tensor([1.0], dtype=torch.float64)) == 0.0
+    assert answer_concentration(torch.zeros(3, dtype=torch.float64)) == 0.0
+
+
+def test_layer_lambdas_default_and_floor():
+    # equal kappas: every lambda is the mean, lam = .03 by default
+    assert layer_lambdas([0.5, 0.5]) == pytest.approx([0.03, 0.03])
+    # kappa 0 is floored at 1e-3: k = [.001, .002], mean .0015 -> .03 * k / mean = [.02, .04]
+    assert layer_lambdas([0.0, 0.002]) == pytest.approx([0.02, 0.04])
+
+
+def test_pair_collision_subtracts_both_groups_R():
+    # G = {.4, .4}: sum .8, max .4, R = 1; H = {.1, .1}: sum .2, max .1, R = 1;
+    # R(G u H) = 1 / .4 - 1 = 1.5; Delta R = 1.5 - 1 - 1 = -.5 (= collision_increment)
+    t = lambda v: torch.tensor([v], dtype=torch.float64)
+    d = _pair_collision(t(0.8), t(0.2), t(0.4), t(0.1), t(1.0), t(1.0))
+    assert d.item() == pytest.approx(-0.5)
+    p = torch.tensor([0.4, 0.4, 0.1, 0.1], dtype=torch.float64)
+    assert collision_increment(p, [0, 1], [2, 3]) == pytest.approx(-0.5)
