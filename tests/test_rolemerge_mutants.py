@@ -6,7 +6,7 @@ in the comment above it."""
 import pytest
 import torch
 
-from rolemerge.model import _pair_collision, acr, answer_concentration, collision_increment, layer_lambdas, merge_weights
+from rolemerge.model import _pair_collision, acr, answer_concentration, collision_increment, collision_scale, layer_lambdas, merge_weights
 
 
 def test_collision_increment_subtracts_both_parts():
@@ -74,3 +74,18 @@ def test_pair_collision_subtracts_both_groups_R():
     assert d.item() == pytest.approx(-0.5)
     p = torch.tensor([0.4, 0.4, 0.1, 0.1], dtype=torch.float64)
     assert collision_increment(p, [0, 1], [2, 3]) == pytest.approx(-0.5)
+
+
+def test_collision_scale_is_the_median_of_the_positive_singleton_increments():
+    # Delta R({i}, {j}) = (p_i + p_j) / max(p_i, p_j) - 1 = min / max (eps 1e-12 aside).
+    f = lambda *v: torch.tensor(v, dtype=torch.float64) / sum(v)
+    # 3 pairs of [5, 3, 2]: 3/5, 2/5, 2/3 -> sorted [.4, .6, .667], median .6
+    assert collision_scale(f(5, 3, 2)) == pytest.approx(0.6)
+    # 6 pairs of [5, 3, 2, 1]: .6 .4 .2 .667 .333 .5 -> sorted [.2 .333 .4 .5 .6 .667], median (.4 + .5) / 2
+    assert collision_scale(f(5, 3, 2, 1)) == pytest.approx(0.45)
+    # 15 pairs of [6, 5, 4, 3, 2, 1]: a/b for a < b <= 6, sorted 1/6 1/5 1/4 1/3 2/6 2/5 1/2 [2/4] 3/6 ...:
+    # the 8th of 15 is .5
+    assert collision_scale(f(6, 5, 4, 3, 2, 1)) == pytest.approx(0.5)
+    # eps .1 reaches every term: [.5, .3, .2] -> (.8 / .6 - 1, .7 / .6 - 1, .5 / .4 - 1) = (1/3, 1/6, 1/4),
+    # median 1/4
+    assert collision_scale(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), eps=0.1) == pytest.approx(0.25)
