@@ -6,7 +6,8 @@ in the comment above it."""
 import pytest
 import torch
 
-from rolemerge.model import _pair_collision, acr, answer_concentration, collision_increment, collision_scale, layer_lambdas, merge_weights
+from rolemerge.model import (_pair_collision, acr, answer_concentration, collision_increment, collision_scale,
+                             layer_lambdas, merge_weights, role_profiles)
 
 
 def test_collision_increment_subtracts_both_parts():
@@ -89,3 +90,21 @@ def test_collision_scale_is_the_median_of_the_positive_singleton_increments():
     # eps .1 reaches every term: [.5, .3, .2] -> (.8 / .6 - 1, .7 / .6 - 1, .5 / .4 - 1) = (1/3, 1/6, 1/4),
     # median 1/4
     assert collision_scale(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), eps=0.1) == pytest.approx(0.25)
+
+
+def test_role_profiles_prior_over_the_phases_that_were_reached():
+    # one non-empty phase of two: pi = [0, 1], so P(e) = p[1, e] = [.25, .75] and q_e = [0, 1]
+    # (the paper's 1/B over both phases would give P = [.125, .375])
+    p = torch.tensor([[0.0, 0.0], [0.25, 0.75]], dtype=torch.float64)
+    P_e, q = role_profiles(p)
+    assert P_e.tolist() == [0.25, 0.75] and q.tolist() == [[0.0, 1.0], [0.0, 1.0]]
+    # no phase reached: everything is zero (no 0 / 0)
+    P_e, q = role_profiles(torch.zeros(3, 2, dtype=torch.float64))
+    assert P_e.tolist() == [0.0, 0.0] and q.tolist() == [[0.0] * 3, [0.0] * 3]
+
+
+def test_role_profiles_prior_in_float64():
+    # p = identity (expert e only in phase e), prior [.1, .9] as a list: P(e) = prior exactly in
+    # float64 (float32 would give 0.10000000149)
+    P_e, q = role_profiles(torch.eye(2, dtype=torch.float64), prior=[0.1, 0.9])
+    assert P_e.tolist() == [0.1, 0.9] and q.tolist() == [[1.0, 0.0], [0.0, 1.0]]
