@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rolemerge.model import (_pair_collision, acr, answer_concentration, collision_increment, collision_scale,
-                             layer_lambdas, merge_weights, role_profiles)
+                             layer_lambdas, merge_weights, phase_distributions, role_profiles)
 
 
 def test_collision_increment_subtracts_both_parts():
@@ -108,3 +108,9 @@ def test_role_profiles_prior_in_float64():
     # float64 (float32 would give 0.10000000149)
     P_e, q = role_profiles(torch.eye(2, dtype=torch.float64), prior=[0.1, 0.9])
     assert P_e.tolist() == [0.1, 0.9] and q.tolist() == [[1.0, 0.0], [0.0, 1.0]]
+
+
+def test_phase_distributions_of_fractional_counts():
+    # counts may be any non-negative numbers: [.25, .5] (total .75) -> [1/3, 2/3]; [0, 0] stays zero
+    p = phase_distributions([[0.25, 0.5], [0.0, 0.0]])
+    assert p[0].tolist() == pytest.approx([1 / 3, 2 / 3]) and p[1].tolist() == [0.0, 0.0]
