@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rolemerge.model import (_pair_collision, acr, answer_concentration, collision_increment, collision_scale,
-                             layer_lambdas, merge_weights, phase_distributions, role_profiles)
+                             layer_lambdas, merge_weights, normalise_by_max, phase_distributions, role_profiles)
 
 
 def test_collision_increment_subtracts_both_parts():
@@ -114,3 +114,9 @@ def test_phase_distributions_of_fractional_counts():
     # counts may be any non-negative numbers: [.25, .5] (total .75) -> [1/3, 2/3]; [0, 0] stays zero
     p = phase_distributions([[0.25, 0.5], [0.0, 0.0]])
     assert p[0].tolist() == pytest.approx([1 / 3, 2 / 3]) and p[1].tolist() == [0.0, 0.0]
+
+
+def test_normalise_by_max_of_one_expert():
+    # N = 1: no pair u != v, so no maximum: the result is zero whatever the (diagonal) entry
+    assert normalise_by_max(torch.tensor([[0.5]], dtype=torch.float64)).tolist() == [[0.0]]
+    assert normalise_by_max(torch.zeros(1, 1, dtype=torch.float64)).tolist() == [[0.0]]
