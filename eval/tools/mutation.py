@@ -79,6 +79,30 @@ EQUIVALENT = {
                                               "difference and the count give the same numbers",
     "common.routing.x_switch_rate__mutmut_5": "same as switch_rate__mutmut_3 (ones_like keeps top1's int64)",
     "common.routing.x_topk_gates__mutmut_27": "topk's default dim is -1, the one written",
+    # rolemerge/model.py (equation functions)
+    "rolemerge.model.x_phase_distributions__mutmut_11": "sum over axis +1 instead of -1: the same axis of the 2-d [B, N] counts",
+    "rolemerge.model.x_phase_distributions__mutmut_20": "tot >= 0 instead of > 0: an all-zero row gives 0 / 1e-300 = 0 either way",
+    "rolemerge.model.x__xlogy_ratio__mutmut_7": "a >= 0 instead of > 0: at a = 0 the product is 0 * finite = 0 either way",
+    "rolemerge.model.x_role_profiles__mutmut_7": "the empty-phase test summed in p's own dtype: a sum of non-negative "
+                                                 "numbers is > 0 in any float dtype iff one of them is",
+    "rolemerge.model.x_role_profiles__mutmut_9": "as role_profiles__mutmut_7",
+    "rolemerge.model.x_role_profiles__mutmut_10": "sum over axis +1 instead of -1: the same axis of the 2-d [B, N] p",
+    "rolemerge.model.x_role_profiles__mutmut_22": "the fallback prior in float32: it is used only when p is all zero, "
+                                                  "and multiplies zeros",
+    "rolemerge.model.x_role_profiles__mutmut_25": "as role_profiles__mutmut_22",
+    "rolemerge.model.x_role_profiles__mutmut_26": "the fallback prior's value (B instead of 1/B) multiplies an all-zero p",
+    "rolemerge.model.x_role_profiles__mutmut_27": "the fallback prior's value (2/B instead of 1/B) multiplies an all-zero p",
+    "rolemerge.model.x_pair_loss__mutmut_12": "tot >= 0 instead of > 0: where P(i) + P(j) = 0 the numerator is 0 too, "
+                                              "0 / 1e-300 = 0 either way",
+    "rolemerge.model.x_pair_loss__mutmut_21": "zeros_like(Pi / qi) instead of zeros_like(Pi * qi): same shape and dtype, "
+                                              "zeros_like ignores the values",
+    "rolemerge.model.x_normalise_by_max__mutmut_2": "N from shape[1]: d is square",
+    "rolemerge.model.x_normalise_by_max__mutmut_13": "the zero maximum in float32: only compared with 0, the result is "
+                                                     "zeros_like(d) either way",
+    "rolemerge.model.x_normalise_by_max__mutmut_15": "as normalise_by_max__mutmut_13",
+    "rolemerge.model.x_mutual_information__mutmut_25": "P(B) as [B] instead of [1, B]: P(G) [G, 1] * P(B) broadcasts "
+                                                       "to the same [G, B]",
+    "rolemerge.model.x_mutual_information__mutmut_27": "as mutual_information__mutmut_25",
 }
 
 # mutmut's status words -> the summary's columns
