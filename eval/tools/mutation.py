@@ -92,6 +92,10 @@ EQUIVALENT = {
     "rolemerge.model.x_role_profiles__mutmut_25": "as role_profiles__mutmut_22",
     "rolemerge.model.x_role_profiles__mutmut_26": "the fallback prior's value (B instead of 1/B) multiplies an all-zero p",
     "rolemerge.model.x_role_profiles__mutmut_27": "the fallback prior's value (2/B instead of 1/B) multiplies an all-zero p",
+    "rolemerge.model.x_role_profiles__mutmut_37": "P(e) summed over axis +1 instead of -1: the same axis of the "
+                                                  "2-d joint [N, B]",
+    "rolemerge.model.x_role_profiles__mutmut_46": "P(e) >= 0 instead of > 0: a zero-mass expert's joint row is 0, "
+                                                  "0 / 1e-300 = 0 either way",
     "rolemerge.model.x_pair_loss__mutmut_12": "tot >= 0 instead of > 0: where P(i) + P(j) = 0 the numerator is 0 too, "
                                               "0 / 1e-300 = 0 either way",
     "rolemerge.model.x_pair_loss__mutmut_21": "zeros_like(Pi / qi) instead of zeros_like(Pi * qi): same shape and dtype, "
