@@ -91,15 +91,18 @@ def test_decode_plan_region_hand_computed():
     assert slots == [0, 2, 1, 0] and n_after == [1, 3, 5, 4]
     assert torch.allclose(wv, torch.tensor([[1.0, 0, 0, 0], [t, t, t, 0], [0.5, 0.5, 0, 0], [1.0, 0, 0, 0]]))
     # pads take the block of the previous real token (number n_seen - 1), n = (n_seen - 1) % 3 + 1:
-    # n_seen 0: none -> zeros; 2: token 1, n 2 -> slots 0 1; 4: token 3, n 1 -> slot 0; 3: token 2, n 3 -> all
-    slots, wv, n_after = _plan([0, 2, 4, 3], [False] * 4, 3, "region")
-    assert slots == [3, 3, 3, 3] and n_after == [0, 2, 4, 3]
-    assert torch.allclose(wv, torch.tensor([[0.0, 0, 0, 0], [0.5, 0.5, 0, 0], [1.0, 0, 0, 0], [t, t, t, 0]]))
+    # n_seen 0: none -> zeros; 2: token 1, n 2 -> slots 0 1; 4: token 3, n 1 -> slot 0; 3: token 2, n 3 -> all;
+    # 1: token 0, n 1 -> slot 0
+    slots, wv, n_after = _plan([0, 2, 4, 3, 1], [False] * 5, 3, "region")
+    assert slots == [3, 3, 3, 3, 3] and n_after == [0, 2, 4, 3, 1]
+    assert torch.allclose(wv, torch.tensor([[0.0, 0, 0, 0], [0.5, 0.5, 0, 0], [1.0, 0, 0, 0], [t, t, t, 0],
+                                            [1.0, 0, 0, 0]]))
 
 
 @pytest.mark.parametrize("granularity", ["window", "region"])
 def test_decode_plan_on_the_inputs_device(granularity):
     # every tensor the plan makes follows n_seen's device (meta here; CUDA in a GPU run)
     n_seen = torch.tensor([0, 2], device="meta")
-    sidx, wv, n_after = _decode_plan(n_seen, torch.ones(2, 1, dtype=torch.bool), 3, granularity, 2)
-    assert sidx.device.type == wv.device.type == n_after.device.type == "meta"
+    for mask in (torch.ones(2, 1, dtype=torch.bool), None):   # a CPU mask is moved; no mask: all real
+        sidx, wv, n_after = _decode_plan(n_seen, mask, 3, granularity, 2)
+        assert sidx.device.type == wv.device.type == n_after.device.type == "meta"

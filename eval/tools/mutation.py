@@ -79,6 +79,8 @@ EQUIVALENT = {
                                               "difference and the count give the same numbers",
     "common.routing.x_switch_rate__mutmut_5": "same as switch_rate__mutmut_3 (ones_like keeps top1's int64)",
     "common.routing.x_topk_gates__mutmut_27": "topk's default dim is -1, the one written",
+    # mod/model.py (equation functions)
+    "mod.model.x_topr_gates__mutmut_5": "topk's default dim is -1, the one written",
     # rolemerge/model.py (equation functions)
     "rolemerge.model.x_phase_distributions__mutmut_11": "sum over axis +1 instead of -1: the same axis of the 2-d [B, N] counts",
     "rolemerge.model.x_phase_distributions__mutmut_20": "tot >= 0 instead of > 0: an all-zero row gives 0 / 1e-300 = 0 either way",
