@@ -110,16 +110,21 @@ def test_latent_scores_hand_computed():
 
 def test_diversity_loss_hand_computed():
     # token 0 (visual) selects experts 0, 1, 2 with deltas [1, 0], [1, 1], [0, 1]: squared cosines
-    # (0,1) .5, (0,2) 0, (1,2) .5; token 1 (visual) selects 0 and 2 with [1, 0], [2, 0]: 1;
+    # (0,1) .5, (0,2) 0, (1,2) .5; token 1 (visual) selects 0 and 1 with [1, 0], [2, 0]: 1;
     # token 2 is not visual (its pair is ignored). Mean over 4 pairs: (.5 + 0 + .5 + 1) / 4 = .5
     delta = torch.tensor([[[[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]],
-                           [[1.0, 0.0], [0.0, 1.0], [2.0, 0.0]],
+                           [[1.0, 0.0], [2.0, 0.0], [0.0, 1.0]],
                            [[1.0, 0.0], [3.0, 0.0], [0.0, 1.0]]]])
-    sel = torch.tensor([[[True, True, True], [True, False, True], [True, True, False]]])
+    sel = torch.tensor([[[True, True, True], [True, True, False], [True, True, False]]])
     is_vis = torch.tensor([[True, True, False]])
     assert diversity_loss(delta, sel, is_vis).item() == pytest.approx(0.5)
     # a data-parallel reduce whose other process has no pair: global pairs 4 / 2 = 2 -> 2.0 / 2 = 1.0
     assert diversity_loss(delta, sel, is_vis, reduce=lambda t: t.float() / 2).item() == pytest.approx(1.0)
+    # one pair (token 1 alone is visual) and the other process has none: 1 / (1 / 2) = 2.0
+    assert diversity_loss(delta, sel, torch.tensor([[False, True, False]]),
+                          reduce=lambda t: t.float() / 2).item() == pytest.approx(2.0)
+    # L = 2 tokens, E = 3 experts (the pair mask is over the expert axis): the first two tokens, (.5 + 0 + .5 + 1) / 4
+    assert diversity_loss(delta[:, :2], sel[:, :2], is_vis[:, :2]).item() == pytest.approx(0.5)
     # K = 1: no pair, loss 0 (not 0 / 0)
     one = torch.tensor([[[True, False, False]] * 3])
     assert diversity_loss(delta, one, is_vis).item() == 0.0
@@ -164,3 +169,27 @@ def test_init_latents_hand_computed():
     k = (math.sqrt(5) + 2 * 5) / (math.sqrt(5) + 5)
     lat = init_latents(scaled, 3, torch.Generator().manual_seed(7))
     assert torch.allclose(lat, (torch.tensor([2.0, 3.0]) + s * noise) * k)
+
+
+def test_masks_and_losses_on_the_inputs_device():
+    # the masks and the pair mask are made on the inputs' device (meta here; CUDA in a GPU run)
+    assert topology_mask(TYPES.to("meta"), 2, MoLEConfig()).device.type == "meta"
+    delta = torch.zeros(1, 2, 3, 2, device="meta")
+    sel = torch.ones(1, 2, 3, dtype=torch.bool, device="meta")
+    assert diversity_loss(delta, sel, torch.ones(1, 2, dtype=torch.bool, device="meta")).device.type == "meta"
+
+
+class _Doubled(torch.nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2
+
+
+def test_init_latents_times_an_output_scale_of_two():
+    # a module that doubles every row: scale exactly 2, latents = 2 (mean + s * noise)
+    table = _Doubled(2, 2)
+    with torch.no_grad():
+        table.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert embedding_output_scale(table) == 2.0
+    noise = torch.randn(3, 2, generator=torch.Generator().manual_seed(7))
+    lat = init_latents(table, 3, torch.Generator().manual_seed(7))
+    assert torch.allclose(lat, 2 * (torch.tensor([2.0, 3.0]) + table.weight.detach().std() * noise))
