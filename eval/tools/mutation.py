@@ -54,6 +54,8 @@ EQUATIONS = {
                            "collision_increment", "_pair_collision", "collision_scale", "merge_weights", "acr",
                            "_group_index"],
     "mod/model.py": ["topr_gates", "combine_gates", "_decode_plan"],
+    "rolemerge/comparators.py": ["output_cosines", "ream_sums", "frequency_weights", "submoe_similarity", "svd_merge",
+                                 "nash_weights", "namex_merge", "mergemoe_down", "ream_saliency", "ream_distance"],
     "mole/model.py": ["esva_delta", "latent_scores", "diversity_loss", "topology_mask", "column_mask",
                       "init_latents", "embedding_output_scale"],
 }
