@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rolemerge.comparators import nash_weights
+from rolemerge.comparators import namex_merge, nash_weights, ream_distance, ream_saliency
 
 
 def test_nash_weights_orthogonal_directions_closed_form():
@@ -39,3 +39,69 @@ def test_nash_weights_errors_name_the_problem():
     # correlated directions and no Newton step: a = 1 / sqrt 2 each, a (M a) = 1.5, not converged
     with pytest.raises(ValueError, match=r"^Nash bargaining solve did not converge$"):
         nash_weights([[2.0, 1.0], [1.0, 2.0]], ridge=0.0, max_iter=0)
+
+
+def test_ream_saliency_hand_computed():
+    # sums [2, 0, 3, 1] over counts [4, 0, 2, .5]: [.5, 0 (never routed), 1.5, 2.0]; the zero becomes
+    # min(.5, smallest positive .5) = .5; float64 from lists
+    s = ream_saliency([2.0, 0.0, 3.0, 1.0], [4.0, 0.0, 2.0, 0.5])
+    assert s.dtype == torch.float64 and s.tolist() == [0.5, 0.5, 1.5, 2.0]
+    # smallest positive 2 > .5: zeros become .5; a sum without a routed token counts as 0
+    assert ream_saliency([2.0, 0.0, 3.0], [1.0, 0.0, 1.0]).tolist() == [2.0, 0.5, 3.0]
+    assert ream_saliency([1.0, 2.0], [0.0, 1.0]).tolist() == [0.5, 2.0]
+    # nothing routed: all 1 (uniform)
+    assert ream_saliency([0.0, 0.0], [0.0, 0.0]).tolist() == [1.0, 1.0]
+
+
+def test_ream_distance_hand_computed():
+    # outputs [.5, 0], [0, .5], [.5, .5] (norms below 1): cos_out (0,1) 0, (0,2) = (1,2) = 1/sqrt 2.
+    # logit Gram with norms [.5, .25, .5] and cos_z (0,2) .5, others 0; zn = 1 (to 2e-8), so
+    # dz = sqrt(2 - 2 cos_z): (0,1) sqrt 2, (0,2) 1, (1,2) sqrt 2; s_gate = 1 - dz / sqrt 2: 0, 1 - 1/sqrt 2, 0.
+    # d = 1 - ((1 + cos_out) / 2 + s_gate) / 2:
+    #   (0,1) 1 - (.5 + 0) / 2 = .75; (0,2) 1 - ((1 + r) / 2 + 1 - r) / 2 = .25 + r / 4 (r = 1/sqrt 2);
+    #   (1,2) 1 - (1 + r) / 4 = .75 - r / 4
+    r = 1 / math.sqrt(2)
+    o = [[0.5, 0.0], [0.0, 0.5], [0.5, 0.5]]
+    G = [[0.25, 0.0, 0.125], [0.0, 0.0625, 0.0], [0.125, 0.0, 0.25]]
+    d = ream_distance(o, G)
+    assert d.dtype == torch.float64
+    want = [[0.0, 0.75, 0.25 + r / 4], [0.75, 0.0, 0.75 - r / 4], [0.25 + r / 4, 0.75 - r / 4, 0.0]]
+    assert torch.allclose(d, torch.tensor(want, dtype=torch.float64), atol=1e-7, rtol=0)
+
+
+def test_ream_distance_tiny_router_norms_hand_computed():
+    # logit Gram diag(1, 4, 9) e-16: norms gn = [1, 2, 3] e-8, so the 1e-8 of normalize_rows matters:
+    # zn = gn / (gn + 1e-8) = [1/2, 2/3, 3/4], cos_z = 0 off the diagonal, dz_ij = sqrt(zn_i^2 + zn_j^2):
+    # (0,1) 5/6, (0,2) sqrt 13 / 4, (1,2) sqrt 145 / 12 (the max). Orthogonal outputs: cos_out = 0, so
+    # d = .75 - s_gate / 2 = .25 + dz / (2 max): (0,1) .25 + 5 / sqrt 145, (0,2) .25 + 1.5 sqrt(13 / 145), (1,2) .75
+    G = [[1e-16, 0.0, 0.0], [0.0, 4e-16, 0.0], [0.0, 0.0, 9e-16]]
+    d = ream_distance(torch.eye(3).tolist(), G)
+    assert d[0, 1].item() == pytest.approx(0.25 + 5 / math.sqrt(145), abs=1e-9)
+    assert d[0, 2].item() == pytest.approx(0.25 + 1.5 * math.sqrt(13 / 145), abs=1e-9)
+    assert d[1, 2].item() == pytest.approx(0.75, abs=1e-9)
+    # two experts, diag(1, 4) e-16: dz (0,1) = sqrt(1/4 + 4/9) = 5/6 is the max (below 1): s_gate 0, d = .75
+    d = ream_distance(torch.eye(2).tolist(), [[1e-16, 0.0], [0.0, 4e-16]])
+    assert d[0, 1].item() == pytest.approx(0.75, abs=1e-9)
+    # a zero Gram: every dz is 0, s_gate = 1 (no 0 / 0): d = 1 - (.5 + 1) / 2 = .25
+    d = ream_distance(torch.eye(2).tolist(), [[0.0, 0.0], [0.0, 0.0]])
+    assert d.tolist() == [[0.0, 0.25], [0.25, 0.0]]
+
+
+def test_namex_merge_hand_computed():
+    # one member: the base itself, in the input's dtype
+    th = torch.tensor([[1.0, 2.0]])
+    merged, c = namex_merge(th, 0, [1.0])
+    assert merged.dtype == torch.float32 and merged.tolist() == [1.0, 2.0] and c.tolist() == [1.0]
+    # tau = [1, 0], freq of the other 1: eps = 1, alpha = 1 / sqrt(1 + 1e-9), merged = base + tau = [1, 0],
+    # c = [0, 1]
+    merged, c = namex_merge(torch.tensor([[0.0, 0.0], [1.0, 0.0]]), 0, [0.0, 1.0])
+    assert merged.tolist() == pytest.approx([1.0, 0.0]) and c.tolist() == pytest.approx([0.0, 1.0])
+    # the other members never routed (eps = 0): the base, even when a member equals it (no Nash solve)
+    merged, c = namex_merge(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), 0, [1.0, 0.0])
+    assert merged.dtype == torch.float32 and merged.tolist() == [1.0, 0.0] and c.tolist() == [1.0, 0.0]
+    # ridge reaches the Nash solve: taus [1, 0], [0, 2], Gram diag(1, 4), ridge 1 (x mean diag 2.5):
+    # alpha = [1/sqrt 3.5, 1/sqrt 6.5], Delta = [alpha_1, 2 alpha_2], eps = |.5 tau_1 + .5 tau_2| = sqrt 1.25
+    th = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    merged, _ = namex_merge(th, 0, [0.0, 0.5, 0.5], ridge=1.0)
+    delta = torch.tensor([1 / math.sqrt(3.5), 2 / math.sqrt(6.5)], dtype=torch.float64)
+    assert torch.allclose(merged, math.sqrt(1.25) * delta / delta.norm(), atol=1e-12)
