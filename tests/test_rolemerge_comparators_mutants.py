@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rolemerge.comparators import namex_merge, nash_weights, ream_distance, ream_saliency
+from rolemerge.comparators import namex_merge, nash_weights, ream_distance, ream_saliency, submoe_similarity, svd_merge
 
 
 def test_nash_weights_orthogonal_directions_closed_form():
@@ -105,3 +105,23 @@ def test_namex_merge_hand_computed():
     merged, _ = namex_merge(th, 0, [0.0, 0.5, 0.5], ridge=1.0)
     delta = torch.tensor([1 / math.sqrt(3.5), 2 / math.sqrt(6.5)], dtype=torch.float64)
     assert torch.allclose(merged, math.sqrt(1.25) * delta / delta.norm(), atol=1e-12)
+
+
+def test_submoe_similarity_hand_computed():
+    # cosine sums over 4 tokens: [[4, 2], [2, 4]] / 4 -> [[1, .5], [.5, 1]]; float64 from lists
+    S = submoe_similarity([[4.0, 2.0], [2.0, 4.0]], 4)
+    assert S.dtype == torch.float64 and S.tolist() == [[1.0, 0.5], [0.5, 1.0]]
+    # no token: divided by 1, not 0 (diagonal 1 by definition)
+    assert submoe_similarity([[0.0, 0.3], [0.3, 0.0]], 0).tolist() == [[1.0, 0.3], [0.3, 1.0]]
+
+
+def test_svd_merge_full_rank_is_the_weighted_sum():
+    # two 1x2 matrices [1, 2] and [3, 4], weights [1, 3] -> w = [.25, .75]: [2.5, 3.5] exactly, in the
+    # input's dtype, whether rank is None or the full rank min(r, n c) = 1
+    mats = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]])
+    for rank in (None, 1):
+        out = svd_merge(mats, [1.0, 3.0], rank=rank)
+        assert out.dtype == torch.float32 and out.tolist() == [[2.5, 3.5]]
+    # a truncated merge keeps the dtype too: 2x1 matrices [[1], [0]] and [[0], [1]], rank 1 of 2
+    mats = torch.tensor([[[1.0], [0.0]], [[0.0], [1.0]]])
+    assert svd_merge(mats, [1.0, 1.0], rank=1).dtype == torch.float32
