@@ -94,6 +94,18 @@ EQUIVALENT = {
     "mole.model.x_init_latents__mutmut_7": "the CPU generator's noise is not moved to the table's device: the same on "
                                            "CPU; a CUDA table would fail (no GPU here to test it)",
     "mole.model.x_topology_mask__mutmut_36": "base.to(None) keeps the documented bool base mask as it is",
+    # rolemerge/comparators.py (equation functions)
+    "rolemerge.comparators.x_mergemoe_down__mutmut_15": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_mergemoe_down__mutmut_24": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_mergemoe_down__mutmut_33": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_mergemoe_down__mutmut_67": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_svd_merge__mutmut_25": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_svd_merge__mutmut_66": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_svd_merge__mutmut_45": "a full SVD instead of the thin one: only the top `rank` triplets "
+                                                    "are kept, and U S V is unchanged by the paired signs",
+    "rolemerge.comparators.x_svd_merge__mutmut_46": "as svd_merge__mutmut_45",
+    "rolemerge.comparators.x_mergemoe_down__mutmut_70": "I from shape[1]: P = h'^T h' is square",
+    "rolemerge.comparators.x_ream_distance__mutmut_8": "norm over axis +1 instead of -1: the same axis of the 2-d [N, H]",
     # rolemerge/model.py (equation functions)
     "rolemerge.model.x_phase_distributions__mutmut_11": "sum over axis +1 instead of -1: the same axis of the 2-d [B, N] counts",
     "rolemerge.model.x_phase_distributions__mutmut_20": "tot >= 0 instead of > 0: an all-zero row gives 0 / 1e-300 = 0 either way",
