@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rolemerge.comparators import namex_merge, nash_weights, ream_distance, ream_saliency, submoe_similarity, svd_merge
+from rolemerge.comparators import frequency_weights, namex_merge, nash_weights, ream_distance, ream_saliency, submoe_similarity, svd_merge
 
 
 def test_nash_weights_orthogonal_directions_closed_form():
@@ -125,3 +125,29 @@ def test_svd_merge_full_rank_is_the_weighted_sum():
     # a truncated merge keeps the dtype too: 2x1 matrices [[1], [0]] and [[0], [1]], rank 1 of 2
     mats = torch.tensor([[[1.0], [0.0]], [[0.0], [1.0]]])
     assert svd_merge(mats, [1.0, 1.0], rank=1).dtype == torch.float32
+
+
+def test_frequency_weights_fractional_and_zero_counts():
+    # counts [.2, .6] (total below 1): [.25, .75]; no member routed: uniform 1/3
+    assert frequency_weights([0.2, 0.6], [0, 1]) == pytest.approx([0.25, 0.75])
+    assert frequency_weights([0.0, 0.0, 0.0], [0, 1, 2]) == [1 / 3, 1 / 3, 1 / 3]
+
+
+def test_svd_merge_at_full_rank_takes_the_exact_sum():
+    # rank = min(r, n c) keeps every triplet: the merge is sum_i w_i W_i exactly (no SVD round-off)
+    g = torch.Generator().manual_seed(0)
+    mats = torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+    w = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    assert torch.equal(svd_merge(mats, w, rank=4), torch.einsum("n,nrc->rc", w, mats))
+
+
+def test_inputs_are_read_in_float64():
+    # values that float32 cannot hold (.1, .4): every result equals its float64 closed form
+    a = nash_weights([[0.1, 0.0], [0.0, 0.4]], ridge=0.0)
+    assert a.tolist() == pytest.approx([1 / math.sqrt(0.1), 1 / math.sqrt(0.4)], rel=1e-14)
+    assert ream_saliency([0.1], [1.0]).tolist() == [0.1]
+    assert ream_saliency([1.0], [0.1]).tolist() == [1.0 / 0.1]
+    # a zero Gram (s_gate = 1) and outputs [.1, .2], [.3, .1]: cos = .05 / sqrt(.05 * .1) = 1/sqrt 2,
+    # d = 1 - ((1 + cos) / 2 + 1) / 2 = .25 - cos / 4
+    d = ream_distance([[0.1, 0.2], [0.3, 0.1]], [[0.0, 0.0], [0.0, 0.0]])
+    assert d[0, 1].item() == pytest.approx(0.25 - 1 / (4 * math.sqrt(2)), rel=1e-14)
