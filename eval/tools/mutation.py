@@ -105,6 +105,10 @@ EQUIVALENT = {
                                                     "are kept, and U S V is unchanged by the paired signs",
     "rolemerge.comparators.x_svd_merge__mutmut_46": "as svd_merge__mutmut_45",
     "rolemerge.comparators.x_mergemoe_down__mutmut_70": "I from shape[1]: P = h'^T h' is square",
+    "rolemerge.comparators.x_output_cosines__mutmut_17": "n >= 0 instead of > 0: a zero output gives 0 / 1e-300 = 0 "
+                                                         "either way",
+    "rolemerge.comparators.x_output_cosines__mutmut_30": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_ream_sums__mutmut_6": "softmax over axis +1 instead of -1: the same axis of the 2-d [T, N] logits",
     "rolemerge.comparators.x_ream_distance__mutmut_8": "norm over axis +1 instead of -1: the same axis of the 2-d [N, H]",
     # rolemerge/model.py (equation functions)
     "rolemerge.model.x_phase_distributions__mutmut_11": "sum over axis +1 instead of -1: the same axis of the 2-d [B, N] counts",
