@@ -18,6 +18,9 @@ def test_nash_weights_orthogonal_directions_closed_form():
     # the ridge is relative to the mean diagonal: diag(1, 3), ridge 1 -> diag(1 + 2, 3 + 2) -> [1/sqrt 3, 1/sqrt 5]
     a = nash_weights(torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64), ridge=1.0)
     assert a.tolist() == pytest.approx([1 / math.sqrt(3), 1 / math.sqrt(5)], abs=1e-12)
+    # ridge .1: diag(1.2, 3.2), in float64 (.2 in float32 would move a by 1e-9)
+    a = nash_weights(torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64), ridge=0.1)
+    assert a.tolist() == pytest.approx([1 / math.sqrt(1.2), 1 / math.sqrt(3.2)], rel=1e-14)
 
 
 def test_nash_weights_correlated_directions():
