@@ -104,6 +104,7 @@ EQUIVALENT = {
     "rolemerge.comparators.x_svd_merge__mutmut_45": "a full SVD instead of the thin one: only the top `rank` triplets "
                                                     "are kept, and U S V is unchanged by the paired signs",
     "rolemerge.comparators.x_svd_merge__mutmut_46": "as svd_merge__mutmut_45",
+    "rolemerge.comparators.x_nash_weights__mutmut_10": "n from shape[1]: the Gram M is square",
     "rolemerge.comparators.x_mergemoe_down__mutmut_70": "I from shape[1]: P = h'^T h' is square",
     "rolemerge.comparators.x_output_cosines__mutmut_17": "n >= 0 instead of > 0: a zero output gives 0 / 1e-300 = 0 "
                                                          "either way",
