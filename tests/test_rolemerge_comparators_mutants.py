@@ -29,6 +29,15 @@ def test_nash_weights_correlated_directions():
     a = nash_weights([[2.0, 1.0], [1.0, 2.0]], ridge=0.0)
     assert a.dtype == torch.float64
     assert a.tolist() == pytest.approx([1 / math.sqrt(3)] * 2, abs=1e-12)
+    # nearly parallel directions, M = [[1, .99], [.99, 1]]: a = 1 / sqrt 1.99 each (the solve halves steps near
+    # the optimum, where round-off makes the objective flat)
+    a = nash_weights([[1.0, 0.99], [0.99, 1.0]], ridge=0.0)
+    assert a.tolist() == pytest.approx([1 / math.sqrt(1.99)] * 2, abs=1e-12)
+    # directions of very different lengths, M = [[1, 10], [10, 101]] (tau_1 = [1, 0], tau_2 = [10, 1]):
+    # a (M a) = 1, a > 0
+    M = torch.tensor([[1.0, 10.0], [10.0, 101.0]], dtype=torch.float64)
+    a = nash_weights(M, ridge=0.0)
+    assert bool((a > 0).all()) and float((a * (M @ a) - 1).abs().max()) < 1e-12
     # an asymmetric Gram: the defining equation a_i (M a)_i = 1 holds to the solver's tolerance, a > 0
     M = torch.tensor([[1.0, 0.5, 0.2], [0.5, 2.0, -0.3], [0.2, -0.3, 0.5]], dtype=torch.float64)
     a = nash_weights(M, ridge=0.0)
