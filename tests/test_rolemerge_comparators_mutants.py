@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rolemerge.comparators import frequency_weights, namex_merge, nash_weights, ream_distance, ream_saliency, submoe_similarity, svd_merge
+from rolemerge.comparators import frequency_weights, mergemoe_down, namex_merge, nash_weights, ream_distance, ream_saliency, submoe_similarity, svd_merge
 
 
 def test_nash_weights_orthogonal_directions_closed_form():
@@ -163,3 +163,13 @@ def test_inputs_are_read_in_float64():
     # d = 1 - ((1 + cos) / 2 + 1) / 2 = .25 - cos / 4
     d = ream_distance([[0.1, 0.2], [0.3, 0.1]], [[0.0, 0.0], [0.0, 0.0]])
     assert d[0, 1].item() == pytest.approx(0.25 - 1 / (4 * math.sqrt(2)), rel=1e-14)
+
+
+def test_mergemoe_down_default_ridge_hand_computed():
+    # tests/test_rolemerge_comparators.py's case (H = I = 1, identity activation, w = [.5, .5], x = [1, 2]):
+    # h' = 4 x^2 = [4, 16], target 7 x^2 = [7, 28]: P = 272, Q = 476, average down .5 (1 + 2) = 1.5.
+    # Default ridge 1e-3: lam = 1e-3 * 272 / 1 = .272, d' = (476 + .272 * 1.5) / (272 + .272) = 1.74975025
+    gate, up = torch.tensor([[[1.0]], [[3.0]]]), torch.tensor([[[2.0]], [[2.0]]])
+    down, x = torch.tensor([[[1.0]], [[2.0]]]), torch.tensor([[1.0], [2.0]])
+    _, _, d2 = mergemoe_down(gate, up, down, [0.5, 0.5], x, lambda t: t)
+    assert float(d2) == pytest.approx((476 + 0.272 * 1.5) / (272 + 0.272), rel=1e-6)
