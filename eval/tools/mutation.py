@@ -1,29 +1,33 @@
 """Mutation pass over the method equations: one target file against its own fast tests, with mutmut.
 
-    python -m eval.tools.mutation --target common/routing.py --mutmut VENV/bin/mutmut
-    python -m eval.tools.mutation --target common/routing.py --mutmut VENV/bin/mutmut --summary   # counts only
+    python -m eval.tools.mutation --target rolemerge/model.py --mutmut VENV/bin/mutmut --equations   # run / resume
+    python -m eval.tools.mutation --target rolemerge/model.py --mutmut VENV/bin/mutmut --summary --equations
+    python -m eval.tools.mutation --target common/routing.py --mutmut VENV/bin/mutmut     # every mutant of the file
 
 mutmut is a development tool, not a dependency: install it in its own venv (`python -m venv VENV &&
 VENV/bin/pip install mutmut==3.8.1`) that also sees this project's packages (a `.pth` file naming the
 project venv's site-packages, or `pip install -r requirements.txt` there). mutmut 3.8.1 reads its
 settings from `setup.cfg` / `pyproject.toml` in the directory it runs in; this repository has
 neither, so each target gets a work directory `out/mutation/<target>/` holding a generated
-`setup.cfg`, links to the packages and mutmut's own state (`mutants/`). A rerun resumes there;
-`--fresh` starts over (needed after a test is added: mutmut maps tests to functions once).
+`setup.cfg`, links to the packages and mutmut's own state (`mutants/`). A rerun resumes there
+(mutants already checked are skipped); named mutants are rerun whatever their state. mutmut maps
+tests to the functions they call once: after adding a test function, `--fresh` starts over, or
+remove `mutants/mutmut-stats.json` there and rerun the survivors by name.
 
-Each mutant of the target runs the target's tests (`TARGETS`) that call the mutated function; a test
-failure kills it. `EQUIVALENT` lists the survivors that behave like the original for every input,
-each with its reason. The summary (`out/mutation/<target>/summary.json`) counts mutants, killed,
-equivalent, timeouts, survived (not equivalent) and not checked; it exits 1 while any survive.
+Each mutant of the target runs the target's tests (`TARGETS`, minus `KEEP_OUT`) that call the
+mutated function; a test failure kills it. `--equations` limits the pass to the functions of the
+paper's equations (`EQUATIONS`). `EQUIVALENT` lists the survivors that behave like the original
+for every input (a few only on CPU, the reason says so), each with its reason. The summary
+(`out/mutation/<target>/summary.json`) counts mutants, killed, equivalent, timeouts, survived
+(not equivalent) and not checked; the exit status is 1 while any survive or wait.
 """
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 
-from common.cli import entry_parser, fail, run_cli
+from common.cli import entry_parser, fail, number, run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ["common", "mod", "mole", "rolemerge", "eval", "tests"]
@@ -246,13 +250,14 @@ def parser():
     p = entry_parser(__spec__.name if __spec__ else "eval.tools.mutation", __doc__)
     p.add_argument("--target", required=True, help=f"the file to mutate: {', '.join(TARGETS)}")
     p.add_argument("--mutmut", default="mutmut", help="mutmut 3.8.1's executable (its own venv)")
-    p.add_argument("--max-children", type=int, default=1, help="mutants tested at once")
-    p.add_argument("--nice", type=int, default=10, help="niceness of the run")
+    p.add_argument("--max-children", type=number(int, min=1), default=1, help="mutants tested at once")
+    p.add_argument("--nice", type=number(int, min=0), default=10, help="niceness of the run")
     p.add_argument("--fresh", action="store_true", help="drop mutmut's state and start over")
     p.add_argument("--summary", action="store_true", help="only count the recorded results")
     p.add_argument("--equations", action="store_true",
                    help="mutate (and count) only the target's equation functions (EQUATIONS), not the whole file")
-    p.add_argument("mutants", nargs="*", help="mutant names to (re)run (default: every unfinished one)")
+    p.add_argument("mutants", nargs="*", help="mutant names or globs to rerun, finished or not (default: every "
+                                               "unfinished one; with --equations, every equation mutant reruns)")
     return p
 
 
