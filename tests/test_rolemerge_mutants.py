@@ -6,7 +6,7 @@ in the comment above it."""
 import pytest
 import torch
 
-from rolemerge.model import (_pair_collision, acr, answer_concentration, collision_increment, collision_scale,
+from rolemerge.model import (_pair_collision, acr, agglomerate, answer_concentration, collision_increment, collision_scale,
                              layer_lambdas, merge_weights, normalise_by_max, phase_distributions, role_profiles)
 
 
@@ -120,3 +120,35 @@ def test_normalise_by_max_of_one_expert():
     # N = 1: no pair u != v, so no maximum: the result is zero whatever the (diagonal) entry
     assert normalise_by_max(torch.tensor([[0.5]], dtype=torch.float64)).tolist() == [[0.0]]
     assert normalise_by_max(torch.zeros(1, 1, dtype=torch.float64)).tolist() == [[0.0]]
+
+
+def _four():
+    # d_norm: d01 .1, d23 .2, d02 = d13 .3, d03 = d12 .9; p_ans [.4, .4, .1, .1].
+    # Singleton Delta R = min / max: (0,1) 1, (2,3) 1, every other pair .25.
+    d = torch.tensor([[0.0, 0.1, 0.3, 0.9], [0.1, 0.0, 0.9, 0.3], [0.3, 0.9, 0.0, 0.2], [0.9, 0.3, 0.2, 0.0]],
+                     dtype=torch.float64)
+    return d, torch.tensor([0.4, 0.4, 0.1, 0.1], dtype=torch.float64)
+
+
+def test_agglomerate_collision_term_hand_computed():
+    d, p = _four()
+    # lam = 0: single linkage alone merges (0,1) at .1, then (2,3) at .2
+    assert agglomerate(d, p, 2) == [[0, 1], [2, 3]]
+    # c = lam / tau = 1: J = d + Delta R. Step 1: (0,1) 1.1, (2,3) 1.2, (0,2) = (1,3) .55, (0,3) = (1,2) 1.15:
+    # the tie (0,2) / (1,3) goes to the smaller members, {0, 2} (sum .5, max .4, R .25). Step 2:
+    # ({0,2},1): d .1, Delta R = (.9 / .4 - 1) - .25 = 1 -> 1.1; ({0,2},3): d .2, Delta R = (.6 / .4 - 1) - .25
+    # = .25 -> .45; (1,3): .3 + .25 = .55 -> {0, 2, 3}
+    assert agglomerate(d, p, 2, lam=1.0, tau=1.0) == [[0, 2, 3], [1]]
+    # c = .5 / 2 = .25: step 1: (0,1) .1 + .25 = .35, (0,2) = (1,3) .3625, (2,3) .45 -> {0, 1} (R 1). Step 2:
+    # ({0,1},2) = ({0,1},3): d .3, Delta R = (.9 / .4 - 1) - 1 = .25 -> .3625 each; (2,3): .2 + .25 = .45;
+    # the tie goes to members [0, 1, 2] -> {0, 1, 2}
+    assert agglomerate(d, p, 2, lam=0.5, tau=2.0) == [[0, 1, 2], [3]]
+
+
+def test_agglomerate_bounds_and_messages():
+    d, p = _four()
+    assert agglomerate(d, p, 4) == [[0], [1], [2], [3]]   # K = N: nothing merged
+    with pytest.raises(ValueError, match=r"^K=5 must be in \[1, N=4\]$"):
+        agglomerate(d, p, 5)
+    with pytest.raises(ValueError, match=r"^unknown linkage 'ward'"):
+        agglomerate(d, p, 2, linkage="ward")
