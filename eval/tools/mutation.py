@@ -1,0 +1,265 @@
+"""Mutation pass over the method equations: one target file against its own fast tests, with mutmut.
+
+    python -m eval.tools.mutation --target rolemerge/model.py --mutmut VENV/bin/mutmut --equations   # run / resume
+    python -m eval.tools.mutation --target rolemerge/model.py --mutmut VENV/bin/mutmut --summary --equations
+    python -m eval.tools.mutation --target common/routing.py --mutmut VENV/bin/mutmut     # every mutant of the file
+
+mutmut is a development tool, not a dependency: install it in its own venv (`python -m venv VENV &&
+VENV/bin/pip install mutmut==3.8.1`) that also sees this project's packages (a `.pth` file naming the
+project venv's site-packages, or `pip install -r requirements.txt` there). mutmut 3.8.1 reads its
+settings from `setup.cfg` / `pyproject.toml` in the directory it runs in; this repository has
+neither, so each target gets a work directory `out/mutation/<target>/` holding a generated
+`setup.cfg`, links to the packages and mutmut's own state (`mutants/`). A rerun resumes there
+(mutants already checked are skipped); named mutants are rerun whatever their state. mutmut maps
+tests to the functions they call once: after adding a test function, `--fresh` starts over, or
+remove `mutants/mutmut-stats.json` there and rerun the survivors by name.
+
+Each mutant of the target runs the target's tests (`TARGETS`, minus `KEEP_OUT`) that call the
+mutated function; a test failure kills it. `--equations` limits the pass to the functions of the
+paper's equations (`EQUATIONS`). `EQUIVALENT` lists the survivors that behave like the original
+for every input (a few only on CPU, the reason says so), each with its reason. The summary
+(`out/mutation/<target>/summary.json`) counts mutants, killed, equivalent, timeouts, survived
+(not equivalent) and not checked; the exit status is 1 while any survive or wait.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from common.cli import entry_parser, fail, number, run_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGES = ["common", "mod", "mole", "rolemerge", "eval", "tests"]
+
+# target -> its fast equation tests (the slow end-to-end tests stay out: each mutant reruns these).
+TARGETS = {
+    "common/routing.py": ["tests/test_routing.py", "tests/test_routing_mutants.py"],
+    "rolemerge/model.py": ["tests/test_rolemerge.py", "tests/test_rolemerge_groups.py",
+                           "tests/test_rolemerge_search.py", "tests/test_rolemerge_mutations.py",
+                           "tests/test_rolemerge_mutants.py"],
+    "mod/model.py": ["tests/test_mod_equations.py", "tests/test_mod_decode.py", "tests/test_mod_mutants.py"],
+    "mole/model.py": ["tests/test_mole_router.py", "tests/test_mole_mutants.py"],   # test_mole.py: whole forwards
+    "rolemerge/comparators.py": ["tests/test_rolemerge_comparators.py", "tests/test_rolemerge_hcsmoe.py",
+                                 "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py"],
+}
+
+# target -> pytest -k expression leaving out its slow end-to-end tests (whole merges on tiny checkpoints)
+KEEP_OUT = {"rolemerge/model.py": "not group_limited_merge_loads_runs_routes_inside_groups",
+            "mod/model.py": "not train_and_infer and not text_only_rows and not llava_next_image_tokens "
+                            "and not debate_lr"}
+
+# target -> the functions that implement the paper's equations (`--equations` mutates these only)
+EQUATIONS = {
+    "common/routing.py": ["topk_gates", "load_balance_loss", "z_loss", "window_mean", "region_mean", "switch_rate",
+                          "rank_mean", "_count", "_flat_mask", "_rank_sums", "_ranged_mean"],
+    "rolemerge/model.py": ["phase_distributions", "role_profiles", "_xlogy_ratio", "pair_loss", "normalise_by_max",
+                           "mutual_information", "answer_concentration", "layer_lambdas", "collision",
+                           "collision_increment", "_pair_collision", "collision_scale", "merge_weights", "acr",
+                           "_group_index"],
+    "mod/model.py": ["topr_gates", "combine_gates", "_decode_plan"],
+    "rolemerge/comparators.py": ["output_cosines", "ream_sums", "frequency_weights", "submoe_similarity", "svd_merge",
+                                 "nash_weights", "namex_merge", "mergemoe_down", "ream_saliency", "ream_distance"],
+    "mole/model.py": ["esva_delta", "latent_scores", "diversity_loss", "topology_mask", "column_mask",
+                      "init_latents", "embedding_output_scale"],
+}
+
+# mutant name -> why it behaves like the original for every input (checked by reading it).
+EQUIVALENT = {
+    # common/routing.py
+    "common.routing.x__flat_mask__mutmut_3": "a float all-ones mask instead of a bool one: the mask only multiplies "
+                                             "float tensors and is summed, 1.0 and True give the same products and count",
+    "common.routing.x__flat_mask__mutmut_6": "same as _flat_mask__mutmut_3 (torch.ones' default dtype is float32)",
+    "common.routing.x__rank_sums__mutmut_3": "float32 sums on MPS become float64: the same on every device but MPS, "
+                                             "which has no float64 (no MPS device to run it on here)",
+    "common.routing.x__rank_sums__mutmut_6": "the MPS test never matches: as _rank_sums__mutmut_3",
+    "common.routing.x__rank_sums__mutmut_7": "the MPS test never matches ('MPS' is not a device type): as _rank_sums__mutmut_3",
+    "common.routing.x__rank_sums__mutmut_41": "pads write to slot T-1 instead of the dump slot: that slot is real only "
+                                              "with exactly one pad, and then the later write (CPU scatter_ runs in index "
+                                              "order) is the last real token's, or a trailing pad's equal prefix sum",
+    "common.routing.x__rank_sums__mutmut_53": "one more dump slot that nothing writes or reads",
+    "common.routing.x__rank_sums__mutmut_68": "S keeps the dump slot T+1; callers gather only ranks 0..T",
+    "common.routing.x_region_mean__mutmut_35": "clamp(min=1) instead of 0 inside % W changes start only where the token "
+                                               "number is <= 0, and there lo = (start - offset) is clamped to 0 either way",
+    "common.routing.x_switch_rate__mutmut_3": "an int64 all-ones pair mask instead of bool: `&` with the bool "
+                                              "difference and the count give the same numbers",
+    "common.routing.x_switch_rate__mutmut_5": "same as switch_rate__mutmut_3 (ones_like keeps top1's int64)",
+    "common.routing.x_topk_gates__mutmut_27": "topk's default dim is -1, the one written",
+    # mod/model.py (equation functions)
+    "mod.model.x_topr_gates__mutmut_5": "topk's default dim is -1, the one written",
+    # mole/model.py (equation functions)
+    "mole.model.x_esva_delta__mutmut_11": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_esva_delta__mutmut_22": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_latent_scores__mutmut_10": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_latent_scores__mutmut_39": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_diversity_loss__mutmut_16": "einsum subscripts in upper case: the same contraction",
+    "mole.model.x_latent_scores__mutmut_29": "float('-INF') is float('-inf')",
+    "mole.model.x_init_latents__mutmut_17": "lat * 1.0 is lat bit for bit when the scale is 1",
+    "mole.model.x_init_latents__mutmut_7": "the CPU generator's noise is not moved to the table's device: the same on "
+                                           "CPU; a CUDA table would fail (no GPU here to test it)",
+    "mole.model.x_topology_mask__mutmut_36": "base.to(None) keeps the documented bool base mask as it is",
+    # rolemerge/comparators.py (equation functions)
+    "rolemerge.comparators.x_mergemoe_down__mutmut_15": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_mergemoe_down__mutmut_24": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_mergemoe_down__mutmut_33": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_mergemoe_down__mutmut_67": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_svd_merge__mutmut_25": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_svd_merge__mutmut_66": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_svd_merge__mutmut_45": "a full SVD instead of the thin one: only the top `rank` triplets "
+                                                    "are kept, and U S V is unchanged by the paired signs",
+    "rolemerge.comparators.x_svd_merge__mutmut_46": "as svd_merge__mutmut_45",
+    "rolemerge.comparators.x_nash_weights__mutmut_10": "n from shape[1]: the Gram M is square",
+    "rolemerge.comparators.x_mergemoe_down__mutmut_70": "I from shape[1]: P = h'^T h' is square",
+    "rolemerge.comparators.x_output_cosines__mutmut_17": "n >= 0 instead of > 0: a zero output gives 0 / 1e-300 = 0 "
+                                                         "either way",
+    "rolemerge.comparators.x_output_cosines__mutmut_30": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_ream_sums__mutmut_6": "softmax over axis +1 instead of -1: the same axis of the 2-d [T, N] logits",
+    "rolemerge.comparators.x_ream_distance__mutmut_8": "norm over axis +1 instead of -1: the same axis of the 2-d [N, H]",
+    # rolemerge/model.py (equation functions)
+    "rolemerge.model.x_phase_distributions__mutmut_11": "sum over axis +1 instead of -1: the same axis of the 2-d [B, N] counts",
+    "rolemerge.model.x_phase_distributions__mutmut_20": "tot >= 0 instead of > 0: an all-zero row gives 0 / 1e-300 = 0 either way",
+    "rolemerge.model.x__xlogy_ratio__mutmut_7": "a >= 0 instead of > 0: at a = 0 the product is 0 * finite = 0 either way",
+    "rolemerge.model.x_role_profiles__mutmut_7": "the empty-phase test summed in p's own dtype: a sum of non-negative "
+                                                 "numbers is > 0 in any float dtype iff one of them is",
+    "rolemerge.model.x_role_profiles__mutmut_9": "as role_profiles__mutmut_7",
+    "rolemerge.model.x_role_profiles__mutmut_10": "sum over axis +1 instead of -1: the same axis of the 2-d [B, N] p",
+    "rolemerge.model.x_role_profiles__mutmut_22": "the fallback prior in float32: it is used only when p is all zero, "
+                                                  "and multiplies zeros",
+    "rolemerge.model.x_role_profiles__mutmut_25": "as role_profiles__mutmut_22",
+    "rolemerge.model.x_role_profiles__mutmut_26": "the fallback prior's value (B instead of 1/B) multiplies an all-zero p",
+    "rolemerge.model.x_role_profiles__mutmut_27": "the fallback prior's value (2/B instead of 1/B) multiplies an all-zero p",
+    "rolemerge.model.x_role_profiles__mutmut_37": "P(e) summed over axis +1 instead of -1: the same axis of the "
+                                                  "2-d joint [N, B]",
+    "rolemerge.model.x_role_profiles__mutmut_46": "P(e) >= 0 instead of > 0: a zero-mass expert's joint row is 0, "
+                                                  "0 / 1e-300 = 0 either way",
+    "rolemerge.model.x_pair_loss__mutmut_12": "tot >= 0 instead of > 0: where P(i) + P(j) = 0 the numerator is 0 too, "
+                                              "0 / 1e-300 = 0 either way",
+    "rolemerge.model.x_pair_loss__mutmut_21": "zeros_like(Pi / qi) instead of zeros_like(Pi * qi): same shape and dtype, "
+                                              "zeros_like ignores the values",
+    "rolemerge.model.x_normalise_by_max__mutmut_2": "N from shape[1]: d is square",
+    "rolemerge.model.x_normalise_by_max__mutmut_13": "the zero maximum in float32: only compared with 0, the result is "
+                                                     "zeros_like(d) either way",
+    "rolemerge.model.x_normalise_by_max__mutmut_15": "as normalise_by_max__mutmut_13",
+    "rolemerge.model.x_mutual_information__mutmut_25": "P(B) as [B] instead of [1, B]: P(G) [G, 1] * P(B) broadcasts "
+                                                       "to the same [G, B]",
+    "rolemerge.model.x_mutual_information__mutmut_27": "as mutual_information__mutmut_25",
+}
+
+# mutmut's status words -> the summary's columns
+COLUMNS = {"killed": "killed", "survived": "survived", "timeout": "timeout", "not checked": "not_checked",
+           "no tests": "no_tests", "suspicious": "suspicious", "skipped": "skipped",
+           "caught by type check": "killed", "segfault": "killed"}
+
+
+def slug(target):
+    """`common/routing.py` -> `common_routing` (the work directory's name)."""
+    return target[:-3].replace("/", "_")
+
+
+def setup_cfg(target, tests):
+    """The `[mutmut]` section that mutates `target` alone and selects `tests` (mutmut 3.8.1 keys)."""
+    lines = ["[mutmut]", "source_paths =", *[f"    {p}" for p in PACKAGES if p != "tests"],
+             "only_mutate =", f"    {target}",
+             "pytest_add_cli_args_test_selection =", *[f"    {t}" for t in tests],
+             "pytest_add_cli_args =", "    -q", "    -p", "    no:cacheprovider",
+             *(["    -k", f"    {KEEP_OUT[target]}"] if target in KEEP_OUT else []), ""]
+    return "\n".join(lines)
+
+
+def workdir(target, fresh):
+    """out/mutation/<slug>/ with links to the packages and a generated setup.cfg; `fresh` drops mutmut's state."""
+    tests = [t for t in TARGETS[target] if os.path.exists(os.path.join(ROOT, t))]
+    d = os.path.join(ROOT, "out", "mutation", slug(target))
+    if fresh and os.path.isdir(os.path.join(d, "mutants")):
+        shutil.rmtree(os.path.join(d, "mutants"))
+    os.makedirs(d, exist_ok=True)
+    for p in PACKAGES:
+        link = os.path.join(d, p)
+        if not os.path.islink(link):
+            os.symlink(os.path.join(ROOT, p), link)
+    cfg = setup_cfg(target, tests)
+    path = os.path.join(d, "setup.cfg")
+    if not os.path.exists(path) or open(path).read() != cfg:
+        with open(path, "w") as f:
+            f.write(cfg)
+    return d
+
+
+def results(mutmut, d):
+    """{mutant name: mutmut status} from `mutmut results --all true` in work directory `d`."""
+    out = subprocess.run([mutmut, "results", "--all", "true"], cwd=d, capture_output=True, text=True, check=True)
+    status = {}
+    for line in out.stdout.splitlines():
+        name, sep, word = line.strip().rpartition(": ")
+        if sep and "__mutmut_" in name:
+            status[name] = word.strip()
+    return status
+
+
+def summarise(target, status):
+    """Counts per column; an equivalent survivor leaves `survived` for `equivalent`."""
+    counts = {"mutants": len(status), "killed": 0, "equivalent": 0, "timeout": 0, "survived": 0,
+              "not_checked": 0, "no_tests": 0, "suspicious": 0, "skipped": 0}
+    survivors = []
+    for name, word in sorted(status.items()):
+        col = COLUMNS.get(word)
+        if col is None:
+            raise ValueError(f"unknown mutmut status {word!r} for {name}")
+        if col in ("survived", "no_tests") and name in EQUIVALENT:
+            col = "equivalent"
+        elif col in ("survived", "no_tests"):
+            survivors.append(name)
+        counts[col] += 1
+    return {"target": target, "tests": TARGETS[target], **counts, "survivors": survivors,
+            "equivalent_reasons": {n: EQUIVALENT[n] for n in sorted(status) if n in EQUIVALENT}}
+
+
+def main(args):
+    if args.target not in TARGETS:
+        fail(f"--target {args.target} has no test list; pick one of {', '.join(TARGETS)}")
+    if shutil.which(args.mutmut) is None:
+        fail(f"--mutmut {args.mutmut} not found; install mutmut==3.8.1 in its own venv and pass its bin/mutmut")
+    d = workdir(args.target, args.fresh)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    if not args.summary:
+        names = list(args.mutants)
+        if args.equations:
+            if args.target not in EQUATIONS:
+                fail(f"--equations: no equation list for {args.target}; name mutants instead")
+            module = args.target[:-3].replace("/", ".")
+            names += [f"{module}.x_{f}__mutmut_*" for f in EQUATIONS[args.target]]
+        cmd = ["nice", "-n", str(args.nice), args.mutmut, "run", "--max-children", str(args.max_children), *names]
+        rc = subprocess.run(cmd, cwd=d, env=env).returncode
+        if rc != 0:
+            fail(f"mutmut run exited {rc} in {d}; its output is above")
+    status = results(args.mutmut, d)
+    if args.equations and args.target in EQUATIONS:
+        module = args.target[:-3].replace("/", ".")
+        status = {n: w for n, w in status.items() if n.split("__mutmut_")[0] in
+                  {f"{module}.x_{f}" for f in EQUATIONS[args.target]}}
+    summary = summarise(args.target, status)
+    summary["scope"] = "equation functions" if args.equations else "whole file"
+    with open(os.path.join(d, "summary.json.tmp"), "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(os.path.join(d, "summary.json.tmp"), os.path.join(d, "summary.json"))
+    print(json.dumps({k: v for k, v in summary.items() if k != "equivalent_reasons"}, indent=1))
+    return 1 if summary["survived"] or summary["not_checked"] else 0
+
+
+def parser():
+    p = entry_parser(__spec__.name if __spec__ else "eval.tools.mutation", __doc__)
+    p.add_argument("--target", required=True, help=f"the file to mutate: {', '.join(TARGETS)}")
+    p.add_argument("--mutmut", default="mutmut", help="mutmut 3.8.1's executable (its own venv)")
+    p.add_argument("--max-children", type=number(int, min=1), default=1, help="mutants tested at once")
+    p.add_argument("--nice", type=number(int, min=0), default=10, help="niceness of the run")
+    p.add_argument("--fresh", action="store_true", help="drop mutmut's state and start over")
+    p.add_argument("--summary", action="store_true", help="only count the recorded results")
+    p.add_argument("--equations", action="store_true",
+                   help="mutate (and count) only the target's equation functions (EQUATIONS), not the whole file")
+    p.add_argument("mutants", nargs="*", help="mutant names or globs to rerun, finished or not (default: every "
+                                               "unfinished one; with --equations, every equation mutant reruns)")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, parser().parse_args()))

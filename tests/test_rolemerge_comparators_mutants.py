@@ -1,0 +1,175 @@
+"""Hand-computed cases for the comparators' equations in rolemerge/comparators.py (NAMEx's Nash
+bargaining weights first), written for the mutation pass (`python -m eval.tools.mutation --target
+rolemerge/comparators.py --equations`; see eval/logs/mutation.md). Every expected number is worked
+out in the comment above it."""
+import math
+
+import pytest
+import torch
+
+from rolemerge.comparators import frequency_weights, mergemoe_down, namex_merge, nash_weights, ream_distance, ream_saliency, submoe_similarity, svd_merge
+
+
+def test_nash_weights_orthogonal_directions_closed_form():
+    # M diagonal: (M a)_i = 1 / a_i gives a_i = 1 / sqrt(M_ii): diag(4, 1) -> [.5, 1], returned
+    # without a Newton step (max_iter 0), in float64 also for a list input
+    a = nash_weights([[4.0, 0.0], [0.0, 1.0]], ridge=0.0, max_iter=0)
+    assert a.dtype == torch.float64 and a.tolist() == [0.5, 1.0]
+    # the ridge is relative to the mean diagonal: diag(1, 3), ridge 1 -> diag(1 + 2, 3 + 2) -> [1/sqrt 3, 1/sqrt 5]
+    a = nash_weights(torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64), ridge=1.0)
+    assert a.tolist() == pytest.approx([1 / math.sqrt(3), 1 / math.sqrt(5)], abs=1e-12)
+    # ridge .1: diag(1.2, 3.2), in float64 (.2 in float32 would move a by 1e-9)
+    a = nash_weights(torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=torch.float64), ridge=0.1)
+    assert a.tolist() == pytest.approx([1 / math.sqrt(1.2), 1 / math.sqrt(3.2)], rel=1e-14)
+
+
+def test_nash_weights_correlated_directions():
+    # M = [[2, 1], [1, 2]]: by symmetry a_1 = a_2 = a with 3 a = 1 / a, a = 1 / sqrt 3 (Newton from 1 / sqrt 2);
+    # a list input is solved in float64 too
+    a = nash_weights([[2.0, 1.0], [1.0, 2.0]], ridge=0.0)
+    assert a.dtype == torch.float64
+    assert a.tolist() == pytest.approx([1 / math.sqrt(3)] * 2, abs=1e-12)
+    # nearly parallel directions, M = [[1, .99], [.99, 1]]: a = 1 / sqrt 1.99 each (the solve halves steps near
+    # the optimum, where round-off makes the objective flat)
+    a = nash_weights([[1.0, 0.99], [0.99, 1.0]], ridge=0.0)
+    assert a.tolist() == pytest.approx([1 / math.sqrt(1.99)] * 2, abs=1e-12)
+    # directions of very different lengths, M = [[1, 10], [10, 101]] (tau_1 = [1, 0], tau_2 = [10, 1]):
+    # a (M a) = 1, a > 0
+    M = torch.tensor([[1.0, 10.0], [10.0, 101.0]], dtype=torch.float64)
+    a = nash_weights(M, ridge=0.0)
+    assert bool((a > 0).all()) and float((a * (M @ a) - 1).abs().max()) < 1e-12
+    # an asymmetric Gram: the defining equation a_i (M a)_i = 1 holds to the solver's tolerance, a > 0
+    M = torch.tensor([[1.0, 0.5, 0.2], [0.5, 2.0, -0.3], [0.2, -0.3, 0.5]], dtype=torch.float64)
+    a = nash_weights(M, ridge=0.0)
+    assert bool((a > 0).all()) and float((a * (M @ a) - 1).abs().max()) < 1e-12
+
+
+def test_nash_weights_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"^a domain vector is zero \(an expert identical to its base\): its "
+                                         r"bargaining utility is undefined$"):
+        nash_weights([[1.0, 0.0], [0.0, 0.0]])
+    # correlated directions and no Newton step: a = 1 / sqrt 2 each, a (M a) = 1.5, not converged
+    with pytest.raises(ValueError, match=r"^Nash bargaining solve did not converge$"):
+        nash_weights([[2.0, 1.0], [1.0, 2.0]], ridge=0.0, max_iter=0)
+
+
+def test_ream_saliency_hand_computed():
+    # sums [2, 0, 3, 1] over counts [4, 0, 2, .5]: [.5, 0 (never routed), 1.5, 2.0]; the zero becomes
+    # min(.5, smallest positive .5) = .5; float64 from lists
+    s = ream_saliency([2.0, 0.0, 3.0, 1.0], [4.0, 0.0, 2.0, 0.5])
+    assert s.dtype == torch.float64 and s.tolist() == [0.5, 0.5, 1.5, 2.0]
+    # smallest positive 2 > .5: zeros become .5; a sum without a routed token counts as 0
+    assert ream_saliency([2.0, 0.0, 3.0], [1.0, 0.0, 1.0]).tolist() == [2.0, 0.5, 3.0]
+    assert ream_saliency([1.0, 2.0], [0.0, 1.0]).tolist() == [0.5, 2.0]
+    # nothing routed: all 1 (uniform)
+    assert ream_saliency([0.0, 0.0], [0.0, 0.0]).tolist() == [1.0, 1.0]
+
+
+def test_ream_distance_hand_computed():
+    # outputs [.5, 0], [0, .5], [.5, .5] (norms below 1): cos_out (0,1) 0, (0,2) = (1,2) = 1/sqrt 2.
+    # logit Gram with norms [.5, .25, .5] and cos_z (0,2) .5, others 0; zn = 1 (to 2e-8), so
+    # dz = sqrt(2 - 2 cos_z): (0,1) sqrt 2, (0,2) 1, (1,2) sqrt 2; s_gate = 1 - dz / sqrt 2: 0, 1 - 1/sqrt 2, 0.
+    # d = 1 - ((1 + cos_out) / 2 + s_gate) / 2:
+    #   (0,1) 1 - (.5 + 0) / 2 = .75; (0,2) 1 - ((1 + r) / 2 + 1 - r) / 2 = .25 + r / 4 (r = 1/sqrt 2);
+    #   (1,2) 1 - (1 + r) / 4 = .75 - r / 4
+    r = 1 / math.sqrt(2)
+    o = [[0.5, 0.0], [0.0, 0.5], [0.5, 0.5]]
+    G = [[0.25, 0.0, 0.125], [0.0, 0.0625, 0.0], [0.125, 0.0, 0.25]]
+    d = ream_distance(o, G)
+    assert d.dtype == torch.float64
+    want = [[0.0, 0.75, 0.25 + r / 4], [0.75, 0.0, 0.75 - r / 4], [0.25 + r / 4, 0.75 - r / 4, 0.0]]
+    assert torch.allclose(d, torch.tensor(want, dtype=torch.float64), atol=1e-7, rtol=0)
+
+
+def test_ream_distance_tiny_router_norms_hand_computed():
+    # logit Gram diag(1, 4, 9) e-16: norms gn = [1, 2, 3] e-8, so the 1e-8 of normalize_rows matters:
+    # zn = gn / (gn + 1e-8) = [1/2, 2/3, 3/4], cos_z = 0 off the diagonal, dz_ij = sqrt(zn_i^2 + zn_j^2):
+    # (0,1) 5/6, (0,2) sqrt 13 / 4, (1,2) sqrt 145 / 12 (the max). Orthogonal outputs: cos_out = 0, so
+    # d = .75 - s_gate / 2 = .25 + dz / (2 max): (0,1) .25 + 5 / sqrt 145, (0,2) .25 + 1.5 sqrt(13 / 145), (1,2) .75
+    G = [[1e-16, 0.0, 0.0], [0.0, 4e-16, 0.0], [0.0, 0.0, 9e-16]]
+    d = ream_distance(torch.eye(3).tolist(), G)
+    assert d[0, 1].item() == pytest.approx(0.25 + 5 / math.sqrt(145), abs=1e-9)
+    assert d[0, 2].item() == pytest.approx(0.25 + 1.5 * math.sqrt(13 / 145), abs=1e-9)
+    assert d[1, 2].item() == pytest.approx(0.75, abs=1e-9)
+    # two experts, diag(1, 4) e-16: dz (0,1) = sqrt(1/4 + 4/9) = 5/6 is the max (below 1): s_gate 0, d = .75
+    d = ream_distance(torch.eye(2).tolist(), [[1e-16, 0.0], [0.0, 4e-16]])
+    assert d[0, 1].item() == pytest.approx(0.75, abs=1e-9)
+    # a zero Gram: every dz is 0, s_gate = 1 (no 0 / 0): d = 1 - (.5 + 1) / 2 = .25
+    d = ream_distance(torch.eye(2).tolist(), [[0.0, 0.0], [0.0, 0.0]])
+    assert d.tolist() == [[0.0, 0.25], [0.25, 0.0]]
+
+
+def test_namex_merge_hand_computed():
+    # one member: the base itself, in the input's dtype
+    th = torch.tensor([[1.0, 2.0]])
+    merged, c = namex_merge(th, 0, [1.0])
+    assert merged.dtype == torch.float32 and merged.tolist() == [1.0, 2.0] and c.tolist() == [1.0]
+    # tau = [1, 0], freq of the other 1: eps = 1, alpha = 1 / sqrt(1 + 1e-9), merged = base + tau = [1, 0],
+    # c = [0, 1]
+    merged, c = namex_merge(torch.tensor([[0.0, 0.0], [1.0, 0.0]]), 0, [0.0, 1.0])
+    assert merged.tolist() == pytest.approx([1.0, 0.0]) and c.tolist() == pytest.approx([0.0, 1.0])
+    # the other members never routed (eps = 0): the base, even when a member equals it (no Nash solve)
+    merged, c = namex_merge(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), 0, [1.0, 0.0])
+    assert merged.dtype == torch.float32 and merged.tolist() == [1.0, 0.0] and c.tolist() == [1.0, 0.0]
+    # ridge reaches the Nash solve: taus [1, 0], [0, 2], Gram diag(1, 4), ridge 1 (x mean diag 2.5):
+    # alpha = [1/sqrt 3.5, 1/sqrt 6.5], Delta = [alpha_1, 2 alpha_2], eps = |.5 tau_1 + .5 tau_2| = sqrt 1.25
+    th = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    merged, _ = namex_merge(th, 0, [0.0, 0.5, 0.5], ridge=1.0)
+    delta = torch.tensor([1 / math.sqrt(3.5), 2 / math.sqrt(6.5)], dtype=torch.float64)
+    assert torch.allclose(merged, math.sqrt(1.25) * delta / delta.norm(), atol=1e-12)
+
+
+def test_submoe_similarity_hand_computed():
+    # cosine sums over 4 tokens: [[4, 2], [2, 4]] / 4 -> [[1, .5], [.5, 1]]; float64 from lists
+    S = submoe_similarity([[4.0, 2.0], [2.0, 4.0]], 4)
+    assert S.dtype == torch.float64 and S.tolist() == [[1.0, 0.5], [0.5, 1.0]]
+    # no token: divided by 1, not 0 (diagonal 1 by definition)
+    assert submoe_similarity([[0.0, 0.3], [0.3, 0.0]], 0).tolist() == [[1.0, 0.3], [0.3, 1.0]]
+
+
+def test_svd_merge_full_rank_is_the_weighted_sum():
+    # two 1x2 matrices [1, 2] and [3, 4], weights [1, 3] -> w = [.25, .75]: [2.5, 3.5] exactly, in the
+    # input's dtype, whether rank is None or the full rank min(r, n c) = 1
+    mats = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]])
+    for rank in (None, 1):
+        out = svd_merge(mats, [1.0, 3.0], rank=rank)
+        assert out.dtype == torch.float32 and out.tolist() == [[2.5, 3.5]]
+    # a truncated merge keeps the dtype too: 2x1 matrices [[1], [0]] and [[0], [1]], rank 1 of 2
+    mats = torch.tensor([[[1.0], [0.0]], [[0.0], [1.0]]])
+    assert svd_merge(mats, [1.0, 1.0], rank=1).dtype == torch.float32
+
+
+def test_frequency_weights_fractional_and_zero_counts():
+    # counts [.2, .6] (total below 1): [.25, .75]; no member routed: uniform 1/3
+    assert frequency_weights([0.2, 0.6], [0, 1]) == pytest.approx([0.25, 0.75])
+    assert frequency_weights([0.0, 0.0, 0.0], [0, 1, 2]) == [1 / 3, 1 / 3, 1 / 3]
+
+
+def test_svd_merge_at_full_rank_takes_the_exact_sum():
+    # rank = min(r, n c) keeps every triplet: the merge is sum_i w_i W_i exactly (no SVD round-off)
+    g = torch.Generator().manual_seed(0)
+    mats = torch.randn(3, 4, 2, generator=g, dtype=torch.float64)
+    w = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    assert torch.equal(svd_merge(mats, w, rank=4), torch.einsum("n,nrc->rc", w, mats))
+
+
+def test_inputs_are_read_in_float64():
+    # values that float32 cannot hold (.1, .4): every result equals its float64 closed form
+    a = nash_weights([[0.1, 0.0], [0.0, 0.4]], ridge=0.0)
+    assert a.tolist() == pytest.approx([1 / math.sqrt(0.1), 1 / math.sqrt(0.4)], rel=1e-14)
+    assert ream_saliency([0.1], [1.0]).tolist() == [0.1]
+    assert ream_saliency([1.0], [0.1]).tolist() == [1.0 / 0.1]
+    # a zero Gram (s_gate = 1) and outputs [.1, .2], [.3, .1]: cos = .05 / sqrt(.05 * .1) = 1/sqrt 2,
+    # d = 1 - ((1 + cos) / 2 + 1) / 2 = .25 - cos / 4
+    d = ream_distance([[0.1, 0.2], [0.3, 0.1]], [[0.0, 0.0], [0.0, 0.0]])
+    assert d[0, 1].item() == pytest.approx(0.25 - 1 / (4 * math.sqrt(2)), rel=1e-14)
+
+
+def test_mergemoe_down_default_ridge_hand_computed():
+    # tests/test_rolemerge_comparators.py's case (H = I = 1, identity activation, w = [.5, .5], x = [1, 2]):
+    # h' = 4 x^2 = [4, 16], target 7 x^2 = [7, 28]: P = 272, Q = 476, average down .5 (1 + 2) = 1.5.
+    # Default ridge 1e-3: lam = 1e-3 * 272 / 1 = .272, d' = (476 + .272 * 1.5) / (272 + .272) = 1.74975025
+    gate, up = torch.tensor([[[1.0]], [[3.0]]]), torch.tensor([[[2.0]], [[2.0]]])
+    down, x = torch.tensor([[[1.0]], [[2.0]]]), torch.tensor([[1.0], [2.0]])
+    _, _, d2 = mergemoe_down(gate, up, down, [0.5, 0.5], x, lambda t: t)
+    assert float(d2) == pytest.approx((476 + 0.272 * 1.5) / (272 + 0.272), rel=1e-6)
