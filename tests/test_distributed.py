@@ -75,7 +75,10 @@ def test_mole_train_two_processes_end_and_equal_one_process(world, tmp_path):
         t2, s2 = load_train_state(str(tmp_path / f"two{i}"))
         assert s2["step"] == 4 and t1.keys() == t2.keys()
         worst = max(float((t1[k] - t2[k]).abs().max()) for k in t1)
-        assert worst < 1e-5, worst                                  # was 4.4e-3 with per-rank aux means
+        # Not derived from eps: Adam moves each weight by about lr per step whatever the gradient's
+        # rounding, so no useful a-priori bound exists. 1e-5 sits between the all-reduce's fp32
+        # reordering (measured <= 1e-6 here) and the bug it guards (4.4e-3 with per-rank aux means).
+        assert worst < 1e-5, worst
         for a, b in zip(log1, s2["log"]):
             for k in ("loss", "ce", "balance", "z", "div"):
                 assert abs(a[k] - b[k]) < 1e-5, (k, a, b)          # the global mean, not rank 0's share
@@ -101,7 +104,7 @@ def test_mod_train_two_processes_end_and_equal_one_process(world, tmp_path):
         assert rc == 0, out[-3000:]
         w2 = load_file(str(tmp_path / f"two{i}" / "adapter_model.safetensors"))
         worst = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
-        assert worst < 1e-5, worst
+        assert worst < 1e-5, worst      # an empirical margin, as in the MoLE case above (Adam: no eps bound)
         log2 = [json.loads(x) for x in (tmp_path / f"two{i}" / "log.jsonl").read_text().splitlines()]
         assert [r["step"] for r in log1] == [r["step"] for r in log2]
         for a, b in zip(log1, log2):

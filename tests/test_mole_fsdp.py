@@ -39,6 +39,8 @@ def test_fsdp_full_finetune_matches_unsharded_and_resumes(tmp_path, setup):
     tb, sb = load_train_state(str(tmp_path / "b"))
     assert ta.keys() == tb.keys() and any(n.endswith("layers.0.mlp.up_proj.weight") for n in tb)
     assert tb["latent"].dtype == torch.float32 and tb["model.lm_head.weight"].dtype == torch.bfloat16
+    # bf16 weights (eps 2^-8 = 3.9e-3) after Adam steps: Adam gives no a-priori bound from eps, so
+    # 1e-2 is an empirical margin of about 2.5 bf16 steps on values of order 1.
     for k in ta:   # one process: the sharded run computes what the unsharded one does
         assert torch.allclose(ta[k].float(), tb[k].float(), atol=1e-2, rtol=1e-2), k
     assert all(abs(x["loss"] - y["loss"]) < 1e-2 for x, y in zip(log_a, log_b))
