@@ -76,8 +76,8 @@ def test_mole_train_two_processes_end_and_equal_one_process(world, tmp_path):
         assert s2["step"] == 4 and t1.keys() == t2.keys()
         worst = max(float((t1[k] - t2[k]).abs().max()) for k in t1)
         # Not derived from eps: Adam moves each weight by about lr per step whatever the gradient's
-        # rounding, so no useful a-priori bound exists. 1e-5 sits between the all-reduce's fp32
-        # reordering (measured <= 1e-6 here) and the bug it guards (4.4e-3 with per-rank aux means).
+        # rounding, so no useful a-priori bound exists. 1e-5 is an empirical margin, far below the
+        # bug it guards (4.4e-3 with per-rank aux means).
         assert worst < 1e-5, worst
         for a, b in zip(log1, s2["log"]):
             for k in ("loss", "ce", "balance", "z", "div"):

@@ -303,7 +303,7 @@ def test_vision_and_projector_match_official_maths(tok):
         h = h + lin(0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3))), p + "mlp.fc2")
     h = ln(h, "vision.norm")
     # Not derived: each LayerNorm scales rounding by |gain| / sigma of tiny activations, which this
-    # random tower does not bound a priori; 1e-5 is an empirical margin (observed about 1e-6).
+    # random tower does not bound a priori; 1e-5 is an empirical margin.
     assert torch.allclose(model.vision(x), h, atol=1e-5)
     g = F.pad(h.view(2, 3, 3, 24), (0, 0, 0, 1, 0, 1))                       # 4 x 4, unfold order by hand
     cat = torch.stack([torch.cat([g[:, 2 * i:2 * i + 2, 2 * j:2 * j + 2, c].reshape(2, 4) for c in range(24)], -1)
