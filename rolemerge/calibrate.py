@@ -35,6 +35,7 @@ from rolemerge import baselines as bl
 from rolemerge import comparators
 from rolemerge import deepseek_vl2 as vl2
 from rolemerge.blocks import VLM_TYPES, CalibrationError, check_supported, model_info, moe_blocks
+from rolemerge.shards import check_weights
 from rolemerge.stats import check_nonempty, save_stats, summary_path
 
 # deferred: transformers, common.backbone (about 2 and 4.5 s of CPU to import: they load models only; the stats
@@ -318,10 +319,7 @@ def load_config(path, trust_remote_code=False):
         raise CalibrationError(f"{path}: cannot read its config.json ({why}); checkpoints with their own code "
                                f"need --trust-remote-code (it runs that code)") from None
     check_supported(config)
-    try:
-        checked_weights(path)
-    except CheckpointError as e:
-        raise CalibrationError(str(e)) from None
+    check_weights(path)
     return config
 
 

@@ -147,11 +147,17 @@ def streaming_config(path):
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise CalibrationError(f"{path}: cannot read its config.json (no model_type)")
     blk.check_supported(SimpleNamespace(model_type=config["model_type"]))
+    check_weights(path)
+    return config
+
+
+def check_weights(path):
+    """`common.checkpoint.checked_weights` (complete safetensors shards, no pickle) with its
+    CheckpointError raised as CalibrationError, the message kept."""
     try:
         checked_weights(path)
     except CheckpointError as e:
         raise CalibrationError(str(e)) from None
-    return config
 
 
 def read_config(path):
