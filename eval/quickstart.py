@@ -38,7 +38,7 @@ import torch
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import Interrupted, add_threads, entry_parser, fail, number, set_threads, sigterm_flag
+from common.cli import Interrupted, RunError, add_threads, entry_parser, fail, number, set_threads, sigterm_flag
 from eval import evaluate as ev
 
 METHODS = ("mod", "rolemerge", "mole")
@@ -169,6 +169,18 @@ def clear_stage_records(out):
             os.remove(os.path.join(out, f))
 
 
+def check_out(out):
+    """Refuse an --out that holds anything but a quickstart run: a run replaces OUT/<method> and
+    OUT/report.*, so a folder without the quickstart's own OUT/stages/ record (a project folder,
+    the repository root) is never written into. Raises RunError naming a fix."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunError(f"--out {out} is a file, not a directory")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isdir(os.path.join(out, "stages")):
+        raise RunError(f"--out {out} holds files but no quickstart run ({out}/stages/ is missing); the quickstart "
+                       f"replaces {out}/<method> and {out}/report.*, so nothing was written: choose a new or empty "
+                       f"--out")
+
+
 def retrain_bases():
     """The README's three pretraining commands (the first two side by side, one thread each)."""
     procs = [subprocess.Popen([sys.executable, "-m", "eval.tools.pretrain", "--arch", arch, "--out", bb.TINY[name],
@@ -202,6 +214,7 @@ def main(argv=None):
     bad = [m for m in methods if m not in METHODS]
     if bad:
         p.error(f"unknown method(s) {bad}; choose from {','.join(METHODS)}")
+    check_out(a.out)
     threads = set_threads(a.threads)
     print(f"[quickstart] {threads} CPU thread(s) (--threads)")
     if a.fresh:  # before any stage: an --overwrite run stopped midway must not leave the earlier run's records
@@ -275,5 +288,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (data.DataError, bb.BackboneError) as e:
+    except (data.DataError, bb.BackboneError, RunError) as e:
         fail(e)

@@ -345,3 +345,25 @@ def test_report_says_quick_rows_check_code_paths_and_prints_the_readme_verdicts(
         f.write_text(js.dumps(d))
     monkeypatch.setattr(qs, "RESULTS", str(res))
     assert all("**supported**" in line for line in qs.method_note("mole") if line.startswith("- "))
+
+
+def test_quickstart_never_writes_into_a_folder_that_is_not_its_run(tmp_path):
+    """A reported bug: `eval.quickstart --out DIR` deleted DIR/rolemerge (with --out ., the repository's
+    own rolemerge/ sources) and replaced DIR/report.md. A non-empty --out without the quickstart's
+    stages/ record is refused before anything runs, and loses nothing."""
+    proj = tmp_path / "proj"
+    (proj / "rolemerge").mkdir(parents=True)
+    (proj / "rolemerge" / "important.txt").write_text("precious")
+    (proj / "report.md").write_text("mine")
+    out = subprocess.run([sys.executable, "-m", "eval.quickstart", "--out", str(proj), "--methods", "rolemerge",
+                          "--data", str(tmp_path / "data"), "--threads", "1"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2 and "no quickstart run" in out.stderr, out.stderr[-2000:]
+    assert (proj / "rolemerge" / "important.txt").read_text() == "precious"
+    assert (proj / "report.md").read_text() == "mine" and not (tmp_path / "data").exists()
+    from eval.quickstart import check_out
+    (tmp_path / "empty").mkdir()
+    check_out(str(tmp_path / "empty"))                  # empty and new folders are fine,
+    check_out(str(tmp_path / "new"))
+    (proj / "stages").mkdir()
+    check_out(str(proj))                                # and so is an earlier quickstart run
