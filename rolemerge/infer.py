@@ -174,7 +174,7 @@ def main(argv=None):
     p.add_argument("--data", required=True,
                    help="LLaVA JSON/JSONL or canonical JSONL with questions (and answers for accuracy)")
     p.add_argument("--image-root", default=None, help=data.IMAGE_ROOT_HELP)
-    add_limit(p, default=200, what="examples", dest="n")
+    add_limit(p, what="examples", dest="n")
     add_threads(p)
     add_device_args(p, device_map=True)
     p.add_argument("--batch-size", type=int, default=32, help="generation batch size")

@@ -35,7 +35,7 @@ MEANINGS = {
     "--grad-accum": ("micro-batches each process splits its share of an optimizer step into", None),
     "--image-root": ("folder relative image paths resolve against", None),
     "--limit": ("use only the first N records (0 = all)", "a first look at a large file: 100 for the diagnostics, "
-                "128 per calibration file (the RoleMerge paper's size), 200 for rolemerge.infer; all elsewhere"),
+                "128 per calibration file (the RoleMerge paper's size); all elsewhere"),
     "--lora-alpha": ("peft's lora_alpha: the adapter output is scaled by lora_alpha / r",
                      "each default is 2 r (scaling 2): MoD's r = 4, MoLE's LoRA r = 8"),
     "--lr": ("peak learning rate (AdamW, warmup, then decay)", "toy-scale defaults of each recipe; MoLE requires it "
