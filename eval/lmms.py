@@ -36,6 +36,7 @@ What a request becomes (lmms-eval 0.7's simple-model interface, `Instance.args`)
                   meant for generations): the pair goes back wrapped in its GenerationResult.
 Sampling (temperature > 0) is refused: every score in this repo is greedy.
 """
+import importlib.util
 import json
 import os
 import sys
@@ -45,7 +46,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from common.backbone import generate, load_backbone
-from common.cli import add_limit, entry_parser, run_cli, set_threads
+from common.cli import add_limit, entry_parser, fail, run_cli, set_threads
 from common.data import IMAGE_ROOT_HELP, SKIP_BAD_HELP, atomic_write_text, load_image, read_any
 from eval.evaluate import options_of
 from eval.metrics import extract, gold_list, is_correct, option_letters
@@ -448,6 +449,9 @@ def main(argv=None):
                 print(f"{task}: {len(ids)} documents")
             print(f"wrote {a.out}: run with --tasks {','.join(made)} --include_path {a.out}")
         return run_cli(run)  # bad data, existing task files: error: ..., exit 2
+    if importlib.util.find_spec("lmms_eval") is None:
+        fail("python -m eval.lmms runs lmms-eval, which is not installed here; install it in its own venv: "
+             'pip install lmms-eval==0.7.3 "filelock<4" (mod/README.md, "lmms-eval")')
     register()
     from lmms_eval.__main__ import cli_evaluate
     sys.argv = ["lmms-eval"] + argv

@@ -5,6 +5,7 @@ import ast
 import json
 import os
 import random
+import subprocess
 import sys
 import types
 
@@ -286,3 +287,15 @@ def test_mod_class_answers_as_mod_infer(tmp_path, fake_lmms_eval):
         L.MoD(pretrained="tiny-chat")
     with pytest.raises(ValueError, match="unknown model_args"):
         L.MoD(pretrained="tiny-chat", adapter="x", temprature=0)
+
+
+def test_lmms_without_lmms_eval_says_how_to_install_it():
+    """A reported bug: the top README's `python -m eval.lmms --model mod ...` ended in a
+    ModuleNotFoundError traceback where lmms-eval is not installed (CI's venv)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('lmms_eval') is not None)"
+    if subprocess.run([sys.executable, "-c", probe]).returncode:
+        pytest.skip("lmms-eval is installed here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "eval.lmms", "--model", "mod", "--tasks", "mmstar"], cwd=root,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "pip install lmms-eval==0.7.3" in out.stderr and "Traceback" not in out.stderr
