@@ -41,6 +41,7 @@ and OCRBench's are points.
 import json
 import random
 import re
+import sys
 from collections import defaultdict
 
 import numpy as np
@@ -694,6 +695,10 @@ def load_predictions(path, method=None):
     unknown method."""
     with open(path, encoding="utf-8") as f:
         obj = json.load(f)
+    if isinstance(obj, dict) and obj.get("complete") is False:   # mod.infer stopped between methods
+        print(f"warning: {path} is an unfinished run (\"complete\": false): it holds "
+              f"{', '.join(obj.get('results', {})) or 'no method'} only; finish it with the same command and "
+              f"--resume", file=sys.stderr)
     if isinstance(obj, dict) and isinstance(obj.get("results"), dict):
         runs = obj["results"]
     elif isinstance(obj, dict) and isinstance(obj.get("results", obj.get("predictions")), list):

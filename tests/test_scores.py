@@ -1,5 +1,6 @@
 """eval.scores: every benchmark's score on small hand-computed cases (the rules are
 lmms-eval's task rules, README "Benchmarks on real checkpoints")."""
+import json
 import random
 
 import pytest
@@ -254,3 +255,17 @@ def test_main_scores_any_canonical_jsonl(tmp_path, capsys):
     data.write_text("\n".join(lines) + "\n")
     both = S.main(["--data", str(data), "--preds", str(preds)])["model"]
     assert both["pope"]["n"] == 1 and both["generic"]["n"] == 2
+
+
+def test_an_unfinished_mod_infer_file_is_scored_with_a_warning(tmp_path, capsys):
+    """A reported gap: a mod.infer run stopped between methods leaves OUT with "complete": false;
+    eval.scores scored its finished methods without a word about the missing ones."""
+    from eval.scores import load_predictions
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"results": {"base": [{"id": "a", "pred": "x"}]}, "complete": False}))
+    assert load_predictions(str(f)) == {"base": {"a": "x"}}
+    err = capsys.readouterr().err
+    assert "unfinished run" in err and "--resume" in err
+    f.write_text(json.dumps({"results": {"base": [{"id": "a", "pred": "x"}]}, "complete": True}))
+    load_predictions(str(f))
+    assert capsys.readouterr().err == ""
