@@ -1,6 +1,6 @@
 """Quickstart: the repo's main job, end to end on the embedded tiny defaults.
 
-    python -m eval.quickstart                 # ~4 min on 2 CPU cores (README)
+    python -m eval.quickstart                 # about 6 CPU-minutes on 2 cores (README)
     python -m eval.quickstart --retrain-base  # first re-pretrain the tiny bases (~30 more minutes)
 
 1. generates the shapes data (out/data: train / val / test, images + LLaVA JSON),
