@@ -42,6 +42,9 @@ def load_records(path):
                 if os.path.isfile(os.path.join(path, f))]
         raise DataError(f"{path} is a directory; pass the JSON/JSONL file (e.g. "
                         f"{os.path.join(path, have[0] if have else 'train.json')})")
+    if path.lower().endswith((".csv", ".tsv", ".parquet", ".xlsx")):
+        raise DataError(f"{path}: a {path.rsplit('.', 1)[1].upper()} file; records are read from a JSON list or JSONL "
+                        f"(`python -m eval.convert` turns public benchmark files into canonical JSONL)")
     try:
         with open(path, encoding="utf-8-sig") as f:
             text = f.read()

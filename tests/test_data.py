@@ -131,3 +131,11 @@ def test_bad_images_fail_at_read_time_and_16bit_is_rescaled(tmp_path):
     Image.fromarray(a).save(tmp_path / "images" / "g16.png")
     rgb = np.asarray(data.load_image(str(tmp_path / "images" / "g16.png")))
     assert rgb.shape == (8, 8, 3) and rgb[0, 0, 0] == 0 and rgb[0, 7, 0] == 255
+
+
+def test_a_csv_file_is_named_as_such(tmp_path):
+    """A reported gap: a CSV got "line 1 is not valid JSON"; it is now named, with the converter to use."""
+    f = tmp_path / "bench.csv"
+    f.write_text("question,answer\nwhat?,yes\n")
+    with pytest.raises(data.DataError, match=r"bench.csv: a CSV file; records are read from a JSON list or JSONL"):
+        data.load_records(str(f))
