@@ -154,7 +154,7 @@ def _placeholder_notes(counts, text, n_images):
                "once before the question"] += 1
 
 
-def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
+def read_llava_json(path, image_root=None, check_images=True, skip_bad=False, limit=0):
     """Read LLaVA-style conversation JSON (a list) or JSONL into record dicts (the keys above).
 
     `image` may be one path, a list of paths (one "<image>" placeholder per image in the human
@@ -165,7 +165,8 @@ def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
     Raises DataError for a file without records and, naming the record, for malformed turns,
     an unknown role, a non-text gold answer, duplicate ids (`check_unique_ids`), a conversation that does not alternate human / gpt, a placeholder count that differs from
     the image count, and (check_images) every record whose image is missing or unusable, all
-    in one message (`check_record_images`; skip_bad: those records are left out, with a note)."""
+    in one message (`check_record_images`; skip_bad: those records are left out, with a note).
+    limit: keep only the first N records (0 = all), cut before any image is decoded."""
     records = load_records(path)
     if not records:
         raise DataError(f"{path}: no records (an empty file or list)")
@@ -216,6 +217,7 @@ def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
                     "conversations": turns})
     check_unique_ids(out, path)
     note_changes(path, counts)
+    out = out[:limit or None]   # --limit before the images are decoded: a first look at a large file is quick
     return check_record_images(out, path, skip_bad) if check_images else out
 
 
@@ -265,7 +267,7 @@ def _benchmark_fields(path, rid, r):
     return out
 
 
-def read_jsonl(path, image_root=None, check_images=True, skip_bad=False):
+def read_jsonl(path, image_root=None, check_images=True, skip_bad=False, limit=0):
     """Read a canonical benchmark JSONL -> record dicts (the keys above):
         {"id": "q1", "image": "images/q1.png", "question": "Is there a dog?", "answer": "yes",
          "family": "existence",                      # optional, default "unlabelled"
@@ -324,10 +326,11 @@ def read_jsonl(path, image_root=None, check_images=True, skip_bad=False):
         out.append(rec)
     check_unique_ids(out, path)
     note_changes(path, counts)
+    out = out[:limit or None]   # --limit before the images are decoded: a first look at a large file is quick
     return check_record_images(out, path, skip_bad) if check_images else out
 
 
-def read_any(path, image_root=None, check_images=True, skip_bad=False):
+def read_any(path, image_root=None, check_images=True, skip_bad=False, limit=0):
     """Read a data file of either format, decided by content: records with "conversations"
     -> `read_llava_json`, records with "question" -> `read_jsonl`. check_images: decode every
     image now (`check_record_images`), before any model loads; skip_bad: leave out the
@@ -337,7 +340,7 @@ def read_any(path, image_root=None, check_images=True, skip_bad=False):
     if not records:
         raise DataError(f"{path}: no records")
     first = records[0]
-    kw = dict(image_root=image_root, check_images=check_images, skip_bad=skip_bad)
+    kw = dict(image_root=image_root, check_images=check_images, skip_bad=skip_bad, limit=limit)
     if isinstance(first, dict) and "conversations" in first:
         return read_llava_json(path, **kw)
     if isinstance(first, dict) and "question" in first:
@@ -348,10 +351,11 @@ def read_any(path, image_root=None, check_images=True, skip_bad=False):
                     f"(canonical JSONL){hint}; keys: {sorted(first) if isinstance(first, dict) else type(first).__name__}")
 
 
-def read_records(path, image_root=None, skip_bad=False):
-    """Records of a LLaVA JSON/JSONL or canonical JSONL file (`read_any`, every image decoded
-    now; skip_bad: records with an unusable image left out, with a note). Raises DataError."""
-    return read_any(path, image_root=image_root, skip_bad=skip_bad)
+def read_records(path, image_root=None, skip_bad=False, limit=0):
+    """Records of a LLaVA JSON/JSONL or canonical JSONL file (`read_any`, every kept image decoded
+    now; skip_bad: records with an unusable image left out, with a note; limit: the first N
+    records only, 0 = all). Raises DataError."""
+    return read_any(path, image_root=image_root, skip_bad=skip_bad, limit=limit)
 
 
 SKIP_BAD_HELP = ("leave out the records whose image is missing or unusable (empty, truncated, corrupt, too large) "

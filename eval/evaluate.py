@@ -379,7 +379,7 @@ def main(argv=None):
         records = expand_turns(read_any(a.data, image_root=a.image_root, check_images=False))[:a.limit]
         records = check_record_images(records, a.data)
     else:          # --skip-bad: the first N usable items (every image decoded)
-        records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad))[:a.limit or None]
+        records = expand_turns(read_any(a.data, image_root=a.image_root, skip_bad=a.skip_bad, limit=a.limit))[:a.limit or None]
     check_support(records, "eval.evaluate", text_only=True, multi_turn=True)  # before the model loads
     shown = sum(bool(r["image"]) for r in records)
     if shown and checkpoint_model_type(a.model) in TEXT_LMS:

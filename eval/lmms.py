@@ -444,7 +444,7 @@ def main(argv=None):
         a = p.parse_args(argv[1:])
 
         def run():
-            made = build_task(read_any(a.data, a.image_root, skip_bad=a.skip_bad)[:a.limit or None], a.out, a.name, a.max_new_tokens, a.overwrite)
+            made = build_task(read_any(a.data, a.image_root, skip_bad=a.skip_bad, limit=a.limit), a.out, a.name, a.max_new_tokens, a.overwrite)
             for task, ids in made.items():
                 print(f"{task}: {len(ids)} documents")
             print(f"wrote {a.out}: run with --tasks {','.join(made)} --include_path {a.out}")

@@ -410,7 +410,7 @@ def run(args, methods):
             check_out_file(path, flag)
             check_overwrite(path, args.overwrite, args.resume, flag)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    records = read_records(args.data, args.image_root, args.skip_bad)[:args.limit or None]  # every image decoded
+    records = read_records(args.data, args.image_root, args.skip_bad, limit=args.limit)  # every image decoded
     check_support(records, "mod.infer", text_only=True)  # at most one image, one turn per record: before any model loads
     if {"misled", "base-misled"} & set(methods):  # every method's data check before any method runs
         for r in records:

@@ -103,8 +103,7 @@ def run(a):
     if a.out:
         check_out_file(a.out)
         check_overwrite(a.out, a.overwrite)
-    recs = read_records(a.data, a.image_root, a.skip_bad)
-    recs = recs[: a.n] if a.n else recs
+    recs = read_records(a.data, a.image_root, a.skip_bad, limit=a.n)
     check_support(recs, "mole.diagnostics", multi_image=True)  # before the model loads
     net, _, stage = load_mole(a.ckpt, device=a.device, base=a.model, dtype=load_kwargs(a)["dtype"])
     if not isinstance(net, MoLE):

@@ -188,8 +188,7 @@ def run(a):
     if a.out:  # fail now, not after the whole evaluation
         check_out_file(a.out)
         check_overwrite(a.out, a.overwrite, a.resume)
-    recs = read_records(a.data, a.image_root, a.skip_bad)  # every image decoded now
-    recs = recs[: a.n] if a.n else recs
+    recs = read_records(a.data, a.image_root, a.skip_bad, limit=a.n)  # every kept image decoded now
     # one turn per record, before the model loads; a MoLE checkpoint takes several images per
     # record (Z_vis routed over all), the SFT control one
     check_support(recs, "mole.infer", multi_image=recorded_method(a.ckpt) != "sft")

@@ -384,7 +384,7 @@ def main(argv=None):
                 name = os.path.splitext(os.path.normpath(path))[0].replace(os.sep, "/")
             if name in sources:  # val.json and val.jsonl side by side
                 raise CalibrationError(f"{path}: another --data file has the same source name {name!r}; rename one")
-            sources[name] = data.read_records(path, a.image_root, a.skip_bad)[:a.n or None]  # DataError for a file without records
+            sources[name] = data.read_records(path, a.image_root, a.skip_bad, limit=a.n)  # DataError for a file without records
             data.check_support(sources[name], "rolemerge.calibrate", text_only=True)
         set_threads(a.threads, a.model)
         model, proc = load_model(a.model, dtype, a.device, a.device_map, a.trust_remote_code)

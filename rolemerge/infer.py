@@ -203,7 +203,7 @@ def run(a):
     if a.out:
         check_out_file(a.out)  # now, not after the whole run
         check_overwrite(a.out, a.overwrite, a.resume)
-    records = data.expand_turns(data.read_records(a.data, a.image_root, a.skip_bad))[:a.n or None]
+    records = data.expand_turns(data.read_records(a.data, a.image_root, a.skip_bad, limit=a.n))[:a.n or None]
     data.check_support(records, "rolemerge.infer", text_only=True, multi_turn=True)  # before the model loads
     fp = fingerprint(records, model=model_digest(a.model), batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
     with PredictionLog(a.out, fp, a.resume) as log:

@@ -161,3 +161,21 @@ def test_mod_infer_misled_refuses_duplicate_ids_before_loading(tmp_path, capsys)
     err = error_of(minfer.main, ["--model", str(tmp_path / "no-such-model"), "--data", p, "--methods", "misled", "--adapter", str(tmp_path / "no-such-adapter"),
                                  "--out", str(tmp_path / "r.json")], capsys)
     assert "record dup: duplicate id" in err and "no-such-model" not in err
+
+
+def test_limit_cuts_before_any_image_is_decoded(tmp_path, monkeypatch):
+    """--limit N decodes only the first N records' images (a first look at a large file was as slow
+    as reading all of it): the image check sees N records, for both formats."""
+    from common import data
+    seen = []
+    monkeypatch.setattr(data, "check_record_images", lambda recs, path, skip_bad=False: seen.append(len(recs)) or recs)
+    rows = [{"id": f"q{i}", "image": f"{i}.png", "question": "Is it red?", "answer": "yes"} for i in range(5)]
+    jl = tmp_path / "b.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    lj = tmp_path / "l.json"
+    lj.write_text(json.dumps([{"id": f"l{i}", "image": f"{i}.png", "conversations": [
+        {"from": "human", "value": "<image>\nIs it red?"}, {"from": "gpt", "value": "yes"}]} for i in range(5)]))
+    for f, first in ((jl, ["q0", "q1"]), (lj, ["l0", "l1"])):
+        assert [r["id"] for r in data.read_records(str(f), limit=2)] == first
+        assert len(data.read_records(str(f))) == 5
+    assert seen == [2, 5, 2, 5]
