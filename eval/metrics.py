@@ -203,7 +203,8 @@ def two_level_task_equal_bootstrap(seeds_a, seeds_b, seeds_tasks, n_resamples=10
         a, b, t = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), list(t)
         if not (a.shape == b.shape == (len(t),)) or not len(t):
             raise ValueError(f"two_level_task_equal_bootstrap: seed {s} has {a.shape} vs {b.shape} scores and "
-                             f"{len(t)} tasks; both arms must score the same, non-empty list of questions, one task each")
+                             f"{len(t)} tasks; both arms must score the same, non-empty list of questions, "
+                             "one task each")
         if names is None:
             names = list(dict.fromkeys(t))
         elif set(t) != set(names):
