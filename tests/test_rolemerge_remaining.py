@@ -65,6 +65,7 @@ def test_bootstrap_rows_two_level_when_bases_disagree():
     assert row["per_seed"] == pytest.approx([0.5, -0.5, 0.5]) and row["diff"] == pytest.approx(1 / 6)
     assert row["ci_low"] == pytest.approx(-0.5) and row["ci_high"] == pytest.approx(0.5)
     assert row["verdict"] == "inconclusive" and row["seeds"] == "s0+s1+s2" and row["log"] == "log#x"
+    assert row["per_base"] == "+0.500 / -0.500 / +0.500"
     # the per-question columns are the Table-1 rule (`compare`): per base .8 / -.2 / .8
     e = toy.compare(bases, "rolemerge@0.5", "reap@0.5")
     assert row["example_per_seed"] == pytest.approx([0.8, -0.2, 0.8]) == e["per_seed"]

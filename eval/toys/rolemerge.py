@@ -1102,7 +1102,8 @@ def bootstrap_rows(results, log=""):
             d, e = task_equal_bootstrap(results, ka, kb), compare(results, ka, kb)
             rows.append({"kind": "task_equal", "comparison": f"RoleMerge - {label}", "arm": arm, "rho": rho,
                          "diff": d["diff"], "ci_low": d["ci_low"], "ci_high": d["ci_high"], "verdict": verdict(d),
-                         "per_seed": d["per_seed"], "example_diff": e["diff"], "example_ci_low": e["ci_low"],
+                         "per_seed": d["per_seed"], "per_base": " / ".join(f"{x:+.3f}" for x in d["per_seed"]),
+                         "example_diff": e["diff"], "example_ci_low": e["ci_low"],
                          "example_ci_high": e["ci_high"], "example_verdict": verdict(e),
                          "example_per_seed": e["per_seed"], "n": d["n"], "tasks": d["tasks"],
                          "bootstrap": d["bootstrap"], "seeds": "+".join(_name(r) for r in results), "log": log})
