@@ -177,6 +177,61 @@ def two_level_bootstrap(seeds_a, seeds_b, n_resamples=10_000, seed=0, level=0.95
             "per_seed": per_seed, "bootstrap": f"two-level ({S} seeds, then questions)"}
 
 
+def two_level_task_equal_bootstrap(seeds_a, seeds_b, seeds_tasks, n_resamples=10_000, seed=0, level=0.95):
+    """`two_level_bootstrap` with every task weighted equally (RoleMerge App. D.2), arm A minus arm B.
+
+    seeds_a, seeds_b: per-question scores per seed, [S][n_s], paired as in `two_level_bootstrap`;
+    seeds_tasks: each question's task, [S][n_s]; every seed must hold the same set of tasks. The
+    effect of seed s is the equal-weight mean of its per-task differences, and seeds weigh the same:
+        e_s  = (1/T) sum_t mean_{i in t} (a_si - b_si)        diff = (1/S) sum_s e_s
+    (a task with more questions gets no more weight). Each of n_resamples resamples draws S seeds
+    with replacement, then, for every drawn seed, the questions of each task with replacement
+    within that task (the same indices for A and B), and takes the same mean; the CI is the
+    (1-level)/2, (1+level)/2 percentile pair. With one seed only the questions are resampled
+    (within tasks), and "bootstrap" says so.
+    Returns dict(diff, ci_low, ci_high, n = questions over all seeds, tasks = T, seeds = S,
+    per_seed = [e_s], bootstrap = the level(s) resampled, in words).
+    Raises ValueError when there is no seed, the three inputs have different seed counts, a seed
+    has no question or lengths that differ, or the seeds hold different task sets."""
+    if not (len(seeds_a) == len(seeds_b) == len(seeds_tasks)):
+        raise ValueError(f"two_level_task_equal_bootstrap: {len(seeds_a)} seeds for A, {len(seeds_b)} for B and "
+                         f"{len(seeds_tasks)} task lists; pass one of each per seed")
+    if not len(seeds_a):
+        raise ValueError("two_level_task_equal_bootstrap: no seed; pass one list of per-question scores per seed")
+    names, strata = None, []                                 # strata[s][t]: the differences of task t in seed s
+    for s, (a, b, t) in enumerate(zip(seeds_a, seeds_b, seeds_tasks)):
+        a, b, t = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), list(t)
+        if not (a.shape == b.shape == (len(t),)) or not len(t):
+            raise ValueError(f"two_level_task_equal_bootstrap: seed {s} has {a.shape} vs {b.shape} scores and "
+                             f"{len(t)} tasks; both arms must score the same, non-empty list of questions, "
+                             "one task each")
+        if names is None:
+            names = list(dict.fromkeys(t))
+        elif set(t) != set(names):
+            raise ValueError(f"two_level_task_equal_bootstrap: seed {s} has tasks {sorted(set(t))}, seed 0 "
+                             f"{sorted(names)}; every seed must hold the same tasks")
+        d, tt = a - b, np.asarray(t, dtype=object)
+        strata.append([d[tt == n] for n in names])
+    T, S = len(names), len(strata)
+    per_seed = [float(np.mean([x.mean() for x in xs])) for xs in strata]
+    n = int(sum(len(x) for xs in strata for x in xs))
+    rng = np.random.default_rng(seed)
+    if S == 1:                                               # no seed level: every resample holds seed 0 once
+        pick, how = np.zeros((n_resamples, 1), dtype=np.int64), "one-level (1 seed: questions only)"
+    else:
+        pick, how = rng.integers(0, S, size=(n_resamples, S)), f"two-level ({S} seeds, then questions)"  # [B, S]
+    total = np.zeros(n_resamples)
+    for s, xs in enumerate(strata):
+        rows = np.nonzero(pick == s)[0]                      # one entry per time seed s was drawn
+        e = sum(_resampled_means(x, len(rows), rng) for x in xs) / T    # its task-equal mean, each time
+        np.add.at(total, rows, e)
+    means = total / S
+    q = (1 - level) / 2 * 100
+    return {"diff": float(np.mean(per_seed)), "ci_low": float(np.percentile(means, q)),
+            "ci_high": float(np.percentile(means, 100 - q)), "n": n, "tasks": T, "seeds": S,
+            "per_seed": per_seed, "bootstrap": how}
+
+
 def verdict(result, sign=1):
     """The verdict rule of every toy on a comparison `result` ({"ci_low", "ci_high", "per_seed"},
     e.g. from `two_level_bootstrap`) of the claim "sign * (A - B) > 0":

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from eval.metrics import (accuracy, anls, anls_score, bootstrap_ci, by_family, extract, format_table, is_correct,
-                          levenshtein, normalize, paired_bootstrap, pope_prf, two_level_bootstrap, verdict,
-                          verdict_text)
+                          levenshtein, normalize, paired_bootstrap, pope_prf, two_level_bootstrap,
+                          two_level_task_equal_bootstrap, verdict, verdict_text)
 
 
 @pytest.mark.parametrize("text,answer_type,want", [
@@ -156,6 +156,71 @@ def test_two_level_bootstrap_bad_input():
         two_level_bootstrap([], [])
     with pytest.raises(ValueError, match="seed 0 has"):
         two_level_bootstrap([[]], [[]])
+
+
+def test_two_level_task_equal_bootstrap_seeds_disagree():
+    # three seeds, two tasks of unequal size, every question of a task with the same difference (so the
+    # question level adds nothing within a task):
+    #   seed 0: task A 3 x (+1), task B 1 x 0      -> task-equal (1 + 0) / 2 = +0.5   (pooled +0.75)
+    #   seed 1: task B 1 x (-1), task A 3 x 0      -> (0 - 1) / 2           = -0.5   (pooled -0.25)
+    #   seed 2: task A 2 x (+1), task B 2 x 0      -> (1 + 0) / 2           = +0.5   (pooled +0.5)
+    # effect (0.5 - 0.5 + 0.5) / 3 = 1/6 (seeds and tasks equal weight; pooled per seed it would be 1/3);
+    # a resample's mean is that of 3 seeds drawn with replacement: all three = seed 1 has probability
+    # 1/27 = 3.7 % > 2.5 %, all three at +0.5 8/27, so the 95 % CI is exactly [-0.5, +0.5]: inconclusive
+    a = [[1, 1, 1, 1], [0, 1, 1, 1], [1, 1, 0, 0]]
+    b = [[0, 0, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0]]
+    tasks = [["A", "A", "A", "B"], ["B", "A", "A", "A"], ["A", "A", "B", "B"]]
+    r = two_level_task_equal_bootstrap(a, b, tasks)
+    assert r["diff"] == pytest.approx(1 / 6) and r["per_seed"] == pytest.approx([0.5, -0.5, 0.5])
+    assert r["ci_low"] == pytest.approx(-0.5) and r["ci_high"] == pytest.approx(0.5)
+    assert (r["n"], r["tasks"], r["seeds"]) == (12, 2, 3) and r["bootstrap"] == "two-level (3 seeds, then questions)"
+    assert verdict(r) == "inconclusive"
+    # the per-question two-level rule on the same scores weighs seed 0's task A three times task B
+    q = two_level_bootstrap(a, b)
+    assert q["per_seed"] == pytest.approx([0.75, -0.25, 0.5]) and q["diff"] == pytest.approx(1 / 3)
+    # 60 % band: the 20th / 80th percentiles of the 27 seed draws. Draw means (k seeds at +0.5, 3 - k
+    # at -0.5): k = 0: -0.5 (1/27), k = 1: -1/6 (6/27), k = 2: +1/6 (12/27), k = 3: +0.5 (8/27);
+    # cumulative 3.7 %, 25.9 %, 70.4 %, 100 %: the 20th percentile is -1/6, the 80th +0.5
+    r = two_level_task_equal_bootstrap(a, b, tasks, level=0.6)
+    assert r["ci_low"] == pytest.approx(-1 / 6) and r["ci_high"] == pytest.approx(0.5)
+
+
+def test_two_level_task_equal_bootstrap_resamples_questions_within_tasks():
+    # one seed (no seed level): task A 8 items with d = 1, task B 2 items with d = 0 -> every resample
+    # of A is 1, of B 0: the CI collapses on (1 + 0) / 2 = .5 (resampling the 10 pooled items would not)
+    tasks = ["A"] * 8 + ["B"] * 2
+    r = two_level_task_equal_bootstrap([[1] * 8 + [1, 0]], [[0] * 8 + [1, 0]], [tasks])
+    assert r["diff"] == pytest.approx(0.5) and r["ci_low"] == pytest.approx(0.5) and r["ci_high"] == pytest.approx(0.5)
+    assert r["seeds"] == 1 and r["bootstrap"] == "one-level (1 seed: questions only)"
+    # task B with d = +1 / -1: its resampled mean is -1, 0, +1 with prob 1/4, 1/2, 1/4, halved by the
+    # equal weight: the replicate is .5 + {-.5, 0, +.5}, so the 95 % CI is [0, 1]
+    r = two_level_task_equal_bootstrap([[1] * 8 + [1, 0]], [[0] * 8 + [0, 1]], [tasks], n_resamples=4000)
+    assert r["diff"] == pytest.approx(0.5) and r["ci_low"] == pytest.approx(0.0) and r["ci_high"] == pytest.approx(1.0)
+    # two seeds, each task alternating +1 / -1 (mean 0): the seed level alone would give [0, 0]; the
+    # question level within each task widens it
+    t2 = ["A"] * 10 + ["B"] * 10
+    x, y = [[1, 0] * 10] * 2, [[0, 1] * 10] * 2
+    r = two_level_task_equal_bootstrap(x, y, [t2, t2])
+    assert r["diff"] == 0.0 and -0.40 < r["ci_low"] < -0.15 and 0.15 < r["ci_high"] < 0.40
+    # paired: equal arms give exactly [0, 0] however much the scores vary
+    z = [[1, 0, 0, 1, 1] * 4, [0, 1, 1, 0, 1] * 4]
+    same = two_level_task_equal_bootstrap(z, z, [t2, t2])
+    assert same["ci_low"] == 0.0 and same["ci_high"] == 0.0
+    again = lambda: two_level_task_equal_bootstrap(x, y, [t2, t2], seed=3)
+    assert again() == again()                                                               # seeded
+
+
+def test_two_level_task_equal_bootstrap_bad_input():
+    with pytest.raises(ValueError, match="2 seeds for A, 1 for B"):
+        two_level_task_equal_bootstrap([[1], [0]], [[1]], [["A"], ["A"]])
+    with pytest.raises(ValueError, match="no seed"):
+        two_level_task_equal_bootstrap([], [], [])
+    with pytest.raises(ValueError, match="seed 1 has"):
+        two_level_task_equal_bootstrap([[1], [0, 1]], [[1], [0, 1]], [["A"], ["A"]])
+    with pytest.raises(ValueError, match="seed 0 has"):
+        two_level_task_equal_bootstrap([[]], [[]], [[]])
+    with pytest.raises(ValueError, match="same tasks"):
+        two_level_task_equal_bootstrap([[1, 0], [1, 0]], [[0, 0], [0, 0]], [["A", "B"], ["A", "C"]])
 
 
 def test_verdict_needs_the_ci_and_every_seed_to_agree():

@@ -23,33 +23,54 @@ def _res(arms, name="b", rhos=(0.5,), families=None):
 
 
 def test_task_equal_bootstrap_weights_tasks_equally():
-    # task A: 8 items, A right on all, B on none (d = 1); task B: 2 items, d = 0 on both.
-    # equal weight: (1 + 0) / 2 = .5; pooled over items it would be 8 / 10 = .8
-    a = [1] * 8 + [1, 0]
-    b = [0] * 8 + [1, 0]
+    # one base, task A: 8 items, RoleMerge right on all, REAP on none (d = 1); task B: 2 items, d = 0.
+    # equal weight: (1 + 0) / 2 = .5; pooled over items it would be 8 / 10 = .8. Every resample of
+    # task A is 1, of task B 0 (questions resampled within each task): the CI collapses onto .5
     tasks = ["A"] * 8 + ["B"] * 2
-    d = toy.task_equal_bootstrap(a, b, tasks)
-    assert d["diff"] == pytest.approx(0.5) and d["n"] == 10 and d["tasks"] == 2
-    # every resample of task A has d = 1, of task B d = 0: the CI collapses onto .5
+    r = _res({"rolemerge": [1] * 8 + [1, 0], "reap": [0] * 8 + [1, 0]}, families=tasks)
+    d = toy.task_equal_bootstrap([r], "rolemerge@0.5", "reap@0.5")
+    assert d["diff"] == pytest.approx(0.5) and d["n"] == 10 and d["tasks"] == 2 and d["seeds"] == 1
     assert d["ci_low"] == pytest.approx(0.5) and d["ci_high"] == pytest.approx(0.5)
-    # task B with d = +1 / -1: its resampled mean is k/2 - (2-k)/2 over k ~ Bin(2, 1/2) -> -1, 0, +1
-    # with prob 1/4, 1/2, 1/4, halved by the equal weight: the replicate is .5 + {-.5, 0, +.5}
-    d = toy.task_equal_bootstrap([1] * 8 + [1, 0], [0] * 8 + [0, 1], tasks, n_resamples=4000)
-    assert d["diff"] == pytest.approx(0.5)
-    assert d["ci_low"] == pytest.approx(0.0) and d["ci_high"] == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="must agree"):
-        toy.task_equal_bootstrap([1, 0], [1], ["A", "A"])
+    # a second base with the families listed in another order: each base is one seed, its tasks equal
+    r2 = _res({"rolemerge": [1, 1] + [0] * 8, "reap": [0, 1] + [0] * 8}, name="c", families=["B"] * 2 + ["A"] * 8)
+    d = toy.task_equal_bootstrap([r, r2], "rolemerge@0.5", "reap@0.5")
+    assert d["per_seed"] == pytest.approx([0.5, 0.25]) and d["diff"] == pytest.approx(0.375) and d["seeds"] == 2
+    with pytest.raises(ValueError, match="same tasks"):
+        toy.task_equal_bootstrap([r, _res({"rolemerge": ONES[:10], "reap": ONES[:10]}, families=["C"] * 10)],
+                                 "rolemerge@0.5", "reap@0.5")
 
 
 def test_bootstrap_rows_against_the_example_level_rule():
     fam = ["A"] * 16 + ["B"] * 4
-    # RoleMerge right on all of A, wrong on all of B; REAP the reverse: pooled +12/20 = .6,
+    # RoleMerge right on all of A, wrong on all of B; REAP the reverse: per question +12/20 = .6,
     # equal-weight (1 + -1) / 2 = 0
     r = _res({"rolemerge": [1] * 16 + [0] * 4, "reap": [0] * 16 + [1] * 4}, families=fam)
     rows = toy.bootstrap_rows([r])
     assert len(rows) == 1 and rows[0]["comparison"] == "RoleMerge - REAP" and rows[0]["rho"] == 0.5
     assert rows[0]["example_diff"] == pytest.approx(0.6) and rows[0]["example_verdict"] == "supported"
     assert rows[0]["diff"] == pytest.approx(0.0) and rows[0]["verdict"] == "inconclusive"
+    assert rows[0]["bootstrap"] == "one-level (1 seed: questions only)"
+
+
+def test_bootstrap_rows_two_level_when_bases_disagree():
+    # three bases, task A 16 items and task B 4, every item of a task with the same difference:
+    #   base 0: A +1, B 0  -> +0.5    base 1: A 0, B -1 -> -0.5    base 2: A +1, B 0 -> +0.5
+    # effect 1/6, 95 % CI over the 27 base draws exactly [-0.5, +0.5]: inconclusive. Pooling the 60
+    # items of the three bases per task (the old App. D.2 rule) gives A 2/3, B -1/3, CI [1/6, 1/6].
+    fam = ["A"] * 16 + ["B"] * 4
+    bases = [_res({"rolemerge": [1] * 16 + [1] * 4, "reap": [0] * 16 + [1] * 4}, name="s0", families=fam),
+             _res({"rolemerge": [1] * 16 + [0] * 4, "reap": [1] * 16 + [1] * 4}, name="s1", families=fam),
+             _res({"rolemerge": [1] * 16 + [1] * 4, "reap": [0] * 16 + [1] * 4}, name="s2", families=fam)]
+    (row,) = toy.bootstrap_rows(bases, "log#x")
+    assert row["per_seed"] == pytest.approx([0.5, -0.5, 0.5]) and row["diff"] == pytest.approx(1 / 6)
+    assert row["ci_low"] == pytest.approx(-0.5) and row["ci_high"] == pytest.approx(0.5)
+    assert row["verdict"] == "inconclusive" and row["seeds"] == "s0+s1+s2" and row["log"] == "log#x"
+    assert row["per_base"] == "+0.500 / -0.500 / +0.500"
+    # the per-question columns are the Table-1 rule (`compare`): per base .8 / -.2 / .8
+    e = toy.compare(bases, "rolemerge@0.5", "reap@0.5")
+    assert row["example_per_seed"] == pytest.approx([0.8, -0.2, 0.8]) == e["per_seed"]
+    assert (row["example_ci_low"], row["example_ci_high"]) == (e["ci_low"], e["ci_high"])
+    assert row["example_verdict"] == "inconclusive" and row["bootstrap"] == "two-level (3 seeds, then questions)"
 
 
 def test_sensitivity_rows_hand_computed():

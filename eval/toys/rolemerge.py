@@ -43,7 +43,7 @@ from common import data
 from common import shapes
 from common.cli import add_threads, entry_parser, number, set_threads
 from eval.evaluate import evaluate, family_rows
-from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap
+from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap, two_level_task_equal_bootstrap
 from eval.metrics import verdict as verdict_rule
 from eval.tools.pretrain import LOOKS
 from rolemerge import baselines as bl
@@ -871,36 +871,14 @@ def run_calibration_audit(base, data_dir, out_dir, cfg=PAPER, audit=AUDIT):
     return res
 
 
-def task_equal_bootstrap(a, b, tasks, n_resamples=10_000, seed=0, level=0.95):
-    """Paired uncertainty of App. D.2: the difference of the equal-weight mean of per-task
-    accuracies, A minus B. a, b: per-item scores (same items, same order); tasks: each item's
-    task. Point estimate: mean over tasks of (mean a - mean b within the task). One replicate
-    resamples each task's items with replacement, the same indices for A and B, and averages
-    the task means with equal weight (so a large task gets no more weight); the CI is the
-    percentile interval over `n_resamples` replicates (numpy, seeded).
-    Returns dict(diff, ci_low, ci_high, n, tasks). Raises ValueError on a length mismatch."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    if not (a.shape == b.shape == (len(tasks),)):
-        raise ValueError(f"task_equal_bootstrap: {a.shape}, {b.shape} and {len(tasks)} tasks must agree")
-    d = a - b
-    rng = np.random.default_rng(seed)
-    names = list(dict.fromkeys(tasks))
-    point, reps = 0.0, np.zeros(n_resamples)
-    for t in names:
-        x = d[[i for i, u in enumerate(tasks) if u == t]]
-        point += x.mean() / len(names)
-        reps += x[rng.integers(0, len(x), (n_resamples, len(x)))].mean(1) / len(names)
-    q = (1 - level) / 2 * 100
-    return {"diff": float(point), "ci_low": float(np.percentile(reps, q)), "ci_high": float(np.percentile(reps, 100 - q)),
-            "n": len(d), "tasks": len(names)}
-
-
-def _pooled_tasks(results, key_a, key_b):
-    """Per-question scores of two arms and their tasks, concatenated over the bases; a task is
-    (family) pooled over bases, items are (base, question)."""
-    a = pooled(results, key_a)
-    b = pooled(results, key_b)
-    return a, b, sum((list(r["families"]) for r in results), [])
+def task_equal_bootstrap(results, ka, kb, field="correct"):
+    """App. D.2: arm `ka` minus arm `kb` over the bases in `results` (each base one seed) with every
+    task (a base's `families`) weighted equally: eval.metrics.two_level_task_equal_bootstrap (bases
+    with replacement, then each family's questions within each drawn base, the same questions for
+    both arms), with the per-base effects; one base: questions only, and the result says so.
+    Raises ValueError when the bases hold different families or an arm's list does not match them."""
+    return two_level_task_equal_bootstrap([r["arms"][ka][field] for r in results],
+                                          [r["arms"][kb][field] for r in results], [r["families"] for r in results])
 
 
 def _level(d, margin=EQUIV):
@@ -1110,22 +1088,25 @@ def _acc_a(r, key):
 
 
 def bootstrap_rows(results, log=""):
-    """App. D.2 on the Table-1 arms: RoleMerge minus each comparator with the per-task
-    equal-weight paired bootstrap (tasks = the five families, items pooled over bases), beside
-    the pooled example-level paired bootstrap of the Table-1 verdicts."""
+    """App. D.2 on the Table-1 arms: RoleMerge minus each comparator at every rho with the per-task
+    equal-weight two-level bootstrap (`task_equal_bootstrap`: tasks = the five families, each base
+    one seed), beside the per-question two-level bootstrap of the Table-1 verdicts (`compare`);
+    both verdicts by eval.metrics.verdict (CI and every base's sign)."""
     rhos = results[0]["config"]["rhos"]
     rows = []
     for label, arm in TABLE1:
         if arm == "rolemerge" or not all(f"{arm}@{rho}" in r["arms"] for r in results for rho in rhos):
             continue
         for rho in rhos:
-            a, b, tasks = _pooled_tasks(results, f"rolemerge@{rho}", f"{arm}@{rho}")
-            d, e = task_equal_bootstrap(a, b, tasks), paired_bootstrap(a, b)
+            ka, kb = f"rolemerge@{rho}", f"{arm}@{rho}"
+            d, e = task_equal_bootstrap(results, ka, kb), compare(results, ka, kb)
             rows.append({"kind": "task_equal", "comparison": f"RoleMerge - {label}", "arm": arm, "rho": rho,
                          "diff": d["diff"], "ci_low": d["ci_low"], "ci_high": d["ci_high"], "verdict": verdict(d),
-                         "example_diff": e["diff"], "example_ci_low": e["ci_low"], "example_ci_high": e["ci_high"],
-                         "example_verdict": verdict(e), "n": d["n"], "tasks": d["tasks"],
-                         "seeds": "+".join(_name(r) for r in results), "log": log})
+                         "per_seed": d["per_seed"], "per_base": " / ".join(f"{x:+.3f}" for x in d["per_seed"]),
+                         "example_diff": e["diff"], "example_ci_low": e["ci_low"],
+                         "example_ci_high": e["ci_high"], "example_verdict": verdict(e),
+                         "example_per_seed": e["per_seed"], "n": d["n"], "tasks": d["tasks"],
+                         "bootstrap": d["bootstrap"], "seeds": "+".join(_name(r) for r in results), "log": log})
     return rows
 
 
