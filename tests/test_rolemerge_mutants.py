@@ -3,11 +3,14 @@ mutants the other RoleMerge tests let through (`python -m eval.tools.mutation --
 rolemerge/model.py --equations`; see eval/logs/mutation.md). Every expected number is worked out
 in the comment above it."""
 
+import numpy as np
 import pytest
 import torch
 
 from rolemerge.model import (_pair_collision, acr, agglomerate, answer_concentration, collision_increment, collision_scale,
-                             layer_lambdas, merge_weights, normalise_by_max, phase_distributions, role_profiles)
+                             frequency_groups, kmeans_groups, lance_williams, layer_lambdas, merge_weights, mi_retention,
+                             normalise_by_max, partition_score, phase_distributions, prune_groups, role_profiles,
+                             swap_search)
 
 
 def test_collision_increment_subtracts_both_parts():
@@ -152,3 +155,192 @@ def test_agglomerate_bounds_and_messages():
         agglomerate(d, p, 5)
     with pytest.raises(ValueError, match=r"^unknown linkage 'ward'"):
         agglomerate(d, p, 2, linkage="ward")
+
+
+# ----------------------------------------------------------------------------- the grouping functions
+# (the rest of the file: `python -m eval.tools.mutation --target rolemerge/model.py` without --equations)
+
+def test_prune_groups_ranks_in_float64():
+    # freq [1, 1 + 1e-9] as Python floats: in float64 expert 1 is used more and is the one kept;
+    # in float32 both round to 1.0, the tie goes to the lower index and expert 0 would be kept
+    assert prune_groups([1.0, 1.0 + 1e-9], 1) == [[1]]
+
+
+def test_lance_williams_zeroes_the_merged_diagonal():
+    # complete linkage, merge b = 1 into a = 0: row = max(D[0], D[1]) = max([0, .2, .5], [.2, 0, .3])
+    # = [.2, .2, .5]; D[0, 0] is then reset to 0, so row / column 0 read [0, .2, .5]
+    D = np.array([[0.0, 0.2, 0.5], [0.2, 0.0, 0.3], [0.5, 0.3, 0.0]])
+    lance_williams(D, 0, 1, np.ones(3), "complete")
+    assert D[0].tolist() == [0.0, 0.2, 0.5]
+    assert D[:, 0].tolist() == [0.0, 0.2, 0.5]
+
+
+def test_mi_retention_sums_over_records():
+    # groups {0, 1}, {2}; B = 2 phases, uniform prior 1/2.
+    # record r2 = [[1, 1, 0], [0, 0, 2]]: p = [[.5, .5, 0], [0, 0, 1]], joint P(e, b) = [(.25, 0),
+    # (.25, 0), (0, .5)], P(B) = (.5, .5): I(S;B) = .25 ln 2 + .25 ln 2 + .5 ln 2 = ln 2; grouped
+    # {0, 1} = (.5, 0), {2} = (0, .5): I(C;B) = ln 2.
+    # record r1 = [[1, 0, 0], [0, 1, 0]]: joint [(.5, 0), (0, .5), (0, 0)]: I(S;B) = ln 2; grouped
+    # {0, 1} = (.5, .5): I(C;B) = 0.
+    # Retention over [r2, r1] = (ln 2 + 0) / (ln 2 + ln 2) = .5 (keeping only the last record's
+    # numerator: 0; only its denominator: 1)
+    r2 = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
+    r1 = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    assert mi_retention([r2, r1], [[0, 1], [2]]) == pytest.approx(0.5)
+
+
+def test_mi_retention_without_phase_information_is_one():
+    # every expert equally used in both phases: q_e = (.5, .5) = P(B), I(S;B) = 0, so the
+    # denominator is 0 and the retention is defined as 1.0 (not 0 / 0)
+    assert mi_retention([torch.ones(2, 2)], [[0, 1]]) == 1.0
+
+
+def test_partition_score_defaults_and_float64():
+    # default lam = 0: one group {0, 1}, d_01 = .25, p_ans = [.5, .5] (R = 1 / .5 - 1 = 1):
+    # J = MST = .25, the collision term is off
+    d = torch.tensor([[0.0, 0.25], [0.25, 0.0]], dtype=torch.float64)
+    assert partition_score(d, torch.tensor([0.5, 0.5], dtype=torch.float64), [[0, 1]]) == 0.25
+    # lists are read in float64: d_01 = .1 (float32 would give 0.10000000149), p = [.1, .7]:
+    # R = .8 / (.7 + 1e-12) - 1 = 1/7 (float32: 0.14285718); J = .1 + 1/7
+    J = partition_score([[0.0, 0.1], [0.1, 0.0]], [0.1, 0.7], [[0, 1]], lam=1.0)
+    assert J == pytest.approx(0.1 + ((0.1 + 0.7) / (0.7 + 1e-12) - 1.0), rel=0, abs=1e-13)
+
+
+def test_swap_search_default_lam_is_zero():
+    # every d = 1, so every partition into pairs has MST 1 + 1; p = [.4, .4, .1, .1]: with the
+    # collision term (lam = 1) swapping 0 and 2 would lower R from 1 + 1 to .25 + .25, but the
+    # default lam is 0: no swap lowers J
+    d = torch.ones(4, 4, dtype=torch.float64)
+    p = torch.tensor([0.4, 0.4, 0.1, 0.1], dtype=torch.float64)
+    assert swap_search(d, p, [[0, 1], [2, 3]]) == ([[0, 1], [2, 3]], 0)
+
+
+def test_swap_search_divides_by_tau_and_subtracts_both_costs():
+    # d: 0 inside {0, 1} and {2, 3}, .5 across; p = [.4, .4, .1, .1]; R({0, 1}) = R({2, 3}) = 1,
+    # after swapping 0 and 2: R({1, 2}) = R({0, 3}) = .5 / .4 - 1 = .25.
+    d = torch.tensor([[0.0, 0.0, 0.5, 0.5], [0.0, 0.0, 0.5, 0.5],
+                      [0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]], dtype=torch.float64)
+    p = torch.tensor([0.4, 0.4, 0.1, 0.1], dtype=torch.float64)
+    # tau = 1: delta J = (.5 + .25) + (.5 + .25) - 1 - 1 = -.5 -> one swap (0 <-> 2, the first
+    # of the equal best swaps), after which no swap lowers J
+    assert swap_search(d, p, [[0, 1], [2, 3]], lam=1.0, tau=1.0) == ([[0, 3], [1, 2]], 1)
+    # tau = 4: delta J = 2 * .5 - 1.5 / 4 = .625 > 0 -> no swap (multiplying by tau: 1 - 6 < 0)
+    assert swap_search(d, p, [[0, 1], [2, 3]], lam=1.0, tau=4.0) == ([[0, 1], [2, 3]], 0)
+
+
+def test_swap_search_ties_keep_the_first_swap():
+    # groups {0, 1}, {2}; lam = 0; d_01 = 1, d_02 = d_12 = .5. Swap (0, 2) -> {1, 2} (MST .5) and
+    # swap (1, 2) -> {0, 2} (MST .5) both lower J by exactly .5: the first, (0, 2), is made
+    d = torch.tensor([[0.0, 1.0, 0.5], [1.0, 0.0, 0.5], [0.5, 0.5, 0.0]], dtype=torch.float64)
+    p = torch.zeros(3, dtype=torch.float64)
+    assert swap_search(d, p, [[0, 1], [2]]) == ([[0], [1, 2]], 1)
+
+
+def test_swap_search_reads_lists_in_float64():
+    # d as Python floats: d_01 = d_02 = 1, d_12 = 1 - 1e-9: swapping 0 and 2 lowers J by 1e-9 >
+    # 1e-12 in float64; in float32 d_12 rounds to 1 and no swap would be made
+    d = [[0.0, 1.0, 1.0], [1.0, 0.0, 1.0 - 1e-9], [1.0, 1.0 - 1e-9, 0.0]]
+    assert swap_search(d, [0.0, 0.0, 0.0], [[0, 1], [2]]) == ([[0], [1, 2]], 1)
+    # p as Python floats, every d = 1, lam = 1, p = [1, 1, 1 + 1e-9, 1 + 1e-9]:
+    # R({0, 1}) = 2 / (1 + 1e-12) - 1 ~ 1, R({2, 3}) ~ 1; after 0 <-> 2 each group holds
+    # (1, 1 + 1e-9): R = (2 + 1e-9) / (1 + 1e-9) - 1 ~ 1 - 1e-9, so J falls by ~2e-9 (one swap);
+    # in float32 every p is 1 and nothing would change
+    p = [1.0, 1.0, 1.0 + 1e-9, 1.0 + 1e-9]
+    assert swap_search(np.ones((4, 4)), p, [[0, 1], [2, 3]], lam=1.0) == ([[0, 3], [1, 2]], 1)
+
+
+def test_frequency_groups_anchors_are_the_most_used():
+    # freq [1, 5, 3], K = 2: the most used are experts 1 and 2 (anchors), expert 0 joins the
+    # anchor of higher cosine: r0 = (1, 0), r1 = (0, 1), r2 = (1, .1): cos(0, 1) = 0,
+    # cos(0, 2) = 1 / sqrt(1.01) ~ .995 -> {0, 2}, {1}. (The least used as anchors, {0, 2}, would
+    # give {0}, {1, 2}.)
+    assert frequency_groups([1.0, 5.0, 3.0], [[1.0, 0.0], [0.0, 1.0], [1.0, 0.1]], 2) == [[0, 2], [1]]
+    # freq [1, 5, 3] again with r0 = (1, 2), r1 = (0, 1), r2 = (1, 0): anchors {1, 2};
+    # cos(0, 1) = 2 / sqrt 5 ~ .894 > cos(0, 2) = 1 / sqrt 5 -> {0, 1}, {2}. (The first K indices
+    # as anchors, {0, 1}, would give {0, 2}, {1}: cos(2, 0) = .447 > cos(2, 1) = 0.)
+    assert frequency_groups([1.0, 5.0, 3.0], [[1.0, 2.0], [0.0, 1.0], [1.0, 0.0]], 2) == [[0, 1], [2]]
+
+
+def test_frequency_groups_uses_the_cosine_of_router_rows():
+    # freq [3, 2, 1], K = 2: anchors 0 and 1. r0 = (10, 10) (long, 45 degrees), r1 = (1, .1),
+    # r2 = (1, 0): cos(2, 0) = .707, cos(2, 1) = 1 / sqrt(1.01) ~ .995 -> {0}, {1, 2}.
+    # A raw dot product (one norm for the whole matrix) gives 10 > 1 -> {0, 2}, {1}; columns
+    # normalised instead of rows: w2 . w0 ~ .098 > w2 . w1 ~ .0098 -> {0, 2}, {1}
+    assert frequency_groups([3.0, 2.0, 1.0], [[10.0, 10.0], [1.0, 0.1], [1.0, 0.0]], 2) == [[0], [1, 2]]
+
+
+def test_frequency_groups_reads_lists_in_float64():
+    # freq [2, 1, 1 + 1e-9]: in float64 the anchors are 0 and 2 (float32: 1 + 1e-9 = 1, the tie
+    # goes to index 1); r0 = (1, 0), r1 = (2, 1), r2 = (0, 1): expert 1 joins 0 (cos 2 / sqrt 5 ~
+    # .894 > 1 / sqrt 5) -> {0, 1}, {2} (with anchors 0 and 1, expert 2 would join 1: {0}, {1, 2})
+    assert frequency_groups([2.0, 1.0, 1.0 + 1e-9], [[1.0, 0.0], [2.0, 1.0], [0.0, 1.0]], 2) == [[0, 1], [2]]
+    # router as Python floats: anchors 0 and 1 (freq [3, 2, 1]), r0 = (1, 0), r1 = (0, 1),
+    # r2 = (1, 1 + 1e-9): in float64 r2 is a hair closer to r1 -> {0}, {1, 2}; in float32 r2 =
+    # (1, 1) ties and would go to the lower anchor 0
+    assert frequency_groups([3.0, 2.0, 1.0], [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0 + 1e-9]], 2) == [[0], [1, 2]]
+
+
+def test_kmeans_groups_k_bounds_and_message():
+    # K = 1: one group of everything; K = N: singletons; K = 0 and K = N + 1 are refused
+    x = torch.tensor([[0.0], [1.0], [2.0]], dtype=torch.float64)
+    assert kmeans_groups(x, 1) == [[0, 1, 2]]
+    assert kmeans_groups(x, 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match=r"^K=0 must be in \[1, N=3\]$"):
+        kmeans_groups(x, 0)
+    with pytest.raises(ValueError, match=r"^K=4 must be in \[1, N=3\]$"):
+        kmeans_groups(x, 4)
+
+
+def test_kmeans_groups_init_has_k_centres():
+    # two pairs 100 apart, K = 2, one Lloyd step (iters=1: the groups are the Voronoi cells of
+    # the k-means++ centres). The first centre lies in one pair; the second is drawn with
+    # probability d^2: the other pair's points weigh ~1e4 each, the partner .01, so it lies in the
+    # other pair (but for a 1-in-1e6 draw): groups {0, 1}, {2, 3} for every seed. (K + 2 centres
+    # leave points in the extra cells out of the K groups; K - 1 centres put all four in one cell
+    # and move only the farthest point out.)
+    x = torch.tensor([[0.0], [0.1], [100.0], [100.1]], dtype=torch.float64)
+    for seed in range(10):
+        assert kmeans_groups(x, 2, seed=seed, iters=1) == [[0, 1], [2, 3]]
+
+
+def test_kmeans_groups_seeding_draws_with_probability_d_squared():
+    # x = 0, .1, .3, K = 2, iters=1. The groups are {0}, {1, 2} only when the centres are
+    # {0, .1}: first centre 0 (p 1/3), d^2 = (0, .01, .09): .1 drawn with p .01 / .1 = 1/10;
+    # first centre .1 (p 1/3), d^2 = (.01, 0, .04): 0 drawn with p .01 / .05 = 1/5; first
+    # centre .3: never. P = (1/10 + 1/5) / 3 = .1, so ~100 of 1000 seeds (sd ~9.5).
+    # With d^3: (1/28 + 1/9) / 3 = .049; the centres' own d set to 1 instead of 0: ~.3 (an
+    # existing centre drawn again); the all-duplicates branch taken for sums <= 1: 2/3.
+    x = torch.tensor([[0.0], [0.1], [0.3]], dtype=torch.float64)
+    n = sum(kmeans_groups(x, 2, seed=s, iters=1) == [[0], [1, 2]] for s in range(1000))
+    assert 70 <= n <= 130
+
+
+def test_kmeans_groups_centres_are_their_cluster_means():
+    # three pairs at the corners (0, 0), (10, 0), (0, 10) of a triangle, K = 3: k-means++ puts
+    # one centre in each pair (the partner weighs .01 against ~100), each centre moves to its
+    # pair's mean and the pairs are the fixed point. (Centres at the mean of the OTHER clusters
+    # would pull (0, 0) and (0, .1) apart.)
+    x = torch.tensor([[0.0, 0.0], [0.0, 0.1], [10.0, 0.0], [10.0, 0.1], [0.0, 10.0], [0.1, 10.0]],
+                     dtype=torch.float64)
+    for seed in range(5):
+        assert kmeans_groups(x, 3, seed=seed) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_kmeans_groups_default_seed_and_float64():
+    # 1-d points 7.2, 4.7, 9.7, 3.1, 6.6, K = 2 end in different local optima for different
+    # k-means++ draws: seed 0 gives {9.7} vs the rest, seed 1 {7.2, 9.7, 6.6} vs {4.7, 3.1};
+    # the default seed is 0
+    x = torch.tensor([[7.2], [4.7], [9.7], [3.1], [6.6]], dtype=torch.float64)
+    assert kmeans_groups(x, 2) == kmeans_groups(x, 2, seed=0) == [[0, 1, 3, 4], [2]]
+    assert kmeans_groups(x, 2, seed=1) == [[0, 2, 4], [1, 3]]
+    # a list is read in float64: the same draws and groups as the float64 tensor (seed 3:
+    # {7.2, 9.7} vs the rest); read in float32, the d^2 weights change and seed 3 draws the
+    # centres of {9.7} vs the rest
+    assert kmeans_groups(x.tolist(), 2, seed=3) == kmeans_groups(x, 2, seed=3) == [[0, 2], [1, 3, 4]]
+
+
+def test_swap_search_needs_a_gain_above_1e12():
+    # groups {0, 1}, {2}; d_01 = d_02 = 1e-12, d_12 = 0. Swap (0, 2) -> {1, 2}, {0}: J falls from
+    # 1e-12 to 0, a gain of exactly 1e-12, which is not more than 1e-12: no swap
+    d = torch.tensor([[0.0, 1e-12, 1e-12], [1e-12, 0.0, 0.0], [1e-12, 0.0, 0.0]], dtype=torch.float64)
+    assert swap_search(d, torch.zeros(3, dtype=torch.float64), [[0, 1], [2]]) == ([[0, 1], [2]], 0)
