@@ -3,14 +3,17 @@ mutants the other RoleMerge tests let through (`python -m eval.tools.mutation --
 rolemerge/model.py --equations`; see eval/logs/mutation.md). Every expected number is worked out
 in the comment above it."""
 
+import math
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from rolemerge.model import (_pair_collision, acr, agglomerate, answer_concentration, collision_increment, collision_scale,
                              frequency_groups, kmeans_groups, lance_williams, layer_lambdas, merge_weights, mi_retention,
-                             normalise_by_max, partition_score, phase_distributions, prune_groups, role_profiles,
-                             swap_search)
+                             normalise_by_max, pair_loss, partition_score, phase_distributions, plan, prune_groups,
+                             role_profiles, swap_search, METHODS)
 
 
 def test_collision_increment_subtracts_both_parts():
@@ -344,3 +347,115 @@ def test_swap_search_needs_a_gain_above_1e12():
     # 1e-12 to 0, a gain of exactly 1e-12, which is not more than 1e-12: no swap
     d = torch.tensor([[0.0, 1e-12, 1e-12], [1e-12, 0.0, 0.0], [1e-12, 0.0, 0.0]], dtype=torch.float64)
     assert swap_search(d, torch.zeros(3, dtype=torch.float64), [[0, 1], [2]]) == ([[0, 1], [2]], 0)
+
+
+# ----------------------------------------------------------------------------- plan
+
+# one layer, B = 2 (question, answer), N = 3: expert 0 only in questions, 1 only in answers, 2 in both
+TRIO = [[[2.0, 0.0, 1.0], [0.0, 2.0, 1.0]]]
+
+
+def test_plan_messages():
+    c = torch.tensor(TRIO)
+    with pytest.raises(ValueError, match="^" + re.escape(f"unknown method 'nope'; choose from {METHODS}") + "$"):
+        plan(c, 2, method="nope")
+    with pytest.raises(ValueError, match=re.escape("unknown linkage 'ward'; choose from ('single', 'average', "
+                                                   "'complete')")):
+        plan(c, 2, linkage="ward")
+    for K, shown in (([2, 2], "[2, 2]"), (True, "True"), (2.5, "2.5")):
+        msg = (f"K must be one int for every layer, got {shown}: per-layer K is not supported "
+               f"(a transformers config holds a single expert count)")
+        with pytest.raises(ValueError, match="^" + re.escape(msg) + "$"):
+            plan(c, K)
+    with pytest.raises(ValueError, match="^" + re.escape("method 'msmoe' groups from calibration features, not "
+                                                         "counts: rolemerge.baselines.plan_groups") + "$"):
+        plan(c, 2, method="msmoe")
+    with pytest.raises(ValueError, match="^" + re.escape("method 'frequency' needs the router weights "
+                                                         "(routers=[...])") + "$"):
+        plan(c, 2, method="frequency")
+
+
+def test_plan_hand_computed_layer_and_info():
+    # p = [[2/3, 0, 1/3], [0, 2/3, 1/3]], uniform prior: q_0 = (1, 0), q_1 = (0, 1), q_2 = (.5, .5),
+    # P(e) = 1/3 each; d(0, 1) is the largest (-> 1 after normalising), d(0, 2) = d(1, 2) by symmetry.
+    # p_ans = (0, 2/3, 1/3): kappa = 1 - H / ln 3, H = -(2/3 ln 2/3 + 1/3 ln 1/3); singleton
+    # Delta R: (1, 2): 1 / (2/3) - 1 = .5, the pairs with expert 0: (2/3 or 1/3) / (itself + 1e-12)
+    # - 1 < 0 -> 0; tau = median of the positive ones = .5; one layer: lambda = .03 (the default).
+    # J(0, 2) = d + (.03 / .5) * 0 < J(1, 2) = d + .06 * .5: experts 0 and 2 merge
+    H = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
+    groups, info = plan(torch.tensor(TRIO), 2)
+    assert groups == [[[0, 2], [1]]]
+    assert info == [{"kappa": pytest.approx(1 - H / math.log(3)), "lambda": pytest.approx(0.03), "tau": pytest.approx(0.5)}]
+    # counts as Python floats are read in float64: expert masses 2 and 2 + 1e-9 (float32: a tie
+    # that the lower index would win); pruning to one expert keeps expert 1
+    assert plan([[[1.0, 1.0], [1.0, 1.0 + 1e-9]]], 1, method="prune")[0] == [[[1]]]
+
+
+def test_plan_no_phase_split_pools_the_buckets():
+    # TRIO pooled: every expert has mass 2 in each bucket, so every RRP is (.5, .5) and d = 0;
+    # p_ans = (1/3, 1/3, 1/3): every pair has Delta R = (2/3) / (1/3) - 1 = 1 (tau = 1): all J tie,
+    # and so do d, Delta R and the sizes: the lowest indices (0, 1) merge (with the split: {0, 2})
+    assert plan(torch.tensor(TRIO), 2, method="no_phase_split")[0] == [[[0, 1], [2]]]
+
+
+def test_plan_empirical_prior_uses_the_phase_token_shares():
+    # counts [[2, 3, 0, 0], [4, 1, 2, 4]]: 5 question and 11 answer tokens, prior (5/16, 11/16)
+    # instead of (1/2, 1/2); the grouping is the greedy merge on the profiles under that prior,
+    # and it differs from the uniform prior's
+    c = torch.tensor([[[2.0, 3.0, 0.0, 0.0], [4.0, 1.0, 2.0, 4.0]]])
+    p = phase_distributions(c[0])
+    groups, info = plan(c, 2, method="empirical_prior")
+    d = normalise_by_max(pair_loss(*role_profiles(p, torch.tensor([5 / 16, 11 / 16], dtype=torch.float64))))
+    assert groups == [agglomerate(d, p[-1], 2, info[0]["lambda"], info[0]["tau"])] == [[[0, 2, 3], [1]]]
+    assert plan(c, 2)[0] == [[[0, 1], [2, 3]]]
+
+
+def test_plan_permuted_and_kmeans_use_the_seed():
+    # permuted: the rolemerge plan of the counts with their expert columns permuted by
+    # torch.randperm(N) under the seed (default 0); seeds 0 and 1 differ here
+    c = torch.tensor([[[4.0, 6.0, 6.0, 6.0], [0.0, 2.0, 0.0, 3.0]]])
+    for seed in (0, 1):
+        perm = torch.randperm(4, generator=torch.Generator().manual_seed(seed))
+        assert plan(c, 3, method="permuted", seed=seed)[0] == plan(c[:, :, perm], 3)[0]
+    assert plan(c, 3, method="permuted")[0] == plan(c, 3, method="permuted", seed=0)[0] != \
+        plan(c, 3, method="permuted", seed=1)[0]
+    # kmeans: k-means++ on the RRPs with the plan's seed (seeds 0 and 1 differ here)
+    c = torch.tensor([[[6.0, 3.0, 3.0, 5.0, 1.0, 2.0], [4.0, 5.0, 6.0, 5.0, 5.0, 2.0]]])
+    q = role_profiles(phase_distributions(c[0]))[1]
+    assert plan(c, 2, method="kmeans", seed=1)[0] == [kmeans_groups(q, 2, seed=1)]
+    assert kmeans_groups(q, 2, seed=1) != kmeans_groups(q, 2, seed=0)
+
+
+def test_plan_passes_the_linkage():
+    # complete linkage gives another grouping than single here; plan's is agglomerate's
+    c = torch.tensor([[[0.0, 3.0, 6.0, 4.0, 5.0], [0.0, 1.0, 5.0, 5.0, 6.0]]])
+    p = phase_distributions(c[0])
+    d = normalise_by_max(pair_loss(*role_profiles(p)))
+    groups, info = plan(c, 3, linkage="complete")
+    assert groups == [agglomerate(d, p[-1], 3, info[0]["lambda"], info[0]["tau"], "complete")]
+    assert groups != plan(c, 3)[0]
+
+
+def test_plan_search_depth_and_block_sums():
+    # Greedy+1Swap stops after one swap where Greedy+SwapC makes two
+    c = torch.tensor([[[2.0, 1.0, 1.0, 9.0, 2.0, 8.0, 5.0, 1.0, 6.0, 8.0],
+                       [3.0, 0.0, 8.0, 8.0, 6.0, 6.0, 4.0, 0.0, 8.0, 5.0],
+                       [5.0, 4.0, 9.0, 5.0, 1.0, 0.0, 5.0, 5.0, 5.0, 4.0]]])
+    assert plan(c, 3, method="greedy_swapc", lam=1.0)[1][0]["swaps"] == 2
+    assert plan(c, 3, method="greedy_1swap", lam=1.0)[1][0]["swaps"] == 1
+    # two identical routing blocks (the same six experts twice): d between the copies repeats the
+    # within-block values, so both blocks solve the same problem and info sums two equal halves:
+    # swaps 1 + 1, J_greedy and J twice one block's
+    one = torch.tensor([[[6.0, 7.0, 7.0, 9.0, 5.0, 8.0], [9.0, 9.0, 1.0, 9.0, 8.0, 8.0],
+                         [7.0, 6.0, 7.0, 2.0, 6.0, 6.0]]])
+    c = torch.cat([one, one], -1)
+    groups, info = plan(c, 8, method="greedy_1swap", lam=1.0, blocks=2)
+    p = phase_distributions(c[0])
+    d = normalise_by_max(pair_loss(*role_profiles(p)))[:6, :6]
+    lam, tau = info[0]["lambda"], info[0]["tau"]
+    g0 = agglomerate(d, p[-1, :6], 4, lam, tau)
+    g1, n = swap_search(d, p[-1, :6], g0, lam, tau, 1)
+    assert n == 1 and info[0]["swaps"] == 2
+    assert info[0]["J_greedy"] == pytest.approx(2 * partition_score(d, p[-1, :6], g0, lam, tau))
+    assert info[0]["J"] == pytest.approx(2 * partition_score(d, p[-1, :6], g1, lam, tau))
+    assert groups == [g1 + [[e + 6 for e in g] for g in g1]]
