@@ -459,3 +459,97 @@ def test_plan_search_depth_and_block_sums():
     assert info[0]["J_greedy"] == pytest.approx(2 * partition_score(d, p[-1, :6], g0, lam, tau))
     assert info[0]["J"] == pytest.approx(2 * partition_score(d, p[-1, :6], g1, lam, tau))
     assert groups == [g1 + [[e + 6 for e in g] for g in g1]]
+
+
+# ----------------------------------------------------------------------------- agglomerate
+
+def _sym(n, pairs, fill):
+    """[n, n] float64 with d[i, j] = d[j, i] = pairs[(i, j)] and `fill` on the other off-diagonal cells."""
+    d = torch.full((n, n), fill, dtype=torch.float64)
+    d.fill_diagonal_(0.0)
+    for (i, j), v in pairs.items():
+        d[i, j] = d[j, i] = v
+    return d
+
+
+def test_agglomerate_tie_breaks_size_then_members():
+    # lam = 0 (J = d_role), p_ans = 0 (every Delta R = 0). d_23 = .1, every other pair .5.
+    # Step 1 merges {2, 3}. Step 2: (0, 1), (0, {2, 3}), (1, {2, 3}) tie on d_role .5 and on
+    # Delta R 0; sizes 2, 3, 3: (0, 1) merges (the size difference would pick (0, {2, 3}))
+    assert agglomerate(_sym(4, {(2, 3): 0.1}, 0.5), torch.zeros(4, dtype=torch.float64), 2) == [[0, 1], [2, 3]]
+    # d_03 = d_12 = .1, the rest .5, K = 3: (0, 3) and (1, 2) tie on d, Delta R and size; sorted
+    # members [0, 3] < [1, 2]: {0, 3} merges (keying on the second group alone would pick {1, 2})
+    d = _sym(4, {(0, 3): 0.1, (1, 2): 0.1}, 0.5)
+    assert agglomerate(d, torch.zeros(4, dtype=torch.float64), 3) == [[0, 3], [1], [2]]
+
+
+def test_agglomerate_merged_group_answer_mass():
+    # p_ans = [.3, .1, .3, 0], lam = .12, tau = 1; d_01 = .1, d_02 = d_12 = .4, d_23 = .5,
+    # d_03 = d_13 = .9.
+    # Step 1: J(0, 1) = .1 + .12 * (.4 / .3 - 1) = .14, the smallest (J(1, 2) = .4 + .04, J(2, 3) = .5).
+    # The merged group: s = .4, m = .3, R = 1/3.
+    # Step 2: J({0, 1}, 2) = .4 + .12 * [(.7 / .3 - 1) - 1/3 - 0] = .4 + .12 * 1 = .52,
+    # J(2, 3) = .5 + .12 * 0 = .5, J({0, 1}, 3) = .9: {2, 3} merges.
+    # (A merged mass s = .3 - .1 = .2, R = 0, gives J({0, 1}, 2) = .4 + .12 * (.5 / .3 - 1) = .48
+    # and merges 2 into {0, 1}; R's -1 written as -2 gives .4 + .12 * (1/3 - 1/3) = .4, the same.)
+    d = _sym(4, {(0, 1): 0.1, (0, 2): 0.4, (1, 2): 0.4, (2, 3): 0.5}, 0.9)
+    p = torch.tensor([0.3, 0.1, 0.3, 0.0], dtype=torch.float64)
+    assert agglomerate(d, p, 2, lam=0.12, tau=1.0) == [[0, 1], [2, 3]]
+
+
+def test_agglomerate_delta_r_row_eps_sign():
+    # lam = 0, p_ans = [.5, 0, 0, 0, 0]; d_01 = d_34 = .1, d_02 = d_12 = d_23 = d_24 = .5, the rest .9.
+    # Merges (0, 1) and (3, 4) (d .1); then ({0, 1}, 2) and (2, {3, 4}) tie on d .5. Delta R of
+    # ({0, 1}, 2) = [.5 / (.5 + 1e-12) - 1]_+ - 0 - 0 = 0, as for (2, {3, 4}); sizes 3 and 3; members
+    # [0, 1, 2] < [2, 3, 4]: {0, 1, 2}. (With .5 - 1e-12 in the denominator that Delta R is +2e-12
+    # and (2, {3, 4}) would merge.)
+    d = _sym(5, {(0, 1): 0.1, (3, 4): 0.1, (0, 2): 0.5, (1, 2): 0.5, (2, 3): 0.5, (2, 4): 0.5}, 0.9)
+    p = torch.tensor([0.5, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    assert agglomerate(d, p, 2) == [[0, 1, 2], [3, 4]]
+
+
+def test_agglomerate_default_tau_and_float64():
+    # default tau = 1: lam = 1, p_ans = [.5, 0, .5]; d_01 = .7, d_02 = 0, d_12 = 1.
+    # Delta R(0, 1) = [.5 / (.5 + 1e-12) - 1]_+ = 0, Delta R(0, 2) = 1 / .5 - 1 = 1:
+    # J(0, 1) = .7 < J(0, 2) = 0 + 1 / 1 (tau 2 would give .5 < .7 and merge 0 with 2)
+    d = _sym(3, {(0, 1): 0.7, (0, 2): 0.0, (1, 2): 1.0}, 0.0)
+    assert agglomerate(d, torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64), 2, lam=1.0) == [[0, 1], [2]]
+    # d as an int64 tensor, average linkage, p = 0, lam = 0: d_01 = 1, d_02 = 2, d_12 = 3,
+    # d_03 = d_13 = 2, d_23 = 9. (0, 1) merge; then d({0, 1}, 2) = (2 + 3) / 2 = 2.5 and
+    # d({0, 1}, 3) = (2 + 2) / 2 = 2: {0, 1, 3}. (Kept in int64, 2.5 is stored as 2, the tie goes
+    # to the lower members and 2 would join.)
+    d = torch.tensor([[0, 1, 2, 2], [1, 0, 3, 2], [2, 3, 0, 9], [2, 2, 9, 0]])
+    assert agglomerate(d, torch.zeros(4, dtype=torch.float64), 2, linkage="average") == [[0, 1, 3], [2]]
+    # p as a float32 tensor, lam = 1: p = [1, 2^-30, 2^-30, 0] (exact in float32); d_01 = .1,
+    # d_02 = d_03 = d_12 = d_13 = .5, d_23 = .9. (0, 1) merge: s = 1 + 2^-30 in float64 (float32: 1).
+    # Delta R({0, 1}, 2) = (s + 2^-30) / (1 + 1e-12) - 1 - R({0, 1}) ~ 2^-30 > 0 = Delta R({0, 1}, 3):
+    # 3 joins. (Summed in float32 both are 0, the tie goes to the lower members and 2 would join.)
+    d = _sym(4, {(0, 1): 0.1, (2, 3): 0.9}, 0.5)
+    p = torch.tensor([1.0, 2.0 ** -30, 2.0 ** -30, 0.0], dtype=torch.float32)
+    assert agglomerate(d, p, 2, lam=1.0) == [[0, 1, 3], [2]]
+
+
+def test_agglomerate_delta_r_row_subtracts_both_groups_r():
+    # lam = .1, tau = 1, p_ans = .2 on experts 0-3 and 0 on expert 4. A merged pair of .2's has
+    # s = .4, m = .2, R = 1; two merged pairs: [.8 / .2 - 1] - 1 - 1 = 1.
+    # d_01 = .1, d_23 = .05, d between {0, 1} and {2, 3} .3, d_04 = d_14 = .5, d_24 = d_34 = .6.
+    # Step 1: J(2, 3) = .05 + .1 * 1 = .15 < J(0, 1) = .2. Step 2: J(0, 1) = .2 (J(0, {2, 3}) = .3 +
+    # .1 * [(.6 / .2 - 1) - 0 - 1] = .4). Step 3, Delta R row of the merged {0, 1} (index 0) against
+    # {2, 3} (index 2, to its right): J({0, 1}, {2, 3}) = .3 + .1 * 1 = .4 < J({0, 1}, 4) = .5 + .1 *
+    # [(.4 / .2 - 1) - 1 - 0] = .5 < J({2, 3}, 4) = .6: {0, 1, 2, 3}, {4}. (Adding R of the right group
+    # instead of subtracting it gives .6 and {0, 1, 4}.)
+    p = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.0], dtype=torch.float64)
+    cross = {(i, j): 0.3 for i in (0, 1) for j in (2, 3)}
+    d = _sym(5, {(0, 1): 0.1, (2, 3): 0.05, **cross, (0, 4): 0.5, (1, 4): 0.5, (2, 4): 0.6, (3, 4): 0.6}, 0.0)
+    assert agglomerate(d, p, 2, lam=0.1) == [[0, 1, 2, 3], [4]]
+    # the same with d_01 = .1 = d_23 (the tie merges {0, 1} first, lower members), so the second
+    # merge is {2, 3} (index 2) and its row reads {0, 1} to its left: the same 1 - 1 - 1, same groups
+    d = _sym(5, {(0, 1): 0.1, (2, 3): 0.1, **cross, (0, 4): 0.5, (1, 4): 0.5, (2, 4): 0.6, (3, 4): 0.6}, 0.0)
+    assert agglomerate(d, p, 2, lam=0.1) == [[0, 1, 2, 3], [4]]
+    # a merged group with a singleton to its left: p_ans = [.2, 0, .2, .2], d_23 = .1, d_02 = d_03 =
+    # .3, d_01 = .5, d_12 = d_13 = .9, lam = .1. Step 1: {2, 3} (J = .1 + .1 * 1 = .2). Step 2:
+    # J(0, {2, 3}) = .3 + .1 * [(.6 / .2 - 1) - 0 - 1] = .4 < J(0, 1) = .5 + .1 * 0: {0, 2, 3}, {1}.
+    # (Adding the merged group's R gives .3 + .1 * 3 = .6 and {0, 1}.)
+    p = torch.tensor([0.2, 0.0, 0.2, 0.2], dtype=torch.float64)
+    d = _sym(4, {(2, 3): 0.1, (0, 2): 0.3, (0, 3): 0.3, (0, 1): 0.5}, 0.9)
+    assert agglomerate(d, p, 2, lam=0.1) == [[0, 2, 3], [1]]
