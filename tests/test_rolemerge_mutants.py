@@ -1,7 +1,9 @@
-"""Hand-computed cases for RoleMerge's scoring equations in rolemerge/model.py, written for the
-mutants the other RoleMerge tests let through (`python -m eval.tools.mutation --target
-rolemerge/model.py --equations`; see eval/logs/mutation.md). Every expected number is worked out
-in the comment above it."""
+"""Hand-computed cases for rolemerge/model.py, written for the mutants the other RoleMerge tests
+let through (`python -m eval.tools.mutation --target rolemerge/model.py`, `--equations` for the
+scoring equations alone; see eval/logs/mutation.md): first the scoring equations, then the
+grouping functions and `plan`. Every expected number is worked out in the comment above it; where
+a case instead compares with the functions `plan` calls, or pins what a seed draws, the comment
+says so."""
 
 import math
 import re
@@ -10,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from rolemerge.model import (_pair_collision, acr, agglomerate, answer_concentration, collision_increment, collision_scale,
-                             frequency_groups, kmeans_groups, lance_williams, layer_lambdas, merge_weights, mi_retention,
-                             normalise_by_max, pair_loss, partition_score, phase_distributions, plan, prune_groups,
-                             role_profiles, swap_search, METHODS)
+from rolemerge.model import (METHODS, _pair_collision, acr, agglomerate, answer_concentration, collision_increment,
+                             collision_scale, frequency_groups, kmeans_groups, lance_williams, layer_lambdas,
+                             merge_weights, mi_retention, normalise_by_max, pair_loss, partition_score,
+                             phase_distributions, plan, prune_groups, role_profiles, swap_search)
 
 
 def test_collision_increment_subtracts_both_parts():
@@ -385,7 +387,8 @@ def test_plan_hand_computed_layer_and_info():
     H = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
     groups, info = plan(torch.tensor(TRIO), 2)
     assert groups == [[[0, 2], [1]]]
-    assert info == [{"kappa": pytest.approx(1 - H / math.log(3)), "lambda": pytest.approx(0.03), "tau": pytest.approx(0.5)}]
+    assert info == [{"kappa": pytest.approx(1 - H / math.log(3)), "lambda": pytest.approx(0.03),
+                     "tau": pytest.approx(0.5)}]
     # counts as Python floats are read in float64: expert masses 2 and 2 + 1e-9 (float32: a tie
     # that the lower index would win); pruning to one expert keeps expert 1
     assert plan([[[1.0, 1.0], [1.0, 1.0 + 1e-9]]], 1, method="prune")[0] == [[[1]]]
