@@ -300,7 +300,7 @@ def test_kmeans_groups_init_has_k_centres():
     # two pairs 100 apart, K = 2, one Lloyd step (iters=1: the groups are the Voronoi cells of
     # the k-means++ centres). The first centre lies in one pair; the second is drawn with
     # probability d^2: the other pair's points weigh ~1e4 each, the partner .01, so it lies in the
-    # other pair (but for a 1-in-1e6 draw): groups {0, 1}, {2, 3} for every seed. (K + 2 centres
+    # other pair (but for a 1-in-2e6 draw): groups {0, 1}, {2, 3} for every seed. (K + 2 centres
     # leave points in the extra cells out of the K groups; K - 1 centres put all four in one cell
     # and move only the farthest point out.)
     x = torch.tensor([[0.0], [0.1], [100.0], [100.1]], dtype=torch.float64)
