@@ -402,15 +402,18 @@ def test_plan_no_phase_split_pools_the_buckets():
 
 
 def test_plan_empirical_prior_uses_the_phase_token_shares():
-    # counts [[2, 3, 0, 0], [4, 1, 2, 4]]: 5 question and 11 answer tokens, prior (5/16, 11/16)
-    # instead of (1/2, 1/2); the grouping is the greedy merge on the profiles under that prior,
-    # and it differs from the uniform prior's
-    c = torch.tensor([[[2.0, 3.0, 0.0, 0.0], [4.0, 1.0, 2.0, 4.0]]])
-    p = phase_distributions(c[0])
-    groups, info = plan(c, 2, method="empirical_prior")
-    d = normalise_by_max(pair_loss(*role_profiles(p, torch.tensor([5 / 16, 11 / 16], dtype=torch.float64))))
-    assert groups == [agglomerate(d, p[-1], 2, info[0]["lambda"], info[0]["tau"])] == [[[0, 2, 3], [1]]]
-    assert plan(c, 2)[0] == [[[0, 1], [2, 3]]]
+    # counts [[2, 0, 1], [0, 4, 2]]: p is TRIO's, [[2/3, 0, 1/3], [0, 2/3, 1/3]], but there are 3
+    # question and 6 answer tokens: prior (1/3, 2/3). P(e, b): e0 (2/9, 0), e1 (0, 4/9),
+    # e2 (1/9, 2/9); P(e) = 2/9, 4/9, 3/9; q_0 = (1, 0), q_1 = (0, 1), q_2 = (1/3, 2/3).
+    # d(1, 2): m = (1/7, 6/7); 4/9 ln(7/6) + 3/9 [1/3 ln(7/3) + 2/3 ln(7/9)] = .0685 + .0383 = .1068
+    # d(0, 2): m = (3/5, 2/5); 2/9 ln(5/3) + 3/9 [1/3 ln(5/9) + 2/3 ln(5/3)] = .1135 + .0482 = .1617
+    # d(0, 1): m = (1/3, 2/3); 2/9 ln 3 + 4/9 ln(3/2) = .2441 + .1802 = .4243 (the maximum)
+    # normalised: d(1, 2) = .2517, d(0, 2) = .3811. p_ans, tau = .5 and lambda = .03 are TRIO's (c = .06):
+    # J(1, 2) = .2517 + .06 * .5 = .2817 < J(0, 2) = .3811 + 0: {0}, {1, 2}. With the uniform prior
+    # d(0, 2) = d(1, 2) and the collision term picks {0, 2} (as for TRIO).
+    c = torch.tensor([[[2.0, 0.0, 1.0], [0.0, 4.0, 2.0]]])
+    assert plan(c, 2, method="empirical_prior")[0] == [[[0], [1, 2]]]
+    assert plan(c, 2)[0] == [[[0, 2], [1]]]
 
 
 def test_plan_permuted_and_kmeans_use_the_seed():
