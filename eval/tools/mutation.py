@@ -66,6 +66,46 @@ EQUATIONS = {
 
 # mutant name -> why it behaves like the original for every input (checked by reading it).
 EQUIVALENT = {
+    # rolemerge/model.py (the grouping functions)
+    "rolemerge.model.x_agglomerate__mutmut_107": "ci <= cj: J's diagonal is inf and never equals the finite minimum",
+    "rolemerge.model.x_agglomerate__mutmut_113": "a tie-break key applied to a single candidate keeps it",
+    "rolemerge.model.x_agglomerate__mutmut_121": "min over (ci, cj): groups sit at their smallest member and ci < cj, so "
+                                                 "index pairs order like their sorted member lists",
+    "rolemerge.model.x_agglomerate__mutmut_123": "as agglomerate__mutmut_121",
+    "rolemerge.model.x_agglomerate__mutmut_24": "D keeps d_norm's diagonal: never read (J's diagonal inf, tie-breaks read "
+                                                "ci < cj, Lance-Williams resets D[a, a], b retires)",
+    "rolemerge.model.x_agglomerate__mutmut_29": "as agglomerate__mutmut_24",
+    "rolemerge.model.x_agglomerate__mutmut_6": "N from shape[1]: d_norm is square",
+    "rolemerge.model.x_agglomerate__mutmut_61": "the idx > a form for every column: the same terms subtracted in another "
+                                                "order, equal in exact arithmetic (may differ in the last bit)",
+    "rolemerge.model.x_agglomerate__mutmut_67": "idx <= a changes only dR[a, a], never read",
+    "rolemerge.model.x_agglomerate__mutmut_170": "None stored in a bool array is False",
+    "rolemerge.model.x_agglomerate__mutmut_73": "+ r in the first Delta R matrix: r is all zeros before the first merge",
+    "rolemerge.model.x_agglomerate__mutmut_74": "as agglomerate__mutmut_73",
+    "rolemerge.model.x_frequency_groups__mutmut_22": "normalize's default dim 1 is dim -1 of the 2-d router",
+    "rolemerge.model.x_frequency_groups__mutmut_27": "dim +1 is dim -1 of the 2-d router",
+    "rolemerge.model.x_kmeans_groups__mutmut_55": "multinomial normalises its weights: d2 * s and d2 / s draw alike "
+                                                  "(exact arithmetic)",
+    "rolemerge.model.x_kmeans_groups__mutmut_67": "cubed distances: the same argmin and farthest point",
+    "rolemerge.model.x_kmeans_groups__mutmut_86": "once the assignment repeats, C and every later assignment repeat",
+    "rolemerge.model.x_mst_weight__mutmut_15": "a float64 done mask only serves as np.where's condition",
+    "rolemerge.model.x_mst_weight__mutmut_17": "as mst_weight__mutmut_15",
+    "rolemerge.model.x_partition_score__mutmut_13": "D keeps d_norm's diagonal: Prim never reads d[j, j] for j outside "
+                                                    "the tree; the collision term does not use D",
+    "rolemerge.model.x_partition_score__mutmut_18": "as partition_score__mutmut_13",
+    "rolemerge.model.x_swap_search__mutmut_13": "as partition_score__mutmut_13",
+    "rolemerge.model.x_swap_search__mutmut_18": "as partition_score__mutmut_13",
+    "rolemerge.model.x_swap_search__mutmut_55": "j < i: at j = i both experts share a group and a == b skips them",
+    "rolemerge.model.x_plan__mutmut_101": "d_EP computed for kmeans / frequency / prune too: never read there, no side effect",
+    "rolemerge.model.x_plan__mutmut_104": "as plan__mutmut_101",
+    "rolemerge.model.x_plan__mutmut_105": "as plan__mutmut_101",
+    "rolemerge.model.x_plan__mutmut_106": "as plan__mutmut_101",
+    "rolemerge.model.x_plan__mutmut_107": "as plan__mutmut_101",
+    "rolemerge.model.x_plan__mutmut_108": "as plan__mutmut_101",
+    "rolemerge.model.x_plan__mutmut_109": "as plan__mutmut_101",
+    "rolemerge.model.x_plan__mutmut_86": "a prior scaled by a constant: q unchanged, d_EP scaled and divided out by "
+                                         "normalise_by_max (exact arithmetic)",
+    "rolemerge.model.x_plan__mutmut_88": "sum over axis +1 is axis -1 of the 2-d [B, N] counts",
     # common/routing.py
     "common.routing.x__flat_mask__mutmut_3": "a float all-ones mask instead of a bool one: the mask only multiplies "
                                              "float tensors and is summed, 1.0 and True give the same products and count",
