@@ -324,7 +324,8 @@ def kmeans_groups(x, K, seed=0, iters=50):
     """k-means++ control (App. F.3): cluster the rows of x [N, F] (we use the RRPs q_e) into
     exactly K non-empty groups with squared Euclidean distance. Seeded k-means++ init
     (torch.Generator), Lloyd iterations; an emptied cluster is re-seeded with the point farthest
-    from its centre. Returns sorted groups like `agglomerate`."""
+    from its centre among the clusters of two or more points (K <= N: one always exists).
+    Returns sorted groups like `agglomerate`."""
     x = torch.as_tensor(x, dtype=torch.float64)
     N = x.shape[0]
     if not 1 <= K <= N:
@@ -346,8 +347,9 @@ def kmeans_groups(x, K, seed=0, iters=50):
         new = dist.argmin(1)
         for k in range(K):             # keep every cluster non-empty
             if not bool((new == k).any()):
-                far = int(dist.gather(1, new[:, None])[:, 0].argmax())
-                new[far] = k
+                d = dist.gather(1, new[:, None])[:, 0].clone()
+                d[torch.bincount(new, minlength=K)[new] < 2] = -1.0   # a point alone in its cluster stays there
+                new[int(d.argmax())] = k
         if assign is not None and bool((new == assign).all()):
             break
         assign = new

@@ -559,3 +559,17 @@ def test_agglomerate_delta_r_row_subtracts_both_groups_r():
     p = torch.tensor([0.2, 0.0, 0.2, 0.2], dtype=torch.float64)
     d = _sym(4, {(2, 3): 0.1, (0, 2): 0.3, (0, 3): 0.3, (0, 1): 0.5}, 0.9)
     assert agglomerate(d, p, 2, lam=0.1) == [[0, 2, 3], [1]]
+
+
+def test_kmeans_groups_never_empties_a_cluster_on_duplicate_rows():
+    """A bug the mutation pass found: an emptied cluster took the farthest point even when that
+    point was alone in its own cluster, so duplicate rows (zero-mass experts share the all-zero
+    profile) gave an empty group, e.g. [[5], [0], [0], [0]] with K = 3 and one iteration gave
+    [[], [0], [1, 2, 3]]. Every result must be K non-empty groups covering 0..N-1 once."""
+    cases = [([[5.0], [0.0], [0.0], [0.0]], 3, s, it) for s in range(20) for it in (1, 2, 50)]
+    cases += [([[3.0], [3.0], [2.0], [3.0], [2.0], [1.0]], 5, s, it) for s in range(20) for it in (1, 50, 51)]
+    cases += [([[0.0, 0.0]] * 4 + [[1.0, 1.0]], 4, s, 50) for s in range(10)]
+    for x, K, seed, iters in cases:
+        groups = kmeans_groups(x, K, seed=seed, iters=iters)
+        assert len(groups) == K and all(groups), (x, K, seed, iters, groups)
+        assert sorted(i for g in groups for i in g) == list(range(len(x))), (x, K, seed, iters, groups)
