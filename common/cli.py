@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import sys
+import time
 from contextlib import contextmanager
 
 import torch
@@ -145,6 +146,13 @@ def add_limit(p, default=0, what="records", dest="limit"):
     argparse parser; a negative N stops at parse time. Apply it as `records[:N or None]`."""
     p.add_argument("--limit", dest=dest, metavar="N", type=number(min=0), default=default,
                    help=f"use only the first N {what} (0 = all; default {default or 'all'})")
+
+
+def late(deadline):
+    """True once time.time() has reached `deadline` (seconds since the epoch, from a run-length
+    limit such as the toys' --max-minutes; None: never). A resumable run checks it before it
+    starts a training, a scoring or a cell."""
+    return deadline is not None and time.time() >= deadline
 
 
 def add_threads(p):

@@ -154,7 +154,7 @@ def _placeholder_notes(counts, text, n_images):
                "once before the question"] += 1
 
 
-def read_llava_json(path, image_root=None, check_images=True, skip_bad=False, limit=0):
+def read_llava_json(path, image_root=None, check_images=True, skip_bad=False):
     """Read LLaVA-style conversation JSON (a list) or JSONL into record dicts (the keys above).
 
     `image` may be one path, a list of paths (one "<image>" placeholder per image in the human
@@ -165,8 +165,7 @@ def read_llava_json(path, image_root=None, check_images=True, skip_bad=False, li
     Raises DataError for a file without records and, naming the record, for malformed turns,
     an unknown role, a non-text gold answer, duplicate ids (`check_unique_ids`), a conversation that does not alternate human / gpt, a placeholder count that differs from
     the image count, and (check_images) every record whose image is missing or unusable, all
-    in one message (`check_record_images`; skip_bad: those records are left out, with a note).
-    limit: keep only the first N records (0 = all), cut before any image is decoded."""
+    in one message (`check_record_images`; skip_bad: those records are left out, with a note)."""
     records = load_records(path)
     if not records:
         raise DataError(f"{path}: no records (an empty file or list)")
@@ -217,7 +216,6 @@ def read_llava_json(path, image_root=None, check_images=True, skip_bad=False, li
                     "conversations": turns})
     check_unique_ids(out, path)
     note_changes(path, counts)
-    out = out[:limit or None]   # --limit before the images are decoded: a first look at a large file is quick
     return check_record_images(out, path, skip_bad) if check_images else out
 
 
@@ -267,7 +265,7 @@ def _benchmark_fields(path, rid, r):
     return out
 
 
-def read_jsonl(path, image_root=None, check_images=True, skip_bad=False, limit=0):
+def read_jsonl(path, image_root=None, check_images=True, skip_bad=False):
     """Read a canonical benchmark JSONL -> record dicts (the keys above):
         {"id": "q1", "image": "images/q1.png", "question": "Is there a dog?", "answer": "yes",
          "family": "existence",                      # optional, default "unlabelled"
@@ -326,7 +324,6 @@ def read_jsonl(path, image_root=None, check_images=True, skip_bad=False, limit=0
         out.append(rec)
     check_unique_ids(out, path)
     note_changes(path, counts)
-    out = out[:limit or None]   # --limit before the images are decoded: a first look at a large file is quick
     return check_record_images(out, path, skip_bad) if check_images else out
 
 
@@ -334,21 +331,24 @@ def read_any(path, image_root=None, check_images=True, skip_bad=False, limit=0):
     """Read a data file of either format, decided by content: records with "conversations"
     -> `read_llava_json`, records with "question" -> `read_jsonl`. check_images: decode every
     image now (`check_record_images`), before any model loads; skip_bad: leave out the
-    records whose image is unusable (a note on stderr says how many) instead of stopping.
+    records whose image is unusable (a note on stderr says how many) instead of stopping;
+    limit: the first N records only (0 = all), cut before any image is decoded.
     Raises DataError for an empty file or records of neither kind."""
     records = load_records(path)
     if not records:
         raise DataError(f"{path}: no records")
     first = records[0]
-    kw = dict(image_root=image_root, check_images=check_images, skip_bad=skip_bad, limit=limit)
     if isinstance(first, dict) and "conversations" in first:
-        return read_llava_json(path, **kw)
-    if isinstance(first, dict) and "question" in first:
-        return read_jsonl(path, **kw)
-    hint = (" ('messages' is the OpenAI chat format: rename it 'conversations' and each turn's 'role' / 'content' "
-            "to 'from' / 'value')" if isinstance(first, dict) and "messages" in first else "")
-    raise DataError(f"{path}: first record has neither 'conversations' (LLaVA JSON) nor 'question' "
-                    f"(canonical JSONL){hint}; keys: {sorted(first) if isinstance(first, dict) else type(first).__name__}")
+        out = read_llava_json(path, image_root=image_root, check_images=False)
+    elif isinstance(first, dict) and "question" in first:
+        out = read_jsonl(path, image_root=image_root, check_images=False)
+    else:
+        hint = (" ('messages' is the OpenAI chat format: rename it 'conversations' and each turn's 'role' / "
+                "'content' to 'from' / 'value')" if isinstance(first, dict) and "messages" in first else "")
+        raise DataError(f"{path}: first record has neither 'conversations' (LLaVA JSON) nor 'question' "
+                        f"(canonical JSONL){hint}; keys: {sorted(first) if isinstance(first, dict) else type(first).__name__}")
+    out = out[:limit or None]   # before any image is decoded: a first look at a large file is quick
+    return check_record_images(out, path, skip_bad) if check_images else out
 
 
 def read_records(path, image_root=None, skip_bad=False, limit=0):

@@ -402,6 +402,7 @@ def _make_classes():
 
 
 _CLASSES = {}
+INSTALL = 'install it in its own venv: pip install lmms-eval==0.7.3 "filelock<4" (mod/README.md, "lmms-eval")'
 
 
 def __getattr__(name):
@@ -411,9 +412,7 @@ def __getattr__(name):
             try:
                 _CLASSES.update(_make_classes())
             except ImportError as e:
-                raise ImportError(f"eval.lmms.{name} needs lmms-eval ({e}); install it in its own venv: "
-                                  f"python eval/tools/lmms_check.py, or pip install lmms-eval (mod/README.md, "
-                                  f"'lmms-eval')") from e
+                raise ImportError(f"eval.lmms.{name} needs lmms-eval ({e}); {INSTALL}") from e
         return _CLASSES[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -450,8 +449,7 @@ def main(argv=None):
             print(f"wrote {a.out}: run with --tasks {','.join(made)} --include_path {a.out}")
         return run_cli(run)  # bad data, existing task files: error: ..., exit 2
     if importlib.util.find_spec("lmms_eval") is None:
-        fail("python -m eval.lmms runs lmms-eval, which is not installed here; install it in its own venv: "
-             'pip install lmms-eval==0.7.3 "filelock<4" (mod/README.md, "lmms-eval")')
+        fail(f"python -m eval.lmms runs lmms-eval, which is not installed here; {INSTALL}")
     register()
     from lmms_eval.__main__ import cli_evaluate
     sys.argv = ["lmms-eval"] + argv

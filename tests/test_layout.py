@@ -19,9 +19,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("mod", "rolemerge", "mole")
 PACKAGES = ("common", "eval", *METHODS)
-# Files still being converted to imports at the top (and rolemerge's cycle): excused
-# from the two import checks until their conversion is merged; then this set is emptied.
-PENDING = set()   # files excused from the two checks below while being converted (none)
 INFERENCE = ("mod/infer.py", "mole/infer.py", "mole/diagnostics.py", "rolemerge/infer.py")
 TRAINING = ("mod.train", "mole.train")
 
@@ -69,10 +66,9 @@ def module_name(path, root):
     return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
 
 
-def import_cycles(root, folders, pending=frozenset()):
+def import_cycles(root, folders):
     """The import cycles among the modules under `folders` of `root`, as 'a -> b -> a' strings;
-    every import counts (inside functions too). A cycle all of whose files are in `pending` is
-    left out."""
+    every import counts (inside functions too)."""
     files = {module_name(p, root): p for f in folders for p in sorted((root / f).rglob("*.py"))}
     graph = {m: {d for d, _, _ in imports(p) for d in (d, d.rsplit(".", 1)[0]) if d in files and d != m}
              for m, p in files.items()}
@@ -82,9 +78,7 @@ def import_cycles(root, folders, pending=frozenset()):
         state[m] = 1
         for d in sorted(graph[m]):
             if state.get(d) == 1:
-                cycle = stack[stack.index(d):] + [d]
-                if not all(str(files[x].relative_to(root)) in pending for x in cycle):
-                    cycles.append(" -> ".join(cycle))
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
             elif d not in state:
                 visit(d, stack + [d])
         state[m] = 2
@@ -96,7 +90,7 @@ def import_cycles(root, folders, pending=frozenset()):
 
 
 def test_no_package_has_an_import_cycle():
-    cycles = import_cycles(ROOT, PACKAGES, PENDING)
+    cycles = import_cycles(ROOT, PACKAGES)
     assert not cycles, "import cycles (a helper both sides need goes below both): " + "; ".join(cycles)
 
 
@@ -108,26 +102,24 @@ def test_cycle_finder_finds_a_cycle(tmp_path):
     (tmp_path / "mole" / "b.py").write_text("def f():\n    from mole import a\n")
     (tmp_path / "mole" / "c.py").write_text("from mole import a\n")
     assert import_cycles(tmp_path, ["mole"]) == ["mole.a -> mole.b -> mole.a"]
-    assert import_cycles(tmp_path, ["mole"], {"mole/a.py", "mole/b.py"}) == []
 
 
 DEFERRED = re.compile(r"^# deferred: ([\w.]+(?:, [\w.]+)*) \(\S")
 
 
-def deferred_problems(root, folders, pending=frozenset()):
+def deferred_problems(root, folders):
     """['file:line: ...'] for each import inside a function whose module the file's `# deferred:`
     line does not name (a named package covers its submodules), and for a file with more than one
     such line or one that does not read `# deferred: a, b.c (reason)`."""
     bad = []
     for p in (p for f in folders for p in sorted((root / f).rglob("*.py"))):
         rel = str(p.relative_to(root))
-        if rel in pending:
-            continue
         text = p.read_text()
         lines = [line for line in text.splitlines() if line.startswith("# deferred:")]
-        if len(lines) > 1 or (lines and not DEFERRED.match(lines[0])):
+        m = DEFERRED.match(lines[0]) if lines else None
+        if len(lines) > 1 or (lines and not m):
             bad.append(f"{rel}: one '# deferred: module, module (reason)' line per file, got {lines}")
-        named = DEFERRED.match(lines[0]).group(1).split(", ") if lines and DEFERRED.match(lines[0]) else []
+        named = m.group(1).split(", ") if m else []
         tree = ast.parse(text, rel)
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -143,7 +135,7 @@ def deferred_problems(root, folders, pending=frozenset()):
 
 
 def test_imports_are_at_the_top():
-    bad = deferred_problems(ROOT, PACKAGES, PENDING)
+    bad = deferred_problems(ROOT, PACKAGES)
     assert not bad, ("imports inside functions: move them to the top of the file, or name an optional package "
                      "on the file's '# deferred: ... (reason)' line:\n" + "\n".join(bad))
 
@@ -160,8 +152,6 @@ def test_deferred_import_check_can_fail(tmp_path):
     bad = deferred_problems(tmp_path, ["eval"])
     assert [b.split(":")[0] for b in bad] == ["eval/late.py", "eval/noreason.py", "eval/other.py", "eval/twice.py"]
     assert "eval/late.py:2: import of torch inside f()" in bad and "eval/other.py:5: import of peftx inside f()" in bad
-    assert deferred_problems(tmp_path, ["eval"], {"eval/late.py", "eval/other.py", "eval/twice.py",
-                                                   "eval/noreason.py"}) == []
 
 
 # Words about how the text was produced, not about the methods: times of day, work periods,

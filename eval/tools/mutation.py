@@ -87,7 +87,12 @@ EQUIVALENT = {
     "rolemerge.model.x_kmeans_groups__mutmut_55": "multinomial normalises its weights: d2 * s and d2 / s draw alike "
                                                   "(exact arithmetic)",
     "rolemerge.model.x_kmeans_groups__mutmut_67": "cubed distances: the same argmin and farthest point",
-    "rolemerge.model.x_kmeans_groups__mutmut_86": "once the assignment repeats, C and every later assignment repeat",
+    "rolemerge.model.x_kmeans_groups__mutmut_86": "bincount without minlength: indexing the counts by `new` reads only "
+                                                  "labels some point has",
+    "rolemerge.model.x_kmeans_groups__mutmut_90": "-2.0 instead of -1.0: any negative value is below every squared "
+                                                  "distance",
+    "rolemerge.model.x_kmeans_groups__mutmut_95": "never stopping early: once the assignment repeats, C and every later "
+                                                  "assignment repeat",
     "rolemerge.model.x_mst_weight__mutmut_15": "a float64 done mask only serves as np.where's condition",
     "rolemerge.model.x_mst_weight__mutmut_17": "as mst_weight__mutmut_15",
     "rolemerge.model.x_partition_score__mutmut_13": "D keeps d_norm's diagonal: Prim never reads d[j, j] for j outside "

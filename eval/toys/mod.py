@@ -48,7 +48,7 @@ import torch
 
 from common import shapes
 from common.backbone import load_backbone
-from common.cli import add_threads, entry_parser, fail, number, set_threads
+from common.cli import add_threads, entry_parser, fail, late, number, set_threads
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
@@ -270,7 +270,7 @@ def _clock(deadline, log):
     t0 = time.time()
 
     def one(a, arm, lr, seed, tag="_step", rounds=None, train=True, **kw):
-        if toy_debate.late(deadline):
+        if late(deadline):
             log(f"--max-minutes reached: {arm}={lr:g} seed {seed} not run")
             return None
         log(f"[{(time.time() - t0) / 60:.0f} min] {arm}={lr:g} seed {seed}" + (f", rounds {rounds}" if rounds else ""))
@@ -299,7 +299,7 @@ def run_main(a, deadline=None, log=print):
     lroot = os.path.join(a.out, "debate", "lr")
     if a.part == "main-a":
         while not os.path.exists(os.path.join(lroot, "base_val.json")):   # main-b makes prep.json and the val scores
-            if toy_debate.late(deadline):
+            if late(deadline):
                 log("--max-minutes reached before main-b's validation scores: nothing run")
                 return
             time.sleep(20)
@@ -311,7 +311,7 @@ def run_main(a, deadline=None, log=print):
         for seed in MAIN["seeds"]:
             one(a, "MoE-LoRA_window", 5e-3, seed)
     elif a.part == "main-b":
-        if toy_debate.late(deadline):
+        if late(deadline):
             log("--max-minutes reached: the data-mix sweep not run")
             return
         S, L = lr_settings(arms=MIX_ARMS, n_test=MAIN["n_test"], tag="_mix_sweep")
@@ -340,7 +340,7 @@ def run_paper_rounds(a, deadline=None, log=print):
     one = _clock(deadline, log)
     kw = dict(tag="_paper_rounds", metrics=("single",))
     done = [s for s in MAIN["seeds"] if one(a, "MoD", 1e-2, s, rounds=(1,), **kw) is not None]
-    if toy_debate.late(deadline):
+    if late(deadline):
         log("--max-minutes reached: MAD by rounds and MoD-Multi 2 rounds not run")
     else:
         toy_mad.run(a.data, a.out, a.model, PAPER_ROUNDS_MAD_TEST, (1, 2, 3), log=log, deadline=deadline)

@@ -43,6 +43,7 @@ import torch
 
 from common import shapes
 from common.backbone import load_backbone
+from common.cli import late
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap
@@ -73,12 +74,6 @@ SETTINGS = dict(n_train=200, n_test=300, k=8, n_samples=600, ratios=(1.0, 1.0, 1
                 batch_size=8, lr=2e-3, seeds=(0,), arms=None, rounds=(2,), max_new_tokens=96)
 METRICS = ("single", "misled_own", "misled_ood")
 
-
-
-def late(deadline):
-    """True once time.time() has reached `deadline` (seconds since the epoch, from --max-minutes;
-    None: never). Every resumable part checks it before it starts a training or scores an arm."""
-    return deadline is not None and time.time() >= deadline
 
 
 def cached(path, fn):

@@ -35,9 +35,10 @@ import os
 import numpy as np
 import torch
 
+from common.cli import late
 from common.data import atomic_write_text
 from eval.metrics import bootstrap_ci
-from eval.toys.mod_debate import SETTINGS, _paired, arm_records, late, load_data, prepare, verdict_over
+from eval.toys.mod_debate import SETTINGS, _paired, arm_records, load_data, prepare, verdict_over
 from mod.infer import liang_debate, mod_debate, multi_agent_debate, summarize
 from mod.model import AdapterConfig, attach, load_adapters, save_adapters
 from mod.train import TrainConfig, fit

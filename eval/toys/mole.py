@@ -34,7 +34,7 @@ from PIL import Image, ImageDraw
 from common import backbone as bb
 from common import data
 from common import shapes as world
-from common.cli import add_threads, entry_parser, number, set_threads
+from common.cli import add_threads, entry_parser, late, number, set_threads
 from eval.evaluate import evaluate as plain_evaluate
 from eval.metrics import accuracy, bootstrap_ci, by_family, paired_bootstrap, two_level_bootstrap, verdict_text
 from mole import train as mt
@@ -345,12 +345,6 @@ def pick_lr(val_acc, prefer=TABLE_LR):
     return prefer if prefer in tied else tied[0]
 
 
-def _late(deadline):
-    """True once time.time() has reached `deadline` (seconds since the epoch, from --max-minutes;
-    None = never): no new training starts."""
-    return deadline is not None and time.time() >= deadline
-
-
 def read_sweep(out_dir):
     """{row: {lr: validation accuracy}} of the sweep result files in {out_dir}/lr_sweep."""
     sweep = {}
@@ -410,7 +404,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     for name in LR_SWEPT:
         for lr in sorted(LR_GRID, key=lambda x: x != TABLE_LR):  # the reused lr-2e-3 checkpoint first (cheap)
             path = os.path.join(sweep_dir, f"{name}_lr{lr:g}.json")
-            if not os.path.exists(path) and _late(deadline):
+            if not os.path.exists(path) and late(deadline):
                 print(f"[toy_mole] --max-minutes reached: sweep {name} lr {lr:g} not run", flush=True)
                 continue
             r, _, _ = _table_one(name, TABLE_MAIN[name], 0, cfg, val, data_dir, lr_dir(out_dir, lr), base, threads,
@@ -426,7 +420,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     for seed in seeds:
         for name in LR_SWEPT:
             tab_dir = lr_dir(out_dir, picked[name])
-            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(deadline):
+            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and late(deadline):
                 print(f"[toy_mole] --max-minutes reached: {name} seed {seed} not run", flush=True)
                 continue
             r, net, stage = _table_one(name, TABLE_MAIN[name], seed, cfg, test, data_dir, tab_dir, base, threads,
@@ -438,7 +432,7 @@ def run_lr(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(2, 0, 1), 
     tab_dir = lr_dir(out_dir, picked["mole"])
     for seed in seeds:
         for name, flags in ABLATIONS.items():
-            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and _late(deadline):
+            if not os.path.exists(os.path.join(tab_dir, f"{name}_seed{seed}.json")) and late(deadline):
                 print(f"[toy_mole] --max-minutes reached: {name} seed {seed} not run", flush=True)
                 continue
             r, _, _ = _table_one(name, flags, seed, cfg, test, data_dir, tab_dir, base, threads,
@@ -1012,7 +1006,7 @@ def run_headroom(data_dir, out_dir, base="tiny-dense", threads=None, seeds=(0, 1
 
     def one(name, flags, seed, recs, lr, path=None):
         tab = lr_dir(out_dir, lr)
-        if not os.path.exists(path or os.path.join(tab, f"{name}_seed{seed}.json")) and _late(deadline):
+        if not os.path.exists(path or os.path.join(tab, f"{name}_seed{seed}.json")) and late(deadline):
             print(f"[headroom] --max-minutes reached: {name} lr {lr:g} seed {seed} not run", flush=True)
             return None, None, None
         r, net, stage = _table_one(name, flags, seed, cfg, recs, data_dir, tab, base, threads,
@@ -1223,7 +1217,7 @@ def run_control(data_dir, out_dir, base="tiny-dense", threads=None, seeds=None, 
     def one(name, lr, seed, recs, split):
         ckpt_done = os.path.exists(os.path.join(out_dir, f"val_{name}_lr{lr:g}_seed{seed}.json"))
         if not os.path.exists(os.path.join(out_dir, f"{split}_{name}_lr{lr:g}_seed{seed}.json")) \
-                and not ckpt_done and _late(deadline):
+                and not ckpt_done and late(deadline):
             print(f"[control] --max-minutes reached: {name} lr {lr:g} seed {seed} not run", flush=True)
             return None
         r = _control_one(name, lr, seed, recs, split, data_dir, out_dir, base, threads, steps)

@@ -41,7 +41,7 @@ from PIL import Image, ImageDraw
 from common import backbone as bb
 from common import data
 from common import shapes
-from common.cli import add_threads, entry_parser, number, set_threads
+from common.cli import add_threads, entry_parser, late, number, set_threads
 from eval.evaluate import evaluate, family_rows
 from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap, two_level_task_equal_bootstrap
 from eval.metrics import verdict as verdict_rule
@@ -349,7 +349,7 @@ class TimeUp(Exception):
 def _check_time(cfg, what):
     """Raise TimeUp if cfg["deadline"] (seconds since the epoch, from --max-minutes; None = never)
     has passed, naming the cell `what` that would start next."""
-    if cfg.get("deadline") is not None and time.time() >= cfg["deadline"]:
+    if late(cfg.get("deadline")):
         raise TimeUp(what)
 
 
