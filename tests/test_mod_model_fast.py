@@ -822,3 +822,217 @@ def test_decode_step_under_autocast_runs_in_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = layer._decode(x)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------- MoDLinear by hand
+
+LN2, LN3 = float(torch.tensor(2.0).log()), float(torch.tensor(3.0).log())
+
+
+def hand_layer(method="mod", **kw):
+    """in = out = 2, E = 3, r = 2, alpha 8 (scaling 4); base y = x + (.5, -.5). On x = (1, 0) the router
+    logits are the first columns: A pool (0, ln3, ln2) -> experts 1, 2 with gates (.6, .4); B pool
+    (ln2, 0, ln3) -> experts 2, 0 with gates (.6, .4). A's first column z = (1, 2, 3);
+    B rows (1, 0), (0, 1), (1, 1)."""
+    cfg = AdapterConfig(method=method, num_experts=3, r=2, lora_alpha=8.0, window=1, granularity="token", **kw)
+    base = nn.Linear(2, 2)
+    layer = MoDLinear(base, cfg, RoutingContext())
+    with torch.no_grad():
+        base.weight.copy_(torch.eye(2))
+        base.bias.copy_(torch.tensor([0.5, -0.5]))
+        A = torch.tensor([[1.0, 5.0], [2.0, 5.0], [3.0, 5.0]])
+        B = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+        ra = torch.tensor([[0.0, 1.0], [LN3, 1.0], [LN2, 1.0]])
+        rb = torch.tensor([[LN2, 1.0], [0.0, 1.0], [LN3, 1.0]])
+        if method == "mod":
+            layer.A.copy_(A), layer.B.copy_(B), layer.router_A.copy_(ra)
+            if layer.router_B is not None:
+                layer.router_B.copy_(rb)
+        else:
+            layer.lora_A.copy_(A), layer.lora_B.copy_(B.T), layer.router.copy_(ra)
+    return layer
+
+
+# out = base (1.5, -0.5) + 4 * h, h worked in the comments of test_layer_forward_by_hand
+HAND = {"sqrt_product": [1.5 + 9.6, -0.5 + 4.8], "mean": [1.5 + 9.6, -0.5 + 4.8], "product": [1.5 + 4.8, -0.5 + 2.88]}
+
+
+@pytest.mark.parametrize("combine", ["sqrt_product", "product", "mean"])
+def test_layer_forward_by_hand(combine):
+    # dual routers: I_A = (1, 2), I_B = (2, 0), g_A = g_B = (.6, .4).
+    #   sqrt_product / mean: g = (.6, .4); coef = z[I_A] g = (2 * .6, 3 * .4) = (1.2, 1.2);
+    #   B weights: expert 2 gets 1.2, expert 0 gets 1.2 -> h = 1.2 (1, 0) + 1.2 (1, 1) = (2.4, 1.2); x 4 = (9.6, 4.8)
+    #   product: g = (.36, .16); coef (.72, .48) -> h = .72 (1, 1) + .48 (1, 0) = (1.2, .72); x 4 = (4.8, 2.88)
+    layer = hand_layer(combine=combine)
+    x = torch.tensor([[[1.0, 0.0]]])
+    with torch.no_grad():
+        full = layer._adapter_full(x)
+        assert torch.allclose(full, torch.tensor([[HAND[combine]]]) - torch.tensor([1.5, -0.5]), atol=1e-6)
+        for mode in (layer.train, layer.eval):           # training / full path, then the one-token decoding path
+            mode()
+            got = layer(x)
+            assert got.dtype == torch.float32 and torch.allclose(got, torch.tensor([[HAND[combine]]]), atol=1e-6)
+        # a batch of 2 tokens through the full path (eval, T = 2): the same per token; the zero token gives the base
+        got = layer(torch.tensor([[[1.0, 0.0], [0.0, 0.0]]]))
+        assert torch.allclose(got, torch.tensor([[HAND[combine], [0.5, -0.5]]]), atol=1e-6)
+
+
+def test_layer_shared_router_and_moelora_by_hand():
+    # shared router: I_A = I_B = (1, 2), g = (.6, .4): coef (1.2, 1.2) on B rows 1, 2 -> h = (1.2, 2.4); x 4
+    # moelora: the same experts and gates on z = (1, 2, 3): (2 * .6) (0, 1) + (3 * .4) (1, 1) = (1.2, 2.4); x 4
+    x = torch.tensor([[[1.0, 0.0]]])
+    want = torch.tensor([[[1.5 + 4.8, -0.5 + 9.6]]])
+    for layer in (hand_layer(shared_router=True), hand_layer("moelora")):
+        with torch.no_grad():
+            for mode in (layer.train, layer.eval):
+                mode()
+                assert torch.allclose(layer(x), want, atol=1e-6)
+    # lora: scaling alpha / r = 4; h = lora_B (lora_A x) with lora_A [2, 2] = I, lora_B = [[1, 2], [3, 4]]: (1, 3)
+    layer = MoDLinear(nn.Linear(2, 2, bias=False), AdapterConfig(method="lora", r=2, lora_alpha=8.0), RoutingContext())
+    with torch.no_grad():
+        layer.base_layer.weight.zero_()
+        layer.lora_A.copy_(torch.eye(2)), layer.lora_B.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        assert layer(x).tolist() == [[[4.0, 12.0]]]
+        assert layer.eval()(x).tolist() == [[[4.0, 12.0]]]
+
+
+def test_layer_parameters_shapes_dtypes_and_init():
+    base = nn.Linear(64, 3).to(torch.bfloat16)
+    cfg = AdapterConfig(num_experts=8, r=2, lora_alpha=6.0, router_init_std=0.5, window=5)
+    layer = MoDLinear(base, cfg, RoutingContext())
+    own = dict(layer.named_parameters(recurse=False))
+    assert {k: tuple(v.shape) for k, v in own.items()} == {"A": (8, 64), "B": (8, 3), "router_A": (8, 64),
+                                                           "router_B": (8, 64)}
+    assert all(v.dtype == torch.float32 and v.requires_grad for v in own.values())
+    assert not base.weight.requires_grad and not base.bias.requires_grad and layer.base_layer is base
+    assert layer.cfg is cfg and layer.scaling == 3.0 and layer.pools == 2
+    assert layer._fused_names == ("router_A", "router_B", "A", "B")
+    assert isinstance(layer.window, mm.RoutingWindow) and layer.window.W == 5 and layer.window.ctx is layer.ctx
+    # init as LoRA: A Kaiming-uniform (bound 1 / sqrt(64) = .125), B zero, routers N(0, .5)
+    assert torch.equal(layer.B, torch.zeros(8, 3))
+    assert 0.1 < layer.A.abs().max() <= 0.125
+    for r in (layer.router_A, layer.router_B):
+        assert 0.4 < r.std().item() < 0.6 and r.abs().max() > 0.8
+    assert not torch.equal(layer.router_A, layer.router_B)
+    shared = MoDLinear(nn.Linear(4, 3), AdapterConfig(num_experts=3, r=2, shared_router=True), RoutingContext())
+    assert shared.router_B is None and shared.pools == 1 and shared._fused_names == ("router_A", "A", "B")
+    assert [n for n, _ in shared.named_parameters(recurse=False)] == ["A", "B", "router_A"]
+    lora = MoDLinear(nn.Linear(4, 3), AdapterConfig(method="lora", r=2, lora_alpha=6.0), RoutingContext())
+    assert {k: tuple(v.shape) for k, v in lora.named_parameters(recurse=False)} == {"lora_A": (2, 4), "lora_B": (3, 2)}
+    assert lora.window is None and lora.pools == 1 and lora._fused_names == () and lora.scaling == 3.0
+    assert torch.equal(lora.lora_B, torch.zeros(3, 2)) and 0 < lora.lora_A.abs().max() <= 0.5
+    moe = MoDLinear(nn.Linear(4, 3), AdapterConfig(method="moelora", num_experts=3, r=2, expert_rank=2),
+                    RoutingContext())
+    assert {k: tuple(v.shape) for k, v in moe.named_parameters(recurse=False)} == {
+        "lora_A": (6, 4), "lora_B": (3, 6), "router": (3, 4)}
+    assert moe.pools == 1 and moe._fused_names == ("router", "lora_A", "lora_B") and moe.window.W == 1
+    assert torch.equal(moe.lora_B, torch.zeros(3, 6)) and moe.router.abs().max() < 0.2   # std .02
+    meta = MoDLinear(nn.Linear(4, 3, device="meta"), AdapterConfig(num_experts=3, r=2), RoutingContext())
+    assert all(p.device.type == "meta" for p in meta.parameters())
+
+
+def test_layer_output_keeps_the_base_dtype():
+    layer = hand_layer()
+    layer.base_layer.to(torch.bfloat16)
+    x = torch.tensor([[[1.0, 0.0]]], dtype=torch.bfloat16)
+    with torch.no_grad():
+        for mode in (layer.train, layer.eval):
+            mode()
+            got = layer(x)
+            # base (1.5, -.5) exact in bf16; h (9.6, 4.8) computed in fp32, then rounded to bf16 and added
+            want = torch.tensor([1.5, -0.5], dtype=torch.bfloat16) + torch.tensor([9.6, 4.8]).to(torch.bfloat16)
+            assert got.dtype == torch.bfloat16 and torch.equal(got[0, 0], want)
+
+
+def test_adapter_takes_the_decoding_step_only_for_one_token_in_eval(monkeypatch):
+    for W, gran in ((1, "token"), (3, "window")):
+        layer = hand_layer()
+        layer.cfg = AdapterConfig(num_experts=3, r=2, window=W, granularity=gran)
+        layer.window = mm.RoutingWindow(layer.cfg, layer.ctx)
+        steps = []
+        real = layer._decode
+        monkeypatch.setattr(layer, "_decode", lambda x: steps.append(tuple(x.shape)) or real(x))
+        x1, x2 = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+        with torch.no_grad():
+            layer.train()(x1)                                     # training: full path
+            layer.eval()(x2)                                      # two tokens: full path (prefill)
+            assert steps == []
+            layer(x1)                                             # one token: W = 1 steps; W = 3 needs the cache
+            assert steps == ([(1, 1, 2)] if W == 1 else [])
+            layer.ctx.continuing = True
+            layer(x1)                                             # W = 3: continuing with a filled cache
+            assert len(steps) == (2 if W == 1 else 1)
+
+
+def test_training_records_the_load_balance_loss_by_hand():
+    # x = (1, 0): pool A probabilities softmax(0, ln3, ln2) = (1, 3, 2) / 6, top-2 {1, 2}: f_A = (0, 1, 1)
+    #   -> E sum f P = 3 (3 + 2) / 6 = 2.5; pool B softmax(ln2, 0, ln3) = (2, 1, 3) / 6, top-2 {2, 0}:
+    #   f_B = (1, 0, 1) -> 3 (2 + 3) / 6 = 2.5; the layer's loss .5 (2.5 + 2.5) = 2.5. Pools swapped
+    #   (f_A with P_B, f_B with P_A): .5 (3 (1 + 3) / 6 + 3 (1 + 2) / 6) = 1.75.
+    # moelora (one router = pool A): .5 (2.5 + 2.5) = 2.5. A second token (2, 0) doubles the logits:
+    #   softmax(0, 2 ln3, 2 ln2) = (1, 9, 4) / 14, same top-2: f = (0, 1, 1) each; mean P over both tokens
+    #   P_A = ((1/6 + 1/14) / 2, (3/6 + 9/14) / 2, (2/6 + 4/14) / 2) -> 3 (P_1 + P_2)
+    x = torch.tensor([[[1.0, 0.0]], [[2.0, 0.0]]])                  # B = 2, T = 1
+    pa = torch.tensor([[1.0, 3.0, 2.0], [1.0, 9.0, 4.0]]) / torch.tensor([[6.0], [14.0]])
+    want_a = 3 * (pa[:, 1].mean() + pa[:, 2].mean())
+    for layer, want in ((hand_layer(), 2.5), (hand_layer("moelora"), 2.5)):
+        layer.train()
+        layer(x[:1])
+        assert len(layer.ctx.aux) == 1 and abs(layer.ctx.aux[0].item() - want) < 1e-6
+    layer = hand_layer("moelora").train()
+    layer(x)
+    assert abs(layer.ctx.aux[0].item() - want_a.item()) < 1e-6
+    # in eval nothing is recorded; the padding mask is applied (a pad token is not counted)
+    layer = hand_layer().eval()
+    layer(x[:1])
+    assert layer.ctx.aux == []
+    layer = hand_layer().train()
+    layer.ctx.mask = torch.tensor([[True, False]])
+    layer(torch.tensor([[[1.0, 0.0], [0.0, 3.0]]]))
+    assert abs(layer.ctx.aux[0].item() - 2.5) < 1e-6
+
+
+def test_recorded_trace_holds_both_pools_indices():
+    # the full path (training, then a 2-token eval call) and the decoding step record (name, I_A, I_B, mask)
+    layer = hand_layer()
+    layer.name = "q"
+    ctx = layer.ctx
+    ctx.record = True
+    x = torch.tensor([[[1.0, 0.0]]])
+    layer.train()(x)
+    layer.eval()(x)                                                   # W = 1: the decoding step
+    ctx.mask = torch.tensor([[True, True]])
+    layer(torch.cat([x, 2 * x], 1))
+    names = [t[0] for t in ctx.trace]
+    assert names == ["q", "q", "q"]
+    assert [t[1].tolist() for t in ctx.trace] == [[[[1, 2]]], [[[1, 2]]], [[[1, 2], [1, 2]]]]
+    assert [t[2].tolist() for t in ctx.trace] == [[[[2, 0]]], [[[2, 0]]], [[[2, 0], [2, 0]]]]
+    assert ctx.trace[0][3] is None and ctx.trace[2][3] is ctx.mask
+    moe = hand_layer("moelora")
+    moe.name = "v"
+    moe.ctx.record = True
+    moe.train()(x)
+    moe.eval()(x)
+    assert [(t[0], t[1].tolist(), t[2].tolist()) for t in moe.ctx.trace] == [("v", [[[1, 2]]], [[[1, 2]]])] * 2
+
+
+def test_router_noise_only_while_training_with_a_positive_std():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 2)
+    for kw, train in ((dict(noise_std=0.0), True), (dict(noise_std=0.5), False)):
+        layer = hand_layer(**kw).train(train)
+        state = torch.get_rng_state()
+        with torch.no_grad():
+            layer(x)
+        assert torch.equal(torch.get_rng_state(), state)             # no random numbers drawn
+    layer = hand_layer(noise_std=0.5).train()
+    layer.name = "q"
+    layer.ctx.record = True
+    with torch.no_grad():
+        logits = layer.router_logits(x)
+        torch.manual_seed(7)
+        noisy = (logits + 0.5 * torch.randn(2, 3, 6)).unflatten(-1, (2, 3))
+        torch.manual_seed(7)
+        layer(x)
+    idx = noisy.topk(2, dim=-1).indices
+    assert torch.equal(layer.ctx.trace[0][1], idx[..., 0, :]) and torch.equal(layer.ctx.trace[0][2], idx[..., 1, :])
