@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import struct
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -363,27 +364,32 @@ def test_compile_adapters_wraps_the_hot_paths(monkeypatch):
         calls.append((fn, backend, kw))
         return ("compiled", fn)
     monkeypatch.setattr(torch, "compile", fake_compile)
-    cfg = torch._dynamo.config
-    field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(cfg, field, 3)
+    # dynamo's config stands in as a namespace: `recompile_limit` (torch >= 2.7) or `cache_size_limit` (older)
+    cfg = SimpleNamespace(recompile_limit=3)
+    monkeypatch.setattr(torch, "_dynamo", SimpleNamespace(config=cfg), raising=False)
     model = ToyVLM()
     # two kinds of layer: (4, 4, bias) for q/v/o and (4, 2, no bias) for k
     attach(model, AdapterConfig(target_modules=["q_proj", "k_proj"], num_experts=2, r=2))
     assert mm.compile_adapters(model, backend="eager", dynamic=True) == 4
-    assert getattr(cfg, field) == 32                      # 16 per kind
+    assert vars(cfg) == {"recompile_limit": 32}                   # 16 per kind
     layers = [m for _, m in adapter_layers(model)]
     assert len(calls) == 8
     for (fn, backend, kw), (m, name) in zip(calls, [(m, n) for m in layers for n in ("_adapter_full", "_decode")]):
         assert fn.__self__ is m and fn.__func__ is getattr(MoDLinear, name)
         assert backend == "eager" and kw == {"dynamic": True}
         assert m.__dict__[name] == ("compiled", fn)
-    # a limit already higher stays; lora compiles `_adapter` only, with inductor by default
-    monkeypatch.setattr(cfg, field, 100)
+    # a limit already higher stays; the older field name; lora compiles `_adapter` only, with inductor by default
+    cfg = SimpleNamespace(cache_size_limit=100)
+    monkeypatch.setattr(torch, "_dynamo", SimpleNamespace(config=cfg), raising=False)
     calls.clear()
     lora = ToyVLM()
     attach(lora, AdapterConfig(target_modules=["q_proj"], method="lora", r=2))
-    assert mm.compile_adapters(lora) == 2 and getattr(cfg, field) == 100
+    assert mm.compile_adapters(lora) == 2 and vars(cfg) == {"cache_size_limit": 100}
     assert [(c[0].__func__, c[1], c[2]) for c in calls] == [(MoDLinear._adapter, "inductor", {})] * 2
+    cfg = SimpleNamespace(cache_size_limit=2)
+    monkeypatch.setattr(torch, "_dynamo", SimpleNamespace(config=cfg), raising=False)
+    mm.compile_adapters(model)
+    assert vars(cfg) == {"cache_size_limit": 32}
 
 
 # ----------------------------------------------------------------------------- base identity
@@ -1036,3 +1042,128 @@ def test_router_noise_only_while_training_with_a_positive_std():
         layer(x)
     idx = noisy.topk(2, dim=-1).indices
     assert torch.equal(layer.ctx.trace[0][1], idx[..., 0, :]) and torch.equal(layer.ctx.trace[0][2], idx[..., 1, :])
+
+
+@pytest.mark.parametrize("granularity,want", [("window", [[4.0, 5.0], [20.0, 20.0]]),
+                                              ("region", [[4.5, 5.0], [20.0, 20.0]])])
+def test_continuing_call_of_several_tokens_by_hand(granularity, want):
+    # W = 3, one channel. Prefill: row 0 real tokens 1 2 3 4 (numbers 0-3), row 1 two pads then 10 20
+    # (numbers 0 1). Then a continuing call of two tokens: row 0 real 5, 6 (numbers 4 5), row 1 real 30
+    # (number 2) and a pad.
+    # window: row 0: (3 + 4 + 5) / 3 = 4, (4 + 5 + 6) / 3 = 5; row 1: (10 + 20 + 30) / 3 = 20, the pad
+    #   takes the previous real token's window: 20.
+    # region (blocks {0 1 2}, {3 4 5}): row 0: (4 + 5) / 2 = 4.5, (4 + 5 + 6) / 3 = 5; row 1: 20, pad 20.
+    win, ctx = _window(granularity=granularity)
+    ctx.mask = torch.tensor([[True, True, True, True], [False, False, True, True]])
+    win(torch.tensor([[[1.0], [2.0], [3.0], [4.0]], [[0.0], [0.0], [10.0], [20.0]]]))
+    ctx.continuing, ctx.mask = True, torch.tensor([[True, True], [True, False]])
+    out = win(torch.tensor([[[5.0], [6.0]], [[30.0], [99.0]]]))
+    assert torch.allclose(out[..., 0], torch.tensor(want), atol=1e-6, rtol=0)
+    ring, n = win.cache
+    assert n.tolist() == [6, 3]
+    assert ring[..., 0].tolist() == [[4.0, 5.0, 6.0, 0.0], [10.0, 20.0, 30.0, 0.0]]   # slot j % 3 <- number j
+    with pytest.raises(RuntimeError) as e:
+        ctx.mask = None
+        win(torch.ones(3, 2, 1))
+    assert _msg(e) == ("routing cache holds 2 rows but the batch has 3 (beam search / batch reordering is not "
+                       "supported)")
+
+
+def test_counts_are_made_per_call_shape_and_device():
+    # without a mask the count's memo key is (None, None) in every prefill: the call's B, T and device
+    # keep a later call from reusing an earlier count
+    win, ctx = _window()
+    win(torch.ones(1, 2, 1))
+    assert win.cache[1].tolist() == [2]
+    win(torch.ones(1, 3, 1))
+    assert win.cache[1].tolist() == [3]
+    win(torch.ones(1, 3, 1, device="meta"))
+    assert win.cache[1].device.type == "meta"
+    # a continuing call before any cache (one token): the plain window over that token alone
+    win, ctx = _window()
+    ctx.continuing = True
+    assert win(torch.tensor([[[6.0]]])).tolist() == [[[6.0]]] and win.cache[1].tolist() == [1]
+
+
+def test_routing_context_starts_empty():
+    ctx = RoutingContext()
+    assert (ctx.mask, ctx.continuing, ctx.aux, ctx.record, ctx.trace, ctx.reduce, ctx._memo) == (
+        None, False, [], False, [], None, {})
+
+
+def test_adapter_weights_are_fp32_whatever_the_default_dtype():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        layer = MoDLinear(nn.Linear(4, 3), AdapterConfig(num_experts=3, r=2), RoutingContext())
+    finally:
+        torch.set_default_dtype(old)
+    assert all(p.dtype == torch.float32 for p in layer.parameters(recurse=False))
+
+
+def _decode_pair(W=1, granularity="token", **kw):
+    """A layer and a copy for the full path, random weights, eval mode."""
+    torch.manual_seed(0)
+    cfg = AdapterConfig(num_experts=4, r=2, window=W, granularity=granularity, **kw)
+    layer = MoDLinear(nn.Linear(5, 3), cfg, RoutingContext()).eval()
+    fill(layer, std=1.0)
+    ref = MoDLinear(nn.Linear(5, 3), cfg, RoutingContext()).eval()
+    ref.load_state_dict(layer.state_dict())
+    return layer, ref
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(method="moelora", expert_rank=2)])
+def test_decode_step_with_a_window_of_two_equals_the_full_path(kw):
+    layer, ref = _decode_pair(W=2, granularity="window", **kw)
+    x = torch.randn(2, 5, 5)
+    with torch.no_grad():
+        want = ref(x)
+        got = [layer(x[:, :2])]
+        layer.ctx.continuing = True
+        got += [layer(x[:, t:t + 1]) for t in range(2, 5)]
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=0, atol=1e-5)
+
+
+def test_decode_bag_offsets_are_cached_per_batch_size_in_eager_mode_only(monkeypatch):
+    layer, ref = _decode_pair()
+    x2, x3 = torch.randn(2, 1, 5), torch.randn(3, 1, 5)
+    with torch.no_grad():
+        a = layer(x2)
+        off = layer.__dict__["_bag_offsets"]
+        assert off.tolist() == [0, 2]                                # bag starts 0, r
+        assert torch.allclose(layer(x2), a) and layer.__dict__["_bag_offsets"] is off   # reused
+        b = layer(x3)                                                # another batch size: new offsets
+        assert layer.__dict__["_bag_offsets"].tolist() == [0, 2, 4]
+        torch.testing.assert_close(b, ref(x3), rtol=0, atol=1e-5)
+        # while compiling nothing is read from or stored in the module (a stale entry stays unused)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        stale = torch.zeros(3, dtype=torch.long)
+        layer.__dict__["_bag_offsets"] = stale
+        torch.testing.assert_close(layer(x3), b, rtol=0, atol=0)
+        assert layer.__dict__["_bag_offsets"] is stale
+        del layer.__dict__["_bag_offsets"]
+        layer(x2)
+        assert "_bag_offsets" not in layer.__dict__
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(method="moelora")])
+def test_decode_step_on_the_inputs_device(kw, monkeypatch):
+    # meta has no autocast state to ask about (CUDA and CPU do): answered "off" here
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False)
+    layer = MoDLinear(nn.Linear(5, 3, device="meta"), AdapterConfig(num_experts=4, r=2, window=1,
+                                                                    granularity="token", **kw),
+                      RoutingContext()).eval()
+    with torch.no_grad():
+        assert layer(torch.zeros(2, 1, 5, device="meta")).device.type == "meta"
+
+
+def test_decode_step_gradients_equal_the_full_paths():
+    # both tokens pick the same B rows: the decoding step's weighted bag must not rescale B's gradient by
+    # how often a row occurs (embedding_bag's scale_grad_by_freq), nor make it sparse
+    layer, ref = _decode_pair()
+    x = torch.randn(1, 1, 5).expand(2, 1, 5).contiguous()
+    layer(x).square().sum().backward()
+    ref(torch.cat([x[:1], x[:1]], 1)).square().sum().backward()      # full path, the same token twice
+    assert not layer.B.grad.is_sparse
+    torch.testing.assert_close(layer.B.grad, ref.B.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(layer.A.grad, ref.A.grad, rtol=0, atol=1e-5)
