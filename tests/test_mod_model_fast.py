@@ -3,6 +3,7 @@ tests/test_mod_mutants.py pins): the config, the model pre-hook, the decoder-sta
 unload / compile, the base identity, atomic files, save / load in both formats. No VLM is built: a
 toy module of a few nn.Linear layers named like a VLM's stands in (`ToyVLM`), so each case runs in
 milliseconds (`python -m eval.tools.mutation --target mod/model.py` reruns them for every mutant)."""
+import builtins
 import hashlib
 import json
 import os
@@ -173,6 +174,9 @@ def test_layer_config_takes_the_longest_matching_suffix():
     assert c.layer_config("model.layers.0.self_attn.q_proj") is c   # no match: the config itself
     assert c.layer_config("model.layers.0.self_attn.xo_proj") is c  # a suffix matches at a dot only
     assert c.experts_pattern == {"o_proj": 10, "self_attn.o_proj": 12}   # not changed in place
+    # the longest suffix, not the largest string ("o_proj" > "attn.o_proj")
+    c = AdapterConfig(target_modules=["o_proj", "attn.o_proj"], experts_pattern={"o_proj": 10, "attn.o_proj": 12})
+    assert c.layer_config("layers.0.attn.o_proj").num_experts == 12
 
 
 # ----------------------------------------------------------------------------- the model pre-hook
@@ -1167,3 +1171,99 @@ def test_decode_step_gradients_equal_the_full_paths():
     assert not layer.B.grad.is_sparse
     torch.testing.assert_close(layer.B.grad, ref.B.grad, rtol=0, atol=1e-5)
     torch.testing.assert_close(layer.A.grad, ref.A.grad, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- edge cases the first reruns let through
+
+def test_attach_lists_suffixes_of_top_level_layers_too():
+    lm = _holder(layers=nn.ModuleList([_holder(up=nn.Linear(2, 2))]), proj=nn.Linear(2, 2))   # "proj": no dot
+    with pytest.raises(ValueError) as e:
+        attach(lm, AdapterConfig(target_modules=["gate"]))
+    assert _msg(e).endswith("available suffixes: ['proj', 'up']")
+    with pytest.raises(ValueError) as e:
+        unload(ToyVLM())                                        # never attached
+    assert _msg(e) == "no adapters attached to this model"
+
+
+def test_lora_config_with_experts_pattern_is_refused_as_lora():
+    with pytest.raises(ValueError) as e:
+        AdapterConfig(method="lora", experts_pattern={"up_proj": 1})
+    assert _msg(e).startswith("AdapterConfig: experts_pattern is for mod / moelora pools (got ")
+
+
+def test_saving_twice_into_one_directory_overwrites(tmp_path):
+    model, _ = _trained()
+    d = str(tmp_path / "a")
+    save_adapters(model, d)
+    fill(model, seed=4)
+    save_adapters(model, d)
+    st = load_file(os.path.join(d, "adapter_model.safetensors"))
+    assert all(torch.equal(st[k], v) for k, v in adapter_state_dict(model).items())
+    lora = _lora()
+    save_peft(lora, str(tmp_path / "p"))
+    save_peft(lora, str(tmp_path / "p"))
+    assert is_peft(str(tmp_path / "p"))
+
+
+def test_load_adapters_messages_with_nameless_bases_and_long_lists(tmp_path):
+    model = ToyVLM(name="")
+    attach(model, AdapterConfig(target_modules=["q_proj", "v_proj"], num_experts=3, r=2))
+    d = tmp_path / "a"
+    save_adapters(model, str(d))
+    with pytest.raises(ValueError) as e:
+        load_adapters(ToyVLM(h=6, vocab=7, name=""), str(d))
+    assert _msg(e) == (f"{d}: adapters were trained on base ? and do not fit base ? (hidden_size 4 vs 6; "
+                       f"vocab_size 5 vs 7)")
+    # four missing and four unexpected tensors: the first three of each are named
+    st = adapter_state_dict(model)
+    names = sorted(st)
+    save_file({k: v for k, v in st.items() if k not in names[:4]}, str(d / "adapter_model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        load_adapters(ToyVLM(name=""), str(d))
+    assert _msg(e) == f"{d} does not fit this base model: missing {names[:3]}, unexpected []"
+    save_file(dict(st, **{f"x{i}": torch.zeros(1) for i in range(4)}), str(d / "adapter_model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        load_adapters(ToyVLM(name=""), str(d))
+    assert _msg(e) == f"{d} does not fit this base model: missing [], unexpected ['x0', 'x1', 'x2']"
+
+
+def test_load_peft_long_lists_and_empty_option_values(tmp_path):
+    pre = "base_model.model.model.language_model.layers"
+    d = _peft_dir(tmp_path, "o", tensors=lambda st: {f"base_model.model.m{i}.lora_A.weight": torch.zeros(1)
+                                                     for i in range(4)})
+    assert _load_peft_error(d) == (f"{d}: LoRA modules outside the language model (or missing in this base): "
+                                   f"['m0', 'm1', 'm2']")
+    d = _peft_dir(tmp_path, "l", tensors=lambda st: {f"{pre}.{m}.lora_A.weight": torch.zeros(1)
+                                                     for m in ("0", "1", "0.self_attn", "1.self_attn")})
+    assert _load_peft_error(d).startswith(f"{d}: LoRA tensors on modules that are not nn.Linear layers: "
+                                          f"['model.language_model.layers.0', 'model.language_model.layers.0.self_attn', "
+                                          f"'model.language_model.layers.1']; ")
+    d = _peft_dir(tmp_path, "m", tensors=lambda st: {k: v for k, v in st.items() if "lora_A" in k})
+    assert _load_peft_error(d) == (f"{d}: no tensors for ['model.language_model.layers.0.self_attn.q_proj.lora_B', "
+                                   f"'model.language_model.layers.0.self_attn.v_proj.lora_B', "
+                                   f"'model.language_model.layers.1.self_attn.q_proj.lora_B']")
+    # an empty container where peft's default is the other empty container is plain LoRA; an empty bias is not
+    d = _peft_dir(tmp_path, "e", {"rank_pattern": [], "target_parameters": {}})
+    assert load_peft(ToyVLM(), d).method == "lora"
+    d = _peft_dir(tmp_path, "b", {"bias": ""})
+    assert _load_peft_error(d) == f"{d}: peft options the LoRA baseline does not implement: {{'bias': ''}}"
+
+
+def test_continuing_window_call_keeps_the_input_dtype_and_device():
+    for dev, dtype in (("cpu", torch.bfloat16), ("meta", torch.float32)):
+        win, ctx = _window()
+        win(torch.ones(1, 2, 1, dtype=dtype, device=dev))
+        ctx.continuing = True
+        out = win(torch.ones(1, 2, 1, dtype=dtype, device=dev))
+        assert out.dtype == dtype and out.device.type == dev
+    assert out.shape == (1, 2, 1)
+
+
+def test_write_text_is_utf8_under_any_locale(tmp_path, monkeypatch):
+    # a locale whose default encoding is ASCII (the C locale without UTF-8 mode): open() without an
+    # encoding would fail on "é"; the file must still be UTF-8
+    def ascii_default_open(file, mode="r", *a, encoding=None, **kw):
+        return builtins.open(file, mode, *a, encoding=encoding or "ascii", **kw)
+    monkeypatch.setattr(mm, "open", ascii_default_open, raising=False)
+    mm._write_text(str(tmp_path / "a.txt"), "é")
+    assert (tmp_path / "a.txt").read_bytes() == "é".encode("utf-8")
