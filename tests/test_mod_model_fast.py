@@ -144,7 +144,8 @@ def test_config_refusals_name_the_problem():
                     (dict(window=0), "r, window, expert_rank must be >= 1"),
                     (dict(expert_rank=0), "r, window, expert_rank must be >= 1"),
                     (dict(r=9, num_experts=8), "top-r must not exceed num_experts"),
-                    (dict(method="lora", experts_pattern={"o_proj": 10}), "experts_pattern is for mod / moelora pools")]:
+                    (dict(method="lora", experts_pattern={"o_proj": 10}),
+                     "experts_pattern is for mod / moelora pools")]:
         got = refused(**kw)
         assert got.startswith(f"AdapterConfig: {msg} (got AdapterConfig(method="), (kw, got)
         assert got.endswith("aux_coef=0.01))"), got
@@ -1173,7 +1174,7 @@ def test_decode_step_gradients_equal_the_full_paths():
     torch.testing.assert_close(layer.A.grad, ref.A.grad, rtol=0, atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- edge cases the first reruns let through
+# ------------------------------------------------- long lists, nameless bases, empty options, continuing calls
 
 def test_attach_lists_suffixes_of_top_level_layers_too():
     lm = _holder(layers=nn.ModuleList([_holder(up=nn.Linear(2, 2))]), proj=nn.Linear(2, 2))   # "proj": no dot
@@ -1236,7 +1237,8 @@ def test_load_peft_long_lists_and_empty_option_values(tmp_path):
     d = _peft_dir(tmp_path, "l", tensors=lambda st: {f"{pre}.{m}.lora_A.weight": torch.zeros(1)
                                                      for m in ("0", "1", "0.self_attn", "1.self_attn")})
     assert _load_peft_error(d).startswith(f"{d}: LoRA tensors on modules that are not nn.Linear layers: "
-                                          f"['model.language_model.layers.0', 'model.language_model.layers.0.self_attn', "
+                                          f"['model.language_model.layers.0', "
+                                          f"'model.language_model.layers.0.self_attn', "
                                           f"'model.language_model.layers.1']; ")
     d = _peft_dir(tmp_path, "m", tensors=lambda st: {k: v for k, v in st.items() if "lora_A" in k})
     assert _load_peft_error(d) == (f"{d}: no tensors for ['model.language_model.layers.0.self_attn.q_proj.lora_B', "
