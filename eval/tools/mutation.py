@@ -39,7 +39,8 @@ TARGETS = {
                            "tests/test_rolemerge_search.py", "tests/test_rolemerge_mutations.py",
                            "tests/test_rolemerge_mutants.py"],
     "mod/model.py": ["tests/test_mod_equations.py", "tests/test_mod_decode.py", "tests/test_mod_mutants.py"],
-    "mole/model.py": ["tests/test_mole_router.py", "tests/test_mole_mutants.py"],   # test_mole.py: whole forwards
+    "mole/model.py": ["tests/test_mole_router.py", "tests/test_mole_mutants.py",
+                      "tests/test_mole_model_fast.py"],   # test_mole.py: whole forwards
     "rolemerge/comparators.py": ["tests/test_rolemerge_comparators.py", "tests/test_rolemerge_hcsmoe.py",
                                  "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py"],
 }
