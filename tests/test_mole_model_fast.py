@@ -58,27 +58,29 @@ class _FakeVLM(nn.Module):
     """The parts of a transformers VLM that MoLE reads: config (text config with the head sizes,
     vision config's attention implementation, image token id), model.language_model.layers,
     get_input_embeddings, set_attn_implementation, device, and a forward over inputs_embeds whose
-    keyword arguments are recorded in `calls`."""
+    keyword arguments are recorded in `calls` (and its last hidden state in `last`)."""
 
-    def __init__(self, d=4, H=2, Hkv=1, D=2, layers=1, head_dim=True, vision_impl="sdpa"):
+    def __init__(self, d=4, H=2, Hkv=1, D=2, layers=1, head_dim=True, vision_impl="sdpa", device=None):
         super().__init__()
         text = _TextConfig(hidden_size=d, num_attention_heads=H, num_key_value_heads=Hkv,
                            _attn_implementation="sdpa")
         if head_dim:
             text.head_dim = D
+        vision = SimpleNamespace() if vision_impl == "unset" else SimpleNamespace(_attn_implementation=vision_impl)
         self.config = SimpleNamespace(model_type="fake_vlm", image_token_id=IMG, get_text_config=lambda: text,
-                                      vision_config=SimpleNamespace(_attn_implementation=vision_impl))
+                                      vision_config=vision)
+        self._device = device   # a device to report (meta: where MoLE's parameters must follow), else the weights'
         self.model = nn.Module()
         self.model.language_model = nn.Module()
         self.model.language_model.layers = nn.ModuleList(_Layer(i, d, H, Hkv, D, self) for i in range(layers))
         self.embed_tokens = nn.Embedding(V, d)
         self.lm_head = nn.Linear(d, V, bias=False)
-        self.impl = {"text_config": "sdpa", "vision_config": vision_impl}
+        self.impl = {"text_config": "sdpa", "vision_config": None if vision_impl == "unset" else vision_impl}
         self.impl_calls, self.calls = [], []
 
     @property
     def device(self):
-        return self.lm_head.weight.device
+        return torch.device(self._device) if self._device else self.lm_head.weight.device
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -94,11 +96,11 @@ class _FakeVLM(nn.Module):
                                use_cache=use_cache, output_hidden_states=output_hidden_states, **kw))
         B, L, _ = inputs_embeds.shape
         mask = (torch.ones(L, L, dtype=torch.bool).tril()[None] & attention_mask.bool()[:, None, :])[:, None]
-        h = inputs_embeds
+        hs = [inputs_embeds]
         for layer in self.model.language_model.layers:
-            h = layer(h, attention_mask=mask, **{k: v for k, v in kw.items() if k == "mole"})
-        return SimpleNamespace(logits=self.lm_head(h), hidden_states=(inputs_embeds, h) if output_hidden_states
-                               else None)
+            hs.append(layer(hs[-1], attention_mask=mask, **{k: v for k, v in kw.items() if k == "mole"}))
+        self.last = hs[-1]
+        return SimpleNamespace(logits=self.lm_head(hs[-1]), hidden_states=tuple(hs) if output_hidden_states else None)
 
 
 class _Adapter(VLMAdapter):
@@ -530,22 +532,14 @@ def test_forward_hands_the_model_its_inputs_and_returns_the_pass():
     assert out["types"].tolist() == m.token_types(b["input_ids"], b["attention_mask"]).tolist()
     assert out["types"][1, -1].item() == PAD                         # the mask reaches the token types
     assert st.zpos.tolist() == [[4, 5], [2, 3]] and sorted(st.route) == [0, 1]
-    assert "hidden" not in out and torch.equal(out["logits"], m.model.lm_head(_last_hidden(m, b)))
+    assert "hidden" not in out and torch.equal(out["logits"], m.model.lm_head(m.model.last))
     # a cache to fill, hidden states, recorded attention, stage 1
     cache = object()
     out = m(b, 1, cache=cache, record=True, hidden=True)
     call, st = m.model.calls[-1], out["pass"]
     assert call["cache"] is cache and call["use_cache"] is True and call["output_hidden_states"] is True
-    assert st.stage == 1 and sorted(st.attn) == [0, 1] and torch.equal(out["hidden"], _last_hidden(m, b, stage=1))
+    assert st.stage == 1 and sorted(st.attn) == [0, 1] and out["hidden"] is m.model.last
     assert _message(lambda: m(b, 3)) == "stage must be 1 or 2, got 3"
-
-
-def _last_hidden(m, b, stage=2):
-    """The stand-in's last hidden state for batch b, from a second forward with hidden states."""
-    n = len(m.model.calls)
-    h = m.forward(b, stage, hidden=True)["hidden"]
-    del m.model.calls[n:]
-    return h
 
 
 def test_forward_loss_is_ce_plus_the_weighted_aux_losses():
@@ -578,3 +572,116 @@ def test_forward_without_router_has_zero_aux_losses():
     for key in ("balance", "z", "div"):
         assert out[key].dtype == torch.float32 and out[key].shape == () and out[key].item() == 0.0
     assert out["loss"].item() == out["ce"].item()
+
+
+def test_mole_init_follows_the_models_device_and_names():
+    # MoLE's own parameters move to the device the model reports
+    m = _mole(device="meta")
+    assert m.latent.device.type == "meta" and m.routers[0].weight.device.type == "meta"
+    assert m.esva[0].w1.device.type == "meta"
+    # a vision config without an attention name: sdpa
+    m = _mole(vision_impl="unset")
+    assert m.model.impl_calls == [{"text_config": "mole", "vision_config": "sdpa"}]
+    # the repo's VLProcessor (anything with prompt_and_labels) gets a QwenVLAdapter over this model
+    proc = SimpleNamespace(prompt_and_labels=None, image_token_id=IMG, pad_token_id=PADID, eos_token_id=EOS,
+                           tail_ids=lambda: TAIL)
+    torch.manual_seed(0)
+    model = _FakeVLM()
+    m = MoLE(model, proc, MoLEConfig(n_vis=2, n_sum=1, top_k=1))
+    assert m.adapter.model is model and m.proc is proc and m.tail_ids == TAIL
+
+
+def test_pass_packs_visual_positions_in_order_on_a_long_row():
+    # 200 tokens, every third visual: vis_idx lists 0, 3, ..., 198 in order (a stable sort; an unstable one
+    # permutes equal keys on CPU at this length)
+    types = torch.tensor([[VIS if i % 3 == 0 else TEXT for i in range(200)]])
+    st = MoLEPass(_StubMoLE(cfg=MoLEConfig(), training=False, reduce=None), types, torch.zeros(1, 1, dtype=torch.long))
+    assert st.vis_idx.tolist() == [list(range(0, 200, 3))] and st.vis_ok.all()
+
+
+def _route_case(m, dtype=torch.float32):
+    """Router = identity on the first two of d = 4 dims. Tokens: text [5, 0] (never routed), visual [ln 3, 0],
+    [0, ln 3], [ln 3, 0]: probs [3/4, 1/4], [1/4, 3/4], [3/4, 1/4], top-1 experts 0, 1, 0."""
+    with torch.no_grad():
+        m.routers[0].weight.zero_()
+        m.routers[0].weight[:, :2] = torch.eye(2)
+    l3 = math.log(3)
+    h = torch.tensor([[[5.0, 0, 0, 0], [l3, 0, 0, 0], [0, l3, 0, 0], [l3, 0, 0, 0]]], dtype=dtype)
+    st = MoLEPass(m, torch.tensor([[TEXT, VIS, VIS, VIS]]), torch.zeros(1, 2, dtype=torch.long))
+    m.route(0, h, st)
+    return st
+
+
+def test_route_hand_computed():
+    m = _mole(MoLEConfig(n_vis=2, n_sum=0, top_k=1, alpha=2.0))
+    st = _route_case(m)
+    sel, prior = st.route[0]
+    assert sel[0].tolist() == [[False, False], [True, False], [False, True], [True, False]]
+    # K = 1: rho = 1 for the kept expert, b = alpha log(1 + eps) = 2 log(1.0001) = 1.99990e-4; 0 elsewhere.
+    # fp32 rounds 1 + eps by up to 2^-24 (6e-8), which the log passes on and alpha doubles: abs 2.5e-7
+    b = pytest.approx(2 * math.log(1 + 1e-4), abs=2.5e-7)
+    assert prior[0].tolist() == [[0.0, 0.0], [b, 0.0], [0.0, b], [b, 0.0]]
+    assert prior.dtype == torch.float32
+    # over the visual tokens only: f = [2/3, 1/3], P = [7/12, 5/12]: E sum f P = 2 (14 + 5) / 36 = 19/18;
+    # z = mean logsumexp^2 = (ln 4)^2 (the text token's logsumexp ln(e^5 + 1) is left out)
+    assert st.balance[0].item() == pytest.approx(19 / 18, rel=1e-6)
+    assert st.z[0].item() == pytest.approx(math.log(4) ** 2, rel=1e-6)
+    # bfloat16 hidden states are read in the router's dtype (fp32 weights): the same choices
+    st = _route_case(m, torch.bfloat16)
+    assert st.route[0][0][0].tolist() == sel[0].tolist()
+
+
+def test_aux_losses_use_the_data_parallel_reduce_in_training():
+    # a reduce that halves every count (as if the other process had no token): the global token and pair
+    # counts halve, so balance (P over half the tokens; f unchanged), z and the diversity loss double
+    cfg = MoLEConfig(n_vis=2, n_sum=1, top_k=2)
+    m = _mole(cfg, layers=2)
+    with torch.no_grad():
+        for e in m.esva:
+            e.b2.copy_(torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+    b = m.encode(["a", "b"], QS, ANS)
+    m.train()
+    plain = m(b, 2)
+    m.reduce = lambda t: t.float() / 2
+    halved = m(b, 2)
+    for key in ("balance", "z", "div"):
+        assert halved[key].item() == pytest.approx(2 * plain[key].item(), rel=1e-6)
+    assert plain["div"].item() > 0.1
+    # outside training the reduce is not used
+    m.eval()
+    assert m(b, 2)["z"].item() == pytest.approx(plain["z"].item(), rel=1e-6)
+
+
+def test_latent_attention_variants_without_router_or_with_one_expert_per_token():
+    # ESVA without a router (K = 2 kept in the config): no prior, no diversity loss
+    m = _mole(MoLEConfig(n_vis=2, n_sum=1, top_k=2, router=False), layers=1)
+    out = m(m.encode(["a", "b"], QS, ANS), 2)
+    assert out["pass"].div == [] and out["div"].item() == 0.0 and out["pass"].route == {}
+    # router and ESVA with K = 1: no pair, so no diversity term is appended
+    m = _mole(MoLEConfig(n_vis=2, n_sum=1, top_k=1), layers=1)
+    out = m(m.encode(["a", "b"], QS, ANS), 2)
+    assert out["pass"].div == [] and len(out["pass"].balance) == 1
+
+
+def test_latent_attention_routed_value_in_bfloat16():
+    # E = 1, tokens [text, visual, Z_vis]; zero queries and keys: the Z_vis row spreads 1/3 over text, its routed
+    # visual token and itself. Values 0, MLP_0(u) = b2 = 1 (w2 = 0), gamma = 1 + 2^-10, which bfloat16 rounds
+    # to 1 (8 significant bits): output = gamma * 1 / 3 = 1/3 in bfloat16 arithmetic (gamma cast to the
+    # activations' dtype), 0.333659 had gamma stayed fp32
+    m = _mole(MoLEConfig(n_vis=1, n_sum=0, top_k=1), d=4, H=1, Hkv=1, D=2)
+    esva = m.esva[0]
+    with torch.no_grad():
+        esva.w2.zero_()
+        esva.b2.fill_(1.0)
+        esva.gamma.fill_(1 + 2 ** -10)
+    types = torch.tensor([[TEXT, VIS, ZVIS]])
+    st = MoLEPass(m, types, torch.tensor([[2]]))
+    st.route[0] = (torch.tensor([[[False], [True], [False]]]), torch.zeros(1, 3, 1))
+    q = torch.zeros(1, 1, 3, 2, dtype=torch.bfloat16)
+    v = torch.zeros(1, 1, 3, 2, dtype=torch.bfloat16)
+    out = m.latent_attention(0, q, q, v, topology_mask(types, 2, m.cfg), 1.0, st)
+    assert out.shape == (1, 1, 1, 2)
+    assert out[0, 0, 0].tolist() == pytest.approx([1 / 3, 1 / 3], abs=1e-6)
+    # in fp32 gamma stays 1 + 2^-10
+    out = m.latent_attention(0, q.float(), q.float(), v.float(), topology_mask(types, 2, m.cfg), 1.0, st)
+    assert out[0, 0, 0].tolist() == pytest.approx([(1 + 2 ** -10) / 3] * 2, abs=1e-6)
