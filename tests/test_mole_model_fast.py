@@ -164,6 +164,8 @@ def test_mole_attention_without_mole_arguments_is_sdpa_with_the_given_mask():
     # the scaling reaches SDPA: at scaling 4 the logits are [0, 2 ln 2, 2 ln 3], weights [1, 4, 9] / 14:
     # (12 + 54) / 14 = 4.714286
     assert _col(mole_attention(_module(), q, k, v, FULL, scaling=4.0)[0]) == [round(66 / 14, 5)] * 3
+    # the other keyword arguments reach SDPA: is_causal=False overrides the causal module
+    assert _col(mole_attention(_module(), q, k, v, None, scaling=2.0, is_causal=False)[0]) == [4.0, 4.0, 4.0]
     # dropout reaches SDPA: p = 1 drops every weight
     assert _col(mole_attention(_module(), q, k, v, FULL, dropout=1.0, scaling=2.0)[0]) == [0.0, 0.0, 0.0]
 
@@ -312,6 +314,10 @@ def test_pass_packs_the_visual_positions_per_row():
     st = MoLEPass(_StubMoLE(cfg=MoLEConfig(), training=False, reduce=None), torch.zeros(0, 3, dtype=torch.long),
                   torch.zeros(0, 1, dtype=torch.long))
     assert st.vis_idx.shape == (0, 0) and st.vis_ok.shape == (0, 0)
+    # made on the types' device (an empty batch on meta: the one case with no host read of the count)
+    st = MoLEPass(_StubMoLE(cfg=MoLEConfig(), training=False, reduce=None),
+                  torch.zeros(0, 3, dtype=torch.long, device="meta"), torch.zeros(0, 1, dtype=torch.long, device="meta"))
+    assert st.vis_ok.device.type == "meta" and st.vis_idx.device.type == "meta"
 
 
 def test_pass_mask_is_the_topology_over_each_base_mask_once():
@@ -572,6 +578,11 @@ def test_forward_without_router_has_zero_aux_losses():
     for key in ("balance", "z", "div"):
         assert out[key].dtype == torch.float32 and out[key].shape == () and out[key].item() == 0.0
     assert out["loss"].item() == out["ce"].item()
+    # a bfloat16 model: the empty aux losses stay fp32 scalars
+    m.model.to(torch.bfloat16)
+    out = m(m.encode(["a", "b"], QS, ANS), 2)
+    assert out["logits"].dtype == torch.bfloat16
+    assert all(out[key].dtype == torch.float32 for key in ("balance", "z", "div"))
 
 
 def test_mole_init_follows_the_models_device_and_names():
