@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from mole.adapters import VLMAdapter
 from mole.model import (PAD, TEXT, VIS, ZSUM, ZVIS, ESVA, MoLE, MoLEConfig, MoLEPass, esva_delta, init_latents,
@@ -26,7 +25,8 @@ class _TextConfig(SimpleNamespace):
 
 
 class _Attn(nn.Module):
-    """One attention block: q/k/v/o projections, the implementation the model was set to."""
+    """One attention block: q/k/v/o projections and `mole_attention`, which the model must have been
+    switched to (`owner`: the model, held in a list so that it is not registered as a submodule)."""
 
     def __init__(self, idx, d, H, Hkv, D, owner):
         super().__init__()
@@ -134,10 +134,10 @@ def _mole(cfg=None, **model_kw):
 # columns are [0, ln 2, ln 3], softmax weights proportional to [1, 2, 3]; values [0, 3, 6].
 # Over columns {0}: 0; {0, 1}: (0 + 2 * 3) / 3 = 2; {0, 2}: (0 + 3 * 6) / 4 = 4.5; {0, 1, 2}: (6 + 18) / 6 = 4.
 
-def _qkv(Q=3, dtype=torch.float32, device="cpu"):
-    q = torch.ones(1, 1, Q, 1, dtype=dtype, device=device)
-    k = torch.tensor([0.0, math.log(2) / 2, math.log(3) / 2], dtype=dtype, device=device).view(1, 1, 3, 1)
-    v = torch.tensor([0.0, 3.0, 6.0], dtype=dtype, device=device).view(1, 1, 3, 1)
+def _qkv(Q=3, device="cpu"):
+    q = torch.ones(1, 1, Q, 1, device=device)
+    k = torch.tensor([0.0, math.log(2) / 2, math.log(3) / 2], device=device).view(1, 1, 3, 1)
+    v = torch.tensor([0.0, 3.0, 6.0], device=device).view(1, 1, 3, 1)
     return q, k, v
 
 
@@ -242,7 +242,6 @@ def test_mole_attention_writes_the_latent_rows_over_the_sdpa_rows():
     # without router and ESVA the SDPA rows stand, unless the pass records the Z_vis attention
     plain = MoLEConfig(n_vis=1, n_sum=0, top_k=1, router=False, esva=False)
     st = _pass([TEXT, ZVIS, TEXT], plain, zpos=[1], zout=zout)
-    assert out.new_tensor(0).dtype == torch.bfloat16
     out, _ = mole_attention(_module(), q, k, v, FULL, scaling=2.0, mole=st)
     assert out[0, 1, :, 0].tolist() != [10.0, 20.0] and not hasattr(st.mole, "seen")
     st = _pass([TEXT, ZVIS, TEXT], plain, zpos=[1], record=True, zout=zout)
@@ -320,6 +319,14 @@ def test_pass_packs_the_visual_positions_per_row():
     assert st.vis_ok.device.type == "meta" and st.vis_idx.device.type == "meta"
 
 
+def test_pass_packs_visual_positions_in_order_on_a_long_row():
+    # 200 tokens, every third visual: vis_idx lists 0, 3, ..., 198 in order (a stable sort; an unstable one
+    # permutes equal keys on CPU at this length)
+    types = torch.tensor([[VIS if i % 3 == 0 else TEXT for i in range(200)]])
+    st = MoLEPass(_StubMoLE(cfg=MoLEConfig(), training=False, reduce=None), types, torch.zeros(1, 1, dtype=torch.long))
+    assert st.vis_idx.tolist() == [list(range(0, 200, 3))] and st.vis_ok.all()
+
+
 def test_pass_mask_is_the_topology_over_each_base_mask_once():
     types = [TEXT, VIS, ZVIS, TEXT]
     cfg = MoLEConfig(n_vis=1, n_sum=0, top_k=1)
@@ -384,6 +391,23 @@ def test_mole_router_init_scale():
     # nn.Linear default has std 1 / sqrt(3 d) = .036, d^(+1/2) 16)
     m = _mole(MoLEConfig(n_vis=4, n_sum=0, top_k=1, esva=False), d=256, H=2, Hkv=1, D=4)
     assert 0.8 / 16 < m.routers[0].weight.std().item() < 1.2 / 16
+
+
+def test_mole_init_follows_the_models_device_and_names():
+    # MoLE's own parameters move to the device the model reports
+    m = _mole(device="meta")
+    assert m.latent.device.type == "meta" and m.routers[0].weight.device.type == "meta"
+    assert m.esva[0].w1.device.type == "meta"
+    # a vision config without an attention name: sdpa
+    m = _mole(vision_impl="unset")
+    assert m.model.impl_calls == [{"text_config": "mole", "vision_config": "sdpa"}]
+    # the repo's VLProcessor (anything with prompt_and_labels) gets a QwenVLAdapter over this model
+    proc = SimpleNamespace(prompt_and_labels=None, image_token_id=IMG, pad_token_id=PADID, eos_token_id=EOS,
+                           tail_ids=lambda: TAIL)
+    torch.manual_seed(0)
+    model = _FakeVLM()
+    m = MoLE(model, proc, MoLEConfig(n_vis=2, n_sum=1, top_k=1))
+    assert m.adapter.model is model and m.proc is proc and m.tail_ids == TAIL
 
 
 def test_remove_gives_the_model_back():
@@ -512,6 +536,38 @@ def test_route_hook_reads_the_hidden_state_of_its_own_layer():
     m._route_hook(0)(None, (h,), {})                   # a call without a MoLE pass (plain use of the model) passes
 
 
+def _route_case(m, dtype=torch.float32):
+    """Router = identity on the first two of d = 4 dims. Tokens: text [5, 0] (never routed), visual [ln 3, 0],
+    [0, ln 3], [ln 3, 0]: probs [3/4, 1/4], [1/4, 3/4], [3/4, 1/4], top-1 experts 0, 1, 0."""
+    with torch.no_grad():
+        m.routers[0].weight.zero_()
+        m.routers[0].weight[:, :2] = torch.eye(2)
+    l3 = math.log(3)
+    h = torch.tensor([[[5.0, 0, 0, 0], [l3, 0, 0, 0], [0, l3, 0, 0], [l3, 0, 0, 0]]], dtype=dtype)
+    st = MoLEPass(m, torch.tensor([[TEXT, VIS, VIS, VIS]]), torch.zeros(1, 2, dtype=torch.long))
+    m.route(0, h, st)
+    return st
+
+
+def test_route_hand_computed():
+    m = _mole(MoLEConfig(n_vis=2, n_sum=0, top_k=1, alpha=2.0))
+    st = _route_case(m)
+    sel, prior = st.route[0]
+    assert sel[0].tolist() == [[False, False], [True, False], [False, True], [True, False]]
+    # K = 1: rho = 1 for the kept expert, b = alpha log(1 + eps) = 2 log(1.0001) = 1.99990e-4; 0 elsewhere.
+    # fp32 rounds 1 + eps by up to 2^-24 (6e-8), which the log passes on and alpha doubles: abs 2.5e-7
+    b = pytest.approx(2 * math.log(1 + 1e-4), abs=2.5e-7)
+    assert prior[0].tolist() == [[0.0, 0.0], [b, 0.0], [0.0, b], [b, 0.0]]
+    assert prior.dtype == torch.float32
+    # over the visual tokens only: f = [2/3, 1/3], P = [7/12, 5/12]: E sum f P = 2 (14 + 5) / 36 = 19/18;
+    # z = mean logsumexp^2 = (ln 4)^2 (the text token's logsumexp ln(e^5 + 1) is left out)
+    assert st.balance[0].item() == pytest.approx(19 / 18, rel=1e-6)
+    assert st.z[0].item() == pytest.approx(math.log(4) ** 2, rel=1e-6)
+    # bfloat16 hidden states are read in the router's dtype (fp32 weights): the same choices
+    st = _route_case(m, torch.bfloat16)
+    assert st.route[0][0][0].tolist() == sel[0].tolist()
+
+
 def _ce(logits, labels):
     """Mean over labelled positions of -log softmax(logits[t])[labels[t + 1]], written out in float64."""
     terms = []
@@ -585,62 +641,7 @@ def test_forward_without_router_has_zero_aux_losses():
     assert all(out[key].dtype == torch.float32 for key in ("balance", "z", "div"))
 
 
-def test_mole_init_follows_the_models_device_and_names():
-    # MoLE's own parameters move to the device the model reports
-    m = _mole(device="meta")
-    assert m.latent.device.type == "meta" and m.routers[0].weight.device.type == "meta"
-    assert m.esva[0].w1.device.type == "meta"
-    # a vision config without an attention name: sdpa
-    m = _mole(vision_impl="unset")
-    assert m.model.impl_calls == [{"text_config": "mole", "vision_config": "sdpa"}]
-    # the repo's VLProcessor (anything with prompt_and_labels) gets a QwenVLAdapter over this model
-    proc = SimpleNamespace(prompt_and_labels=None, image_token_id=IMG, pad_token_id=PADID, eos_token_id=EOS,
-                           tail_ids=lambda: TAIL)
-    torch.manual_seed(0)
-    model = _FakeVLM()
-    m = MoLE(model, proc, MoLEConfig(n_vis=2, n_sum=1, top_k=1))
-    assert m.adapter.model is model and m.proc is proc and m.tail_ids == TAIL
-
-
-def test_pass_packs_visual_positions_in_order_on_a_long_row():
-    # 200 tokens, every third visual: vis_idx lists 0, 3, ..., 198 in order (a stable sort; an unstable one
-    # permutes equal keys on CPU at this length)
-    types = torch.tensor([[VIS if i % 3 == 0 else TEXT for i in range(200)]])
-    st = MoLEPass(_StubMoLE(cfg=MoLEConfig(), training=False, reduce=None), types, torch.zeros(1, 1, dtype=torch.long))
-    assert st.vis_idx.tolist() == [list(range(0, 200, 3))] and st.vis_ok.all()
-
-
-def _route_case(m, dtype=torch.float32):
-    """Router = identity on the first two of d = 4 dims. Tokens: text [5, 0] (never routed), visual [ln 3, 0],
-    [0, ln 3], [ln 3, 0]: probs [3/4, 1/4], [1/4, 3/4], [3/4, 1/4], top-1 experts 0, 1, 0."""
-    with torch.no_grad():
-        m.routers[0].weight.zero_()
-        m.routers[0].weight[:, :2] = torch.eye(2)
-    l3 = math.log(3)
-    h = torch.tensor([[[5.0, 0, 0, 0], [l3, 0, 0, 0], [0, l3, 0, 0], [l3, 0, 0, 0]]], dtype=dtype)
-    st = MoLEPass(m, torch.tensor([[TEXT, VIS, VIS, VIS]]), torch.zeros(1, 2, dtype=torch.long))
-    m.route(0, h, st)
-    return st
-
-
-def test_route_hand_computed():
-    m = _mole(MoLEConfig(n_vis=2, n_sum=0, top_k=1, alpha=2.0))
-    st = _route_case(m)
-    sel, prior = st.route[0]
-    assert sel[0].tolist() == [[False, False], [True, False], [False, True], [True, False]]
-    # K = 1: rho = 1 for the kept expert, b = alpha log(1 + eps) = 2 log(1.0001) = 1.99990e-4; 0 elsewhere.
-    # fp32 rounds 1 + eps by up to 2^-24 (6e-8), which the log passes on and alpha doubles: abs 2.5e-7
-    b = pytest.approx(2 * math.log(1 + 1e-4), abs=2.5e-7)
-    assert prior[0].tolist() == [[0.0, 0.0], [b, 0.0], [0.0, b], [b, 0.0]]
-    assert prior.dtype == torch.float32
-    # over the visual tokens only: f = [2/3, 1/3], P = [7/12, 5/12]: E sum f P = 2 (14 + 5) / 36 = 19/18;
-    # z = mean logsumexp^2 = (ln 4)^2 (the text token's logsumexp ln(e^5 + 1) is left out)
-    assert st.balance[0].item() == pytest.approx(19 / 18, rel=1e-6)
-    assert st.z[0].item() == pytest.approx(math.log(4) ** 2, rel=1e-6)
-    # bfloat16 hidden states are read in the router's dtype (fp32 weights): the same choices
-    st = _route_case(m, torch.bfloat16)
-    assert st.route[0][0][0].tolist() == sel[0].tolist()
-
+# ----------------------------------------------------------------------------- MoLE: aux losses, latent attention paths
 
 def test_aux_losses_use_the_data_parallel_reduce_in_training():
     # a reduce that halves every count (as if the other process had no token): the global token and pair
