@@ -40,7 +40,8 @@ TARGETS = {
                            "tests/test_rolemerge_mutants.py"],
     "mod/model.py": ["tests/test_mod_equations.py", "tests/test_mod_decode.py", "tests/test_mod_mutants.py",
                      "tests/test_mod_model_fast.py"],
-    "mole/model.py": ["tests/test_mole_router.py", "tests/test_mole_mutants.py"],   # test_mole.py: whole forwards
+    "mole/model.py": ["tests/test_mole_router.py", "tests/test_mole_mutants.py",
+                      "tests/test_mole_model_fast.py"],   # test_mole.py: whole forwards
     "rolemerge/comparators.py": ["tests/test_rolemerge_comparators.py", "tests/test_rolemerge_hcsmoe.py",
                                  "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py"],
 }
@@ -187,6 +188,22 @@ EQUIVALENT = {
     "mole.model.x_init_latents__mutmut_7": "the CPU generator's noise is not moved to the table's device: the same on "
                                            "CPU; a CUDA table would fail (no GPU here to test it)",
     "mole.model.x_topology_mask__mutmut_36": "base.to(None) keeps the documented bool base mask as it is",
+    # mole/model.py (the rest of the file)
+    "mole.model.xǁMoLEPassǁ__init____mutmut_22": "argsort's default dim -1 is dim 1 of the 2-d [B, L] types",
+    "mole.model.xǁMoLEPassǁ__init____mutmut_24": "a stable argsort of the bool mask: False < True sorts like 0 < 1",
+    "mole.model.xǁMoLEǁ__init____mutmut_48": "nn.Linear(bias=None): None is falsy, no bias either way",
+    "mole.model.xǁMoLEǁencode__mutmut_40": "pad tests side == 'right' only: any other no-answer side pads left",
+    "mole.model.xǁMoLEǁencode__mutmut_41": "as encode__mutmut_40",
+    "mole.model.xǁMoLEǁforward__mutmut_101": "cross_entropy's default ignore_index is -100, the one written",
+    "mole.model.xǁMoLEǁlatent_attention__mutmut_131": "einsum subscripts in upper case: the same contraction",
+    "mole.model.xǁMoLEǁtoken_types__mutmut_14": "Z_vis also at j = n_vis: the next line sets every j >= n_vis to ZSUM",
+    "mole.model.xǁMoLEǁzvis_positions__mutmut_8": "is_z also at j = n_vis: that Z_sum goes to slot n_vis, the dump slot "
+                                                   "that non-latents use and the slice drops",
+    "mole.model.xǁMoLEǁzvis_positions__mutmut_44": "one more dump slot that nothing writes; the slice keeps the first n_vis",
+    "mole.model.xǁMoLEǁzvis_positions__mutmut_26": "positions on the default device: the same on CPU and meta (whose "
+                                                    "scatter_ does not check devices); a CUDA batch would fail (no GPU "
+                                                    "in this pass)",
+    "mole.model.xǁMoLEǁzvis_positions__mutmut_28": "as zvis_positions__mutmut_26",
     # rolemerge/comparators.py (equation functions)
     "rolemerge.comparators.x_mergemoe_down__mutmut_15": "einsum subscripts in upper case: the same contraction",
     "rolemerge.comparators.x_mergemoe_down__mutmut_24": "einsum subscripts in upper case: the same contraction",
