@@ -93,6 +93,11 @@ EQUIVALENT = {
                                                   "distance",
     "rolemerge.model.x_kmeans_groups__mutmut_95": "never stopping early: once the assignment repeats, C and every later "
                                                   "assignment repeat",
+    "rolemerge.model.x_kmeans_groups__mutmut_46": "the duplicates-only seeding repeats a used index: every point already "
+                                                  "sits at distance 0 on an earlier centre, so the first argmin (first "
+                                                  "minimum) and the repair never read the added centres, and C is then "
+                                                  "recomputed from the assignment (cdist giving the same zeros in both "
+                                                  "calls: exact per pair for N <= 25)",
     "rolemerge.model.x_mst_weight__mutmut_15": "a float64 done mask only serves as np.where's condition",
     "rolemerge.model.x_mst_weight__mutmut_17": "as mst_weight__mutmut_15",
     "rolemerge.model.x_partition_score__mutmut_13": "D keeps d_norm's diagonal: Prim never reads d[j, j] for j outside "
