@@ -160,6 +160,12 @@ EQUIVALENT = {
     "rolemerge.comparators.x_svd_merge__mutmut_46": "as svd_merge__mutmut_45",
     "rolemerge.comparators.x_nash_weights__mutmut_10": "n from shape[1]: the Gram M is square",
     "rolemerge.comparators.x_mergemoe_down__mutmut_70": "I from shape[1]: P = h'^T h' is square",
+    "rolemerge.comparators.x_nash_weights__mutmut_67": "a trial point with an exact 0 (and no negative) entry: -log 0 "
+                                                       "makes f = +inf > the finite f(a), so it is halved either way",
+    "rolemerge.comparators.x_nash_weights__mutmut_76": "t <= 1e-20: t is a power of two (1 halved), never exactly 1e-20",
+    "rolemerge.comparators.x_nash_weights__mutmut_89": "final residual <= 1e-8: |x - 1| for a float x in [.5, 2] is a "
+                                                       "multiple of 2^-53 and float(1e-8) is not (1e-8 * 2^53 = "
+                                                       "90071992.55); outside [.5, 2] it is >= .5",
     "rolemerge.comparators.x_output_cosines__mutmut_17": "n >= 0 instead of > 0: a zero output gives 0 / 1e-300 = 0 "
                                                          "either way",
     "rolemerge.comparators.x_output_cosines__mutmut_30": "einsum subscripts in upper case: the same contraction",
