@@ -166,6 +166,46 @@ EQUIVALENT = {
     "rolemerge.comparators.x_nash_weights__mutmut_89": "final residual <= 1e-8: |x - 1| for a float x in [.5, 2] is a "
                                                        "multiple of 2^-53 and float(1e-8) is not (1e-8 * 2^53 = "
                                                        "90071992.55); outside [.5, 2] it is >= .5",
+    "rolemerge.comparators.x_expert_hidden__mutmut_10": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_expert_hidden__mutmut_18": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x__fill_empty__mutmut_9": "bincount without minlength: the counts are indexed by labels that "
+                                                    "occur",
+    "rolemerge.comparators.x__fill_empty__mutmut_31": "-2.0 instead of -1.0: any negative value is below every distance",
+    "rolemerge.comparators.x_hartigan__mutmut_5": "numpy's astype(None) is float64",
+    "rolemerge.comparators.x_hartigan__mutmut_9": "bincount without minlength: the labels hold K non-empty clusters "
+                                                  "(documented input; kmeans passes _fill_empty's labels)",
+    "rolemerge.comparators.x_hartigan__mutmut_17": "moved = None: only read as `not moved`, and None is false like False",
+    "rolemerge.comparators.x_hartigan__mutmut_18": "never stopping early: a pass without a move changes nothing, so the "
+                                                   "later passes repeat it",
+    "rolemerge.comparators.x_kmeans_plusplus__mutmut_42": "multinomial normalises its weights: d2 * pot and d2 / pot "
+                                                          "draw alike (exact arithmetic)",
+    "rolemerge.comparators.x__mergemoe__mutmut_9": "mean outputs scaled by a positive constant: Euclidean linkage "
+                                                   "merges the same pairs (exact arithmetic)",
+    "rolemerge.comparators.x__mergemoe__mutmut_19": "as _mergemoe__mutmut_9 (max(tokens, 2) differs from max(tokens, 1) "
+                                                    "only by a positive factor)",
+    "rolemerge.comparators.x__ream__mutmut_158": "cost = instead of cost +=: cost is all zeros before, the same "
+                                                 "float64 matrix either way",
+    "rolemerge.comparators.x__ream__mutmut_146": "avg_freq also solved as an assignment: it builds no features, the "
+                                                 "cost is all zeros and linear_assignment returns the identity for it "
+                                                 "(the first of equal minima at every step)",
+    "rolemerge.comparators.x__ream__mutmut_147": "as _ream__mutmut_146",
+    "rolemerge.comparators.x_ream_groups__mutmut_36": "group_size > 1 for the branch: group_size 1 passes the capacity "
+                                                      "check only at K = N, where every expert is a centroid and "
+                                                      "neither branch assigns anything",
+    "rolemerge.comparators.x_ream_groups__mutmut_60": "a later early exit: once every expert has a label the remaining "
+                                                      "centroids find nothing unassigned and change nothing",
+    "rolemerge.comparators.x_ream_groups__mutmut_61": "as ream_groups__mutmut_60",
+    "rolemerge.comparators.x_submoe_groups__mutmut_4": "k-means on the rows of 1 + S instead of 1 - S: a reflection "
+                                                       "and shift, the same Euclidean distances and variance "
+                                                       "(exact arithmetic)",
+    "rolemerge.comparators.x_submoe_groups__mutmut_5": "2 - S instead of 1 - S: every row shifted by the same vector, "
+                                                       "the same distances and variance (exact arithmetic)",
+    "rolemerge.comparators.x_linear_assignment__mutmut_8": "n from shape[1]: the matrix must be square, checked next "
+                                                           "with the same message",
+    "rolemerge.comparators.x_linear_assignment__mutmut_14": "one more row potential that nothing reads",
+    "rolemerge.comparators.x_ream_weight_features__mutmut_39": "the column mean without keepdim: [3H] broadcasts over "
+                                                               "the rows like [1, 3H]",
+    "rolemerge.comparators.x_ream_weight_features__mutmut_41": "as ream_weight_features__mutmut_39",
     "rolemerge.comparators.x_output_cosines__mutmut_17": "n >= 0 instead of > 0: a zero output gives 0 / 1e-300 = 0 "
                                                          "either way",
     "rolemerge.comparators.x_output_cosines__mutmut_30": "einsum subscripts in upper case: the same contraction",
