@@ -8,10 +8,12 @@ import math
 import pytest
 import torch
 
-from rolemerge.comparators import (frequency_weights, hartigan, kmeans, kmeans_plusplus, linear_assignment,
-                                   merge_layer, mergemoe_down, namex_merge,
-                                   nash_weights, ream_distance, ream_groups, ream_saliency, submoe_groups, submoe_similarity,
-                                   svd_merge)
+from helpers import tiny_qwen3_moe
+from rolemerge import baselines, blocks
+from rolemerge.comparators import (NEEDS, ComparatorRecorder, _unit_rows, collect, frequency_weights, hartigan, kmeans,
+                                   kmeans_plusplus, linear_assignment, merge_layer, mergemoe_down, namex_merge,
+                                   nash_weights, ream_distance, ream_groups, ream_saliency, ream_weight_features,
+                                   submoe_groups, submoe_similarity, svd_merge)
 
 
 def test_nash_weights_orthogonal_directions_closed_form():
@@ -509,3 +511,66 @@ def test_merge_layer_act_dtype_and_finite_message():
                                          r"inf\)$"):
         merge_layer("namex", dict(W, up=torch.full((4, 2, 3), float("inf"))), {"count": torch.ones(4),
                     "logit_gram": torch.eye(4, dtype=torch.float64)}, 4)
+
+
+def test_recorder_features_per_method_and_its_seeded_sample():
+    # one MoE layer, one batch of 10 tokens. Each method recorded alone gets its own features, equal bit for bit
+    # to those of a recording of all four (the output sums are not skipped for Sub-MoE or MergeMoE alone), and
+    # nothing else (no token sample for Sub-MoE or NAMEx); counts are float64.
+    model = tiny_qwen3_moe(N=4, layers=1)
+    batch = [{"input_ids": torch.tensor([[(3 * i + 1) % 32 for i in range(10)]]),
+              "attention_mask": torch.ones(1, 10, dtype=torch.long)}]
+    torch.manual_seed(0)
+    expected_rand = torch.rand(2)
+    torch.manual_seed(0)
+    full = collect(model, batch, sample_tokens=4)[0]
+    assert full["count"].dtype == torch.float64
+    for method, names in NEEDS.items():
+        alone = collect(model, batch, methods=(method,), sample_tokens=4)[0]
+        assert set(alone) - {"x_sample_topk", "x_sample_key"} == (names | {"count", "tokens"}) - {"x_sample_topk"}
+        for name in names:
+            assert torch.equal(torch.as_tensor(alone[name]), torch.as_tensor(full[name])), (method, name)
+    # the sample is drawn from the recorder's own generator (the global one is untouched): seed s gives the
+    # tokens with the 4 smallest of torch.rand(10, float64) keys from manual_seed(s), in arrival order;
+    # the recorder's default seed is 0
+    assert torch.equal(torch.rand(2), expected_rand)
+    hidden = []
+    h = blocks.moe_blocks(model)[0][1].experts.register_forward_hook(lambda m, a, o: hidden.append(a[0].detach()))
+    with torch.no_grad():
+        model(**batch[0])
+    h.remove()
+    for seed in (0, 1):
+        keys = torch.rand(10, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        keep = keys.argsort()[:4].sort().values
+        rec = ComparatorRecorder(model, ("mergemoe",), 4, **({} if seed == 0 else {"seed": seed}))
+        feats = baselines.run_recorder(rec, model, batch)[0]
+        assert torch.equal(feats["x_sample"], hidden[0][keep].float()) and torch.equal(feats["x_sample_key"], keys[keep])
+
+
+def test_ream_weight_features_scale_by_singular_values_below_one():
+    # two neurons (N = 2, I = 1, H = 1), rows [gate | up | down] = [1, 0, 0] and [.6, .8, 0] (unit already):
+    # centred rows -+[.2, -.4, 0], Gram [[.08, -.16, 0], [-.16, .32, 0], 0] with eigenvalues .4, 0, 0.
+    # Feature 1 = row . v sqrt .4 with v = [1, -2, 0] / sqrt 5: |.2 + .8| / sqrt 5 * sqrt .4 = sqrt .08
+    # (a singular value below 1 is kept, not floored); the zero-eigenvalue features are 0
+    gate, up, down = torch.tensor([[[1.0]], [[0.6]]]), torch.tensor([[[0.0]], [[0.8]]]), torch.zeros(2, 1, 1)
+    f = ream_weight_features(gate, up, down)
+    assert f.shape == (2, 1, 3)
+    assert f[:, 0, 0].abs().tolist() == pytest.approx([math.sqrt(0.08)] * 2, rel=1e-7)
+    assert f[:, 0, 1:].abs().max() < 1e-7
+    # the default keeps 64 principal axes (3 H = 66 here)
+    assert ream_weight_features(torch.zeros(1, 1, 22), torch.zeros(1, 1, 22), torch.zeros(1, 22, 1)).shape == (1, 1, 64)
+
+
+def test_ream_unit_rows_and_pca_dim_option():
+    # rows divided by their norm + 1e-8: [3, 4] -> [3, 4] / (5 + 1e-8)
+    a = torch.tensor([[3.0, 4.0]], dtype=torch.float64)
+    assert torch.equal(_unit_rows(a), a / (5.0 + 1e-8))
+    # pca_dim reaches the weight features: 1 axis aligns neurons differently from all 9 here
+    # (compared with merge_layer's own default, found by trying seeds: seed 0 already differs)
+    W, feats = _layer(4, 3, 3, 0), _ream_feats(0)
+    one = merge_layer("ream", W, feats, 2, groups=[[0, 1], [2, 3]], merging="weights", pca_dim=1)
+    assert not torch.equal(one["gate"], merge_layer("ream", W, feats, 2, groups=[[0, 1], [2, 3]],
+                                                    merging="weights")["gate"])
+    nine = merge_layer("ream", W, feats, 2, groups=[[0, 1], [2, 3]], merging="weights", pca_dim=9)
+    assert torch.equal(nine["gate"], merge_layer("ream", W, feats, 2, groups=[[0, 1], [2, 3]],
+                                                 merging="weights")["gate"])

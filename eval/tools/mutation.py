@@ -206,6 +206,19 @@ EQUIVALENT = {
     "rolemerge.comparators.x_ream_weight_features__mutmut_39": "the column mean without keepdim: [3H] broadcasts over "
                                                                "the rows like [1, 3H]",
     "rolemerge.comparators.x_ream_weight_features__mutmut_41": "as ream_weight_features__mutmut_39",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_35":
+        "need | {...} is always true: the block then also computes the outputs, but each sum is still gated by "
+        "its own name",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_40":
+        "REAM's need holds both REAM sums, so the set still meets it with one name misspelt",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_41": "as ComparatorRecorder._hook__mutmut_40",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_42": "as ComparatorRecorder._hook__mutmut_40",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_43": "as ComparatorRecorder._hook__mutmut_40",
+    "rolemerge.comparators.xǁComparatorRecorderǁ__init____mutmut_7":
+        "count and tokens are accumulated whatever need holds: need is asked only for the other names",
+    "rolemerge.comparators.xǁComparatorRecorderǁ__init____mutmut_8": "as ComparatorRecorder.__init____mutmut_7",
+    "rolemerge.comparators.xǁComparatorRecorderǁ__init____mutmut_9": "as ComparatorRecorder.__init____mutmut_7",
+    "rolemerge.comparators.xǁComparatorRecorderǁ__init____mutmut_10": "as ComparatorRecorder.__init____mutmut_7",
     "rolemerge.comparators.x_output_cosines__mutmut_17": "n >= 0 instead of > 0: a zero output gives 0 / 1e-300 = 0 "
                                                          "either way",
     "rolemerge.comparators.x_output_cosines__mutmut_30": "einsum subscripts in upper case: the same contraction",
