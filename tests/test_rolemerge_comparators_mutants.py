@@ -574,3 +574,10 @@ def test_ream_unit_rows_and_pca_dim_option():
     nine = merge_layer("ream", W, feats, 2, groups=[[0, 1], [2, 3]], merging="weights", pca_dim=9)
     assert torch.equal(nine["gate"], merge_layer("ream", W, feats, 2, groups=[[0, 1], [2, 3]],
                                                  merging="weights")["gate"])
+
+
+def test_kmeans_reads_a_list_in_float64():
+    # x = 0, 1 + 1e-9, 2, K = 2: {1 + 1e-9, 2} has inertia (1 - 1e-9)^2 / 2, below {0, 1 + 1e-9}'s
+    # (1 + 1e-9)^2 / 2, so the middle point joins 2 (in float32 it is exactly 1, a tie)
+    labels = kmeans([[0.0], [1.0 + 1e-9], [2.0]], 2).tolist()
+    assert labels[1] == labels[2] != labels[0]
