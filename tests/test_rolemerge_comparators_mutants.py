@@ -227,13 +227,14 @@ def test_nash_weights_halves_a_step_that_leaves_the_positive_orthant():
 
 
 def test_nash_weights_stall_message():
-    # M = [[1, q], [q, 4]], q = -4 - d, d = 2^-20 (indefinite: no Gram has it, but nothing stops a caller).
+    # M = [[1, q], [q, 4]], q = -4 - d, d = 2^-30 (indefinite: no Gram has it, but nothing stops a caller).
     # a_0 = [1, .5], gradient M a_0 - 1/a_0 = [q/2, q], Newton matrix [[2, q], [q, 8]] maps a_0 to
-    # (2 + q/2) [1, 2], so the step is q / (4 + q) a_0 = (4 + d)/d a_0 = 4194305 a_0: every trial point is
+    # (2 + q/2) [1, 2], so the step is q / (4 + q) a_0 = (4 + d)/d a_0 = 4294967297 a_0: every trial point is
     # lam a_0 with lam = 1 - t (4 + d)/d. lam <= 0 is infeasible; for 0 < lam < 1,
     # f(lam a_0) = lam^2 (2 + q) / 2 - 2 log lam + const falls as lam grows, so f > f(a_0). At t = 2^-66, the
-    # last t >= 1e-20, lam = 1 - 5.7e-14 still differs from 1, so the halving runs out: "stalled".
-    q = -4.0 - 2.0 ** -20
+    # last t >= 1e-20, lam = 1 - 5.8e-11 (f higher by about 2.3e-10, far above its rounding), so the halving
+    # runs out: "stalled".
+    q = -4.0 - 2.0 ** -30
     with pytest.raises(ValueError, match=r"^Nash bargaining solve stalled$"):
         nash_weights([[1.0, q], [q, 4.0]], ridge=0.0)
 
