@@ -10,10 +10,10 @@ import torch
 
 from helpers import tiny_qwen3_moe
 from rolemerge import baselines, blocks
-from rolemerge.comparators import (NEEDS, ComparatorRecorder, _unit_rows, collect, frequency_weights, hartigan, kmeans,
-                                   kmeans_plusplus, linear_assignment, merge_layer, mergemoe_down, namex_merge,
-                                   nash_weights, ream_distance, ream_groups, ream_saliency, ream_weight_features,
-                                   submoe_groups, submoe_similarity, svd_merge)
+from rolemerge.comparators import (NEEDS, ComparatorRecorder, _unit_rows, collect, expert_hidden, frequency_weights,
+                                   hartigan, kmeans, kmeans_plusplus, linear_assignment, merge_layer, mergemoe_down,
+                                   namex_merge, nash_weights, ream_distance, ream_groups, ream_saliency,
+                                   ream_weight_features, submoe_groups, submoe_similarity, svd_merge)
 
 
 def test_nash_weights_orthogonal_directions_closed_form():
@@ -582,3 +582,22 @@ def test_kmeans_reads_a_list_in_float64():
     # (1 + 1e-9)^2 / 2, so the middle point joins 2 (in float32 it is exactly 1, a tie)
     labels = kmeans([[0.0], [1.0 + 1e-9], [2.0]], 2).tolist()
     assert labels[1] == labels[2] != labels[0]
+
+
+def test_ream_activation_features_unit_rows_only_with_two_samples_or_more():
+    # group {0, 1} (saliency 2 and 2: weights .5, .5, centroid 0): member 1's neurons are permuted by the optimal
+    # assignment on the cdist of the neurons' activations over the sampled tokens, raw for one token and
+    # unit rows for two or more (compared with that transcription; seed 3 is a layer where both rules
+    # give different permutations, found by trying seeds)
+    W, g = _layer(4, 3, 3, 3), torch.Generator().manual_seed(3)
+    x1, x2 = torch.randn(1, 3, generator=g), torch.randn(2, 3, generator=g)
+    gate = W["gate"].double()
+
+    def merged(x, unit):
+        act = expert_hidden(gate, W["up"].double(), x.double(), torch.nn.functional.silu).transpose(1, 2)
+        act = _unit_rows(act) if unit else act
+        return (0.5 * gate[0] + 0.5 * gate[1][linear_assignment(torch.cdist(act[0], act[1]))]).float()
+
+    for x, unit in ((x1, False), (x2, True)):
+        out = merge_layer("ream", W, dict(_ream_feats(0), x_sample=x), 2, groups=[[0, 1], [2, 3]], merging="logits")
+        assert torch.equal(out["gate"][0], merged(x, unit)) and not torch.equal(merged(x, unit), merged(x, not unit))
