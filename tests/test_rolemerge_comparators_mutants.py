@@ -545,7 +545,8 @@ def test_recorder_features_per_method_and_its_seeded_sample():
         keep = keys.argsort()[:4].sort().values
         rec = ComparatorRecorder(model, ("mergemoe",), 4, **({} if seed == 0 else {"seed": seed}))
         feats = baselines.run_recorder(rec, model, batch)[0]
-        assert torch.equal(feats["x_sample"], hidden[0][keep].float()) and torch.equal(feats["x_sample_key"], keys[keep])
+        assert torch.equal(feats["x_sample"], hidden[0][keep].float())
+        assert torch.equal(feats["x_sample_key"], keys[keep])
 
 
 def test_ream_weight_features_scale_by_singular_values_below_one():
