@@ -602,3 +602,11 @@ def test_ream_activation_features_unit_rows_only_with_two_samples_or_more():
     for x, unit in ((x1, False), (x2, True)):
         out = merge_layer("ream", W, dict(_ream_feats(0), x_sample=x), 2, groups=[[0, 1], [2, 3]], merging="logits")
         assert torch.equal(out["gate"][0], merged(x, unit)) and not torch.equal(merged(x, unit), merged(x, not unit))
+
+
+def test_recorder_takes_no_sample_from_padding_only():
+    # every position padding: no token reaches the sums or the sample (no x_sample entry at all)
+    model = tiny_qwen3_moe(N=4, layers=1)
+    batch = [{"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.zeros(1, 3, dtype=torch.long)}]
+    feats = collect(model, batch, methods=("mergemoe",), sample_tokens=2)[0]
+    assert feats["tokens"] == 0 and "x_sample" not in feats and float(feats["count"].sum()) == 0.0
