@@ -610,3 +610,10 @@ def test_recorder_takes_no_sample_from_padding_only():
     batch = [{"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.zeros(1, 3, dtype=torch.long)}]
     feats = collect(model, batch, methods=("mergemoe",), sample_tokens=2)[0]
     assert feats["tokens"] == 0 and "x_sample" not in feats and float(feats["count"].sum()) == 0.0
+
+
+def test_linear_assignment_of_equal_costs_is_the_identity():
+    # every matching of an all-zero cost is optimal; the first of equal minima is kept at every step, so the
+    # identity comes back (REAM's avg_freq relies on it: its cost is all zeros)
+    for n in range(1, 9):
+        assert linear_assignment(torch.zeros(n, n)).tolist() == list(range(n))
