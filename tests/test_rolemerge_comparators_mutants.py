@@ -617,3 +617,10 @@ def test_linear_assignment_of_equal_costs_is_the_identity():
     # identity comes back (REAM's avg_freq relies on it: its cost is all zeros)
     for n in range(1, 9):
         assert linear_assignment(torch.zeros(n, n)).tolist() == list(range(n))
+
+
+def test_hartigan_never_moves_a_singleton():
+    # x = [.1, .7, 1], clusters 0 = {.1, .7} (c .4), 1 = {1}: .7 moves to cluster 1 (1/2 * .09 < 2 * .09).
+    # Cluster 0's centre becomes (2 * .4 - .7) / 1 = .09999999999999998 in float64, not .1: .1 is then a
+    # singleton a rounding error from its centre, and must stay (moving it would empty cluster 0): [0, 1, 1]
+    assert _hartigan([0.1, 0.7, 1.0], [0, 0, 1], 2) == [0, 1, 1]
