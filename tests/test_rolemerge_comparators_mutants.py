@@ -470,9 +470,10 @@ def test_linear_assignment_reads_float64_and_names_a_non_square_matrix():
 
 
 def test_kmeans_keeps_the_first_of_equal_restarts():
-    # two clear pairs: every restart reaches the same inertia; the first run's labels are kept
-    X = [[0.0], [0.1], [5.0], [5.1]]
-    assert kmeans(X, 2).tolist() == kmeans(X, 2, n_init=1).tolist() == [1, 1, 0, 0]
+    # two clear triples: every restart reaches the same inertia (4), the labels only name the clusters
+    # differently; the first run's labels are kept (with seed 0, a later run numbers them the other way)
+    X = [[0.0], [1.0], [2.0], [10.0], [11.0], [12.0]]
+    assert kmeans(X, 2, seed=0).tolist() == kmeans(X, 2, seed=0, n_init=1).tolist() == [0, 0, 0, 1, 1, 1]
 
 
 def test_kmeans_plusplus_is_scale_free():
