@@ -573,3 +573,26 @@ def test_kmeans_groups_never_empties_a_cluster_on_duplicate_rows():
         groups = kmeans_groups(x, K, seed=seed, iters=iters)
         assert len(groups) == K and all(groups), (x, K, seed, iters, groups)
         assert sorted(i for g in groups for i in g) == list(range(len(x))), (x, K, seed, iters, groups)
+
+
+# 60 points between a block of ten 0s and a block of ten 100s, placed so that k-means (K = 2) moves
+# exactly one of them from the right cluster to the left one per Lloyd step (constructed with a small
+# numpy script: each point lies between two consecutive boundaries of the sequence below).
+_KMEANS_CHAIN = [26.9, 28.3, 29.7, 30.9, 32.0, 33.0, 34.0, 34.9, 35.7, 36.5, 37.2, 37.9, 38.6, 39.2, 39.9, 40.5,
+                 41.0, 41.6, 42.2, 42.7, 43.2, 43.7, 44.2, 44.7, 45.2, 45.7, 46.2, 46.7, 47.1, 47.6, 48.1, 48.6,
+                 49.0, 49.5, 50.0, 50.5, 51.0, 51.5, 52.0, 52.5, 53.0, 53.5, 54.0, 54.6, 55.2, 55.8, 56.4, 57.0,
+                 57.6, 58.3, 59.0, 59.8, 60.6, 61.4, 62.3, 63.3, 64.3, 65.5, 66.7, 68.1]
+
+
+def test_kmeans_groups_default_runs_50_lloyd_steps():
+    # x = ten 0s, the 60 chain points c_1 < ... < c_60, ten 100s (indices 0-9, 10-69, 70-79), K = 2.
+    # With the 0s and c_1..c_j on the left and the rest on the right, the boundary
+    # b_j = (mean left + mean right) / 2 lies strictly between c_{j+1} and c_{j+2} (margin >= .19 for
+    # every j; e.g. j = 0: b_0 = (0 + (sum c + 1000) / 70) / 2 = 27.615, between 26.9 and 28.3), so each
+    # Lloyd step moves exactly c_{j+1} to the left. Seed 0 draws index 44 (c_35 = 50.0) then index 1
+    # (a 0; torch's generator, pinned): step 1 splits at 25, leaving only the 0s on the left, and step t
+    # leaves the 0s and c_1..c_{t-1} there. The default 50 steps end at 10 + 49 = 59 points on the left
+    # (51 would give 60); the assignment first repeats at step 62 (all 70 on the left).
+    x = [[0.0]] * 10 + [[c] for c in _KMEANS_CHAIN] + [[100.0]] * 10
+    assert kmeans_groups(x, 2) == [list(range(59)), list(range(59, 80))]
+    assert [len(kmeans_groups(x, 2, iters=t)[0]) for t in (1, 2, 49, 51, 60, 61, 80)] == [10, 11, 58, 60, 69, 70, 70]

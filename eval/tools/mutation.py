@@ -95,6 +95,11 @@ EQUIVALENT = {
                                                   "distance",
     "rolemerge.model.x_kmeans_groups__mutmut_95": "never stopping early: once the assignment repeats, C and every later "
                                                   "assignment repeat",
+    "rolemerge.model.x_kmeans_groups__mutmut_46": "the duplicates-only seeding repeats a used index: every point already "
+                                                  "sits at distance 0 on an earlier centre, so the first argmin (first "
+                                                  "minimum) and the repair never read the added centres, and C is then "
+                                                  "recomputed from the assignment (cdist giving the same zeros in both "
+                                                  "calls: exact per pair for N <= 25)",
     "rolemerge.model.x_mst_weight__mutmut_15": "a float64 done mask only serves as np.where's condition",
     "rolemerge.model.x_mst_weight__mutmut_17": "as mst_weight__mutmut_15",
     "rolemerge.model.x_partition_score__mutmut_13": "D keeps d_norm's diagonal: Prim never reads d[j, j] for j outside "
@@ -216,6 +221,65 @@ EQUIVALENT = {
     "rolemerge.comparators.x_svd_merge__mutmut_46": "as svd_merge__mutmut_45",
     "rolemerge.comparators.x_nash_weights__mutmut_10": "n from shape[1]: the Gram M is square",
     "rolemerge.comparators.x_mergemoe_down__mutmut_70": "I from shape[1]: P = h'^T h' is square",
+    "rolemerge.comparators.x_nash_weights__mutmut_67": "a trial point with an exact 0 (and no negative) entry: -log 0 "
+                                                       "makes f = +inf > the finite f(a), so it is halved either way",
+    "rolemerge.comparators.x_nash_weights__mutmut_76": "t <= 1e-20: t is a power of two (1 halved), never exactly 1e-20",
+    "rolemerge.comparators.x_nash_weights__mutmut_89": "final residual <= 1e-8: |x - 1| for a float x in [.5, 2] is a "
+                                                       "multiple of 2^-53 and float(1e-8) is not (1e-8 * 2^53 = "
+                                                       "90071992.55); outside [.5, 2] it is >= .5",
+    "rolemerge.comparators.x_expert_hidden__mutmut_10": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x_expert_hidden__mutmut_18": "einsum subscripts in upper case: the same contraction",
+    "rolemerge.comparators.x__fill_empty__mutmut_9": "bincount without minlength: the counts are indexed by labels that "
+                                                    "occur",
+    "rolemerge.comparators.x__fill_empty__mutmut_31": "-2.0 instead of -1.0: any negative value is below every distance",
+    "rolemerge.comparators.x_hartigan__mutmut_5": "numpy's astype(None) is float64",
+    "rolemerge.comparators.x_hartigan__mutmut_9": "bincount without minlength: the labels hold K non-empty clusters "
+                                                  "(documented input; kmeans passes _fill_empty's labels)",
+    "rolemerge.comparators.x_hartigan__mutmut_17": "moved = None: only read as `not moved`, and None is false like False",
+    "rolemerge.comparators.x_hartigan__mutmut_18": "never stopping early: a pass without a move changes nothing, so the "
+                                                   "later passes repeat it",
+    "rolemerge.comparators.x_kmeans_plusplus__mutmut_42": "multinomial normalises its weights: d2 * pot and d2 / pot "
+                                                          "draw alike (exact arithmetic)",
+    "rolemerge.comparators.x__mergemoe__mutmut_9": "mean outputs scaled by a positive constant: Euclidean linkage "
+                                                   "merges the same pairs (exact arithmetic)",
+    "rolemerge.comparators.x__mergemoe__mutmut_19": "as _mergemoe__mutmut_9 (max(tokens, 2) differs from max(tokens, 1) "
+                                                    "only by a positive factor)",
+    "rolemerge.comparators.x__ream__mutmut_158": "cost = instead of cost +=: cost is all zeros before, the same "
+                                                 "float64 matrix either way",
+    "rolemerge.comparators.x__ream__mutmut_146": "avg_freq also solved as an assignment: it builds no features, the "
+                                                 "cost is all zeros and linear_assignment returns the identity for it "
+                                                 "(the first of equal minima at every step)",
+    "rolemerge.comparators.x__ream__mutmut_147": "as _ream__mutmut_146",
+    "rolemerge.comparators.x_ream_groups__mutmut_36": "group_size > 1 for the branch: group_size 1 passes the capacity "
+                                                      "check only at K = N, where every expert is a centroid and "
+                                                      "neither branch assigns anything",
+    "rolemerge.comparators.x_ream_groups__mutmut_60": "a later early exit: once every expert has a label the remaining "
+                                                      "centroids find nothing unassigned and change nothing",
+    "rolemerge.comparators.x_ream_groups__mutmut_61": "as ream_groups__mutmut_60",
+    "rolemerge.comparators.x_submoe_groups__mutmut_4": "k-means on the rows of 1 + S instead of 1 - S: a reflection "
+                                                       "and shift, the same Euclidean distances and variance "
+                                                       "(exact arithmetic)",
+    "rolemerge.comparators.x_submoe_groups__mutmut_5": "2 - S instead of 1 - S: every row shifted by the same vector, "
+                                                       "the same distances and variance (exact arithmetic)",
+    "rolemerge.comparators.x_linear_assignment__mutmut_8": "n from shape[1]: the matrix must be square, checked next "
+                                                           "with the same message",
+    "rolemerge.comparators.x_linear_assignment__mutmut_14": "one more row potential that nothing reads",
+    "rolemerge.comparators.x_ream_weight_features__mutmut_39": "the column mean without keepdim: [3H] broadcasts over "
+                                                               "the rows like [1, 3H]",
+    "rolemerge.comparators.x_ream_weight_features__mutmut_41": "as ream_weight_features__mutmut_39",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_35":
+        "need | {...} is always true: the block then also computes the outputs, but each sum is still gated by "
+        "its own name",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_40":
+        "REAM's need holds both REAM sums, so the set still meets it with one name misspelt",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_41": "as ComparatorRecorder._hook__mutmut_40",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_42": "as ComparatorRecorder._hook__mutmut_40",
+    "rolemerge.comparators.xǁComparatorRecorderǁ_hook__mutmut_43": "as ComparatorRecorder._hook__mutmut_40",
+    "rolemerge.comparators.xǁComparatorRecorderǁ__init____mutmut_7":
+        "count and tokens are accumulated whatever need holds: need is asked only for the other names",
+    "rolemerge.comparators.xǁComparatorRecorderǁ__init____mutmut_8": "as ComparatorRecorder.__init____mutmut_7",
+    "rolemerge.comparators.xǁComparatorRecorderǁ__init____mutmut_9": "as ComparatorRecorder.__init____mutmut_7",
+    "rolemerge.comparators.xǁComparatorRecorderǁ__init____mutmut_10": "as ComparatorRecorder.__init____mutmut_7",
     "rolemerge.comparators.x_output_cosines__mutmut_17": "n >= 0 instead of > 0: a zero output gives 0 / 1e-300 = 0 "
                                                          "either way",
     "rolemerge.comparators.x_output_cosines__mutmut_30": "einsum subscripts in upper case: the same contraction",
