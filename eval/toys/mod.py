@@ -35,6 +35,7 @@ after N minutes (rerun to continue):
     python -m eval.toys.mod --part mad-rounds  # MAD 1-3 debate rounds beside MoD: tokens, wall time -> out/mod/mad_rounds.json
     python -m eval.toys.mod --part mad-protocols --debate-seeds 0,1,2 --debate-test 64 --batch1-test 16 --threads 1
     python -m eval.toys.mod --part results     # eval/results/mod/paper_rounds.json, mad_rounds.json, mad_protocols.json
+    python -m eval.toys.mod --part claims      # eval/results/mod/claims.json from the committed per-question files
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
@@ -52,6 +53,7 @@ from common.cli import add_threads, entry_parser, fail, late, number, set_thread
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
+from eval.toys import mod_claims
 from eval.toys import mod_debate as toy_debate
 from eval.toys import mod_mad as toy_mad
 from eval.toys import mod_mechanism as toy_mechanism
@@ -219,7 +221,8 @@ MIX_ARMS = ("MoD_pos", "MoD_pos_rev")    # the data-mix arms: lr from their own 
 PAPER_ROUNDS_MAD_TEST = 64               # MAD by debate rounds: the first 64 test questions (one batch)
 PARTS = {
     "all": "mechanism, debate and e2e (--quick: e2e only)",
-    "mechanism": "frozen single-layer experiments (eval/toys/toy_mechanism.py, -> OUT/mechanism/)",
+    "mechanism": "frozen single-layer experiments (eval/toys/toy_mechanism.py, -> OUT/mechanism/; per-token "
+                 "errors -> --results/mechanism_per_question/, then the claims part)",
     "debate": "end to end with headroom (eval/toys/toy_debate.py, -> OUT/debate/)",
     "debate-lr": "per-arm lr of the --debate-arms (default MoD,MoE-LoRA; the first two are the references every "
                  "further arm is compared with) picked on the val split, then --debate-seeds at the picks "
@@ -241,6 +244,8 @@ PARTS = {
                     "(mad-rounds on the first 64 questions) and MoD-Multi 2 rounds (-> "
                     "OUT/debate/lr/results_paper_rounds.json, OUT/mad_rounds.json)",
     "results": "write --results/paper_rounds.json, mad_rounds.json and mad_protocols.json from what is on disk",
+    "claims": "rebuild --results/claims.json from the committed per-question files (--results/*_per_question/, "
+              "two-level bootstrap, eval.toys.mod_claims) and rerun_check.json; trains nothing",
 }
 RESUMABLE = ("debate-lr", "mad-rounds", "mad-protocols", "main-a", "main-b", "paper-rounds")   # take --max-minutes
 
@@ -400,8 +405,14 @@ def main(argv=None):
                    "MoD-Multi rows (default OUT/debate/lr/MoD_lr0.01_steps500_s0, the main setting's seed 0; none: MAD rows only)")
     p.add_argument("--batch1-test", type=number(min=1), default=None, help="mad-protocols part: at batch 1 only the "
                    "first N of the --debate-test questions (per-question cost; default: all)")
-    p.add_argument("--results", default="eval/results/mod", help="results part: where the result files go "
-                   "(rewritten)")
+    p.add_argument("--results", default="eval/results/mod", help="results and claims parts: where the result files "
+                   "go (rewritten); every part that scores test runs keeps their per-question scores in "
+                   "<RESULTS>/<part>_per_question/ (eval.toys.mod_claims)")
+    p.add_argument("--mechanism-lr", default="sweep", choices=("sweep", "committed"), help="mechanism part: pick "
+                   "each arm's lr on validation (sweep) or train the test seeds at the registered run's picks "
+                   "(committed: eval.toys.mod_mechanism.COMMITTED_PICKS)")
+    p.add_argument("--overwrite", action="store_true", help="replace a run in a per-question file that holds "
+                   "other scores for it (default: error)")
     a = p.parse_args(argv)
     SLUGS = toy_debate.SLUGS
     arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
@@ -441,6 +452,9 @@ def main(argv=None):
     try:
         if a.part == "results":
             toy_mad.write_results(a.out, a.results)
+        elif a.part == "claims":
+            mod_claims.rebuild_claims(a.results)
+            mod_claims.write_check(a.results)
         elif a.part == "mad-rounds":
             toy_mad.run(a.data, a.out, a.model, a.debate_test, mad_rounds, a.mad_adapter or None, deadline=deadline)
         elif a.part == "mad-protocols":
@@ -458,7 +472,14 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     if a.part in ("all", "mechanism") and not a.quick:
-        toy_mechanism.run(os.path.join(a.out, "mechanism"))
+        try:
+            toy_mechanism.run(os.path.join(a.out, "mechanism"), overwrite=a.overwrite,
+                              picks=toy_mechanism.COMMITTED_PICKS if a.mechanism_lr == "committed" else None,
+                              per_question=os.path.join(a.results, mod_claims.MECH))
+            mod_claims.rebuild_claims(a.results)
+            mod_claims.write_check(a.results)
+        except ValueError as e:
+            fail(str(e))
     if a.part in ("all", "debate") and not a.quick:
         S, _ = lr_settings(arms, seeds, a.debate_test, rounds if a.debate_rounds is not None else None)
         toy_debate.run(a.data, a.out, a.model, S=S)
