@@ -77,7 +77,7 @@ def test_claims_part_rebuilds_from_the_files_alone(tmp_path, capsys):
 
 def test_pairing_is_checked(tmp_path):
     data = {"ids": {"a": ["q0", "q1"], "b": ["q1", "q0"]},
-            "runs": [{"arm": "A", "seed": s, "metric": "m", "ids": "a", "scores": "10"} for s in (0, 1, 2)]
+            "rows": [{"arm": "A", "seed": s, "metric": "m", "ids": "a", "scores": "10"} for s in (0, 1, 2)]
             + [{"arm": "B", "seed": s, "metric": "m", "ids": "b" if s == 2 else "a", "scores": "01"} for s in (0, 1, 2)]}
     with pytest.raises(ValueError, match="different questions in seed 2"):
         mc.compare(data, ("A", "m"), ("B", "m"))
@@ -88,13 +88,13 @@ def test_save_runs_never_replaces_silently(tmp_path):
     run = {"arm": "A", "seed": 0, "metric": "single", "ids": "test", "scores": [1, 0, 1]}
     mc.save_runs(f, {"part": "x"}, {"test": ["q0", "q1", "q2"]}, [run])
     mc.save_runs(f, {"part": "x"}, {"test": ["q0", "q1", "q2"]}, [run])          # the same run again: fine
-    assert mc.load_runs(f)["runs"] == [dict(run, scores="101")]
+    assert mc.load_runs(f)["rows"] == [dict(run, scores="101")]
     with pytest.raises(ValueError, match="other scores; pass --overwrite"):
         mc.save_runs(f, {"part": "x"}, {"test": ["q0", "q1", "q2"]}, [dict(run, scores=[1, 1, 1])])
     with pytest.raises(ValueError, match="ids 'test' differ"):
         mc.save_runs(f, {"part": "x"}, {"test": ["q0", "q2", "q1"]}, [run])
     mc.save_runs(f, {"part": "x"}, {"test": ["q0", "q1", "q2"]}, [dict(run, scores=[1, 1, 1])], overwrite=True)
-    assert mc.load_runs(f)["runs"][0]["scores"] == "111"
+    assert mc.load_runs(f)["rows"][0]["scores"] == "111"
 
 
 def test_encode_decode():

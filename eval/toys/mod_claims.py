@@ -57,6 +57,8 @@ CLAIMS = {
 SWITCH_CLAIM = "momentum switching lowers the expert switch rate"
 SWITCH_ARMS = ("token W=1", "window W=4", "window W=16", "window W=64")   # W = 1 / 4 / 16 / 64
 TWO_LEVEL = "seeds, then questions"
+RERUN_LOG = ("eval/logs/mod.md#2026-12-02-mods-verdicts-under-the-two-level-rule-the-registered-runs-rerun-with-"
+             "their-per-question-outputs-kept-pre-registered")     # the entry a recomputed row links to
 SOURCE_NOTE = ("Rows with a per_question field: recomputed from that committed per-question file by "
                "`python -m eval.toys.mod --part claims` (eval.toys.mod_claims): two-level paired bootstrap, "
                "seeds then questions (eval.metrics.two_level_bootstrap), verdict by eval.metrics.verdict; "
@@ -85,13 +87,13 @@ def save_runs(path, header, ids, runs, overwrite=False):
     "ids": a key of ids, "scores": per-question scores, any other fields}], scores encoded by
     `encode`. Runs already in the file are kept; a run with the same (arm, seed, metric) and other
     scores or ids raises ValueError unless `overwrite` (then the new one replaces it), and so does
-    an ids key whose content differs. Returns the merged {"ids", "runs"}."""
-    old = load_runs(path) if os.path.exists(path) else {"ids": {}, "runs": []}
+    an ids key whose content differs. Returns the merged {"ids", "rows"}."""
+    old = load_runs(path) if os.path.exists(path) else {"ids": {}, "rows": []}
     for k, v in ids.items():
         if k in old["ids"] and old["ids"][k] != v and not overwrite:
             raise ValueError(f"{path}: ids {k!r} differ from the ones on file; pass --overwrite to replace them")
     merged_ids = {**old["ids"], **ids}
-    by_key = {_key(r): r for r in old["runs"]}
+    by_key = {_key(r): r for r in old["rows"]}
     for r in runs:
         r = dict(r, scores=encode(r["scores"]))
         if r["ids"] not in merged_ids:
@@ -100,23 +102,23 @@ def save_runs(path, header, ids, runs, overwrite=False):
         if was is not None and (was["scores"] != r["scores"] or was["ids"] != r["ids"]) and not overwrite:
             raise ValueError(f"{path}: {_key(r)} is on file with other scores; pass --overwrite to replace it")
         by_key[_key(r)] = r
-    body = {k: v for k, v in header.items() if k not in ("ids", "runs")}
+    body = {k: v for k, v in header.items() if k not in ("ids", "rows")}
     lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in body.items()]
     lines.append(f' "ids": {json.dumps(merged_ids)},')
     rows = [f"  {json.dumps(r)}" for _, r in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), kv[0][1:]))]
-    text = "{\n" + "\n".join(lines) + '\n "runs": [\n' + ",\n".join(rows) + "\n ]\n}\n"
+    text = "{\n" + "\n".join(lines) + '\n "rows": [\n' + ",\n".join(rows) + "\n ]\n}\n"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     atomic_write_text(path, text)
-    return {"ids": merged_ids, "runs": list(by_key.values())}
+    return {"ids": merged_ids, "rows": list(by_key.values())}
 
 
 def load_runs(path):
-    """A per-question file as a dict ({"ids", "runs", header fields}). Raises ValueError naming the
-    file when it cannot be read or lacks "ids" / "runs"."""
+    """A per-question file as a dict ({"ids", "rows", header fields}). Raises ValueError naming the
+    file when it cannot be read or lacks "ids" / "rows"."""
     try:
         with open(path) as fh:
             data = json.load(fh)
-        data["ids"], data["runs"]
+        data["ids"], data["rows"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a per-question file ({e}); rewrite it with the toy's run part") from e
     return data
@@ -125,7 +127,7 @@ def load_runs(path):
 def seed_scores(data, arm, metric):
     """{seed: (ids, scores)} of one arm and metric in a per-question file's dict."""
     return {r["seed"]: (data["ids"][r["ids"]], decode(r["scores"]))
-            for r in data["runs"] if r["arm"] == arm and r["metric"] == metric}
+            for r in data["rows"] if r["arm"] == arm and r["metric"] == metric}
 
 
 def compare(data, a, b, seeds=SEEDS):
@@ -152,7 +154,7 @@ def claim_row(row, data, spec, where):
     return dict(row, verdict=verdict(pb, sign) + suffix, effect=f"{pb['diff']:+.3f} [{pb['ci_low']:+.3f}, "
                 f"{pb['ci_high']:+.3f}]", value=r6(pb["diff"]), ci_low=r6(pb["ci_low"]), ci_high=r6(pb["ci_high"]),
                 sign=sign, per_seed=[r6(x) for x in pb["per_seed"]], seeds=pb["seeds"], n=pb["n"],
-                bootstrap=TWO_LEVEL, per_question=where)
+                bootstrap=TWO_LEVEL, per_question=where, log=RERUN_LOG)
 
 
 def switch_row(row, data, where):
@@ -160,13 +162,13 @@ def switch_row(row, data, where):
     supported when it falls strictly from W = 1 to 64, else contradicted. None when a run is missing."""
     rates = []
     for arm in SWITCH_ARMS:
-        got = {r["seed"]: r.get("switch_rate") for r in data["runs"] if r["arm"] == arm}
+        got = {r["seed"]: r.get("switch_rate") for r in data["rows"] if r["arm"] == arm}
         if any(got.get(s) is None for s in SEEDS):
             return None
         rates.append(float(np.mean([got[s] for s in SEEDS])))
     falls = all(x > y for x, y in zip(rates, rates[1:]))
     return dict(row, verdict="supported" if falls else "contradicted", effect=" / ".join(f"{x:.3f}" for x in rates),
-                seeds=len(SEEDS), per_question=where)
+                seeds=len(SEEDS), per_question=where, log=RERUN_LOG)
 
 
 def rebuild_claims(results_dir="eval/results/mod", log=print):
@@ -241,7 +243,7 @@ def reproduction(results_dir="eval/results/mod"):
         if not os.path.exists(f):
             continue
         data = load_runs(f)
-        for r in data["runs"]:
+        for r in data["rows"]:
             key = (part == "main", data.get("task"), r["arm"], r["seed"], r["metric"])
             if key not in committed:
                 continue
