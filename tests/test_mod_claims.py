@@ -139,3 +139,26 @@ def test_reproduction_counts_equal_runs(tmp_path):
     rows = mc.write_check(str(tmp_path), log=lambda *a: None)
     assert [(r["arm"], r["equal"]) for r in rows] == [("LoRA r=2", False), ("MoD (dual routers)", True)]
     assert json.loads((tmp_path / "rerun_check.json").read_text())["equal"] == 1
+
+
+def test_main_setting_comparisons_rebuilt_where_both_arms_have_every_seed(tmp_path):
+    """H7 (MoD-Multi 2 rounds vs MoD-Single, one metric) has its runs: rebuilt by the two-level rule;
+    H1 misled has no MoE-LoRA runs: its old numbers stay, marked as questions-only."""
+    mod, moe = _seed_scores()
+    ids = {"test": [f"q{i}" for i in range(100)]}
+    runs = [{"arm": "MoD", "seed": s, "metric": m, "ids": "test", "scores": sc[s]}
+            for m, sc in (("multi2", mod), ("single", moe)) for s in range(3)]
+    mc.save_runs(str(tmp_path / mc.MAIN), {"part": "main"}, ids, runs)
+    old = [{"kind": "compare", "hypothesis": "H7 MoD-Multi rounds=2 (three generations) > MoD-Single",
+            "metric": "single", "value": 0.051, "ci_low": 0.023, "ci_high": 0.079, "verdict": "supported"},
+           {"kind": "compare", "hypothesis": "H1 MoD > MoE-LoRA token", "metric": "misled_own", "value": -0.029,
+            "ci_low": -0.062, "ci_high": 0.005, "verdict": "inconclusive"},
+           {"kind": "arm", "arm": "MoD", "value": 0.633}]
+    (tmp_path / "main_setting.json").write_text(json.dumps({"source": "old", "rows": old}))
+    assert mc.rebuild_compare(str(tmp_path), log=lambda *a: None) == [
+        "H7 MoD-Multi rounds=2 (three generations) > MoD-Single (single)"]
+    h7, h1, arm = json.loads((tmp_path / "main_setting.json").read_text())["rows"]
+    assert h7["verdict"] == "inconclusive" and h7["ci_low"] < 0 and h7["bootstrap"] == mc.TWO_LEVEL
+    assert h7["per_seed"] == [0.3, 0.02, 0.02] and h7["n"] == 100 and h7["seeds"] == 3
+    check_verdict(h7, "main_compare")
+    assert h1["value"] == -0.029 and h1["bootstrap"] == "questions" and arm == {"kind": "arm", "arm": "MoD", "value": 0.633}

@@ -249,8 +249,9 @@ PARTS = {
              "seeds 0-2 first (single, misled, MoD-Multi 1-3 rounds), per-question scores -> "
              "--results/main_per_question/main.json, then the claims part",
     "results": "write --results/paper_rounds.json, mad_rounds.json and mad_protocols.json from what is on disk",
-    "claims": "rebuild --results/claims.json from the committed per-question files (--results/*_per_question/, "
-              "two-level bootstrap, eval.toys.mod_claims) and rerun_check.json; trains nothing",
+    "claims": "rebuild --results/claims.json and main_setting.json's comparisons from the committed per-question "
+              "files (--results/*_per_question/, two-level bootstrap, eval.toys.mod_claims) and rerun_check.json; "
+              "trains nothing",
 }
 RESUMABLE = ("debate-lr", "mad-rounds", "mad-protocols", "main-a", "main-b", "paper-rounds", "rerun")   # take --max-minutes
 
@@ -342,7 +343,7 @@ def run_main(a, deadline=None, log=print):
                            tag="_main", rounds=(2, 3), train=False,
                            per_question=os.path.join(a.results, mod_claims.MAIN))
         toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log)
-        mod_claims.rebuild_claims(a.results, log)
+        mod_claims.rebuild(a.results, log)
 
 
 def run_rerun(a, deadline=None, log=print):
@@ -362,8 +363,7 @@ def run_rerun(a, deadline=None, log=print):
         one(a, "MoE-LoRA_window", 5e-3, seed)
     if not late(deadline):
         run_main(argparse.Namespace(**{**vars(a), "part": "main-b"}), deadline, log)
-    mod_claims.rebuild_claims(a.results, log)
-    mod_claims.write_check(a.results, log)
+    mod_claims.rebuild(a.results, log)
 
 
 def run_paper_rounds(a, deadline=None, log=print):
@@ -384,7 +384,7 @@ def run_paper_rounds(a, deadline=None, log=print):
     S, L = lr_settings(seeds=MAIN["seeds"], n_test=MAIN["n_test"], steps=MAIN["steps"], picks={"MoD": 1e-2},
                        rounds=(1, 2), train=False, per_question=os.path.join(a.results, mod_claims.MAIN), **kw)
     toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log)
-    mod_claims.rebuild_claims(a.results, log)
+    mod_claims.rebuild(a.results, log)
 
 
 def _ints(p, flag, text):
@@ -484,8 +484,7 @@ def main(argv=None):
         if a.part == "results":
             toy_mad.write_results(a.out, a.results)
         elif a.part == "claims":
-            mod_claims.rebuild_claims(a.results)
-            mod_claims.write_check(a.results)
+            mod_claims.rebuild(a.results)
         elif a.part == "mad-rounds":
             toy_mad.run(a.data, a.out, a.model, a.debate_test, mad_rounds, a.mad_adapter or None, deadline=deadline)
         elif a.part == "mad-protocols":
@@ -509,8 +508,7 @@ def main(argv=None):
             toy_mechanism.run(os.path.join(a.out, "mechanism"), overwrite=a.overwrite,
                               picks=toy_mechanism.COMMITTED_PICKS if a.mechanism_lr == "committed" else None,
                               per_question=os.path.join(a.results, mod_claims.MECH))
-            mod_claims.rebuild_claims(a.results)
-            mod_claims.write_check(a.results)
+            mod_claims.rebuild(a.results)
         except ValueError as e:
             fail(str(e))
     if a.part in ("all", "debate") and not a.quick:

@@ -10,7 +10,7 @@ two arms have all registered seeds in those files, with `eval.metrics.two_level_
 (seeds, then questions within each seed) and `eval.metrics.verdict`; a row without them keeps
 its old numbers. Nothing is trained:
 
-    python -m eval.toys.mod --part claims      # claims.json and rerun_check.json from the files
+    python -m eval.toys.mod --part claims      # claims.json, main_setting.json's comparisons, rerun_check.json
     python -m eval.report                      # then the README tables
 
 `reproduction` compares each rerun (arm, seed) with the value committed before the per-question
@@ -205,6 +205,55 @@ def rebuild_claims(results_dir="eval/results/mod", log=print):
     return done, kept
 
 
+# main_setting.json's paired comparisons (the table mod/main_compare): hypothesis -> A, B as (arm, metric or
+# None = the row's metric); predicted A - B > 0 for every one
+COMPARE = {"H1 MoD > MoE-LoRA token": (("MoD", None), ("MoE-LoRA token", None)),
+           "H2 MoD > LoRA r=17 matched": (("MoD", None), ("LoRA r=17 (matched)", None)),
+           "H3 MoD > LoRA r=4": (("MoD", None), ("LoRA r=4 (rank r)", None)),
+           "H4 MoD > MoE-LoRA window": (("MoD", None), ("MoE-LoRA window", None)),
+           "H5 MoD (dual) > MoD shared router": (("MoD", None), ("MoD shared router", None)),
+           "H6a MoD (all three) > T_pos only": (("MoD", None), ("MoD T_pos only", None)),
+           "H6b T_pos + T_rev > T_pos only": (("MoD T_pos+T_rev", None), ("MoD T_pos only", None)),
+           "H6c MoD (all three) > T_pos + T_rev": (("MoD", None), ("MoD T_pos+T_rev", None)),
+           "H7 MoD-Multi rounds=2 (three generations) > MoD-Single": (("MoD", "multi2"), ("MoD", "single")),
+           "H7' MoD-Multi rounds=3 (four generations) > MoD-Single": (("MoD", "multi3"), ("MoD", "single"))}
+METRIC_OF = {"single": "single", "misled_own": "misled_own", "misled_other": "misled_ood"}   # result file -> toy
+
+
+def rebuild_compare(results_dir="eval/results/mod", log=print):
+    """Rewrite the paired comparisons of results_dir/main_setting.json (kind "compare") whose two
+    arms have every registered seed in the main per-question file: value, CI, per-seed effects,
+    n and verdict by the two-level rule, "bootstrap" = TWO_LEVEL; the other comparisons keep
+    their numbers and get "bootstrap" = "questions". Returns the hypotheses rewritten (with metric);
+    [] when there is no main_setting.json."""
+    path, pq = os.path.join(results_dir, "main_setting.json"), os.path.join(results_dir, MAIN)
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        res = json.load(fh)
+    data = load_runs(pq) if os.path.exists(pq) else None
+    done = []
+    for row in res["rows"]:
+        if row.get("kind") != "compare":
+            continue
+        (arm_a, ma), (arm_b, mb) = COMPARE[row["hypothesis"]]
+        m = METRIC_OF[row["metric"]]
+        pb = compare(data, (arm_a, ma or m), (arm_b, mb or m)) if data else None
+        if pb is None:
+            row.setdefault("bootstrap", "questions")
+            continue
+        r6 = lambda x: round(float(x), 6)
+        row.update(value=r6(pb["diff"]), ci_low=r6(pb["ci_low"]), ci_high=r6(pb["ci_high"]), n=pb["n"] // pb["seeds"],
+                   seeds=pb["seeds"], per_seed=[r6(x) for x in pb["per_seed"]], verdict=verdict(pb, 1),
+                   bootstrap=TWO_LEVEL, per_question=MAIN)
+        done.append(f"{row['hypothesis']} ({row['metric']})")
+    if done and SOURCE_NOTE not in res["source"]:
+        res["source"] += " " + SOURCE_NOTE.replace("Rows with", "Compare rows with")
+    atomic_write_text(path, json.dumps(res, indent=1, ensure_ascii=False) + "\n")
+    log(f"{path}: {len(done)} comparisons from the per-question file")
+    return done
+
+
 # committed arm name (mechanism.json / main_setting.json) -> the toy's arm name
 MECH_NAMES = {"MoD (dual routers), top-2 of 4+4": "MoD (dual routers)",
               "MoE-LoRA token, 6 rank-1 experts, top-2": "MoE-LoRA token", "LoRA rank 9 (matched)": "LoRA r=9 (matched)",
@@ -264,3 +313,12 @@ def write_check(results_dir="eval/results/mod", log=print):
         "paper_rounds.json), equal at 3 decimals", "equal": n_eq, "total": len(rows), "rows": rows}, indent=1) + "\n")
     log(f"reproduction: {n_eq} of {len(rows)} rerun (arm, seed, metric) equal to the committed value (3 decimals)")
     return rows
+
+
+def rebuild(results_dir="eval/results/mod", log=print):
+    """Everything MoD's verdict tables read, from the per-question files alone: claims.json
+    (`rebuild_claims`), main_setting.json's comparisons (`rebuild_compare`) and rerun_check.json
+    (`write_check`). Trains nothing."""
+    rebuild_claims(results_dir, log)
+    rebuild_compare(results_dir, log)
+    write_check(results_dir, log)
