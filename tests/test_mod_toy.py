@@ -200,3 +200,45 @@ def test_debate_lr_starts_no_training_after_the_deadline(tmp_path, monkeypatch):
     assert out["test"] == {} and out["picks"] == fixed["picks"]   # nothing scored at the picks
     with pytest.raises(Trained):
         toy_debate.run_lr("d", str(tmp_path), "m", S=S, L=fixed, log=logs.append)
+
+
+def test_debate_lr_adds_missing_metrics_and_keeps_per_question_scores(tmp_path, monkeypatch):
+    """A scores file made for fewer metrics (the paper-rounds runs score the single round only) gets
+    the other asked metrics from its adapters, and every scored (arm, seed) lands in the per-question
+    file with its question ids and step-0 loss."""
+    item = lambda i, c: {"id": f"t{i}", "family": "count", "correct": c, "n_tokens": 1}
+
+    class Base:
+        def eval(self):
+            return self
+    monkeypatch.setattr(toy_debate, "load_data", lambda *a: ([], [item(0, 1), item(1, 0)], Base(), None))
+    monkeypatch.setattr(toy_debate, "val_questions", lambda *a: ([], []))
+    monkeypatch.setattr(toy_debate, "read_llava_json", lambda path: [])
+    monkeypatch.setattr(toy_debate, "prepare", lambda *a: {"own_wrong": {}, "train_vs": []})
+    monkeypatch.setattr(toy_debate, "json_samples", lambda *a: [])
+    monkeypatch.setattr(toy_debate, "load_adapters", lambda *a: None)
+    monkeypatch.setattr(toy_debate, "plain", lambda *a, **k: ([], 0.0))
+    monkeypatch.setattr(toy_debate, "misled_own", lambda *a, **k: ([], 0.0))
+    asked = []
+
+    def score_test(model, proc, test, own, base=False, metrics=toy_debate.METRICS):
+        asked.append(tuple(metrics))
+        return {m: [item(0, 0), item(1, 1)] for m in metrics}
+    monkeypatch.setattr(toy_debate, "score_test", score_test)
+    d = tmp_path / "debate" / "lr" / "MoD_lr0.01_s0"
+    d.mkdir(parents=True)
+    (d / "adapter_model.safetensors").write_text("")
+    (d / "train.json").write_text(json.dumps({"loss": 0.1, "wall_s": 1.0}))
+    (d / "log.jsonl").write_text(json.dumps({"loss": 0.0548412}) + "\n")
+    (d / "scores_test2.json").write_text(json.dumps({"results": {"single": [item(0, 1), item(1, 0)]}}))
+    pq = tmp_path / "pq" / "main.json"
+    S = dict(toy_debate.SETTINGS, n_test=2)
+    L = dict(toy_debate.LR_SETTINGS, lr_arms=("MoD",), picks={"MoD": 1e-2}, metrics=("single", "misled_ood"),
+             per_question=str(pq))
+    toy_debate.run_lr("d", str(tmp_path), "m", S=S, L=L, log=lambda *a: None)
+    assert asked[-1] == ("misled_ood",)                      # only the missing metric is scored
+    assert set(json.loads((d / "scores_test2.json").read_text())["results"]) == {"single", "misled_ood"}
+    got = mod_claims.load_runs(str(pq))
+    assert got["ids"] == {"test": ["t0", "t1"]}
+    assert {(r["arm"], r["seed"], r["metric"], r["scores"], r["step0_loss"]) for r in got["rows"]} == {
+        ("MoD", 0, "single", "10", 0.0548412), ("MoD", 0, "misled_ood", "01", 0.0548412)}
