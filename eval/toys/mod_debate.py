@@ -456,7 +456,9 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     L["rounds"] on the MoD arm) and the frozen base on the same. The lr S["lr"] at the default
     steps reuses the debate part's own folders <slug>_s<seed>. Everything per (arm, lr, steps,
     seed) is written atomically under OUT/debate/lr/ and skipped when present; a scores file
-    for another test-set size raises ValueError. -> OUT/debate/lr/results<tag>.json, table<tag>.md.
+    for another test-set size raises ValueError; one made for fewer of L["metrics"] gets the others
+    from its adapters. L["per_question"] (a path, or None): every scored (arm, seed) is also kept
+    there (`save_per_question`). -> OUT/debate/lr/results<tag>.json, table<tag>.md.
     deadline (`late`, --max-minutes): no new training or test scoring starts after it; an
     unfinished sweep returns None before any pick, else the report covers what is on disk."""
     t0 = time.time()
