@@ -56,7 +56,7 @@ CLAIMS = {
 }
 SWITCH_CLAIM = "momentum switching lowers the expert switch rate"
 SWITCH_ARMS = ("token W=1", "window W=4", "window W=16", "window W=64")   # W = 1 / 4 / 16 / 64
-TWO_LEVEL = "seeds, then questions"
+TWO_LEVEL = "two-level"                # the "CI resamples" cell of a recomputed row: seeds, then questions
 RERUN_LOG = ("eval/logs/mod.md#2026-12-02-mods-verdicts-under-the-two-level-rule-the-registered-runs-rerun-with-"
              "their-per-question-outputs-kept-pre-registered")     # the entry a recomputed row links to
 SOURCE_NOTE = ("Rows with a per_question field: recomputed from that committed per-question file by "
