@@ -51,7 +51,7 @@ def test_rebuilt_row_uses_the_two_level_rule_not_questions_only(tmp_path):
     row = rows[0]
     # two-level: a resample without seed 0 (8/27 of them) sits near +0.02 with question noise, so the CI reaches 0
     assert row["ci_low"] < 0 < row["ci_high"] and row["verdict"] == "inconclusive"
-    assert row["per_seed"] == [0.3, 0.02, 0.02] and row["value"] == pytest.approx(0.34 / 3, abs=1e-6)
+    assert row["n"] == 100 and row["per_seed"] == [0.3, 0.02, 0.02] and row["value"] == pytest.approx(0.34 / 3, abs=1e-6)
     assert row["bootstrap"] == mc.TWO_LEVEL and row["per_question"] == mc.MAIN and row["sign"] == 1
     assert row["effect"] == f"+0.113 [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]" and row["top"] is True
     check_verdict(row, "claims")                       # eval.report accepts the row it wrote
@@ -157,7 +157,11 @@ def test_main_setting_comparisons_rebuilt_where_both_arms_have_every_seed(tmp_pa
     (tmp_path / "main_setting.json").write_text(json.dumps({"source": "old", "rows": old}))
     assert mc.rebuild_compare(str(tmp_path), log=lambda *a: None) == [
         "H7 MoD-Multi rounds=2 (three generations) > MoD-Single (single)"]
-    h7, h1, arm = json.loads((tmp_path / "main_setting.json").read_text())["rows"]
+    once = json.loads((tmp_path / "main_setting.json").read_text())
+    mc.rebuild_compare(str(tmp_path), log=lambda *a: None)            # a second rebuild changes nothing
+    assert json.loads((tmp_path / "main_setting.json").read_text()) == once
+    assert once["source"].count("Compare rows with a per_question field") == 1
+    h7, h1, arm = once["rows"]
     assert h7["verdict"] == "inconclusive" and h7["ci_low"] < 0 and h7["bootstrap"] == mc.TWO_LEVEL
     assert h7["per_seed"] == [0.3, 0.02, 0.02] and h7["n"] == 100 and h7["seeds"] == 3
     check_verdict(h7, "main_compare")

@@ -145,7 +145,7 @@ def compare(data, a, b, seeds=SEEDS):
 
 def claim_row(row, data, spec, where):
     """`row` (a claims.json record) with its numbers recomputed from `data` by the two-level rule,
-    or None when a registered seed of either arm is missing."""
+    or None when a registered seed of either arm is missing; n = questions per seed."""
     _, a, b, sign, suffix = spec
     pb = compare(data, a, b)
     if pb is None:
@@ -153,7 +153,7 @@ def claim_row(row, data, spec, where):
     r6 = lambda x: round(float(x), 6)
     return dict(row, verdict=verdict(pb, sign) + suffix, effect=f"{pb['diff']:+.3f} [{pb['ci_low']:+.3f}, "
                 f"{pb['ci_high']:+.3f}]", value=r6(pb["diff"]), ci_low=r6(pb["ci_low"]), ci_high=r6(pb["ci_high"]),
-                sign=sign, per_seed=[r6(x) for x in pb["per_seed"]], seeds=pb["seeds"], n=pb["n"],
+                sign=sign, per_seed=[r6(x) for x in pb["per_seed"]], seeds=pb["seeds"], n=pb["n"] // pb["seeds"],
                 bootstrap=TWO_LEVEL, per_question=where, log=RERUN_LOG)
 
 
@@ -247,8 +247,9 @@ def rebuild_compare(results_dir="eval/results/mod", log=print):
                    seeds=pb["seeds"], per_seed=[r6(x) for x in pb["per_seed"]], verdict=verdict(pb, 1),
                    bootstrap=TWO_LEVEL, per_question=MAIN)
         done.append(f"{row['hypothesis']} ({row['metric']})")
-    if done and SOURCE_NOTE not in res["source"]:
-        res["source"] += " " + SOURCE_NOTE.replace("Rows with", "Compare rows with")
+    note = SOURCE_NOTE.replace("Rows with", "Compare rows with")
+    if done and note not in res["source"]:
+        res["source"] += ". " + note
     atomic_write_text(path, json.dumps(res, indent=1, ensure_ascii=False) + "\n")
     log(f"{path}: {len(done)} comparisons from the per-question file")
     return done
