@@ -331,7 +331,7 @@ def test_report_says_quick_rows_check_code_paths_and_prints_the_readme_verdicts(
     title = "mole (quick mode; mole/README.md has the full toy)"
     qs.write_report({title: rows}, str(tmp_path), {}, {title: qs.method_note("mole")})
     md = (tmp_path / "report.md").read_text()
-    claims = [r for r in js.load(open(os.path.join(ROOT, "eval/results/mole/claims.json")))["rows"]
+    claims = [r for r in js.load(open(os.path.join(ROOT, "eval/results/mole/headroom.json")))["rows"]
               if r.get("top") and r["method"] == "MoLE"]
     assert claims and all(f"- {r['claim']}: **{r['verdict']}**, effect {r['effect']}" in md for r in claims)
     head = md.index(f"## {title}")
@@ -339,10 +339,10 @@ def test_report_says_quick_rows_check_code_paths_and_prints_the_readme_verdicts(
     assert 'README.md, "The claims, at toy scale"' in md
     res = tmp_path / "results"
     shutil.copytree(os.path.join(ROOT, "eval", "results"), res, ignore=shutil.ignore_patterns("*.png"))
-    for f in (res / "mole" / "claims.json", res / "mole" / "headroom.json"):  # MoLE's top rows live in both
-        d = js.loads(f.read_text())
-        d["rows"] = [dict(r, verdict="supported") if r.get("top") else r for r in d["rows"]]
-        f.write_text(js.dumps(d))
+    f = res / "mole" / "headroom.json"                          # MoLE's rows of the claims table
+    d = js.loads(f.read_text())
+    d["rows"] = [dict(r, verdict="supported") if r.get("top") else r for r in d["rows"]]
+    f.write_text(js.dumps(d))
     monkeypatch.setattr(qs, "RESULTS", str(res))
     assert all("**supported**" in line for line in qs.method_note("mole") if line.startswith("- "))
 

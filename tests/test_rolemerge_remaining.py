@@ -160,7 +160,7 @@ def test_part_command_line_errors(tmp_path, capsys):
     assert "not a per-question result file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         toy.main(["--from", str(bad)])
-    assert "--from belongs to --part bootstrap" in capsys.readouterr().err
+    assert "--from belongs to --part sensitivity / search / calibration / bootstrap, not table1" in capsys.readouterr().err
 
 
 def test_part_bootstrap_writes_result_rows(tmp_path):
@@ -273,3 +273,39 @@ def test_max_minutes_needs_the_paper_bases():
     with pytest.raises(SystemExit) as e:
         toy.main(["--max-minutes", "5"])
     assert e.value.code == 2
+
+
+def test_remaining_claims_use_the_two_level_rule_when_bases_disagree():
+    # three bases; rolemerge minus lambda0 is +1 on bases a and b and -.5 on base c (HALF vs ONES).
+    # Pooled over the 60 questions: 40 differences of +1, 10 of 0, 10 of -1 -> mean +.5, CI far above 0
+    # ("supported" under the registered pooled rule). Two-level: the bases disagree in sign, so the
+    # verdict is "inconclusive" whatever the CI; and the CI reaches below 0 (all three draws are base c
+    # with probability 1/27 > 2.5 %, and then the mean is about -.5)
+    bases = [_res({"rolemerge": ONES, "lambda0": ZEROS}, name="a"), _res({"rolemerge": ONES, "lambda0": ZEROS}, name="b"),
+             _res({"rolemerge": HALF, "lambda0": ONES}, name="c")]
+    (claim,) = toy._diff_claim(bases, (0.5,), "rolemerge", "lambda0", "S1", "log#x", "greater")
+    assert claim["verdict"] == "inconclusive at every rho" and claim["pooled_verdict"] == ".5: supported"
+    assert claim["per_seed"] == ".5: +1.000 / +1.000 / -0.500"
+    assert claim["bootstrap"] == "two-level (3 seeds, then questions)"
+    assert claim["effect"].startswith(".5: +0.500 [-0.") and claim["pooled_effect"].startswith(".5: +0.500 [+0.")
+    # the same numbers in the sensitivity table: lambda0 minus ours, two-level (lo, hi) and pooled (qlo, qhi)
+    row = next(x for x in toy.sensitivity_rows(bases) if x.get("setting") == "lambda = 0")
+    assert row["delta_500"] == pytest.approx(-0.5) and row["hi_500"] > 0 > row["qhi_500"]
+    # level claims read the two-level CI too: identical arms on two bases, -.5 on the third
+    (lev,) = toy._diff_claim(bases, (0.5,), "rolemerge", "rolemerge", "L", "", "level")
+    assert lev["verdict"] == "level at every rho" and lev["pooled_verdict"] == ".5: level"
+
+
+def test_parts_rebuild_their_rows_from_per_question_files(tmp_path):
+    f = tmp_path / "a.json"
+    f.write_text(json.dumps(_res({"rolemerge": ONES, "lambda0": ZEROS, "lambda01": ONES, "lambda10": HALF,
+                                  "average_link": HALF, "complete_link": HALF,
+                                  **{k: ONES for k in toy.KMEANS_SEEDS}})))
+    out = tmp_path / "r.json"
+    toy.main(["--part", "sensitivity", "--from", str(f), "--results", str(out)])
+    got = json.loads(out.read_text())
+    assert got["experiment"] == "rolemerge_sensitivity" and "--from" in got["source"]
+    by = {x.get("setting", x.get("claim")): x for x in got["rows"]}
+    assert by["lambda = 0"]["delta_500"] == -1.0 and by["S1 lambda .03 > 0"]["verdict"] == "supported at every rho"
+    with pytest.raises(SystemExit):
+        toy.main(["--part", "calibration", "--from", str(f)])

@@ -38,8 +38,10 @@ TARGETS = {
     "rolemerge/model.py": ["tests/test_rolemerge.py", "tests/test_rolemerge_groups.py",
                            "tests/test_rolemerge_search.py", "tests/test_rolemerge_mutations.py",
                            "tests/test_rolemerge_mutants.py"],
-    "mod/model.py": ["tests/test_mod_equations.py", "tests/test_mod_decode.py", "tests/test_mod_mutants.py"],
-    "mole/model.py": ["tests/test_mole_router.py", "tests/test_mole_mutants.py"],   # test_mole.py: whole forwards
+    "mod/model.py": ["tests/test_mod_equations.py", "tests/test_mod_decode.py", "tests/test_mod_mutants.py",
+                     "tests/test_mod_model_fast.py"],
+    "mole/model.py": ["tests/test_mole_router.py", "tests/test_mole_mutants.py",
+                      "tests/test_mole_model_fast.py"],   # test_mole.py: whole forwards
     "rolemerge/comparators.py": ["tests/test_rolemerge_comparators.py", "tests/test_rolemerge_hcsmoe.py",
                                  "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py"],
 }
@@ -132,6 +134,49 @@ EQUIVALENT = {
     "common.routing.x_topk_gates__mutmut_27": "topk's default dim is -1, the one written",
     # mod/model.py (equation functions)
     "mod.model.x_topr_gates__mutmut_5": "topk's default dim is -1, the one written",
+    # mod/model.py (the rest of the file)
+    "mod.model.xǁRoutingWindowǁstep__mutmut_8": "the memo kind 'plan' renamed (None): a kind is only a key, "
+                                                     "distinct from 'count' either way",
+    "mod.model.xǁRoutingWindowǁstep__mutmut_16": "as RoutingWindow.step__mutmut_8 ('XXplanXX')",
+    "mod.model.xǁRoutingWindowǁstep__mutmut_17": "as RoutingWindow.step__mutmut_8 ('PLAN')",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_103": "the memo kind 'count' renamed (None): a kind is only a "
+                                                          "key, distinct from 'plan' either way",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_111": "as RoutingWindow.forward__mutmut_103 ('XXcountXX')",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_112": "as RoutingWindow.forward__mutmut_103 ('COUNT')",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_52": "(n_seen + W + i) % W: differs from (n_seen - W + i) by 2W, "
+                                                         "the same slot mod W",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_74": "the prefill offset None: region_mean reads None as 0",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_76": "a float zero offset: region_mean reads it through "
+                                                         "torch.as_tensor(..., device=x.device).long()",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_77": "the zero offset on the default device: region_mean moves it "
+                                                         "to x's device (torch.as_tensor(..., device=x.device))",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_79": "as RoutingWindow.forward__mutmut_76",
+    "mod.model.xǁRoutingWindowǁforward__mutmut_80": "as RoutingWindow.forward__mutmut_77",
+    "mod.model.xǁRoutingWindowǁ_update_cache__mutmut_3": "L <= W: at L = W it prepends W - L = 0 zero columns",
+    "mod.model.xǁRoutingWindowǁ_update_cache__mutmut_48": "pads keyed -2 instead of -1: any negative key sorts "
+                                                               "first and fails pos >= 0",
+    "mod.model.xǁMoDLinearǁ_decode__mutmut_117": "gather over dim +1 of the 2-d [B, E] z: dim 1 is dim -1",
+    "mod.model.xǁMoDLinearǁ_decode__mutmut_80": "scatter_ over dim +1 of the 2-d [B, E] weights: dim 1 is dim -1",
+    "mod.model.xǁMoDLinearǁ_decode__mutmut_136": "bag offsets made on the default device: the same on CPU; a CUDA "
+                                                       "input would fail (no GPU here; meta tensors do not check "
+                                                       "devices)",
+    "mod.model.xǁMoDLinearǁ_decode__mutmut_140": "as MoDLinear._decode__mutmut_136",
+    "mod.model.xǁMoDLinearǁ_adapter_full__mutmut_32": "router probabilities also computed in eval: only the "
+                                                            "training aux loss reads them",
+    "mod.model.xǁMoDLinearǁ_adapter_full__mutmut_68": "w.to(None) keeps w's dtype, and x is fp32 here (forward "
+                                                            "casts it), so w.to(x.dtype) is a no-op too",
+    "mod.model.xǁMoDLinearǁ_adapter_full__mutmut_69": "flatten(+2) of the 4-d [B, T, E, k] is flatten(-2)",
+    "mod.model.xǁMoDLinearǁforward__mutmut_5": "always x.float(): an fp32 x's .float() is x itself",
+    "mod.model.xǁMoDLinearǁforward__mutmut_9": "always h.to(out.dtype): a no-op when the dtypes already match",
+    "mod.model.x_attach__mutmut_26": "rsplit('.') without maxsplit: the last piece is the same",
+    "mod.model.x_attach__mutmut_29": "rsplit('.', 2): the last piece is the same",
+    "mod.model.x_attach__mutmut_42": "lm.get_submodule('') is lm itself",
+    "mod.model.x_unload__mutmut_23": "lm.get_submodule('') is lm itself",
+    "mod.model.x_base_identity__mutmut_18": "getattr's default None instead of '': both fall through `or ''`",
+    "mod.model.x_compile_adapters__mutmut_6": "`bias is None` instead of `is not None` relabels the kinds: the same count",
+    "mod.model.x__atomic_write__mutmut_12": "umask(1) instead of umask(0) to read the umask: it is put back at once and "
+                                            "nothing is created in between",
+    "mod.model.x__write_text__mutmut_10": "'UTF-8' names the same codec as 'utf-8'",
     # mole/model.py (equation functions)
     "mole.model.x_esva_delta__mutmut_11": "einsum subscripts in upper case: the same contraction",
     "mole.model.x_esva_delta__mutmut_22": "einsum subscripts in upper case: the same contraction",
@@ -143,6 +188,22 @@ EQUIVALENT = {
     "mole.model.x_init_latents__mutmut_7": "the CPU generator's noise is not moved to the table's device: the same on "
                                            "CPU; a CUDA table would fail (no GPU here to test it)",
     "mole.model.x_topology_mask__mutmut_36": "base.to(None) keeps the documented bool base mask as it is",
+    # mole/model.py (the rest of the file)
+    "mole.model.xǁMoLEPassǁ__init____mutmut_22": "argsort's default dim -1 is dim 1 of the 2-d [B, L] types",
+    "mole.model.xǁMoLEPassǁ__init____mutmut_24": "a stable argsort of the bool mask: False < True sorts like 0 < 1",
+    "mole.model.xǁMoLEǁ__init____mutmut_48": "nn.Linear(bias=None): None is falsy, no bias either way",
+    "mole.model.xǁMoLEǁencode__mutmut_40": "pad tests side == 'right' only: any other no-answer side pads left",
+    "mole.model.xǁMoLEǁencode__mutmut_41": "as encode__mutmut_40",
+    "mole.model.xǁMoLEǁforward__mutmut_101": "cross_entropy's default ignore_index is -100, the one written",
+    "mole.model.xǁMoLEǁlatent_attention__mutmut_131": "einsum subscripts in upper case: the same contraction",
+    "mole.model.xǁMoLEǁtoken_types__mutmut_14": "Z_vis also at j = n_vis: the next line sets every j >= n_vis to ZSUM",
+    "mole.model.xǁMoLEǁzvis_positions__mutmut_8": "is_z also at j = n_vis: that Z_sum goes to slot n_vis, the dump slot "
+                                                   "that non-latents use and the slice drops",
+    "mole.model.xǁMoLEǁzvis_positions__mutmut_44": "one more dump slot that nothing writes; the slice keeps the first n_vis",
+    "mole.model.xǁMoLEǁzvis_positions__mutmut_26": "positions on the default device: the same on CPU and meta (whose "
+                                                    "scatter_ does not check devices); a CUDA batch would fail (no GPU "
+                                                    "in this pass)",
+    "mole.model.xǁMoLEǁzvis_positions__mutmut_28": "as zvis_positions__mutmut_26",
     # rolemerge/comparators.py (equation functions)
     "rolemerge.comparators.x_mergemoe_down__mutmut_15": "einsum subscripts in upper case: the same contraction",
     "rolemerge.comparators.x_mergemoe_down__mutmut_24": "einsum subscripts in upper case: the same contraction",

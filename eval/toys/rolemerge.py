@@ -903,9 +903,10 @@ def _has(r, arm, rho):
 
 def sensitivity_rows(results, log=""):
     """Rows of Tables 3 / 14 at every rho (pooled over `results`; per base): accuracy of each
-    setting, its difference to the reference (single link, lambda .03) with the paired bootstrap
-    (pooled questions) and each base's difference; k-means++ as the mean over its five seeds
-    (per question) with the std of the five seeds' pooled accuracies."""
+    setting, its difference to the reference (single link, lambda .03) with the two-level
+    bootstrap's CI (lo, hi; bases, then questions) and the pooled-questions CI (qlo, qhi), and each
+    base's accuracy; k-means++ as the mean over its five seeds (per question) with the std of the
+    five seeds' pooled accuracies."""
     rhos = results[0]["config"]["rhos"]
     full = pooled(results, "full")
     f = sum(full) / len(full)
@@ -918,10 +919,10 @@ def sensitivity_rows(results, log=""):
         for rho in rhos:
             k = round(1000 * rho)
             x = sum((_arm_values(r, arm, rho) for r in results), [])
-            ref = pooled(results, f"rolemerge@{rho}")
             row[f"acc_{k}"], row[f"ret_{k}"] = sum(x) / len(x), sum(x) / len(x) / f
-            d = paired_bootstrap(x, ref)
+            d, q = _versus([_arm_values(r, arm, rho) for r in results], [_arm_values(r, "rolemerge", rho) for r in results])
             row[f"delta_{k}"], row[f"lo_{k}"], row[f"hi_{k}"] = d["diff"], d["ci_low"], d["ci_high"]
+            row[f"qlo_{k}"], row[f"qhi_{k}"] = q["ci_low"], q["ci_high"]
             row[f"per_seed_{k}"] = " / ".join(f"{sum(v) / len(v):.3f}" for v in (_arm_values(r, arm, rho) for r in results))
             if arm == KMEANS_SEEDS:
                 accs = [sum(pooled(results, f"{s}@{rho}")) / len(x) for s in KMEANS_SEEDS]
@@ -936,28 +937,42 @@ def _tag(rho):
     return f"{rho:g}".lstrip("0")
 
 
-def _claim(label, tags, ds, per_seed, reading, results, log):
-    """A claim row: effects "tag: diff [lo, hi]; ..." and per-base differences "tag: a / b; ..."."""
-    return {"kind": "claim", "method": "RoleMerge", "claim": label, "verdict": reading,
-            "effect": "; ".join(f"{t}: {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" for t, d in zip(tags, ds)),
-            "per_seed": "; ".join(f"{t}: " + " / ".join(f"{v:+.3f}" for v in ps) for t, ps in zip(tags, per_seed)),
-            "seeds": len(results), "pool": "+".join(_name(r) for r in results), "log": log}
+def _effects(tags, ds):
+    return "; ".join(f"{t}: {d['diff']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]" for t, d in zip(tags, ds))
+
+
+def _claim(label, tags, ds, reading, results, log, pooled=None, read=None):
+    """A claim row from two-level comparisons `ds` (one per tag, `eval.metrics.two_level_bootstrap`):
+    effects "tag: diff [lo, hi]; ...", per-base differences "tag: a / b; ..." and the verdict
+    `reading`. `pooled` (the same comparisons over the pooled questions, `paired_bootstrap`) adds
+    the pre-registered questions-only reading beside it, read by `read`."""
+    row = {"kind": "claim", "method": "RoleMerge", "claim": label, "verdict": reading, "effect": _effects(tags, ds),
+           "per_seed": "; ".join(f"{t}: " + " / ".join(f"{v:+.3f}" for v in d["per_seed"]) for t, d in zip(tags, ds)),
+           "bootstrap": ds[0]["bootstrap"], "seeds": len(results), "pool": "+".join(_name(r) for r in results),
+           "log": log}
+    if pooled is not None:
+        row["pooled_effect"] = _effects(tags, pooled)
+        row["pooled_verdict"] = "; ".join(f"{t}: {read(d)}" for t, d in zip(tags, pooled))
+    return row
+
+
+def _versus(per_base_a, per_base_b):
+    """A minus B, one per-question list per base: the two-level comparison (the verdicts) and the
+    pooled-questions one (the rule these rows were registered with, kept beside it)."""
+    return (two_level_bootstrap(per_base_a, per_base_b),
+            paired_bootstrap(sum(map(list, per_base_a), []), sum(map(list, per_base_b), [])))
 
 
 def _diff_claim(results, rhos, a, b, label, log, rule):
-    """Claim row for arm a minus arm b (paired bootstrap, pooled questions) read by `rule`
-    ("greater": verdict; "level": _level) at every rho."""
+    """Claim row for arm a minus arm b at every rho, read by `rule` ("greater": `verdict`, the CI
+    and every base's sign; "level": `_level`) on the two-level bootstrap (bases, then questions)."""
     if not all(_has(r, x, rho) for r in results for rho in rhos for x in (a, b)):
         return []
-    ds, per = [], []
-    for rho in rhos:
-        xa = sum((_arm_values(r, a, rho) for r in results), [])
-        xb = sum((_arm_values(r, b, rho) for r in results), [])
-        ds.append(paired_bootstrap(xa, xb))
-        per.append([sum(_arm_values(r, a, rho)) / len(r["families"]) - sum(_arm_values(r, b, rho)) / len(r["families"])
-                    for r in results])
-    words = [verdict(d) if rule == "greater" else _level(d) for d in ds]
-    return [_claim(label, [_tag(rho) for rho in rhos], ds, per, _summary(words, rhos), results, log)]
+    ds, qs = zip(*(_versus([_arm_values(r, a, rho) for r in results], [_arm_values(r, b, rho) for r in results])
+                   for rho in rhos))
+    read = verdict if rule == "greater" else _level
+    tags = [_tag(rho) for rho in rhos]
+    return [_claim(label, tags, ds, _summary([read(d) for d in ds], rhos), results, log, qs, read)]
 
 
 def _sens_claims(results, rhos, log):
@@ -972,7 +987,7 @@ def _sens_claims(results, rhos, log):
 def search_rows(results, log=""):
     """Table 15 panel A at every rho: accuracy of Greedy, Greedy+1Swap, Greedy+SwapC (pooled; per
     base), the change of the partition merge score Delta J = J / J_greedy - 1 summed over layers
-    and bases, swaps made, and each variant minus Greedy (paired bootstrap, pooled questions)."""
+    and bases, swaps made, and each variant minus Greedy (two-level bootstrap: bases, then questions)."""
     rhos = results[0]["config"]["rhos"]
     rows = []
     for label, arm in SEARCH_ROWS:
@@ -985,7 +1000,7 @@ def search_rows(results, log=""):
             row[f"acc_{k}"] = sum(x) / len(x)
             row[f"per_seed_{k}"] = " / ".join(f"{_acc(r, key):.3f}" for r in results)
             if arm != "rolemerge":
-                d = paired_bootstrap(x, pooled(results, f"rolemerge@{rho}"))
+                d = compare(results, key, f"rolemerge@{rho}")
                 row[f"delta_{k}"], row[f"lo_{k}"], row[f"hi_{k}"] = d["diff"], d["ci_low"], d["ci_high"]
                 jg = sum(r["arms"][key]["J_greedy"] for r in results)
                 row[f"dJ_{k}"] = sum(r["arms"][key]["J"] for r in results) / jg - 1 if jg > 0 else 0.0
@@ -1008,7 +1023,7 @@ def search_rows(results, log=""):
                           log, "greater")
     rows += t1
     if len(t1) == 2:                        # the paper's reading of Table 15 A
-        wins = {a: sum(verdict(paired_bootstrap(pooled(results, f"{a}@{rho}"), pooled(results, f"rolemerge@{rho}"))) == "supported"
+        wins = {a: sum(verdict(compare(results, f"{a}@{rho}", f"rolemerge@{rho}")) == "supported"
                        for rho in rhos) for a in ("greedy_1swap", "greedy_swapc")}
         rows.append({"kind": "claim", "method": "RoleMerge", "claim": f"T2 no search variant ahead at >= 2 of {len(rhos)} rho",
                      "verdict": "reproduced" if all(w < min(2, len(rhos)) for w in wins.values()) else "not reproduced",
@@ -1022,7 +1037,7 @@ def audit_rows(results, log=""):
     """App. F rows: the size sweep (accuracy per rho and the mean over rho, pooled; per base) and
     the fixed-budget source-count audit at one rho (each source set; the one- and two-source
     means), with the pre-registered claims: sizes 12 and 60 level with 24 (mean over rho, within
-    +-.05); one-source and two-source means level with the five-source set."""
+    +-.05); one-source and two-source means level with the five-source set; two-level bootstrap: bases, then questions."""
     meta = dict(AUDIT, **results[0]["audit_meta"])
     rhos = results[0]["config"]["rhos"]
     seeds = "+".join(_name(r) for r in results)
@@ -1045,11 +1060,10 @@ def audit_rows(results, log=""):
     for n in (12, 60):
         keys = [f"size{n}@{rho}" for rho in rhos]
         if all(have(k) for k in keys + ref):
-            d = paired_bootstrap(np.mean([get(k) for k in keys], 0), np.mean([get(k) for k in ref], 0))
-            per = [[np.mean([r["audit"][k]["correct"] for k in keys]) - np.mean([r["audit"][k]["correct"] for k in ref])
-                    for r in results]]
-            rows.append(_claim(f"F1 size {n} level with 24 (mean over rho)",
-                               ["mean over rho"], [d], per, _level(d), results, log))
+            d, q = _versus([np.mean([r["audit"][k]["correct"] for k in keys], 0) for r in results],
+                           [np.mean([r["audit"][k]["correct"] for k in ref], 0) for r in results])
+            rows.append(_claim(f"F1 size {n} level with 24 (mean over rho)", ["mean over rho"], [d], _level(d),
+                               results, log, [q], _level))
     if meta.get("budget_matched", True):
         rho, B = meta["rho"], meta["budget"]
         five = f"size{B // 5}@{rho}"
@@ -1074,11 +1088,11 @@ def audit_rows(results, log=""):
                          "per_seed": " / ".join(f"{np.mean([_acc_a(r, k) for k in keys]):.3f}" for r in results),
                          "seeds": seeds, "log": log})
         if keys and count != "five sources" and have(five):
-                d = paired_bootstrap(m, get(five))
-                per = [[np.mean([_acc_a(r, k) for k in keys]) - _acc_a(r, five) for r in results]]
-                size = B if isinstance(B, str) else f"budget {B}"
-                rows.append(_claim(f"F2 {count} level with five ({size})", [_tag(rho)], [d], per, _level(d),
-                                   results, log))
+            d, q = _versus([np.mean([r["audit"][k]["correct"] for k in keys], 0) for r in results],
+                           [r["audit"][five]["correct"] for r in results])
+            size = B if isinstance(B, str) else f"budget {B}"
+            rows.append(_claim(f"F2 {count} level with five ({size})", [_tag(rho)], [d], _level(d),
+                               results, log, [q], _level))
     return rows
 
 
@@ -1166,7 +1180,8 @@ def parser():
                         "base's folder name); their grouping arms are kept where the new calibration gives the "
                         "same groups, instead of being merged and evaluated again")
     p.add_argument("--from", dest="from_files", default="", metavar="FILES",
-                   help="--part bootstrap: comma-separated per-question files (one per base seed)")
+                   help="--part bootstrap / sensitivity / search / calibration: the part's rows from these "
+                        "comma-separated per-question files (one per base seed; what --per-question wrote), no runs")
     p.add_argument("--per-question", default="", metavar="DIR",
                    help="--part sensitivity / search / calibration: also write each base's per-question results "
                         "to DIR/{base}.json")
@@ -1226,13 +1241,14 @@ def _rest_main(p, a, argv, bases, outp, cfg, arms, reuse):
     print(md)
 
 
-def _bootstrap_main(p, a, argv):
-    """--part bootstrap: App. D.2 rows from committed per-question files (no runs)."""
+def _from_main(p, a, argv):
+    """--from: a part's rows from committed per-question files (one per base; no runs). --part
+    bootstrap always reads them; sensitivity / search / calibration read them instead of running."""
     files = [x for x in a.from_files.split(",") if x]
     if not files:
-        p.error("--part bootstrap reads the per-question files of the bases: --from FILE,FILE,...")
+        p.error(f"--part {a.part} without --paper reads the per-question files of the bases: --from FILE,FILE,...")
     if a.paper or a.retrain_base:
-        p.error("--part bootstrap runs nothing; leave out --paper / --retrain-base and pass --from")
+        p.error("--from runs nothing; leave out --paper / --retrain-base")
     results = []
     for f in files:
         try:
@@ -1241,10 +1257,13 @@ def _bootstrap_main(p, a, argv):
         except (OSError, ValueError, KeyError, TypeError) as e:
             p.error(f"--from {f}: not a per-question result file with arms, families and config ({e})")
         results.append(r)
-    rows = bootstrap_rows(results, a.log)
+    try:
+        rows = PART_ROWS[a.part](results, a.log)
+    except KeyError as e:
+        p.error(f"--from files lack {e} for --part {a.part}; pass the files its --per-question run wrote")
     if not rows:
-        p.error(f"--from files hold no Table-1 comparator at every rho of {results[0]['config']['rhos']}")
-    _write_rows(a, argv, "rolemerge_task_equal_bootstrap", rows)
+        p.error(f"--from files hold no --part {a.part} arm at every rho of {results[0]['config']['rhos']}")
+    _write_rows(a, argv, "rolemerge_task_equal_bootstrap" if a.part == "bootstrap" else f"rolemerge_{a.part}", rows)
     print(rest_markdown(rows))
 
 
@@ -1297,10 +1316,10 @@ def main(argv=None):
         seeds = [int(x) for x in a.seeds.split(",") if x]
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
-    if a.part == "bootstrap":
-        return _bootstrap_main(p, a, argv)
-    if a.from_files:
-        p.error("--from belongs to --part bootstrap")
+    if a.part == "bootstrap" or a.from_files:
+        if a.part not in PART_ROWS:
+            p.error(f"--from belongs to --part {' / '.join(PART_ROWS)}, not {a.part} (that one is --rescore)")
+        return _from_main(p, a, argv)
     if a.part != "table1" and not a.paper:
         p.error(f"--part {a.part} runs on the --paper bases; add --paper BASES")
     if (a.pool or a.results or a.log) and not (a.paper or a.retrain_base or a.rescore):
