@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from eval.metrics import paired_bootstrap, verdict
+from eval.metrics import bootstrap_ci, paired_bootstrap, verdict
 from eval.report import check_verdict
 from eval.toys import mod as toy_mod
 from eval.toys import mod_claims as mc
@@ -166,3 +166,27 @@ def test_main_setting_comparisons_rebuilt_where_both_arms_have_every_seed(tmp_pa
     assert h7["per_seed"] == [0.3, 0.02, 0.02] and h7["n"] == 100 and h7["seeds"] == 3
     check_verdict(h7, "main_compare")
     assert h1["value"] == -0.029 and h1["bootstrap"] == "questions" and arm == {"kind": "arm", "arm": "MoD", "value": 0.633}
+
+
+def test_arm_rows_rebuilt_and_the_committed_values_kept_for_the_check(tmp_path):
+    """An arm with every seed in the per-question file: per-seed accuracy, pooled mean with the
+    bootstrap CI of the seed-averaged correctness, label marked "(rerun)"; the registered run's
+    numbers stay under "committed", which the reproduction check reads (twice the same answer)."""
+    runs = [{"arm": "MoD", "seed": s, "metric": "single", "ids": "test", "scores": sc}
+            for s, sc in enumerate(([1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]))]
+    mc.save_runs(str(tmp_path / mc.MAIN), {"part": "main"}, {"test": ["q0", "q1", "q2", "q3"]}, runs)
+    arm = lambda seed, v: {"kind": "arm", "arm": "MoD", "label": "MoD, lr 1e-2", "metric": "single", "seed": seed,
+                           "value": v, "n": 4}
+    base = {"kind": "arm", "arm": "frozen base", "label": "frozen base", "metric": "single", "seed": "pooled",
+            "value": 0.5, "n": 4}
+    rows = [dict(arm("pooled", 0.25), ci_low=0.0, ci_high=0.5), arm(0, 0.5), arm(1, 0.25), arm(2, 0.0), base]
+    (tmp_path / "main_setting.json").write_text(json.dumps({"source": "old", "rows": rows}))
+    for _ in range(2):
+        assert mc.rebuild_arms(str(tmp_path), log=lambda *a: None) == [("MoD", "single")]
+    pooled, s0, s1, s2, b = json.loads((tmp_path / "main_setting.json").read_text())["rows"]
+    assert (s0["value"], s1["value"], s2["value"]) == (0.5, 0.25, 0.75)
+    assert pooled["value"] == 0.5 and pooled["label"] == "MoD, lr 1e-2 (rerun)" and pooled["n"] == 4
+    assert (pooled["ci_low"], pooled["ci_high"]) == tuple(round(x, 3) for x in bootstrap_ci([1, 2 / 3, 1 / 3, 0]))
+    assert pooled["committed"] == {"value": 0.25, "ci_low": 0.0, "ci_high": 0.5, "n": 4} and b == base
+    check = {(r["seed"], r["committed"], r["equal"]) for r in mc.reproduction(str(tmp_path))}
+    assert check == {(0, 0.5, True), (1, 0.25, True), (2, 0.0, False)}

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from common.data import atomic_write_text
-from eval.metrics import two_level_bootstrap, verdict
+from eval.metrics import bootstrap_ci, two_level_bootstrap, verdict
 
 SEEDS = (0, 1, 2)          # the registered seeds of every MoD verdict
 MECH = "mechanism_per_question"
@@ -285,7 +285,8 @@ def reproduction(results_dir="eval/results/mod"):
                 metric = metric or {"misled_other": "misled_ood"}.get(r["metric"], r["metric"])
                 if r["arm"] == "MoD-Single":
                     arm = "MoD"
-                committed[(fname != "mechanism.json", r.get("task"), arm, r["seed"], metric)] = r["value"]
+                value = r.get("committed", {}).get("value", r["value"])   # rewritten rows keep the old one
+                committed[(fname != "mechanism.json", r.get("task"), arm, r["seed"], metric)] = value
     out = []
     for part, rel in (("mechanism", f"{MECH}/pairing.json"), ("mechanism", f"{MECH}/stance.json"),
                       ("main", MAIN)):
@@ -316,10 +317,47 @@ def write_check(results_dir="eval/results/mod", log=print):
     return rows
 
 
+def rebuild_arms(results_dir="eval/results/mod", log=print):
+    """Rewrite the arm rows of results_dir/main_setting.json (kind "arm": per seed and "pooled", the
+    table mod/main_arms) whose arm has every registered seed in the main per-question file: per
+    seed the accuracy, pooled the seed-averaged item correctness with its 95% bootstrap CI (as
+    before), 3 decimals; the label ends in " (rerun)", "per_question" names the file and
+    "committed" keeps the registered run's numbers (`reproduction` reads them). Other
+    arm rows (the frozen base, arms not rerun) are kept. Returns the (arm, metric) pairs rewritten."""
+    path, pq = os.path.join(results_dir, "main_setting.json"), os.path.join(results_dir, MAIN)
+    if not (os.path.exists(path) and os.path.exists(pq)):
+        return []
+    with open(path) as fh:
+        res = json.load(fh)
+    data, done = load_runs(pq), []
+    for row in res["rows"]:
+        if row.get("kind") != "arm":
+            continue
+        arm, metric = MAIN_NAMES.get(row["arm"], (row["arm"], None))
+        sc = seed_scores(data, arm, metric or METRIC_OF.get(row["metric"], row["metric"]))
+        if any(s not in sc for s in SEEDS):
+            continue
+        row.setdefault("committed", {k: row.get(k) for k in ("value", "ci_low", "ci_high", "n") if k in row})
+        if row["seed"] == "pooled":
+            c = np.mean([sc[s][1] for s in SEEDS], axis=0)      # seed-averaged correctness per question
+            lo, hi = bootstrap_ci(c)
+            row.update(value=round(float(c.mean()), 3), ci_low=round(lo, 3), ci_high=round(hi, 3), n=len(c))
+            done.append((row["arm"], row["metric"]))
+        else:
+            row.update(value=round(float(np.mean(sc[row["seed"]][1])), 3), n=len(sc[row["seed"]][1]))
+        if not row["label"].endswith(" (rerun)"):
+            row["label"] += " (rerun)"
+        row["per_question"] = MAIN
+    atomic_write_text(path, json.dumps(res, indent=1, ensure_ascii=False) + "\n")
+    log(f"{path}: {len(done)} arm rows from the per-question file")
+    return done
+
+
 def rebuild(results_dir="eval/results/mod", log=print):
     """Everything MoD's verdict tables read, from the per-question files alone: claims.json
-    (`rebuild_claims`), main_setting.json's comparisons (`rebuild_compare`) and rerun_check.json
-    (`write_check`). Trains nothing."""
+    (`rebuild_claims`), main_setting.json's comparisons and arm rows (`rebuild_compare`,
+    `rebuild_arms`) and rerun_check.json (`write_check`). Trains nothing."""
     rebuild_claims(results_dir, log)
     rebuild_compare(results_dir, log)
+    rebuild_arms(results_dir, log)
     write_check(results_dir, log)
