@@ -249,8 +249,8 @@ PARTS = {
              "seeds 0-2 first (single, misled, MoD-Multi 1-3 rounds), per-question scores -> "
              "--results/main_per_question/main.json, then the claims part",
     "results": "write --results/paper_rounds.json, mad_rounds.json and mad_protocols.json from what is on disk",
-    "claims": "rebuild --results/claims.json and main_setting.json's comparisons from the committed per-question "
-              "files (--results/*_per_question/, two-level bootstrap, eval.toys.mod_claims) and rerun_check.json; "
+    "claims": "rebuild --results/claims.json and main_setting.json's comparisons and arm rows from the committed "
+              "per-question files (--results/*_per_question/, two-level bootstrap, eval.toys.mod_claims) and rerun_check.json; "
               "trains nothing",
 }
 RESUMABLE = ("debate-lr", "mad-rounds", "mad-protocols", "main-a", "main-b", "paper-rounds", "rerun")   # take --max-minutes
@@ -442,8 +442,8 @@ def main(argv=None):
     p.add_argument("--mechanism-lr", default="sweep", choices=("sweep", "committed"), help="mechanism part: pick "
                    "each arm's lr on validation (sweep) or train the test seeds at the registered run's picks "
                    "(committed: eval.toys.mod_mechanism.COMMITTED_PICKS)")
-    p.add_argument("--overwrite", action="store_true", help="replace a run in a per-question file that holds "
-                   "other scores for it (default: error)")
+    p.add_argument("--overwrite", action="store_true", help="mechanism part: replace a run in its per-question "
+                   "file that holds other scores for it (default: error)")
     a = p.parse_args(argv)
     SLUGS = toy_debate.SLUGS
     arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
