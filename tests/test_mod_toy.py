@@ -8,6 +8,7 @@ import time
 import pytest
 
 from eval.toys import mod as toy_mod
+from eval.toys import mod_claims
 from eval.toys import mod_debate as toy_debate
 from eval.toys import mod_mad as toy_mad
 
@@ -55,6 +56,9 @@ def calls(monkeypatch):
                 json.dump({"picks": {"MoD T_pos only": 5e-3, "MoD T_pos+T_rev": 1e-2}}, fh)
         return {}
     monkeypatch.setattr(toy_debate, "run_lr", fake_run_lr)
+    # the report parts end with mod_claims.rebuild (tested in test_mod_claims.py): recorded, so no test
+    # rewrites the committed result files
+    monkeypatch.setattr(mod_claims, "rebuild", lambda results, log=print: seen.append(("rebuild", results)))
     return seen
 
 
@@ -79,7 +83,8 @@ def test_main_setting_parts_make_the_registered_calls(calls, tmp_path):
     toy_mod.main(["--part", "main-report"] + out)
     picks = [("MoD", 1e-2), ("MoE-LoRA", 5e-3), ("LoRA", 5e-3), ("LoRA_r4", 1e-2), ("MoE-LoRA_window", 5e-3),
              ("MoD_shared", 1e-2), ("MoD_pos", 5e-3), ("MoD_pos_rev", 1e-2)]
-    assert calls == [(picks, (0, 1, 2), "_main", (2, 3), False, 600, 500, toy_debate.METRICS)]
+    assert calls == [(picks, (0, 1, 2), "_main", (2, 3), False, 600, 500, toy_debate.METRICS),
+                     ("rebuild", "eval/results/mod")]
 
 
 def test_max_minutes_starts_no_call_after_the_limit(calls, tmp_path, capsys):
@@ -109,8 +114,36 @@ def test_paper_rounds_part_makes_the_registered_calls(calls, tmp_path, monkeypat
     toy_mod.main(["--part", "paper-rounds", "--out", str(tmp_path)])
     one = lambda seeds, rounds, train: ([("MoD", 1e-2)], seeds, "_paper_rounds", rounds, train, 600, 500, ("single",))
     assert calls == [one((0,), (1,), True), one((1,), (1,), True), one((2,), (1,), True),
-                     one((0, 1, 2), (1, 2), False), one((0, 1, 2), (1, 2), False)]
+                     one((0, 1, 2), (1, 2), False), one((0, 1, 2), (1, 2), False), ("rebuild", "eval/results/mod")]
     assert mad == [(64, (1, 2, 3), 3)]
+
+
+def test_rerun_part_makes_the_registered_calls_in_the_registered_order(calls, tmp_path):
+    """rerun (eval/logs/mod.md, 2026-12-02): MoD seeds 0-2 first with MoD-Multi 1-3 rounds, then main-a's
+    order for the other arms, then main-b's; every call keeps its per-question scores in
+    --results/main_per_question/main.json; last the claims rebuild."""
+    (tmp_path / "debate" / "lr").mkdir(parents=True)
+    res = str(tmp_path / "res")
+    toy_mod.main(["--part", "rerun", "--out", str(tmp_path), "--results", res])
+    one = lambda arm, lr, s, rounds=(): ([(arm, lr)], (s,), "_step", rounds, True, 600, 500, toy_debate.METRICS)
+    want = [one("MoD", 1e-2, s, (1, 2, 3)) for s in (0, 1, 2)]
+    want += [one(arm, 5e-3, s) for s in (0, 1, 2) for arm in ("MoE-LoRA", "LoRA")]
+    want += [one("MoE-LoRA_window", 5e-3, s) for s in (0, 1, 2)]
+    want += [([("MoD_pos", None), ("MoD_pos_rev", None)], (0,), "_mix_sweep", (), True, 600, 300, toy_debate.METRICS)]
+    want += [one(arm, lr, s) for s in (0, 1, 2) for arm, lr in (("MoD_pos", 5e-3), ("MoD_pos_rev", 1e-2))]
+    want += [one(arm, 1e-2, s) for arm in ("LoRA_r4", "MoD_shared") for s in (0, 1, 2)]
+    assert calls == want + [("rebuild", res)]
+
+
+def test_rerun_calls_keep_their_per_question_scores(monkeypatch, tmp_path):
+    """Every (arm, seed) call of the main setting's drivers names the per-question file."""
+    got = []
+    monkeypatch.setattr(toy_debate, "run_lr", lambda *a, S, L, log=print, deadline=None: got.append(L["per_question"]))
+    monkeypatch.setattr(mod_claims, "rebuild", lambda results, log=print: None)
+    (tmp_path / "debate" / "lr").mkdir(parents=True)
+    (tmp_path / "debate" / "lr" / "base_val.json").write_text("{}")
+    toy_mod.main(["--part", "main-a", "--out", str(tmp_path), "--results", str(tmp_path / "r")])
+    assert len(got) == 15 and set(got) == {str(tmp_path / "r" / "main_per_question" / "main.json")}
 
 
 def test_results_part_writes_the_result_files_from_disk(tmp_path):
@@ -167,3 +200,45 @@ def test_debate_lr_starts_no_training_after_the_deadline(tmp_path, monkeypatch):
     assert out["test"] == {} and out["picks"] == fixed["picks"]   # nothing scored at the picks
     with pytest.raises(Trained):
         toy_debate.run_lr("d", str(tmp_path), "m", S=S, L=fixed, log=logs.append)
+
+
+def test_debate_lr_adds_missing_metrics_and_keeps_per_question_scores(tmp_path, monkeypatch):
+    """A scores file made for fewer metrics (the paper-rounds runs score the single round only) gets
+    the other asked metrics from its adapters, and every scored (arm, seed) lands in the per-question
+    file with its question ids and step-0 loss."""
+    item = lambda i, c: {"id": f"t{i}", "family": "count", "correct": c, "n_tokens": 1}
+
+    class Base:
+        def eval(self):
+            return self
+    monkeypatch.setattr(toy_debate, "load_data", lambda *a: ([], [item(0, 1), item(1, 0)], Base(), None))
+    monkeypatch.setattr(toy_debate, "val_questions", lambda *a: ([], []))
+    monkeypatch.setattr(toy_debate, "read_llava_json", lambda path: [])
+    monkeypatch.setattr(toy_debate, "prepare", lambda *a: {"own_wrong": {}, "train_vs": []})
+    monkeypatch.setattr(toy_debate, "json_samples", lambda *a: [])
+    monkeypatch.setattr(toy_debate, "load_adapters", lambda *a: None)
+    monkeypatch.setattr(toy_debate, "plain", lambda *a, **k: ([], 0.0))
+    monkeypatch.setattr(toy_debate, "misled_own", lambda *a, **k: ([], 0.0))
+    asked = []
+
+    def score_test(model, proc, test, own, base=False, metrics=toy_debate.METRICS):
+        asked.append(tuple(metrics))
+        return {m: [item(0, 0), item(1, 1)] for m in metrics}
+    monkeypatch.setattr(toy_debate, "score_test", score_test)
+    d = tmp_path / "debate" / "lr" / "MoD_lr0.01_s0"
+    d.mkdir(parents=True)
+    (d / "adapter_model.safetensors").write_text("")
+    (d / "train.json").write_text(json.dumps({"loss": 0.1, "wall_s": 1.0}))
+    (d / "log.jsonl").write_text(json.dumps({"loss": 0.0548412}) + "\n")
+    (d / "scores_test2.json").write_text(json.dumps({"results": {"single": [item(0, 1), item(1, 0)]}}))
+    pq = tmp_path / "pq" / "main.json"
+    S = dict(toy_debate.SETTINGS, n_test=2)
+    L = dict(toy_debate.LR_SETTINGS, lr_arms=("MoD",), picks={"MoD": 1e-2}, metrics=("single", "misled_ood"),
+             per_question=str(pq))
+    toy_debate.run_lr("d", str(tmp_path), "m", S=S, L=L, log=lambda *a: None)
+    assert asked[-1] == ("misled_ood",)                      # only the missing metric is scored
+    assert set(json.loads((d / "scores_test2.json").read_text())["results"]) == {"single", "misled_ood"}
+    got = mod_claims.load_runs(str(pq))
+    assert got["ids"] == {"test": ["t0", "t1"]}
+    assert {(r["arm"], r["seed"], r["metric"], r["scores"], r["step0_loss"]) for r in got["rows"]} == {
+        ("MoD", 0, "single", "10", 0.0548412), ("MoD", 0, "misled_ood", "01", 0.0548412)}

@@ -32,13 +32,16 @@ after N minutes (rerun to continue):
     python -m eval.toys.mod --part main-a & python -m eval.toys.mod --part main-b   # the main setting, two processes
     python -m eval.toys.mod --part main-report # its report: 600 questions, 500 steps, seeds 0-2, per-arm lr
     python -m eval.toys.mod --part paper-rounds --threads 1   # MoD-Multi with one debate round, MAD by rounds
+    python -m eval.toys.mod --part rerun --threads 1          # main setting + paper rounds, per-question outputs kept
     python -m eval.toys.mod --part mad-rounds  # MAD 1-3 debate rounds beside MoD: tokens, wall time -> out/mod/mad_rounds.json
     python -m eval.toys.mod --part mad-protocols --debate-seeds 0,1,2 --debate-test 64 --batch1-test 16 --threads 1
     python -m eval.toys.mod --part results     # eval/results/mod/paper_rounds.json, mad_rounds.json, mad_protocols.json
+    python -m eval.toys.mod --part claims      # eval/results/mod/claims.json from the committed per-question files
 
 `run(quick, data_dir, out_dir)` is what `python -m eval.quickstart` calls; it returns
 report rows {"model","family","metric","value","ci_low","ci_high","n"}.
 """
+import argparse
 import copy
 import json
 import os
@@ -52,6 +55,7 @@ from common.cli import add_threads, entry_parser, fail, late, number, set_thread
 from common.data import atomic_write_text, read_llava_json
 from eval.evaluate import family_rows
 from eval.metrics import paired_bootstrap
+from eval.toys import mod_claims
 from eval.toys import mod_debate as toy_debate
 from eval.toys import mod_mad as toy_mad
 from eval.toys import mod_mechanism as toy_mechanism
@@ -219,7 +223,8 @@ MIX_ARMS = ("MoD_pos", "MoD_pos_rev")    # the data-mix arms: lr from their own 
 PAPER_ROUNDS_MAD_TEST = 64               # MAD by debate rounds: the first 64 test questions (one batch)
 PARTS = {
     "all": "mechanism, debate and e2e (--quick: e2e only)",
-    "mechanism": "frozen single-layer experiments (eval/toys/toy_mechanism.py, -> OUT/mechanism/)",
+    "mechanism": "frozen single-layer experiments (eval/toys/toy_mechanism.py, -> OUT/mechanism/; per-token "
+                 "errors -> --results/mechanism_per_question/, then the claims part)",
     "debate": "end to end with headroom (eval/toys/toy_debate.py, -> OUT/debate/)",
     "debate-lr": "per-arm lr of the --debate-arms (default MoD,MoE-LoRA; the first two are the references every "
                  "further arm is compared with) picked on the val split, then --debate-seeds at the picks "
@@ -240,16 +245,23 @@ PARTS = {
     "paper-rounds": "MoD at 1e-2 per seed 0-2, single round and MoD-Multi 1 round, then MAD 1-3 rounds beside MoD "
                     "(mad-rounds on the first 64 questions) and MoD-Multi 2 rounds (-> "
                     "OUT/debate/lr/results_paper_rounds.json, OUT/mad_rounds.json)",
+    "rerun": "the two-level rerun: main-setting and paper-rounds (arm, seed) calls at the committed picks, MoD "
+             "seeds 0-2 first (single, misled, MoD-Multi 1-3 rounds), per-question scores -> "
+             "--results/main_per_question/main.json, then the claims part",
     "results": "write --results/paper_rounds.json, mad_rounds.json and mad_protocols.json from what is on disk",
+    "claims": "rebuild --results/claims.json and main_setting.json's comparisons and arm rows from the committed "
+              "per-question files (--results/*_per_question/, two-level bootstrap, eval.toys.mod_claims) and rerun_check.json; "
+              "trains nothing",
 }
-RESUMABLE = ("debate-lr", "mad-rounds", "mad-protocols", "main-a", "main-b", "paper-rounds")   # take --max-minutes
+RESUMABLE = ("debate-lr", "mad-rounds", "mad-protocols", "main-a", "main-b", "paper-rounds", "rerun")   # take --max-minutes
 
 
 def lr_settings(arms=(), seeds=(0,), n_test=300, rounds=None, steps=0, lrs=(), n_val=150, tag="", picks=None,
-                metrics=(), train=True):
+                metrics=(), train=True, per_question=None):
     """(S, L) of one debate-lr call (`eval.toys.mod_debate.run_lr`) from the --debate-* values: arms / picks by
     folder name (`eval.toys.mod_debate.SLUGS`; picks {name: lr} fixes the lr, no sweep, and gives the arms
-    in its order), rounds None = no MoD-Multi, steps / lrs / metrics empty = the defaults."""
+    in its order), rounds None = no MoD-Multi, steps / lrs / metrics empty = the defaults; per_question: the
+    per-question file every scored (arm, seed) at the picks goes to (None: none)."""
     slugs = toy_debate.SLUGS
     S = dict(toy_debate.SETTINGS, arms=list(arms) or None, seeds=tuple(seeds), n_test=n_test,
              rounds=tuple(rounds) if rounds is not None else toy_debate.SETTINGS["rounds"])
@@ -258,7 +270,7 @@ def lr_settings(arms=(), seeds=(0,), n_test=300, rounds=None, steps=0, lrs=(), n
     lr_arms = tuple(picks) or tuple(slugs[x] for x in arms) or toy_debate.LR_SETTINGS["lr_arms"]
     L = dict(toy_debate.LR_SETTINGS, lrs=tuple(lrs) or toy_debate.LR_SETTINGS["lrs"], n_val=n_val, lr_arms=lr_arms,
              train=train, tag=tag, picks=picks or None, rounds=tuple(rounds or ()),
-             metrics=tuple(metrics) or toy_debate.METRICS)
+             metrics=tuple(metrics) or toy_debate.METRICS, per_question=per_question)
     return S, L
 
 
@@ -275,7 +287,8 @@ def _clock(deadline, log):
             return None
         log(f"[{(time.time() - t0) / 60:.0f} min] {arm}={lr:g} seed {seed}" + (f", rounds {rounds}" if rounds else ""))
         S, L = lr_settings(seeds=(seed,) if isinstance(seed, int) else seed, n_test=MAIN["n_test"],
-                           steps=MAIN["steps"], picks={arm: lr}, tag=tag, rounds=rounds, train=train, **kw)
+                           steps=MAIN["steps"], picks={arm: lr}, tag=tag, rounds=rounds, train=train,
+                           per_question=os.path.join(a.results, mod_claims.MAIN), **kw)
         return toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log, deadline=deadline)
     return one
 
@@ -327,8 +340,30 @@ def run_main(a, deadline=None, log=print):
         picks = {"MoD": 1e-2, "MoE-LoRA": 5e-3, "LoRA": 5e-3, "LoRA_r4": 1e-2, "MoE-LoRA_window": 5e-3,
                  "MoD_shared": 1e-2, **mix_picks(a.out)}
         S, L = lr_settings(seeds=MAIN["seeds"], n_test=MAIN["n_test"], steps=MAIN["steps"], picks=picks,
-                           tag="_main", rounds=(2, 3), train=False)
+                           tag="_main", rounds=(2, 3), train=False,
+                           per_question=os.path.join(a.results, mod_claims.MAIN))
         toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log)
+        mod_claims.rebuild(a.results, log)
+
+
+def run_rerun(a, deadline=None, log=print):
+    """The two-level rerun (eval/logs/mod.md, 2026-12-02): the main setting's and the paper-rounds
+    (arm, seed) calls at the committed picks, in the paper-rounds order first: MoD seeds 0-2
+    (single, misled own, misled other scene, MoD-Multi 1, 2, 3 rounds), then main-a's order for the
+    rest (MoE-LoRA token and LoRA r=17 per seed, MoE-LoRA window), then main-b's. Every scored
+    (arm, seed) goes to --results/main_per_question/main.json; claims.json is rebuilt at the end
+    (`eval.toys.mod_claims`). Nothing new starts after `deadline`; rerun to continue."""
+    one = _clock(deadline, log)
+    for seed in MAIN["seeds"]:
+        one(a, "MoD", 1e-2, seed, rounds=(1, 2, 3))
+    for per_seed in MAIN_A:
+        for arm, lr, seed in per_seed[1:]:
+            one(a, arm, lr, seed)
+    for seed in MAIN["seeds"]:
+        one(a, "MoE-LoRA_window", 5e-3, seed)
+    if not late(deadline):
+        run_main(argparse.Namespace(**{**vars(a), "part": "main-b"}), deadline, log)
+    mod_claims.rebuild(a.results, log)
 
 
 def run_paper_rounds(a, deadline=None, log=print):
@@ -347,8 +382,9 @@ def run_paper_rounds(a, deadline=None, log=print):
         if done:
             one(a, "MoD", 1e-2, tuple(done), rounds=(1, 2), train=False, **kw)
     S, L = lr_settings(seeds=MAIN["seeds"], n_test=MAIN["n_test"], steps=MAIN["steps"], picks={"MoD": 1e-2},
-                       rounds=(1, 2), train=False, **kw)
+                       rounds=(1, 2), train=False, per_question=os.path.join(a.results, mod_claims.MAIN), **kw)
     toy_debate.run_lr(a.data, a.out, a.model, S=S, L=L, log=log)
+    mod_claims.rebuild(a.results, log)
 
 
 def _ints(p, flag, text):
@@ -400,8 +436,14 @@ def main(argv=None):
                    "MoD-Multi rows (default OUT/debate/lr/MoD_lr0.01_steps500_s0, the main setting's seed 0; none: MAD rows only)")
     p.add_argument("--batch1-test", type=number(min=1), default=None, help="mad-protocols part: at batch 1 only the "
                    "first N of the --debate-test questions (per-question cost; default: all)")
-    p.add_argument("--results", default="eval/results/mod", help="results part: where the result files go "
-                   "(rewritten)")
+    p.add_argument("--results", default="eval/results/mod", help="results and claims parts: where the result files "
+                   "go (rewritten); every part that scores test runs keeps their per-question scores in "
+                   "<RESULTS>/<part>_per_question/ (eval.toys.mod_claims)")
+    p.add_argument("--mechanism-lr", default="sweep", choices=("sweep", "committed"), help="mechanism part: pick "
+                   "each arm's lr on validation (sweep) or train the test seeds at the registered run's picks "
+                   "(committed: eval.toys.mod_mechanism.COMMITTED_PICKS)")
+    p.add_argument("--overwrite", action="store_true", help="mechanism part: replace a run in its per-question "
+                   "file that holds other scores for it (default: error)")
     a = p.parse_args(argv)
     SLUGS = toy_debate.SLUGS
     arms = [x.strip() for x in a.debate_arms.split(",") if x.strip()]
@@ -441,6 +483,8 @@ def main(argv=None):
     try:
         if a.part == "results":
             toy_mad.write_results(a.out, a.results)
+        elif a.part == "claims":
+            mod_claims.rebuild(a.results)
         elif a.part == "mad-rounds":
             toy_mad.run(a.data, a.out, a.model, a.debate_test, mad_rounds, a.mad_adapter or None, deadline=deadline)
         elif a.part == "mad-protocols":
@@ -450,6 +494,8 @@ def main(argv=None):
             run_main(a, deadline)
         elif a.part == "paper-rounds":
             run_paper_rounds(a, deadline)
+        elif a.part == "rerun":
+            run_rerun(a, deadline)
         elif a.part == "debate-lr":
             S, L = lr_settings(arms, seeds, a.debate_test, rounds if a.debate_rounds is not None else None,
                                a.debate_steps, lrs, a.debate_val, a.debate_lr_tag, picks, metrics,
@@ -458,7 +504,13 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         fail(str(e))
     if a.part in ("all", "mechanism") and not a.quick:
-        toy_mechanism.run(os.path.join(a.out, "mechanism"))
+        try:
+            toy_mechanism.run(os.path.join(a.out, "mechanism"), overwrite=a.overwrite,
+                              picks=toy_mechanism.COMMITTED_PICKS if a.mechanism_lr == "committed" else None,
+                              per_question=os.path.join(a.results, mod_claims.MECH))
+            mod_claims.rebuild(a.results)
+        except ValueError as e:
+            fail(str(e))
     if a.part in ("all", "debate") and not a.quick:
         S, _ = lr_settings(arms, seeds, a.debate_test, rounds if a.debate_rounds is not None else None)
         toy_debate.run(a.data, a.out, a.model, S=S)

@@ -49,6 +49,7 @@ from eval.evaluate import family_rows
 from eval.metrics import bootstrap_ci, paired_bootstrap, two_level_bootstrap
 from eval.metrics import verdict as verdict_rule
 from eval.plots import bar_ci_png, line_png
+from eval.toys.mod_claims import save_runs
 from mod import data as vs
 from mod.infer import misled, mod_debate, plain, run_rounds, _results, summarize
 from mod.model import AdapterConfig, attach, load_adapters, num_trainable, save_adapters
@@ -455,7 +456,9 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
     L["rounds"] on the MoD arm) and the frozen base on the same. The lr S["lr"] at the default
     steps reuses the debate part's own folders <slug>_s<seed>. Everything per (arm, lr, steps,
     seed) is written atomically under OUT/debate/lr/ and skipped when present; a scores file
-    for another test-set size raises ValueError. -> OUT/debate/lr/results<tag>.json, table<tag>.md.
+    for another test-set size raises ValueError; one made for fewer of L["metrics"] gets the others
+    from its adapters. L["per_question"] (a path, or None): every scored (arm, seed) is also kept
+    there (`save_per_question`). -> OUT/debate/lr/results<tag>.json, table<tag>.md.
     deadline (`late`, --max-minutes): no new training or test scoring starts after it; an
     unfinished sweep returns None before any pick, else the report covers what is on disk."""
     t0 = time.time()
@@ -577,6 +580,14 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
             if {len(v) for k, v in res["results"].items() if k != "misled_own"} != {len(test)}:
                 raise ValueError(f"{os.path.join(d, sfile)} was scored on another test set than the {len(test)} "
                                  "questions asked: move it away to rescore")
+            todo = [m for m in L.get("metrics") or METRICS if m not in res["results"]]
+            if todo and not late(deadline):   # a scores file made for fewer metrics: the rest from its adapters
+                t = time.time()
+                res["results"].update(score_test(trained(arm, picks[arm], seed)[0], proc, test, own, metrics=todo))
+                res.setdefault("wall_s_added", {})[",".join(todo)] = time.time() - t
+                atomic_write_text(os.path.join(d, sfile), json.dumps(res))
+                log(f"  test {d}: added " + ", ".join(f"{k} {summarize(k, res['results'][k], 0)['accuracy']:.3f}"
+                                                      for k in todo))
             missing = [k for k in L.get("rounds", ()) if f"multi{k}" not in res["results"]]
             if arm == "MoD" and missing and late(deadline):
                 log(f"  MoD seed {seed}: MoD-Multi rounds {missing} not run (--max-minutes reached)")
@@ -585,8 +596,29 @@ def run_lr(data_dir="out/data", out_dir="out/mod", base_name="tiny-chat", S=SETT
                              os.path.join(d, sfile), log)
             with open(os.path.join(d, "log.jsonl")) as fh:
                 res.setdefault("step0_loss", json.loads(fh.readline())["loss"])
+            if L.get("per_question"):
+                save_per_question(L["per_question"], arm, seed, picks[arm], res, S)
             out = lr_report(root, S, L, grid, picks, base_val, scores, t0, log)
     return out
+
+
+def save_per_question(path, arm, seed, lr, res, S):
+    """Every test metric of one (arm, seed) scores file `res` into the per-question file `path`
+    (`eval.toys.mod_claims.save_runs`): per metric the 0/1 correctness in question order; ids
+    "test" (the first S["n_test"] test questions: single round, misled other scene, MoD-Multi k
+    rounds) or "misled_own" (those with an own wrong answer). Also the step-0 loss (the data check)."""
+    ids, runs = {}, []
+    for metric, recs in res["results"].items():
+        key = "misled_own" if metric == "misled_own" else "test"
+        ids[key] = [x["id"] for x in recs]
+        runs.append({"arm": arm, "seed": seed, "metric": metric, "lr": lr, "steps": S["steps"], "ids": key,
+                     "step0_loss": res.get("step0_loss"), "scores": [int(x["correct"]) for x in recs]})
+    header = {"part": "main", "items": "per test question (ids: the shapes test split's ids, in scoring order): "
+              "1 = correct; metrics: single round, misled_own (the base's own wrong answer as the prior), misled_ood "
+              "(another scene's), multi<k> (MoD-Multi, k debate rounds)",
+              "source": "python -m eval.toys.mod --part rerun --threads 1 (each (arm, seed) one debate-lr call at "
+                        "its pick, 500 steps, the first 600 test questions)"}
+    save_runs(path, header, ids, runs)
 
 
 def _reference(root, S, L):

@@ -26,6 +26,7 @@ the two-level paired bootstrap (seeds, then items; eval.metrics.two_level_bootst
 
     python -m eval.toys.mod --part mechanism --threads 1      # ~minutes on one CPU thread
 """
+import hashlib
 import json
 import math
 import os
@@ -39,6 +40,7 @@ from common.routing import switch_rate
 from common.schedule import lr_at
 from eval.metrics import bootstrap_ci, two_level_bootstrap
 from eval.plots import bar_ci_png, line_png
+from eval.toys.mod_claims import save_runs
 from mod.model import AdapterConfig, MoDLinear, RoutingContext
 from mod.train import MIN_LR_RATIO
 
@@ -65,6 +67,11 @@ STANCE_ARMS = {
 }
 STANCE_BASE = dict(method="mod", num_experts=E, r=2, lora_alpha=2.0)
 LRS = (3e-3, 1e-2, 3e-2)
+# The lr each arm picked on validation in the registered run (eval/logs/mod.md, 2026-11-30): a rerun with
+# `picks=COMMITTED_PICKS` trains only the test seeds at these lrs (no sweep).
+COMMITTED_PICKS = {"pairing": {arm: 3e-2 for arm in PAIRING_ARMS},
+                   "stance": {"token W=1": 3e-3, "window W=4": 3e-2, "window W=16": 1e-2, "window W=64": 1e-2,
+                              "region W=16": 3e-2}}
 SETTINGS = dict(steps=600, warmup=30, batch=(16, 16), stance_batch=(4, 128), n_val=2048, n_test=4096,
                 stance_T=128, seg_mean=32, beta=0.7, n_stances=4, aux_coef=0.01)
 
@@ -126,7 +133,8 @@ def make_layer(task, cfg_kw, seed):
 
 def train_eval(task, cfg_kw, lr, seed, split, S=SETTINGS):
     """Train one adapter on fresh batches, score `split` ("val" or "test").
-    Returns {"item_err": [n] per-token normalised error, "err", "switch_rate", "params", "s"}."""
+    Returns {"item_err": [n] per-token normalised error, "err", "switch_rate", "params", "s",
+    "test_sha1": sha1 of the scored inputs x (equal for every arm of a seed: the pairing check)}."""
     t0 = time.time()
     layer = make_layer(task, cfg_kw, seed)
     params = [p for p in layer.parameters() if p.requires_grad]
@@ -160,14 +168,17 @@ def train_eval(task, cfg_kw, lr, seed, split, S=SETTINGS):
     item = ((pred - y) ** 2).sum(-1) / scale  # [B, T]
     sw = switch_rate(ctx.trace[0][1][..., 0]) if ctx.trace and task.kind == "stance" else None
     return {"item_err": item.reshape(-1).tolist(), "err": float(item.mean()), "switch_rate": sw,
-            "params": sum(p.numel() for p in params), "s": time.time() - t0}
+            "params": sum(p.numel() for p in params), "s": time.time() - t0,
+            "test_sha1": hashlib.sha1(x.numpy().tobytes()).hexdigest()}
 
 
 # ----------------------------------------------------------------------------- experiment
 
-def run_part(kind, arms, out_dir, seeds=3, S=SETTINGS, log=print):
-    """lr sweep on validation (seed 0) then `seeds` test seeds per arm. Resumable: each
-    (arm, lr, split, seed) result is a small JSON file in out_dir/runs/ written atomically."""
+def run_part(kind, arms, out_dir, seeds=3, S=SETTINGS, log=print, picks=None):
+    """lr sweep on validation (seed 0) then `seeds` test seeds per arm; `picks` {arm: lr} fixes
+    each arm's lr (no sweep). Resumable: each (arm, lr, split, seed) result is a small JSON file
+    in out_dir/runs/ written atomically. The result's "_per_question" entry holds the test runs
+    in the form of `eval.toys.mod_claims.save_runs` (ids: the sha1 of each seed's test inputs)."""
     runs = os.path.join(out_dir, "runs")
     os.makedirs(runs, exist_ok=True)
 
@@ -183,11 +194,15 @@ def run_part(kind, arms, out_dir, seeds=3, S=SETTINGS, log=print):
             + (f" switch {res['switch_rate']:.3f}" if res["switch_rate"] is not None else "") + f" ({res['s']:.1f} s)")
         return res
 
-    out = {}
+    out, runs_pq, ids = {}, [], {}
     for arm in arms:
-        val = {lr: cached(arm, lr, 0, "val")["err"] for lr in LRS}
-        best = min(val, key=val.get)
+        val = {lr: cached(arm, lr, 0, "val")["err"] for lr in LRS} if picks is None else {}
+        best = min(val, key=val.get) if picks is None else picks[arm]
         tests = [cached(arm, best, s, "test") for s in range(seeds)]
+        for s, t in enumerate(tests):
+            ids[f"seed{s}"] = f"sha1 {t.get('test_sha1')} of the {len(t['item_err'])} test tokens of seed {s}"
+            runs_pq.append({"arm": arm, "seed": s, "metric": "test error", "lr": best, "ids": f"seed{s}",
+                            "switch_rate": t["switch_rate"], "scores": [round(v, 4) for v in t["item_err"]]})
         items = np.mean([t["item_err"] for t in tests], 0)  # seed-averaged error per item
         lo, hi = bootstrap_ci(items)
         out[arm] = {"lr": best, "val_err_by_lr": {f"{k:g}": v for k, v in val.items()},
@@ -209,6 +224,7 @@ def run_part(kind, arms, out_dir, seeds=3, S=SETTINGS, log=print):
                             "sd_item_diff": float(np.std(r["_items"] - out[ref]["_items"]))}
     for r in out.values():
         r.pop("_items"), r.pop("_seed_items")
+    out["_per_question"] = {"ids": ids, "runs": runs_pq}
     return out
 
 
@@ -238,12 +254,25 @@ def figures(res, out_dir, S=SETTINGS):
     return paths
 
 
-def run(out_dir="out/mod/mechanism", seeds=3, parts=("pairing", "stance"), log=print):
-    """Both mechanism parts -> out_dir/mechanism.json + PNG figures. Returns the results dict."""
+def run(out_dir="out/mod/mechanism", seeds=3, parts=("pairing", "stance"), log=print, picks=None,
+        per_question=None, overwrite=False):
+    """Both mechanism parts -> out_dir/mechanism.json + PNG figures. Returns the results dict.
+    picks: {kind: {arm: lr}} (e.g. COMMITTED_PICKS) trains the test seeds at those lrs, no sweep.
+    per_question: a folder (e.g. eval/results/mod/mechanism_per_question) that gets <kind>.json,
+    every test run's per-token error (`eval.toys.mod_claims.save_runs`; a run already there with
+    other scores raises ValueError unless `overwrite`)."""
     t0 = time.time()
-    res = {"settings": SETTINGS, "lrs": LRS}
+    res = {"settings": SETTINGS, "lrs": LRS, "picks": picks}
     for kind in parts:
-        res[kind] = run_part(kind, PAIRING_ARMS if kind == "pairing" else STANCE_ARMS, out_dir, seeds, log=log)
+        res[kind] = run_part(kind, PAIRING_ARMS if kind == "pairing" else STANCE_ARMS, out_dir, seeds, log=log,
+                             picks=(picks or {}).get(kind))
+        pq = res[kind].pop("_per_question")
+        if per_question:
+            header = {"part": "mechanism", "task": kind, "metric": "test error",
+                      "items": "per test token: squared error / mean ||delta||^2 (frozen base = 1.0), rounded to "
+                               "4 decimals; ids: a fingerprint of each seed's test inputs (the same for every arm)",
+                      "source": "python -m eval.toys.mod --part mechanism --mechanism-lr committed --threads 1"}
+            save_runs(os.path.join(per_question, f"{kind}.json"), header, pq["ids"], pq["runs"], overwrite)
     res["figures"] = figures(res, out_dir)
     res["wall_s"] = time.time() - t0
     atomic_write_text(os.path.join(out_dir, "mechanism.json"), json.dumps(res, indent=1))
