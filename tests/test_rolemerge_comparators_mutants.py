@@ -216,6 +216,20 @@ def test_nash_weights_default_budget_is_200_newton_steps(monkeypatch):
     assert len(calls) == 200
 
 
+def test_nash_weights_halves_a_feasible_step_that_raises_f_far_from_the_optimum(monkeypatch):
+    # M = [[1, 0], [1, 2]] (asymmetric; f sees its symmetric part): a_0 = [1, 1/sqrt 2], M a_0 = [1, 1 + sqrt 2],
+    # gradient [0, 1], Newton matrix [[2, 0], [1, 4]], step [0, 1/4], Newton decrement^2 = 1/4 >= 1/16: the
+    # damped phase. The full step a = [1, .45711] is feasible but raises f (a^T M a = a_1^2 + a_1 a_2 + 2 a_2^2:
+    # f 1.70012 -> .93750 + .78284 = 1.72034), t = 1/2 lowers it (a_2 = .58211: 1.12990 + .54111 = 1.67101).
+    # So the second Newton matrix is M + diag(1 / a_1^2) with a_1 = [1, 1/sqrt 2 - 1/8]
+    # (a full step would give 2 + 1 / .45711^2 = 6.7857 there)
+    mats = []
+    solve = torch.linalg.solve
+    monkeypatch.setattr(torch.linalg, "solve", lambda A, b: mats.append(A.clone()) or solve(A, b))
+    nash_weights([[1.0, 0.0], [1.0, 2.0]], ridge=0.0)
+    assert float(mats[1][1, 1]) == pytest.approx(2 + 1 / (1 / math.sqrt(2) - 1 / 8) ** 2, rel=1e-12)
+
+
 def test_nash_weights_halves_a_step_that_leaves_the_positive_orthant():
     # an asymmetric M = [[1, 0], [3, 1]] (f sees its symmetric part, the gradient M a - 1/a the matrix):
     # a_0 = [1, 1], M a_0 = [1, 4], gradient [0, 3], Newton matrix M + I = [[2, 0], [3, 2]], step [0, 1.5]:
