@@ -216,6 +216,20 @@ def test_nash_weights_default_budget_is_200_newton_steps(monkeypatch):
     assert len(calls) == 200
 
 
+def test_nash_weights_halves_a_feasible_step_that_raises_f_far_from_the_optimum(monkeypatch):
+    # M = [[1, 0], [1, 2]] (asymmetric; f sees its symmetric part): a_0 = [1, 1/sqrt 2], M a_0 = [1, 1 + sqrt 2],
+    # gradient [0, 1], Newton matrix [[2, 0], [1, 4]], step [0, 1/4], Newton decrement^2 = 1/4 >= 1/16: the
+    # damped phase. The full step a = [1, .45711] is feasible but raises f (a^T M a = a_1^2 + a_1 a_2 + 2 a_2^2:
+    # f 1.70012 -> .93750 + .78284 = 1.72034), t = 1/2 lowers it (a_2 = .58211: 1.12990 + .54111 = 1.67101).
+    # So the second Newton matrix is M + diag(1 / a_1^2) with a_1 = [1, 1/sqrt 2 - 1/8]
+    # (a full step would give 2 + 1 / .45711^2 = 6.7857 there)
+    mats = []
+    solve = torch.linalg.solve
+    monkeypatch.setattr(torch.linalg, "solve", lambda A, b: mats.append(A.clone()) or solve(A, b))
+    nash_weights([[1.0, 0.0], [1.0, 2.0]], ridge=0.0)
+    assert float(mats[1][1, 1]) == pytest.approx(2 + 1 / (1 / math.sqrt(2) - 1 / 8) ** 2, rel=1e-12)
+
+
 def test_nash_weights_halves_a_step_that_leaves_the_positive_orthant():
     # an asymmetric M = [[1, 0], [3, 1]] (f sees its symmetric part, the gradient M a - 1/a the matrix):
     # a_0 = [1, 1], M a_0 = [1, 4], gradient [0, 3], Newton matrix M + I = [[2, 0], [3, 2]], step [0, 1.5]:
@@ -239,16 +253,19 @@ def test_nash_weights_stall_message():
         nash_weights([[1.0, q], [q, 4.0]], ridge=0.0)
 
 
-@pytest.mark.xfail(strict=True, reason="the line search compares f values inside their rounding error: on this "
-                                       "well-posed Gram it rejects the last Newton steps and stops at residual "
-                                       "1e-8, then raises 'did not converge' (rolemerge/comparators.py nash_weights)")
 def test_nash_weights_converges_on_nearly_opposite_directions():
+    # A reported bug: the line search compared f values inside their rounding error, rejected the last
+    # Newton steps at residual 1e-8 and raised "did not converge" on this well-posed Gram (default ridge too).
     # tau_1 = [1, 0], tau_2 = [-10, 1] (cosine -.995): M = [[1, -10], [-10, 101]], positive definite (det 1),
     # so the minimiser exists. a_1 (a_1 - 10 a_2) = 1 and a_2 (101 a_2 - 10 a_1) = 1; subtracting, a_1^2 =
     # 101 a_2^2, so a_1 = sqrt 101 a_2 and a_2^2 (101 - 10 sqrt 101) = 1: a = [14.1950258, 1.4124579].
     a2 = 1 / math.sqrt(101 - 10 * math.sqrt(101))
     a = nash_weights([[1.0, -10.0], [-10.0, 101.0]], ridge=0.0)
     assert a.tolist() == pytest.approx([math.sqrt(101) * a2, a2], rel=1e-10)
+    # the default ridge 1e-9 (of the mean diagonal 51) solves its own M to the 1e-12 tolerance
+    b = nash_weights([[1.0, -10.0], [-10.0, 101.0]])
+    M = torch.tensor([[1.0, -10.0], [-10.0, 101.0]], dtype=torch.float64) + 51e-9 * torch.eye(2, dtype=torch.float64)
+    assert float((b * (M @ b) - 1).abs().max()) < 1e-12
 
 
 def test_mergemoe_down_ridge_identity_in_float64():

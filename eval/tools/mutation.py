@@ -221,10 +221,23 @@ EQUIVALENT = {
     "rolemerge.comparators.x_svd_merge__mutmut_46": "as svd_merge__mutmut_45",
     "rolemerge.comparators.x_nash_weights__mutmut_10": "n from shape[1]: the Gram M is square",
     "rolemerge.comparators.x_mergemoe_down__mutmut_70": "I from shape[1]: P = h'^T h' is square",
-    "rolemerge.comparators.x_nash_weights__mutmut_67": "a trial point with an exact 0 (and no negative) entry: -log 0 "
+    "rolemerge.comparators.x_nash_weights__mutmut_75": "a trial point with an exact 0 (and no negative) entry: -log 0 "
                                                        "makes f = +inf > the finite f(a), so it is halved either way",
-    "rolemerge.comparators.x_nash_weights__mutmut_76": "t <= 1e-20: t is a power of two (1 halved), never exactly 1e-20",
-    "rolemerge.comparators.x_nash_weights__mutmut_89": "final residual <= 1e-8: |x - 1| for a float x in [.5, 2] is a "
+    "rolemerge.comparators.x_nash_weights__mutmut_85": "t <= 1e-20: t is a power of two (1 halved), never exactly 1e-20",
+    # the quadratic-phase test `0 <= grad . step < 1/16`: for a Gram M (what the docstring admits; f is then
+    # self-concordant) the Hessian is definite, so grad . step = lambda^2 > 0 unless grad = 0 (already returned),
+    # and for lambda^2 < 1/8 the full Newton step is feasible (Dikin: |step_i| <= lambda a_i) and lowers f by at
+    # least lambda^2 + lambda + log(1 - lambda) >= .02 (Boyd & Vandenberghe 9.6.4), so the damped test accepts t = 1
+    # too: moving the bound within (0, 1/8) or to 0 < changes no step
+    "rolemerge.comparators.x_nash_weights__mutmut_65": "0 < lambda^2: for a Gram lambda^2 = 0 only at grad = 0, "
+                                                       "which the residual test returned before",
+    "rolemerge.comparators.x_nash_weights__mutmut_67": "lambda^2 <= 1/16: at 1/16 the damped test accepts the full "
+                                                       "step (see above)",
+    "rolemerge.comparators.x_nash_weights__mutmut_69": "bound 2/16: for lambda^2 < 1/8 the damped test accepts the "
+                                                       "full step (see above)",
+    "rolemerge.comparators.x_nash_weights__mutmut_70": "bound 1/17: in [1/17, 1/16) the damped test accepts the full "
+                                                       "step (see above)",
+    "rolemerge.comparators.x_nash_weights__mutmut_98": "final residual <= 1e-8: |x - 1| for a float x in [.5, 2] is a "
                                                        "multiple of 2^-53 and float(1e-8) is not (1e-8 * 2^53 = "
                                                        "90071992.55); outside [.5, 2] it is >= .5",
     "rolemerge.comparators.x_expert_hidden__mutmut_10": "einsum subscripts in upper case: the same contraction",
