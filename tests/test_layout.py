@@ -163,7 +163,8 @@ NARRATION = [
     (r"\bissue item\b", "an issue item"),
     (r"\bpaper[ _-]?00\d\b", "the internal paper numbering"),
     (r"\bload (average )?(of )?~?\d", "the machine's load"),
-    (r"\b(was|were|is) (not )?lent\b|\bno GPU was\b|\bengineers' jobs\b|\bbusy with other jobs\b", "machine availability"),    (r"(?<![\w./])(/work/|/root/|/home/[\w-]+/)", "a path of one machine (defaults belong under out/)"),
+    (r"\b(was|were|is) (not )?lent\b|\bno GPU was\b|\bengineers' jobs\b|\bbusy with other jobs\b", "machine availability"),
+    (r"(?<![\w./])(/work/|/root/|/home/[\w-]+/)", "a path of one machine (defaults belong under out/)"),
 ]
 TEXT = (".py", ".md", ".sh", ".txt")
 

@@ -143,6 +143,13 @@ def compare(data, a, b, seeds=SEEDS):
     return two_level_bootstrap([sa[s][1] for s in seeds], [sb[s][1] for s in seeds])
 
 
+def _numbers(pb):
+    """The fields a recomputed row takes from a `two_level_bootstrap` result, 6 decimals; n = questions per seed."""
+    r6 = lambda x: round(float(x), 6)
+    return dict(value=r6(pb["diff"]), ci_low=r6(pb["ci_low"]), ci_high=r6(pb["ci_high"]),
+                per_seed=[r6(x) for x in pb["per_seed"]], seeds=pb["seeds"], n=pb["n"] // pb["seeds"])
+
+
 def claim_row(row, data, spec, where):
     """`row` (a claims.json record) with its numbers recomputed from `data` by the two-level rule,
     or None when a registered seed of either arm is missing; n = questions per seed."""
@@ -150,11 +157,9 @@ def claim_row(row, data, spec, where):
     pb = compare(data, a, b)
     if pb is None:
         return None
-    r6 = lambda x: round(float(x), 6)
     return dict(row, verdict=verdict(pb, sign) + suffix, effect=f"{pb['diff']:+.3f} [{pb['ci_low']:+.3f}, "
-                f"{pb['ci_high']:+.3f}]", value=r6(pb["diff"]), ci_low=r6(pb["ci_low"]), ci_high=r6(pb["ci_high"]),
-                sign=sign, per_seed=[r6(x) for x in pb["per_seed"]], seeds=pb["seeds"], n=pb["n"] // pb["seeds"],
-                bootstrap=TWO_LEVEL, per_question=where, log=RERUN_LOG)
+                f"{pb['ci_high']:+.3f}]", **_numbers(pb), sign=sign, bootstrap=TWO_LEVEL, per_question=where,
+                log=RERUN_LOG)
 
 
 def switch_row(row, data, where):
@@ -242,10 +247,7 @@ def rebuild_compare(results_dir="eval/results/mod", log=print):
         if pb is None:
             row.setdefault("bootstrap", "questions")
             continue
-        r6 = lambda x: round(float(x), 6)
-        row.update(value=r6(pb["diff"]), ci_low=r6(pb["ci_low"]), ci_high=r6(pb["ci_high"]), n=pb["n"] // pb["seeds"],
-                   seeds=pb["seeds"], per_seed=[r6(x) for x in pb["per_seed"]], verdict=verdict(pb, 1),
-                   bootstrap=TWO_LEVEL, per_question=MAIN)
+        row.update(**_numbers(pb), verdict=verdict(pb, 1), bootstrap=TWO_LEVEL, per_question=MAIN)
         done.append(f"{row['hypothesis']} ({row['metric']})")
     note = SOURCE_NOTE.replace("Rows with", "Compare rows with")
     if done and note not in res["source"]:

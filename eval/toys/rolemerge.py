@@ -918,12 +918,13 @@ def sensitivity_rows(results, log=""):
                "seeds": seeds, "n": len(full), "log": log}
         for rho in rhos:
             k = round(1000 * rho)
-            x = sum((_arm_values(r, arm, rho) for r in results), [])
+            per_base = [_arm_values(r, arm, rho) for r in results]
+            x = sum(per_base, [])
             row[f"acc_{k}"], row[f"ret_{k}"] = sum(x) / len(x), sum(x) / len(x) / f
-            d, q = _versus([_arm_values(r, arm, rho) for r in results], [_arm_values(r, "rolemerge", rho) for r in results])
+            d, q = _versus(per_base, [_arm_values(r, "rolemerge", rho) for r in results])
             row[f"delta_{k}"], row[f"lo_{k}"], row[f"hi_{k}"] = d["diff"], d["ci_low"], d["ci_high"]
             row[f"qlo_{k}"], row[f"qhi_{k}"] = q["ci_low"], q["ci_high"]
-            row[f"per_seed_{k}"] = " / ".join(f"{sum(v) / len(v):.3f}" for v in (_arm_values(r, arm, rho) for r in results))
+            row[f"per_seed_{k}"] = " / ".join(f"{sum(v) / len(v):.3f}" for v in per_base)
             if arm == KMEANS_SEEDS:
                 accs = [sum(pooled(results, f"{s}@{rho}")) / len(x) for s in KMEANS_SEEDS]
                 row[f"std_{k}"] = statistics.stdev(accs)
