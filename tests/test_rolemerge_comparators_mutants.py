@@ -734,9 +734,9 @@ def test_hartigan_default_runs_100_passes():
     # gains by moving iff n_0/(n_0+1) (x - m_0)^2 < n_1/(n_1-1) (x - m_1)^2, i.e. left of a boundary b_j that
     # lies strictly between c_{j+1} and c_{j+2} (j = 0: m_0 = 0, m_1 = (4951.9 + 1000) / 111 = 53.62, and
     # sqrt(10/11) b_0 = sqrt(111/110) (53.62 - b_0) gives b_0 = 27.51, between 26.9 and 28.1); no point of
-    # cluster 0 gains by moving back (margin >= .08 too). Points are visited in index order, so c_{j+2} (a lower index) is checked before c_{j+1} moves
-    # and stays: exactly one move per pass. The default 100 passes leave c_101 = 70.9 (index 10) in cluster 1
-    # (b_99 = 70.20 < 70.9 < b_100 = 71.55); 101 passes move it too.
+    # cluster 0 gains by moving back (margin >= .08 too). Points are visited in index order, so c_{j+2} (a lower
+    # index) is checked before c_{j+1} moves and stays: exactly one move per pass. The default 100 passes leave
+    # c_101 = 70.9 (index 10) in cluster 1 (b_99 = 70.20 < 70.9 < b_100 = 71.55); 101 passes move it too.
     x = torch.tensor([[0.0]] * 10 + [[c] for c in _HARTIGAN_CHAIN[::-1]] + [[100.0]] * 10, dtype=torch.float64)
     labels = torch.tensor([0] * 10 + [1] * 111)
     moved = [int((hartigan(x, labels, 2, max_pass=t)[10:111] == 0).sum()) for t in (1, 2, 100, 101, 102)]
