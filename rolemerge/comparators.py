@@ -395,10 +395,31 @@ def hartigan(X, labels, K, max_pass=100):
     return torch.from_numpy(lab)
 
 
+def lloyd(X, C, K, max_iter, stop):
+    """Lloyd iterations on the rows of X [N, F] (float64) from the centres C [K, F]: each step assigns
+    every row to its nearest centre (an emptied cluster takes the point farthest from its centre,
+    `_fill_empty`) and moves each centre to its cluster's mean. Stops after max_iter steps, when the
+    assignment repeats the previous one, or when the squared centre shift sum_k ||c_k' - c_k||^2 of
+    a step is at most `stop` (scikit-learn's `_kmeans_single_lloyd` rule; `kmeans` passes tol times
+    the mean feature variance). Returns the last centres [K, F]."""
+    labels = None
+    for _ in range(max_iter):
+        d = torch.cdist(X, C)
+        new = _fill_empty(d.argmin(1), d, K)
+        if labels is not None and torch.equal(new, labels):
+            break                                                        # labels stable: converged
+        labels = new
+        newC = torch.stack([X[labels == c].mean(0) for c in range(K)])
+        shift, C = float((newC - C).pow(2).sum()), newC
+        if shift <= stop:
+            break
+    return C
+
+
 def kmeans(X, K, n_init=10, seed=42, max_iter=300, tol=1e-4):
     """K-means of the rows of X [N, F] as scikit-learn's KMeans(init="k-means++", n_init) runs it:
-    greedy k-means++ seeding (`kmeans_plusplus`), Lloyd iterations until the squared centre shift
-    is at most tol times the mean feature variance or the labels stop changing, best of n_init by
+    greedy k-means++ seeding (`kmeans_plusplus`), Lloyd iterations (`lloyd`) until the squared centre
+    shift is at most tol times the mean feature variance or the labels stop changing, best of n_init by
     inertia; an emptied cluster takes the point farthest from its centre. One addition: each run's
     Lloyd optimum is refined by Hartigan's moves (`hartigan`), which only lower the inertia; our
     draws differ from scikit-learn's, and with the refinement the result is no worse than
@@ -409,21 +430,10 @@ def kmeans(X, K, n_init=10, seed=42, max_iter=300, tol=1e-4):
     if not 1 <= K <= N:
         raise ValueError(f"K={K} must be in [1, N={N}]")
     g = torch.Generator().manual_seed(seed)
-    stop = tol * float(X.var(0, unbiased=False).mean())
+    stop = tol * float(X.var(0, unbiased=False).mean())                  # scikit-learn's _tolerance
     best, best_inertia = None, math.inf
     for _ in range(n_init):
-        C = kmeans_plusplus(X, K, g)
-        labels = None
-        for _ in range(max_iter):
-            d = torch.cdist(X, C)
-            new = _fill_empty(d.argmin(1), d, K)
-            if labels is not None and torch.equal(new, labels):
-                break                                                    # labels stable: converged
-            labels = new
-            newC = torch.stack([X[labels == c].mean(0) for c in range(K)])
-            shift, C = float((newC - C).pow(2).sum()), newC
-            if shift <= stop:
-                break
+        C = lloyd(X, kmeans_plusplus(X, K, g), K, max_iter, stop)
         d = torch.cdist(X, C)
         labels = hartigan(X, _fill_empty(d.argmin(1), d, K), K)       # never raises the inertia
         inertia = float(sum((X[labels == c] - X[labels == c].mean(0)).pow(2).sum() for c in range(K)))

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from helpers import tiny_qwen3_moe
-from rolemerge import baselines, blocks
+from rolemerge import baselines, blocks, comparators
 from rolemerge.comparators import (NEEDS, ComparatorRecorder, _unit_rows, collect, expert_hidden, frequency_weights,
-                                   hartigan, kmeans, kmeans_plusplus, linear_assignment, merge_layer, mergemoe_down,
+                                   hartigan, kmeans, kmeans_plusplus, linear_assignment, lloyd, merge_layer,
+                                   mergemoe_down,
                                    namex_merge, nash_weights, ream_distance, ream_groups, ream_saliency,
                                    ream_weight_features, submoe_groups, submoe_similarity, svd_merge)
 
@@ -642,3 +643,102 @@ def test_hartigan_never_moves_a_singleton():
     # Cluster 0's centre becomes (2 * .4 - .7) / 1 = .09999999999999998 in float64, not .1: .1 is then a
     # singleton a rounding error from its centre, and must stay (moving it would empty cluster 0): [0, 1, 1]
     assert _hartigan([0.1, 0.7, 1.0], [0, 0, 1], 2) == [0, 1, 1]
+
+
+def test_lloyd_steps_and_stop_rule():
+    # x = 0, 1, 2, 6 from centres 0, 1 (K = 2). Step 1: {0} and {1, 2, 6} -> centres 0, 3, squared shift
+    # 0 + 2^2 = 4. Step 2: {0, 1} and {2, 6} (2 is 1 from 3, 2 from 0) -> .5, 4, shift .5^2 + 1^2 = 1.25.
+    # Step 3: {0, 1, 2} (2 is 1.5 from .5, 2 from 4) and {6} -> 1, 6, shift .25 + 4 = 4.25. Step 4: the
+    # same assignment, stop. So: stop 0 -> [1, 6]; max_iter 1, 2 -> [0, 3], [.5, 4]; the shift is compared
+    # with `stop` by <=: stop 4 ends after step 1 (a cubed shift, 0 + 8, would not), stop 1.25 after step 2
+    # (with < it would run to [1, 6]; the sum of the centres, 0 + 3, 0 + 4 squared = 16, then .25 + 49,
+    # would never stop), stop 1.2499 runs on to [1, 6].
+    X = torch.tensor([[0.0], [1.0], [2.0], [6.0]], dtype=torch.float64)
+    C = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
+    ends = [lloyd(X, C, 2, max_iter, stop).flatten().tolist()
+            for max_iter, stop in ((300, 0.0), (1, 0.0), (2, 0.0), (300, 4.0), (300, 3.99), (300, 1.25), (300, 1.2499))]
+    assert ends == [[1.0, 6.0], [0.0, 3.0], [0.5, 4.0], [0.0, 3.0], [0.5, 4.0], [0.5, 4.0], [1.0, 6.0]]
+
+
+def test_kmeans_passes_lloyd_tol_times_the_mean_feature_variance(monkeypatch):
+    # a spy on the arguments kmeans passes to lloyd (this pins a default and a formula whose effect Hartigan's
+    # refinement hides in small cases). X = [[0, 0], [2, 4]]: biased column variances 1 and 4, mean 2.5, so
+    # stop = 1e-4 * 2.5 = 2.5e-4 (all four entries: 2.75; unbiased columns: 2, 8 -> 5; rows: 0, 1 -> .5);
+    # max_iter 300, once per restart (10 by default)
+    seen = []
+    real = comparators.lloyd
+    monkeypatch.setattr(comparators, "lloyd", lambda X, C, K, max_iter, stop: seen.append((max_iter, stop))
+                        or real(X, C, K, max_iter, stop))
+    kmeans([[0.0, 0.0], [2.0, 4.0]], 2)
+    assert len(seen) == 10 and {m for m, _ in seen} == {300}
+    assert [s for _, s in seen] == pytest.approx([2.5e-4] * 10, rel=1e-12)
+    seen.clear()
+    kmeans([[0.0, 0.0], [2.0, 4.0]], 2, n_init=2, max_iter=7, tol=0.1)
+    assert [m for m, _ in seen] == [7, 7] and [s for _, s in seen] == pytest.approx([0.25, 0.25], rel=1e-12)
+
+
+def test_kmeans_and_submoe_seed_ten_restarts_by_default(monkeypatch):
+    # a spy counting the k-means++ seedings: one per restart, 10 by default in kmeans, submoe_groups and
+    # merge_layer("submoe") (Sub-MoE's KMeans(n_init=10)); n_init=3 gives 3
+    calls = []
+    real = comparators.kmeans_plusplus
+    monkeypatch.setattr(comparators, "kmeans_plusplus", lambda X, K, g: calls.append(K) or real(X, K, g))
+    counts = []
+    for run in (lambda: kmeans([[0.0], [1.0], [5.0]], 2), lambda: kmeans([[0.0], [1.0], [5.0]], 2, n_init=3),
+                lambda: submoe_groups(_cos_sums(0), 3),
+                lambda: merge_layer("submoe", _layer(8, 2, 3, 4), _cos_sums(0), 3)):
+        calls.clear()
+        run()
+        counts.append(len(calls))
+    assert counts == [10, 3, 10, 10]
+
+
+def test_kmeans_keeps_the_first_of_equal_restarts_at_a_large_inertia():
+    # the case of test_kmeans_keeps_the_first_of_equal_restarts times 1000 (k-means++ draws the same centres,
+    # test_kmeans_plusplus_is_scale_free; Lloyd's stop scales with the variance): every restart reaches
+    # inertia 4e6, and 4e6 - 1e-12 == 4e6 in float64, so only a strict `<` keeps the first restart's
+    # labels; `<=` would take each later equal one, and the last (10th) restart with seed 0 numbers the
+    # clusters the other way, [1, 1, 1, 0, 0, 0] (the restarts' labels listed by a float64 script)
+    assert 4e6 - 1e-12 == 4e6
+    X = [[0.0], [1000.0], [2000.0], [10000.0], [11000.0], [12000.0]]
+    assert kmeans(X, 2, seed=0).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_ream_default_pca_dim_reaches_the_weight_features(monkeypatch):
+    # a spy on the pca_dim merge_layer("ream") passes: 64 without the option (the official default), the
+    # option's value with it
+    seen = []
+    real = comparators.ream_weight_features
+    monkeypatch.setattr(comparators, "ream_weight_features", lambda *a: seen.append(a[3]) or real(*a))
+    W, feats = _layer(4, 3, 3, 0), _ream_feats(0)
+    merge_layer("ream", W, feats, 2, groups=[[0, 1], [2, 3]], merging="weights")
+    merge_layer("ream", W, feats, 2, groups=[[0, 1], [2, 3]], merging="weights", pca_dim=5)
+    assert seen == [64, 5]
+
+
+# 101 points between ten 0s and ten 100s, placed so that Hartigan's moves (K = 2) take them from the right
+# cluster to the left one, one per pass (constructed with a small numpy script: a fixed point putting each
+# c_{j+1} midway between consecutive boundaries, rounded to .1; every margin is >= .08 after rounding).
+_HARTIGAN_CHAIN = [26.9, 28.1, 29.3, 30.4, 31.4, 32.2, 33.1, 33.8, 34.5, 35.2, 35.8, 36.4, 36.9, 37.4, 37.9, 38.4,
+                   38.8, 39.3, 39.7, 40.1, 40.5, 40.8, 41.2, 41.6, 41.9, 42.2, 42.6, 42.9, 43.2, 43.5, 43.8, 44.1,
+                   44.4, 44.7, 44.9, 45.2, 45.5, 45.8, 46.0, 46.3, 46.5, 46.8, 47.1, 47.3, 47.6, 47.8, 48.1, 48.3,
+                   48.6, 48.8, 49.1, 49.3, 49.6, 49.8, 50.1, 50.3, 50.6, 50.8, 51.1, 51.3, 51.6, 51.8, 52.1, 52.4,
+                   52.6, 52.9, 53.2, 53.5, 53.7, 54.0, 54.3, 54.6, 54.9, 55.2, 55.5, 55.9, 56.2, 56.5, 56.9, 57.2,
+                   57.6, 58.0, 58.4, 58.8, 59.2, 59.7, 60.1, 60.6, 61.1, 61.7, 62.2, 62.8, 63.5, 64.1, 64.9, 65.7,
+                   66.5, 67.4, 68.5, 69.6, 70.9]
+
+
+def test_hartigan_default_runs_100_passes():
+    # x = ten 0s, the chain c_101 > ... > c_1 (indices 10-110, c_1 = 26.9 last), ten 100s; clusters 0 = the 0s,
+    # 1 = the rest. With the 0s and c_1..c_j in cluster 0 (centre m_0), a point x of cluster 1 (centre m_1)
+    # gains by moving iff n_0/(n_0+1) (x - m_0)^2 < n_1/(n_1-1) (x - m_1)^2, i.e. left of a boundary b_j that
+    # lies strictly between c_{j+1} and c_{j+2} (j = 0: m_0 = 0, m_1 = (4951.9 + 1000) / 111 = 53.62, and
+    # sqrt(10/11) b_0 = sqrt(111/110) (53.62 - b_0) gives b_0 = 27.51, between 26.9 and 28.1); no point of
+    # cluster 0 gains by moving back (margin >= .08 too). Points are visited in index order, so c_{j+2} (a lower
+    # index) is checked before c_{j+1} moves and stays: exactly one move per pass. The default 100 passes leave
+    # c_101 = 70.9 (index 10) in cluster 1 (b_99 = 70.20 < 70.9 < b_100 = 71.55); 101 passes move it too.
+    x = torch.tensor([[0.0]] * 10 + [[c] for c in _HARTIGAN_CHAIN[::-1]] + [[100.0]] * 10, dtype=torch.float64)
+    labels = torch.tensor([0] * 10 + [1] * 111)
+    moved = [int((hartigan(x, labels, 2, max_pass=t)[10:111] == 0).sum()) for t in (1, 2, 100, 101, 102)]
+    assert moved == [1, 2, 100, 101, 101]
+    assert hartigan(x, labels, 2).tolist() == [0] * 10 + [1] + [0] * 100 + [1] * 10
