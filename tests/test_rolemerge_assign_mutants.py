@@ -85,8 +85,8 @@ def test_nash_weights_accepts_a_damped_step_that_ties_f_exactly(monkeypatch):
     # "f rose" is a strict test, so t = 1/2 is taken: the second Newton matrix is M + diag(1 / a_1^2) with
     # a_1 = [1, 1/4 - q/64] (a_2 = .0347708; t = 1/4 would give .1423854), and 6 full steps follow: 7 solves.
     # Solution: a_1^2 = 1 and a_2 (q + 16 a_2) = 1, so a = [1, (sqrt(q^2 + 64) - q)/32] = [1, .0673311].
-    # (Halving at the tie instead goes to a_2 = .1423854, where this M's Newton direction raises f at every trial
-    # point: "stalled".)
+    # (Halving at the tie instead goes to a_2 = .1423854, and two steps on it stalls: on an asymmetric M, M a - 1/a
+    # is not f's gradient, and there every trial point raises f.)
     q = 13.774670756165474
     M = torch.tensor([[1.0, 0.0], [q, 16.0]], dtype=torch.float64)
     # the tie this case rests on, computed as nash_weights computes f and the step
@@ -101,3 +101,41 @@ def test_nash_weights_accepts_a_damped_step_that_ties_f_exactly(monkeypatch):
     assert len(mats) == 7
     assert float(mats[1][1, 1]) == pytest.approx(16 + 1 / (0.25 - q / 64) ** 2, rel=1e-12)
     assert a.tolist() == pytest.approx([1.0, (math.sqrt(q * q + 64) - q) / 32], rel=1e-12)
+
+
+# the upper triangle of a positive definite 5 x 5 Gram (eigenvalues .265 to 18.1): M = (1 - s) diag(G) + s G for
+# G = T^T T, T a random 6 x 5 matrix, and s = .9959757921234775 found by bisecting s where the first damped
+# step's f(a_0 - step) - f(a_0) changes sign, then scanning the floats next to the root for an exact 0
+_TIE_GRAM = [[5.999680567030966, 2.90561498445202, 0.9623672644789273, -0.7641639731519587, -3.7338709159091983],
+             [9.348381185073505, 2.9551164617382053, -2.9261990936674236, -0.3167298186086846],
+             [3.4913094167773315, 3.2988214653774928, 3.364852209325538],
+             [9.894158010270246, 5.724280429831928],
+             [9.235444989795266]]
+
+
+def test_nash_weights_takes_a_full_step_that_ties_f_on_a_gram(monkeypatch):
+    # The same tie on a Gram, the input NAMEx passes (symmetric, so M a - 1/a is f's gradient). It needs more than
+    # 2 players: for 2, scaled to unit diagonal, the iterates stay on a_1 = a_2, where a Newton step maps s to
+    # s' = 2 s / (u + 1), u = (1 + M_12) s^2, and f(s') - f(s) = 4u / (u + 1)^2 - u + 2 log((u + 1) / 2) <= 0
+    # (0 only at u = 1, the optimum). Here, from a_0 = 1/sqrt(diag M), the first step
+    # is feasible, Newton decrement^2 1.83 >= 1/16 (damped), and f(a_0 - step) = f(a_0) = 9.325140192315263 in
+    # float64 (computed below as nash_weights computes them; float64 script). f did not rise, so the full step
+    # is taken: the second Newton matrix is M + diag(1 / (a_0 - step)^2), and 7 more steps reach the 1e-12
+    # tolerance: 8 solves. (Halving at the tie would take 5 solves in all.)
+    M = torch.zeros(5, 5, dtype=torch.float64)
+    for i, row in enumerate(_TIE_GRAM):
+        for j, m in enumerate(row, start=i):
+            M[i, j] = M[j, i] = m
+    f = lambda a: 0.5 * float(a @ M @ a) - float(a.log().sum())
+    a0 = 1.0 / M.diagonal().sqrt()
+    grad = M @ a0 - 1.0 / a0
+    step = torch.linalg.solve(M + torch.diag(1.0 / a0 ** 2), grad)
+    assert float(grad @ step) >= 1 / 16 and bool((a0 - step > 0).all())
+    assert f(a0 - step) == f(a0) == 9.325140192315263
+    mats = []
+    solve = torch.linalg.solve
+    monkeypatch.setattr(torch.linalg, "solve", lambda A, b: mats.append(A.clone()) or solve(A, b))
+    a = cp.nash_weights(M, ridge=0.0)
+    assert len(mats) == 8
+    torch.testing.assert_close(mats[1].diagonal(), M.diagonal() + 1.0 / (a0 - step) ** 2, rtol=1e-12, atol=0)
+    assert float((a * (M @ a) - 1.0).abs().max()) < 1e-12
