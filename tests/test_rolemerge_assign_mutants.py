@@ -1,8 +1,8 @@
 """Hand-checked cases for the neuron assignment and the Nash solve of rolemerge/comparators.py, written
 for the mutation pass (`python -m eval.tools.mutation --target rolemerge/comparators.py`; see
 eval/logs/mutation.md): `_assign`'s scipy branch (run here with a stand-in `scipy.optimize`, since scipy
-is optional and not installed with the project), `linear_assignment` on an empty cost, and a step of
-the Nash solve whose trial point ties f(a) exactly in float64."""
+is optional and not installed with the project), `linear_assignment` on an empty cost, and damped Nash
+steps whose trial point ties f(a) exactly in float64 (an asymmetric 2 x 2 M and a 5 x 5 Gram)."""
 import math
 import sys
 import types
