@@ -43,7 +43,8 @@ TARGETS = {
     "mole/model.py": ["tests/test_mole_router.py", "tests/test_mole_mutants.py",
                       "tests/test_mole_model_fast.py"],   # test_mole.py: whole forwards
     "rolemerge/comparators.py": ["tests/test_rolemerge_comparators.py", "tests/test_rolemerge_hcsmoe.py",
-                                 "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py"],
+                                 "tests/test_rolemerge_agglomerate.py", "tests/test_rolemerge_comparators_mutants.py",
+                                 "tests/test_rolemerge_assign_mutants.py"],
 }
 
 # target -> pytest -k expression leaving out its slow end-to-end tests (whole merges on tiny checkpoints)
