@@ -600,8 +600,8 @@ def test_kmeans_groups_default_runs_50_lloyd_steps():
 
 # Twelve points in 4-d (integers, found by maximising the smallest margin of the three steps below over
 # the coordinates, then scaled by 200 and rounded) on which one Lloyd step moves EVERY point to another
-# cluster. At the second iteration this cannot happen (the seeds are data points: the cluster k whose
-# centre moves least, r_k = |m_k - x_{s_k}|, keeps its seed), so the case needs three.
+# cluster. At the second iteration this cannot happen when the K seeds are distinct rows (exact arithmetic;
+# the proof is in eval/logs/mutation.md, "kmeans_groups__mutmut_96 killed"), so the case needs three steps.
 _KMEANS_ALL_MOVE = [[38, -70, 78, 38], [33, -86, 72, 25], [-169, -25, -59, 85], [30, -14, -11, -32],
                     [30, -14, -11, -32], [16, -27, 118, 69], [132, -71, 36, -41], [-50, 146, -12, -126],
                     [-25, 92, -110, -48], [75, -44, -44, 43], [-58, -2, -65, 146], [-52, 115, 9, -125]]
