@@ -596,3 +596,36 @@ def test_kmeans_groups_default_runs_50_lloyd_steps():
     x = [[0.0]] * 10 + [[c] for c in _KMEANS_CHAIN] + [[100.0]] * 10
     assert kmeans_groups(x, 2) == [list(range(59)), list(range(59, 80))]
     assert [len(kmeans_groups(x, 2, iters=t)[0]) for t in (1, 2, 49, 51, 60, 61, 80)] == [10, 11, 58, 60, 69, 70, 70]
+
+
+# Twelve points in 4-d (integers, found by maximising the smallest margin of the three steps below over
+# the coordinates, then scaled by 200 and rounded) on which one Lloyd step moves EVERY point to another
+# cluster. At the second iteration this cannot happen when the K seeds are distinct rows (exact arithmetic;
+# the proof is in eval/logs/mutation.md, "kmeans_groups__mutmut_96 killed"), so the case needs three steps.
+_KMEANS_ALL_MOVE = [[38, -70, 78, 38], [33, -86, 72, 25], [-169, -25, -59, 85], [30, -14, -11, -32],
+                    [30, -14, -11, -32], [16, -27, 118, 69], [132, -71, 36, -41], [-50, 146, -12, -126],
+                    [-25, 92, -110, -48], [75, -44, -44, 43], [-58, -2, -65, 146], [-52, 115, 9, -125]]
+
+
+def test_kmeans_groups_stops_only_on_a_repeated_assignment():
+    # K = 4, seed 63451: k-means++ draws x1, x0, x6, x5 (torch's generator, pinned; x_i is row i).
+    # Step 1, nearest seed (every gap between the nearest and the next squared distance >= 186):
+    #   labels [1, 0, 0, 0, 0, 3, 2, 3, 2, 1, 3, 1]; means c0 = (-19, -139/4, -9/4, 23/2) of x1-x4,
+    #   c1 = (61/3, 1/3, 43/3, -44/3) of x0, x9, x11, c2 = (107/2, 21/2, -37, -89/2) of x6, x8,
+    #   c3 = (-92/3, 39, 41/3, 89/3) of x5, x7, x10.
+    # Step 2 (gaps >= 356): labels [0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3]; means m0 = (-98/3, -181/3, 91/3,
+    #   148/3), m1 = (76/3, -55/3, 32, 5/3), m2 = (33, 123/4, -65/2, -43), m3 = (-55, 113/2, -28, 21/2).
+    # Step 3: every point is nearer another mean than its own (squared distances, own -> nearest):
+    #   x0 0: 67390/9 = 7487.8 -> 1: 6266; x1 0: 7299.1 -> 1: 6782; x2 0: 29087.8 -> 3: 26149.5;
+    #   x3, x4 1: 3023 -> 2: 2594.8; x5 1: 12092 -> 0: 11551.8; x6 2: 24850.3 -> 1: 15988;
+    #   x7 2: 27480.8 -> 3: 26923.5; x8 2: 13146.8 -> 3: 12306.5; x9 2: 14879.8 -> 1: 10610;
+    #   x10 3: 23160.5 -> 0: 22477.4; x11 3: 23160.5 -> 2: 22769.3.
+    #   Labels [1, 1, 3, 2, 2, 0, 1, 3, 3, 1, 0, 2]: not a repeat, so the loop goes on (a loop that also
+    #   stopped when every point moved would return step 2's groups here).
+    # Steps 4-6 move x2, then x5 and x11, then x9; step 7 repeats step 6: {0, 1, 5, 6}, {2, 10}, {3, 4, 9},
+    # {7, 8, 11}.
+    x = [[float(v) for v in row] for row in _KMEANS_ALL_MOVE]
+    assert kmeans_groups(x, 4, seed=63451, iters=1) == [[0, 9, 11], [1, 2, 3, 4], [5, 7, 10], [6, 8]]
+    assert kmeans_groups(x, 4, seed=63451, iters=2) == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9], [10, 11]]
+    assert kmeans_groups(x, 4, seed=63451, iters=3) == [[0, 1, 6, 9], [2, 7, 8], [3, 4, 11], [5, 10]]
+    assert kmeans_groups(x, 4, seed=63451) == [[0, 1, 5, 6], [2, 10], [3, 4, 9], [7, 8, 11]]
