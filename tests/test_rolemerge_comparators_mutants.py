@@ -649,10 +649,10 @@ def test_lloyd_steps_and_stop_rule():
     # x = 0, 1, 2, 6 from centres 0, 1 (K = 2). Step 1: {0} and {1, 2, 6} -> centres 0, 3, squared shift
     # 0 + 2^2 = 4. Step 2: {0, 1} and {2, 6} (2 is 1 from 3, 2 from 0) -> .5, 4, shift .5^2 + 1^2 = 1.25.
     # Step 3: {0, 1, 2} (2 is 1.5 from .5, 2 from 4) and {6} -> 1, 6, shift .25 + 4 = 4.25. Step 4: the
-    # same assignment, stop. So: stop 0 -> [1, 6]; max_iter 1, 2 -> [0, 3], [.5, 4]; the shift is compared
-    # with `stop` by <=: stop 4 ends after step 1 (a cubed shift, 0 + 8, would not), stop 1.25 after step 2
-    # (with < it would run to [1, 6]; the sum of the centres, 0 + 3, 0 + 4 squared = 16, then .25 + 49,
-    # would never stop), stop 1.2499 runs on to [1, 6].
+    # same assignment, the end. So: a bound of 0 -> [1, 6]; max_iter 1, 2 -> [0, 3], [.5, 4]; the shift is
+    # compared with the bound by <=: a bound of 4 ends after step 1 (a cubed shift, 0 + 8, would not), 1.25
+    # after step 2 (with < it would run to [1, 6]; the sum of the centres, 0 + 3, 0 + 4 squared = 16, then
+    # .25 + 49, would never end it), 1.2499 runs on to [1, 6].
     X = torch.tensor([[0.0], [1.0], [2.0], [6.0]], dtype=torch.float64)
     C = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
     ends = [lloyd(X, C, 2, max_iter, stop).flatten().tolist()
