@@ -488,8 +488,10 @@ def nash_weights(M, ridge=1e-9, tol=1e-12, max_iter=200):
     """Nash Bargaining weights alpha > 0 with (M alpha)_i = 1 / alpha_i, M = G^T G [n, n] the
     Gram of the players' utility directions (Navon et al., arXiv 2202.01017, Thm. 5.1): the
     unique minimiser of 1/2 a^T M a - sum_i log a_i, found by damped Newton steps that keep
-    a > 0. ridge (relative to mean diag M) keeps M definite. Raises ValueError if M has a zero
-    diagonal entry (a player with no direction) or the iteration does not converge."""
+    a > 0. ridge (relative to mean diag M) keeps M definite. M must be symmetric (NAMEx passes a
+    Gram): for a non-symmetric M, M a - 1 / a is not f's gradient and the solve may not converge.
+    Raises ValueError if M has a zero diagonal entry (a player with no direction) or the iteration
+    does not converge."""
     M = torch.as_tensor(M, dtype=torch.float64)
     n = M.shape[0]
     d = M.diagonal()
