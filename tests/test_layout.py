@@ -155,16 +155,18 @@ def test_deferred_import_check_can_fail(tmp_path):
 
 
 # Words about how the text was produced, not about the methods: times of day, work periods,
-# issue numbers, machine availability / load, the internal numbering of the papers.
+# issue numbers, machine availability / load, the internal numbering of the papers. This file is
+# checked like every other: the patterns use character classes ([ ], [k], [t]) and the failing
+# cases below are joined from parts, so that its own text holds none of the words it looks for.
 NARRATION = [
     (r"\b\d{1,2}:\d{2}(:\d{2})?\s*UTC\b", "a time of day"),
     (r"\b(session|stop)[ -]?\d+\b", "a work-period number"),
     (r"\bissue[ -]?(item[ -]?)?#?\d+", "an issue number"),
-    (r"\bissue item\b", "an issue item"),
+    (r"\bissue[ ]item\b", "an item of an issue"),
     (r"\bpaper[ _-]?00\d\b", "the internal paper numbering"),
     (r"\bload (average )?(of )?~?\d", "the machine's load"),
     (r"\b(was|were|is) (not )?lent\b|\bno GPU was\b|\bengineers' jobs\b|\bbusy with other jobs\b", "machine availability"),
-    (r"(?<![\w./])(/work/|/root/|/home/[\w-]+/)", "a path of one machine (defaults belong under out/)"),
+    (r"(?<![\w./])(/wor[k]/|/roo[t]/|/home/[\w-]+/)", "a path of one machine (defaults belong under out/)"),
 ]
 TEXT = (".py", ".md", ".sh", ".txt")
 
@@ -173,8 +175,7 @@ def tracked_text_files():
     out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     out += subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True,
                           text=True).stdout.split()
-    return [ROOT / f for f in out if f.endswith(TEXT) and not f.startswith("eval/logs/") and (ROOT / f).is_file()
-            and f != "tests/test_layout.py"]
+    return [ROOT / f for f in out if f.endswith(TEXT) and not f.startswith("eval/logs/") and (ROOT / f).is_file()]
 
 
 def narration(text):
@@ -189,9 +190,11 @@ def narration(text):
 
 
 def test_narration_patterns_can_fail():
-    for s in ("pre-registered 10:35 UTC", "session 4 results", "stop 21", "issue 13", "MoD issue item 7",
-              "paper 002", "load average 2.8", "no GPU was lent to this task", "six engineers' jobs",
-              "default /work/venv-lmms", "see /root/x", "(/home/ana/data)"):
+    words = [("pre-registered 10:35", "UTC"), ("session", "4 results"), ("stop", "21"), ("issue", "13"),
+             ("MoD issue", "item 7"), ("paper", "002"), ("load average", "2.8"), ("no GPU", "was", "lent to this task"),
+             ("six engineers'", "jobs")]
+    paths = [("default ", "work", "venv-lmms"), ("see ", "root", "x"), ("(", "home", "ana", "data)")]
+    for s in [" ".join(w) for w in words] + ["/".join(p) for p in paths]:
         assert narration(s), s
     for s in ("--stop-at HH:MM (UTC)", "top-4 routing over 32 experts", "paper's Table 1", "a 7B model", "out/venv-lmms", "cp ~/Pictures/a.jpg mine/"):
         assert not narration(s), s
