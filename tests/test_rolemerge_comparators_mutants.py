@@ -12,8 +12,7 @@ from helpers import tiny_qwen3_moe
 from rolemerge import baselines, blocks, comparators
 from rolemerge.comparators import (NEEDS, ComparatorRecorder, _unit_rows, collect, expert_hidden, frequency_weights,
                                    hartigan, kmeans, kmeans_plusplus, linear_assignment, lloyd, merge_layer,
-                                   mergemoe_down,
-                                   namex_merge, nash_weights, ream_distance, ream_groups, ream_saliency,
+                                   mergemoe_down, namex_merge, nash_weights, ream_distance, ream_groups, ream_saliency,
                                    ream_weight_features, submoe_groups, submoe_similarity, svd_merge)
 
 
