@@ -46,15 +46,19 @@ def test_recorder_sums_match_a_brute_force_pass_over_non_padding_tokens():
     h = block.experts.register_forward_hook(lambda m, a, o: seen.append((a[0].detach(), a[1])))
     feats = cp.collect(model, BATCHES, sample_tokens=5)[0]
     h.remove()
-    x = torch.cat([s[0][b["attention_mask"].reshape(-1).bool()] for s, b in zip(seen, BATCHES)])
-    idx = torch.cat([s[1][b["attention_mask"].reshape(-1).bool()] for s, b in zip(seen, BATCHES)])
+    masks = [b["attention_mask"].reshape(-1).bool() for b in BATCHES]
+    xs = [s[0][m] for s, m in zip(seen, masks)]                  # each batch's non-padding inputs
+    x, idx = torch.cat(xs), torch.cat([s[1][m] for s, m in zip(seen, masks)])
     T, N = x.shape[0], 6
     assert feats["tokens"] == T == 14
     base = bl.collect_features(model, BATCHES)[0]            # the shared names equal the baselines' ones
     for k in ("count", "logit_gram", "out_sum"):
         assert torch.equal(feats[k], base[k]), k             # one recorder's sums: bit for bit
-    y = bl.expert_outputs(block.experts, x).detach().double()  # [T, N, H]
-    z = (x.float() @ block.gate.weight.detach().float().T).double()
+    # the expert outputs [T, N, H] and router logits [T, N] batch by batch, as the recorder computes them: the
+    # same fp32 numbers on every BLAS kernel set (one product over all 14 tokens rounds differently from two
+    # batches under MKL's AVX2 kernels)
+    y = torch.cat([bl.expert_outputs(block.experts, xb) for xb in xs]).detach().double()
+    z = torch.cat([xb.float() @ block.gate.weight.detach().float().T for xb in xs]).double()
     # Sub-MoE (zhy617/SMoE calculate_expert_similarity_matrix): per-token cosine, summed
     cos = np.zeros((N, N))
     for i in range(N):
@@ -81,12 +85,12 @@ def test_recorder_sums_match_a_brute_force_pass_over_non_padding_tokens():
     bound = tol(torch.float64, H + T + 4, T * H ** 0.5 * ymax)
     assert np.allclose(feats["ream_sal_sum"].numpy(), sal, rtol=0, atol=bound)
     # the token sample: m = 5 distinct non-padding inputs with their own top-k rows
-    xs, ts = feats["x_sample"], feats["x_sample_topk"]
-    assert xs.shape == (5, 16) and ts.shape == (5, 2)
-    rows = [int((x.float() - r).abs().sum(1).argmin()) for r in xs]
+    sample, ts = feats["x_sample"], feats["x_sample_topk"]
+    assert sample.shape == (5, 16) and ts.shape == (5, 2)
+    rows = [int((x.float() - r).abs().sum(1).argmin()) for r in sample]
     assert len(set(rows)) == 5
     for r, t in zip(rows, ts):
-        assert torch.equal(x[r].float(), xs[rows.index(r)]) and torch.equal(idx[r], t)
+        assert torch.equal(x[r].float(), sample[rows.index(r)]) and torch.equal(idx[r], t)
 
 
 def test_recorder_sample_is_uniform_over_all_tokens_and_bounded():
